@@ -1,0 +1,32 @@
+"""Every MOEKIT_* environment variable, declared once: name, default and what it does."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def get_bool(self) -> bool:
+        return self.get().strip().lower() in ("1", "true", "yes", "on")
+
+
+MOEKIT_LOG_LEVEL = EnvVar("MOEKIT_LOG_LEVEL", "INFO", "log level of the 'moekit' logger")
+MOEKIT_CONFIG_DIR = EnvVar(
+    "MOEKIT_CONFIG_DIR",
+    os.path.join(os.path.expanduser("~"), ".cache", "moekit", "configs"),
+    "user directory for tuned kernel configs and selection tables; overrides the shipped ones",
+)
+MOEKIT_DISABLE_TRITON = EnvVar(
+    "MOEKIT_DISABLE_TRITON", "0", "1: report the Triton runners as unavailable (debugging)"
+)
+
+ALL: tuple[EnvVar, ...] = (MOEKIT_LOG_LEVEL, MOEKIT_CONFIG_DIR, MOEKIT_DISABLE_TRITON)

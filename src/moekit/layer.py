@@ -1,0 +1,221 @@
+"""The MoE layer: route -> dispatch -> run experts -> combine. Orchestration only, no math."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from moekit import hardware
+from moekit.config import MoEConfig, ParallelConfig, RunnerConfig, validate
+from moekit.dispatch.none import NoneDispatcher
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.loading import load_hf_experts
+from moekit.placement import ExpertPlacement
+from moekit.router import CustomRoutingFunction, TopKOutput, route
+from moekit.runners.base import Runner
+from moekit.runners.registry import runner_class
+from moekit.select import Decision, Workload, select_runner
+from moekit.stages import DispatchOutput, StandardDispatchOutput
+
+
+class RunnerCache:
+    """Runner instances by name, and the selection decision per workload (made once each)."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self._runners: dict[str, Runner] = {}
+        self._decisions: dict[Workload, Decision] = {}
+
+    def decide(self, work: Workload) -> Decision:
+        decision = self._decisions.get(work)
+        if decision is None:
+            decision = select_runner(work, self.config, hardware.detect())
+            self._decisions[work] = decision
+        return decision
+
+    def runner(self, work: Workload) -> Runner:
+        name = self.decide(work).backend
+        if name not in self._runners:
+            self._runners[name] = runner_class(name)()
+        return self._runners[name]
+
+
+def _workload(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) -> Workload:
+    x = d.x
+    tokens = x.shape[0] if isinstance(d, StandardDispatchOutput) else x.shape[0] * x.shape[1]
+    return Workload(
+        num_tokens=tokens,
+        format=d.format,
+        weight_format=weights.format,
+        activation=act.name,
+        dtype=str(x.dtype).removeprefix("torch."),
+        device=x.device.type,
+        has_bias=weights.has_bias,
+    )
+
+
+def run_experts(
+    d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec, runners: RunnerCache
+):
+    """Pick the runner for this call and run it."""
+    return runners.runner(_workload(d, weights, act)).run(d, weights, act)
+
+
+class MoE(nn.Module):
+    """A drop-in MoE block.
+
+    Parameters (this rank's share): w13 [E_local, 2I_local, H], w2 [E_local, H, I_local],
+    b13 [E_local, 2I_local] and b2 [E_local, H] when `config.has_bias`, correction_bias [E] when
+    `config.use_correction_bias`. forward(x [..., H], router_logits [..., E]) -> [..., H].
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        parallel: ParallelConfig = ParallelConfig(),
+        runner: RunnerConfig = RunnerConfig(),
+        *,
+        tp_rank: int = 0,
+        placement: ExpertPlacement | None = None,
+        dispatcher=None,
+        custom_routing_function: CustomRoutingFunction | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        validate(config, parallel, runner)
+        self.config, self.parallel = config, parallel
+        self.tp_rank = tp_rank
+        self.ep_rank = tp_rank // parallel.moe_tp_size
+        self.moe_tp_rank = tp_rank % parallel.moe_tp_size
+        slots = config.total_experts + parallel.ep_num_redundant_experts
+        self.placement = placement or ExpertPlacement(
+            torch.arange(slots) % config.total_experts, parallel.ep_size
+        )
+        self.dispatcher = dispatcher or NoneDispatcher(
+            self.placement, self.ep_rank, config.total_experts
+        )
+        self.act = ActivationSpec.from_config(config)
+        self.runners = RunnerCache(runner)
+        self.custom_routing_function = custom_routing_function
+
+        E, H = self.placement.slots_per_rank, config.hidden_size
+        I = config.intermediate_size // parallel.moe_tp_size
+        kw = dict(device=device, dtype=config.torch_dtype)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
+        self.b13 = self.b2 = self.correction_bias = None
+        if config.has_bias:
+            self.b13 = nn.Parameter(torch.empty(E, 2 * I, **kw), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)
+        if config.use_correction_bias:
+            self.correction_bias = nn.Parameter(
+                torch.zeros(config.num_experts, device=device, dtype=torch.float32),
+                requires_grad=False,
+            )
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init like nn.Linear (uniform in +-1/sqrt(fan_in)); biases likewise."""
+        for p, fan_in in ((self.w13, self.w13.shape[2]), (self.w2, self.w2.shape[2])):
+            nn.init.uniform_(p, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        for b in (self.b13, self.b2):
+            if b is not None:
+                nn.init.uniform_(b, -0.05, 0.05)
+
+    @property
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w13, self.w2, self.b13, self.b2, self.config.weight_format)
+
+    @property
+    def local_experts(self) -> torch.Tensor:
+        """Logical expert id of each local slot [E_local]."""
+        return self.placement.local_experts(self.ep_rank)
+
+    def route(self, router_logits_TE: torch.Tensor) -> TopKOutput:
+        return route(router_logits_TE, self.config, self.correction_bias, self.custom_routing_function)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TH = x.reshape(-1, shape[-1])
+        topk = self.route(router_logits.reshape(x_TH.shape[0], router_logits.shape[-1]))
+        return self.forward_topk(x_TH, topk).view(shape)
+
+    def forward_topk(self, x_TH: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        """The layer after routing: x [T, H] and a TopKOutput with logical ids -> [T, H]."""
+        dispatched = self.dispatcher.dispatch(x_TH, topk)
+        result = run_experts(dispatched, self.expert_weights, self.act, self.runners)
+        return self.dispatcher.combine(result, dispatched)
+
+    @torch.no_grad()
+    def load_hf_state_dict(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        prefix: str = "",
+        *,
+        experts_prefix: str = "experts.",
+        shared_prefix: str = "shared_experts.",
+        correction_bias_key: str = "gate.e_score_correction_bias",
+    ) -> None:
+        """Load this rank's experts from a Hugging Face style state dict (see moekit.loading)."""
+        loaded = load_hf_experts(
+            state_dict,
+            self.config,
+            self.local_experts.tolist(),
+            prefix=prefix + experts_prefix,
+            shared_prefix=prefix + shared_prefix,
+            moe_tp_size=self.parallel.moe_tp_size,
+            moe_tp_rank=self.moe_tp_rank,
+        )
+        self.w13.copy_(loaded.w13)
+        self.w2.copy_(loaded.w2)
+        for name in ("b13", "b2"):
+            param, value = getattr(self, name), getattr(loaded, name)
+            if (param is None) != (value is None):
+                raise ValueError(
+                    f"{name}: config has_bias={self.config.has_bias} but the state dict "
+                    f"{'has' if value is not None else 'has no'} expert biases"
+                )
+            if param is not None:
+                param.copy_(value)
+        if self.correction_bias is not None:
+            key = prefix + correction_bias_key
+            if key not in state_dict:
+                raise KeyError(f"use_correction_bias=True but the state dict has no {key!r}")
+            self.correction_bias.copy_(state_dict[key])
+
+
+def fused_moe(
+    x_TH: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+    interleaved: bool = False,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    moe_runner_backend: str = "auto",
+) -> torch.Tensor:
+    """Functional MoE on one rank: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K]
+    float, topk_ids [T, K] int (-1 = skip) -> out [T, H] in x's dtype."""
+    weights = ExpertWeights(w13, w2, b13, b2)
+    act = ActivationSpec(activation, interleaved, swiglu_alpha, swiglu_limit)
+    topk = TopKOutput(topk_weights.float(), topk_ids.to(torch.int32))
+    runners = _functional_runners(moe_runner_backend)
+    return run_experts(StandardDispatchOutput(x_TH, topk), weights, act, runners).out
+
+
+_FUNCTIONAL: dict[str, RunnerCache] = {}
+
+
+def _functional_runners(backend: str) -> RunnerCache:
+    if backend not in _FUNCTIONAL:
+        _FUNCTIONAL[backend] = RunnerCache(RunnerConfig(moe_runner_backend=backend))
+    return _FUNCTIONAL[backend]

@@ -1,0 +1,125 @@
+"""Top-k routing: router logits -> `TopKOutput` (weights float32, ids int32).
+
+Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from moekit.config import MoEConfig
+
+
+class TopKOutput(NamedTuple):
+    """weights [T, K] float32 and ids [T, K] int32; an id of -1 marks a masked (unused) slot."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[1]
+
+
+# (router_logits [T, E], top_k, renormalize) -> (weights [T, K], ids [T, K])
+CustomRoutingFunction = Callable[[torch.Tensor, int, bool], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def _scores(logits_TE: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    logits = logits_TE.float()
+    if scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"scoring_func: unknown {scoring_func!r}; allowed: softmax, sigmoid")
+
+
+def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_group: int, biased: bool):
+    """Mask [T, E] keeping only the experts of the `topk_group` best groups.
+
+    A group's score is its best expert (or, with a correction bias, the sum of its best two, as
+    in DeepSeek-V3)."""
+    T, E = choice_TE.shape
+    grouped = choice_TE.view(T, num_groups, E // num_groups)
+    if biased and E // num_groups >= 2:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    best_groups = group_scores.topk(topk_group, dim=-1).indices
+    keep_TG = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return keep_TG.unsqueeze(-1).expand_as(grouped).reshape(T, E)
+
+
+def select_experts(
+    router_logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = True,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    correction_bias_E: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    num_fused_shared_experts: int = 0,
+    custom_routing_function: CustomRoutingFunction | None = None,
+) -> TopKOutput:
+    """Pick top_k experts per token.
+
+    router_logits_TE [T, E] any float dtype. Scores are softmax or sigmoid of the logits; the
+    choice uses scores + correction_bias_E (DeepSeek-V3) but the weights are the unbiased scores.
+    Grouped top-k first keeps the `topk_group` best of `num_expert_group` groups. Weights are
+    renormalised to sum to 1 (if asked), then multiplied by routed_scaling_factor. Fused shared
+    experts are appended as columns with ids E, E+1, ... and weight 1.
+    Returns TopKOutput with K = top_k + num_fused_shared_experts columns.
+    """
+    T, E = router_logits_TE.shape
+    if custom_routing_function is not None:
+        weights, ids = custom_routing_function(router_logits_TE, top_k, renormalize)
+        weights, ids = weights.float(), ids.to(torch.int32)
+    else:
+        scores = _scores(router_logits_TE, scoring_func)
+        choice = scores if correction_bias_E is None else scores + correction_bias_E.float()
+        if num_expert_group is not None and num_expert_group > 1:
+            keep = _group_mask(choice, num_expert_group, topk_group, correction_bias_E is not None)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids64 = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids64)
+        ids = ids64.to(torch.int32)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    if num_fused_shared_experts:
+        shared_ids = torch.arange(
+            E, E + num_fused_shared_experts, device=ids.device, dtype=torch.int32
+        ).expand(T, num_fused_shared_experts)
+        ids = torch.cat([ids, shared_ids], dim=1)
+        weights = torch.cat([weights, weights.new_ones(T, num_fused_shared_experts)], dim=1)
+    return TopKOutput(weights.contiguous(), ids.contiguous())
+
+
+def route(
+    router_logits_TE: torch.Tensor,
+    config: MoEConfig,
+    correction_bias_E: torch.Tensor | None = None,
+    custom_routing_function: CustomRoutingFunction | None = None,
+) -> TopKOutput:
+    """`select_experts` with the routing options of a `MoEConfig`."""
+    return select_experts(
+        router_logits_TE,
+        config.top_k,
+        scoring_func=config.scoring_func,
+        renormalize=config.renormalize,
+        num_expert_group=config.num_expert_group,
+        topk_group=config.topk_group,
+        correction_bias_E=correction_bias_E,
+        routed_scaling_factor=config.routed_scaling_factor,
+        num_fused_shared_experts=config.num_shared_experts,
+        custom_routing_function=custom_routing_function,
+    )

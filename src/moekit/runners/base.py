@@ -1,0 +1,84 @@
+"""The runner protocol: what a runner backend declares and the one call it implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
+from moekit.stages import DispatchOutput, RunnerOutput
+
+
+class RunnerError(ValueError):
+    """A runner was asked for something it does not support; the message says what it does."""
+
+
+@dataclass(frozen=True)
+class RunnerCaps:
+    """What a runner supports. devices: 'cpu' / 'cuda'; cuda_graph: safe to capture."""
+
+    formats: frozenset[str]
+    weight_formats: frozenset[str]
+    activations: frozenset[str]
+    devices: frozenset[str]
+    dtypes: frozenset[str] = frozenset({"bfloat16", "float16", "float32"})
+    bias: bool = True
+    cuda_graph: bool = False
+
+
+class Runner(ABC):
+    """A runner backend: runs the expert FFNs on dispatched tokens."""
+
+    name: ClassVar[str]
+    caps: ClassVar[RunnerCaps]
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        """Whether this runner can run on `platform`, and if not, why."""
+        return Availability(True)
+
+    @classmethod
+    def unsupported(
+        cls, fmt: str, weight_format: str, activation: str, dtype: str, device: str, bias: bool
+    ) -> str | None:
+        """None if supported, else a sentence naming what is not supported and what is."""
+        caps = cls.caps
+        checks = (
+            ("dispatch format", fmt, caps.formats),
+            ("weight format", weight_format, caps.weight_formats),
+            ("activation", activation, caps.activations),
+            ("dtype", dtype, caps.dtypes),
+            ("device", device, caps.devices),
+        )
+        for what, value, allowed in checks:
+            if value not in allowed:
+                return (
+                    f"runner {cls.name!r} does not support {what} {value!r}; "
+                    f"it supports: {', '.join(sorted(allowed))}"
+                )
+        if bias and not caps.bias:
+            return f"runner {cls.name!r} does not support expert biases"
+        return None
+
+    def check(self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec):
+        """Raise RunnerError if these inputs are outside this runner's capabilities."""
+        x = dispatch_out.x
+        problem = self.unsupported(
+            dispatch_out.format,
+            weights.format,
+            act.name,
+            str(x.dtype).removeprefix("torch."),
+            x.device.type,
+            weights.has_bias,
+        )
+        if problem:
+            raise RunnerError(problem)
+
+    @abstractmethod
+    def run(
+        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
+    ) -> RunnerOutput:
+        """Standard format -> StandardRunnerOutput [T, H] (weighted, summed over K);
+        masked format -> MaskedRunnerOutput [E, C, H] (unweighted)."""

@@ -1,0 +1,3 @@
+"""Imports every built-in runner module so that each registers itself."""
+
+from moekit.runners import torch  # noqa: F401
