@@ -1,0 +1,137 @@
+"""Timing and the roofline floor, shared by `moekit bench`, `moekit tune` and benchmarks/.
+
+Floor of one MoE call = max(bytes / copy bandwidth, FLOPs / matmul rate), both ceilings measured
+on the same device in the same run (`measure_ceilings`). Bytes = weights of the experts actually
+touched + activations in and out; FLOPs = 2 * (routed pairs) * 3 * H * I.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured device ceilings: copy bandwidth (bytes read + written per second) and dense
+    matmul rate (FLOP/s) in `dtype`."""
+
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    def floor_s(self, ceilings: Ceilings) -> float:
+        return max(self.bytes / ceilings.copy_bytes_per_s, self.flops / ceilings.matmul_flops_per_s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], object],
+    device: torch.device | str,
+    *,
+    cuda_graph: bool = True,
+    warmup: int = 5,
+    samples: int = 25,
+    min_sample_ms: float = 1.0,
+) -> float:
+    """Median time of one `fn()` call in milliseconds.
+
+    CUDA: after warm-up, `fn` is captured in a CUDA graph (if `cuda_graph`) and replayed; each
+    sample times enough replays to last about `min_sample_ms` with CUDA events. CPU: wall clock.
+    To time over inputs larger than L2, let `fn` run over several input sets and divide.
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if device.type != "cuda":
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    run = fn
+    if cuda_graph:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    reps = max(1, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)))
+    times = []
+    for _ in range(samples):
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+    """Copy bandwidth and dense matmul rate of `device`, measured now (about a second on GPU)."""
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    n_bytes = (1 << 30) if on_gpu else (64 << 20)
+    src = torch.empty(n_bytes // 2, dtype=torch.float16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), device, cuda_graph=False, samples=10)
+    n = 8192 if on_gpu else 512
+    a = torch.randn(n, n, device=device, dtype=dtype if on_gpu else torch.float32)
+    b = torch.randn(n, n, device=device, dtype=a.dtype)
+    mm_ms = time_ms(lambda: a @ b, device, cuda_graph=False, samples=10)
+    return Ceilings(
+        copy_bytes_per_s=2 * n_bytes / (copy_ms * 1e-3),
+        matmul_flops_per_s=2 * n**3 / (mm_ms * 1e-3),
+        dtype=str(a.dtype).removeprefix("torch."),
+    )
+
+
+def moe_cost(
+    topk_ids_TK: torch.Tensor,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    *,
+    act_bytes: float = 2,
+    weight_bytes_per_expert: float | None = None,
+) -> Cost:
+    """Cost of one MoE call on one rank for routing `topk_ids_TK` (ids of -1 or >= num_experts
+    are not computed here). Weight bytes default to 3 * H * I * act_bytes per touched expert."""
+    ids = topk_ids_TK.reshape(-1)
+    local = ids[(ids >= 0) & (ids < num_experts)]
+    pairs = local.numel()
+    touched = torch.unique(local).numel()
+    H, I = hidden_size, intermediate_size
+    per_expert = weight_bytes_per_expert if weight_bytes_per_expert is not None else 3 * H * I * act_bytes
+    T = topk_ids_TK.shape[0]
+    return Cost(
+        flops=2.0 * pairs * 3 * H * I,
+        bytes=touched * per_expert + 2 * T * H * act_bytes,
+    )
+
