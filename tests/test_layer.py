@@ -1,0 +1,174 @@
+"""The MoE layer and fused_moe against the float64 reference, for every available runner."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, fused_moe
+from moekit.config import ConfigError
+from moekit.hardware import detect
+from moekit.router import TopKOutput
+from moekit.runners import registry
+from moekit.runners.torch import moe_reference_fp64
+from moekit.select import Workload, why_not
+from moekit.stages import MaskedDispatchOutput
+from tests.helpers import TOLERANCE, rel_err
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    E: int = 8
+    K: int = 2
+    H: int = 32
+    I: int = 16
+    activation: str = "silu"
+    bias: bool = False
+    interleaved: bool = False
+    routing: str = "random"  # random | one_expert | masked
+
+
+CASES = [
+    Case("silu"),
+    Case("gelu-bias", activation="gelu", bias=True),
+    Case("swiglu_oai-bias-interleaved", activation="swiglu_oai", bias=True, interleaved=True),
+    Case("swiglu_oai-nobias", activation="swiglu_oai"),
+    Case("silu-interleaved", interleaved=True),
+    Case("odd-sizes", E=7, K=3, H=24, I=10),
+    Case("one-expert", routing="one_expert"),
+    Case("masked-ids", E=6, K=3, routing="masked"),
+]
+
+
+def runners_for(device: str, dtype: torch.dtype) -> list[str]:
+    """Registered runners that can run the plain case here."""
+    work = Workload(1, dtype=str(dtype).removeprefix("torch."), device=device)
+    return [n for n in registry.registered() if why_not(n, work, detect()) is None]
+
+
+def make_topk(case: Case, T: int, device) -> TopKOutput:
+    ids = torch.rand(T, case.E, device=device).argsort(dim=1)[:, : case.K]
+    if case.routing == "one_expert":
+        ids[:, 0] = 3
+        ids[:, 1:] = -1
+    if case.routing == "masked":
+        ids[torch.rand(ids.shape, device=device) < 0.4] = -1
+    weights = torch.rand(T, case.K, device=device)
+    return TopKOutput(weights, ids.to(torch.int32))
+
+
+def build(case: Case, runner: str, dtype: torch.dtype, device) -> MoE:
+    cfg = MoEConfig(
+        num_experts=case.E, top_k=case.K, hidden_size=case.H, intermediate_size=case.I,
+        activation=case.activation, has_bias=case.bias, interleaved=case.interleaved,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    return MoE(cfg, runner=RunnerConfig(moe_runner_backend=runner), device=device)
+
+
+def check_layer(case: Case, runner: str, T: int, dtype: torch.dtype, device: str):
+    layer = build(case, runner, dtype, device)
+    x = torch.randn(T, case.H, device=device, dtype=dtype)
+    topk = make_topk(case, T, device)
+    out = layer.forward_topk(x, topk)
+    assert out.shape == (T, case.H) and out.dtype == dtype
+    ref = moe_reference_fp64(x, topk, layer.expert_weights, layer.act)
+    assert rel_err(out, ref) < TOLERANCE[dtype], (case, runner, T)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("T", [0, 1, 7, 64])
+@pytest.mark.parametrize("runner", runners_for("cpu", torch.float32))
+def test_layer_matches_fp64_reference_cpu(case, T, runner):
+    check_layer(case, runner, T, torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("T", [0, 1, 7, 64, 300])
+@pytest.mark.parametrize("runner", runners_for("cuda", torch.bfloat16) if torch.cuda.is_available() else ["torch"])
+def test_layer_matches_fp64_reference_gpu_bf16(case, T, runner):
+    check_layer(case, runner, T, torch.bfloat16, "cuda")
+
+
+def test_forward_routes_and_keeps_leading_dims():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, dtype="float32")
+    layer = MoE(cfg)
+    x, logits = torch.randn(2, 3, 16), torch.randn(2, 3, 8)
+    out = layer(x, logits)
+    assert out.shape == (2, 3, 16)
+    flat = layer.forward_topk(x.reshape(6, 16), layer.route(logits.reshape(6, 8)))
+    assert torch.equal(out.reshape(6, 16), flat)
+    empty = layer(torch.randn(0, 16), torch.randn(0, 8))
+    assert empty.shape == (0, 16)
+
+
+def test_shared_expert_is_fused_as_a_routed_column():
+    cfg = MoEConfig(num_experts=6, top_k=2, hidden_size=16, intermediate_size=8,
+                    num_shared_experts=1, dtype="float32")
+    layer = MoE(cfg)
+    assert layer.w13.shape[0] == 7
+    x, logits = torch.randn(5, 16), torch.randn(5, 6)
+    topk = layer.route(logits)
+    routed = TopKOutput(topk.weights[:, :2].contiguous(), topk.ids[:, :2].contiguous())
+    shared = TopKOutput(torch.ones(5, 1), torch.full((5, 1), 6, dtype=torch.int32))
+    expected = layer.forward_topk(x, routed) + layer.forward_topk(x, shared)
+    assert rel_err(layer(x, logits), expected) < 1e-6
+
+
+def test_redundant_expert_slots_compute_the_same_function():
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype="float32")
+    layer = MoE(cfg, ParallelConfig(ep_num_redundant_experts=2))
+    assert layer.w13.shape[0] == 6 and layer.local_experts.tolist() == [0, 1, 2, 3, 0, 1]
+    x, logits = torch.randn(9, 16), torch.randn(9, 4)
+    topk = layer.route(logits)
+    ref = moe_reference_fp64(x, topk, layer.expert_weights, layer.act)
+    assert rel_err(layer(x, logits), ref) < 1e-5
+
+
+def test_masked_format_through_torch_runner():
+    layer = build(Case("m"), "torch", torch.float32, "cpu")
+    E, C, H = 8, 5, 32
+    x = torch.randn(E, C, H)
+    counts = torch.tensor([0, 5, 2, 1, 0, 3, 5, 4], dtype=torch.int32)
+    runner = registry.runner_class("torch")()
+    out = runner.run(MaskedDispatchOutput(x, counts), layer.expert_weights, layer.act).out
+    for e in range(E):
+        for c in range(C):
+            ids = torch.tensor([[e]], dtype=torch.int32)
+            ref = moe_reference_fp64(x[e, c : c + 1], TopKOutput(torch.ones(1, 1), ids),
+                                     layer.expert_weights, layer.act)
+            if c < counts[e]:
+                assert rel_err(out[e, c : c + 1], ref) < 1e-5
+            else:
+                assert torch.all(out[e, c] == 0)
+
+
+def test_fused_moe_functional_matches_reference():
+    E, K, H, I, T = 5, 2, 24, 12, 11
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.2, torch.randn(E, H, I) * 0.2
+    b13, b2 = torch.randn(E, 2 * I) * 0.1, torch.randn(E, H) * 0.1
+    x = torch.randn(T, H)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    weights = torch.rand(T, K)
+    out = fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2, activation="swiglu_oai",
+                    interleaved=True, moe_runner_backend="torch")
+    from moekit.experts import ActivationSpec, ExpertWeights
+    ref = moe_reference_fp64(x, TopKOutput(weights, ids.int()), ExpertWeights(w13, w2, b13, b2),
+                             ActivationSpec("swiglu_oai", True))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_unavailable_runner_fails_at_selection_with_reason():
+    layer = build(Case("x"), "flashinfer_trtllm", torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="flashinfer_trtllm"):
+        layer.forward_topk(torch.randn(2, 32), make_topk(Case("x"), 2, "cpu"))
+
+
+def test_bad_weight_shapes_are_refused():
+    from moekit.experts import ExpertWeights
+    with pytest.raises(ValueError, match=r"w2 must be \[E, H, I\]"):
+        ExpertWeights(torch.randn(4, 16, 8), torch.randn(4, 8, 9))
+    with pytest.raises(ValueError, match=r"b13 must be \[E, 2I\]"):
+        ExpertWeights(torch.randn(4, 16, 8), torch.randn(4, 8, 8), b13=torch.randn(4, 8))
