@@ -28,5 +28,15 @@ MOEKIT_CONFIG_DIR = EnvVar(
 MOEKIT_DISABLE_TRITON = EnvVar(
     "MOEKIT_DISABLE_TRITON", "0", "1: report the Triton runners as unavailable (debugging)"
 )
+MOEKIT_GIT_COMMIT = EnvVar(
+    "MOEKIT_GIT_COMMIT",
+    "",
+    "git commit that `moekit bench` records when the tree has no .git (e.g. a copy on a GPU box)",
+)
 
-ALL: tuple[EnvVar, ...] = (MOEKIT_LOG_LEVEL, MOEKIT_CONFIG_DIR, MOEKIT_DISABLE_TRITON)
+ALL: tuple[EnvVar, ...] = (
+    MOEKIT_LOG_LEVEL,
+    MOEKIT_CONFIG_DIR,
+    MOEKIT_DISABLE_TRITON,
+    MOEKIT_GIT_COMMIT,
+)
