@@ -1,0 +1,324 @@
+"""`moekit bench`: time the MoE layer over a batch-size sweep for each available runner backend.
+
+Prints a table per backend (ms, TFLOP/s, GB/s, time over the roofline floor) and the winner per
+batch size, writes a JSON record and a PNG plot, and regenerates BENCHMARKS.md when the results
+go to the repository's benchmarks/results/. See moekit.sweep for what is timed and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moekit import hardware
+from moekit.config import RUNNER_BACKENDS, ConfigError, ParallelConfig, check_choice, validate
+from moekit.presets import PRESETS, preset
+from moekit.report import RESULTS_DIR, metadata, repo_root, result_dict, save, update_benchmarks_md
+from moekit.sweep import (
+    CPU_BATCH_SIZES,
+    CPU_SHAPE,
+    GPU_BATCH_SIZES,
+    ROUTINGS,
+    TIMED,
+    SweepResult,
+    SweepSpec,
+    all_backends,
+    cpu_scaled,
+    run_sweep,
+    split_backends,
+    winners,
+    workload,
+)
+
+DEFAULT_MODEL = "qwen3-30b-a3b"
+CPU_TIME_BUDGET_S = 45.0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="time the MoE layer over batch sizes for each available backend",
+        description="Time the MoE layer (routing precomputed) over a batch-size sweep for each "
+        "available runner backend; print tables, write JSON + PNG into --out-dir. With no "
+        f"arguments: {DEFAULT_MODEL}, every available backend, batch sizes "
+        f"{','.join(map(str, GPU_BATCH_SIZES))} on a GPU; on a CPU a scaled-down shape and "
+        f"batch sizes {','.join(map(str, CPU_BATCH_SIZES))}.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (rank 0 is timed)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--batch-sizes", help="comma-separated token counts T (default: see above)")
+    p.add_argument(
+        "--backends",
+        help="comma-separated runner backends, or 'all' (default: every available one); "
+        f"known: {', '.join(RUNNER_BACKENDS)}",
+    )
+    p.add_argument("--moe-runner-backend", help="one backend (alias of --backends NAME)")
+    p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16, float16, float32")
+    p.add_argument("--routing", default="uniform", help=f"synthetic routing: {', '.join(ROUTINGS)}")
+    p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
+    p.add_argument("--quantization", default="unquantized", help="weight format")
+    p.add_argument("--out-dir", help="where the JSON and PNG go (default: benchmarks/results)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    p.add_argument("--device", default="auto", help="auto (GPU if there is one), cuda or cpu")
+    p.add_argument(
+        "--full-size",
+        action="store_true",
+        help="on a CPU, run the preset's real shape instead of the scaled-down one",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds; points that would end later are skipped (default: "
+        f"{CPU_TIME_BUDGET_S:.0f} on a CPU scale-down, none otherwise)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and inputs")
+    p.set_defaults(func=run)
+    return p
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(t < 0 for t in sizes):
+        raise ConfigError(
+            f"--batch-sizes: expected comma-separated integers >= 0 (e.g. 1,4,16), got {text!r}"
+        )
+    return tuple(dict.fromkeys(sizes))
+
+
+def parse_backends(args) -> tuple[tuple[str, ...], bool]:
+    """(backend names, whether they were asked for explicitly)."""
+    if args.moe_runner_backend and args.backends:
+        raise ConfigError("give either --backends or --moe-runner-backend, not both")
+    text = args.backends or args.moe_runner_backend
+    if not text:
+        return all_backends(), False
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    option = "backends" if args.backends else "moe_runner_backend"
+    if not names:
+        raise ConfigError(f"--{option.replace('_', '-')}: empty list")
+    out: list[str] = []
+    for n in names:
+        if n == "all":
+            out.extend(all_backends())
+            continue
+        check_choice(option, n, set(RUNNER_BACKENDS) | ({"all"} if option == "backends" else set()))
+        out.append(n)
+    return tuple(dict.fromkeys(out)), True
+
+
+def spec_from_args(args, plat: hardware.Platform) -> SweepSpec:
+    """The sweep the arguments ask for; ConfigError (naming the option) when they cannot work."""
+    check_choice("device", args.device, {"auto", "cuda", "cpu"})
+    device = plat.device if args.device == "auto" else args.device
+    if device == "cuda" and not plat.is_cuda:
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch here")
+    moe = preset(args.model, dtype=args.dtype, weight_format=args.quantization)
+    parallel = ParallelConfig(tp_size=args.tp_size, ep_size=args.ep_size)
+    validate(moe, parallel)
+    scaled = device == "cpu" and not args.full_size
+    if scaled:
+        moe = cpu_scaled(moe, parallel)
+        validate(moe, parallel)
+    if args.batch_sizes:
+        sizes = parse_batch_sizes(args.batch_sizes)
+    else:
+        sizes = GPU_BATCH_SIZES if device == "cuda" else CPU_BATCH_SIZES
+    budget = args.time_budget
+    if budget is None and scaled:
+        budget = CPU_TIME_BUDGET_S
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"--time-budget must be > 0 seconds, got {budget}")
+    backends, _ = parse_backends(args)
+    return SweepSpec(
+        preset=args.model,
+        moe=moe,
+        parallel=parallel,
+        batch_sizes=sizes,
+        backends=backends,
+        device=device,
+        routing=args.routing,
+        zipf_s=args.zipf_s,
+        scaled_down=scaled,
+        seed=args.seed,
+        time_budget_s=budget,
+    )
+
+
+def _fmt(v, spec=".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_header(console, spec: SweepSpec, plat: hardware.Platform) -> None:
+    m, par = spec.moe, spec.parallel
+    dev = plat.device_name if spec.device == "cuda" else "cpu"
+    console.print(f"[bold]moekit bench[/bold] on {spec.device}: {dev}")
+    if spec.scaled_down:
+        console.print(
+            f"[bold yellow]No GPU: running a SCALED-DOWN version of {spec.preset} on the CPU "
+            f"(H={CPU_SHAPE['hidden_size']}, I={m.intermediate_size}, E={m.num_experts}, "
+            f"K={m.top_k}); the numbers say nothing about the real model's speed. "
+            "Use --full-size for the real shape.[/bold yellow]"
+        )
+    console.print(
+        f"preset {spec.preset}: E={m.num_experts} (E_local={spec.e_local} on rank 0), K={m.top_k}, "
+        f"H={m.hidden_size}, I={m.intermediate_size} (I_local={spec.i_local}), {m.activation}"
+        f"{' + biases' if m.has_bias else ''}, {m.dtype}, {m.weight_format} weights; "
+        f"tp {par.tp_size} ep {par.ep_size}; {spec.routing} routing"
+        + (f" (s={spec.zipf_s:g})" if spec.routing == "zipf" else "")
+    )
+    console.print(f"timed: {TIMED}")
+    console.print(f"batch sizes: {', '.join(map(str, spec.batch_sizes))}")
+
+
+def print_tables(console, result: SweepResult) -> None:
+    from rich.table import Table
+
+    c = result.ceilings
+    console.print(
+        f"ceilings ({c.dtype}, measured now): copy {c.copy_bytes_per_s / 1e9:.1f} GB/s, "
+        f"matmul {c.matmul_flops_per_s / 1e12:.2f} TFLOP/s"
+    )
+    backends = list(dict.fromkeys(r.backend for r in result.records))
+    for b in backends:
+        t = Table(title=f"backend {b}", title_justify="left")
+        for col in ("T", "ms", "TFLOP/s", "GB/s", "floor ms", "time/floor", "rel err vs torch", "graph"):
+            t.add_column(col, justify="right")
+        if b == "auto":
+            t.add_column("ran", justify="left")
+        for r in (r for r in result.records if r.backend == b):
+            if r.ms is None:
+                row = [str(r.T), f"[red]{r.error}[/red]", "", "", "", "", "", ""]
+            else:
+                err = "(reference)" if b == "torch" else _fmt(r.rel_err, ".1e")
+                if r.suspicious:
+                    err = f"[red]{err} ![/red]"
+                row = [str(r.T), _fmt(r.ms, ".4g"), _fmt(r.tflops), _fmt(r.gbps, ".4g"),
+                       _fmt(r.floor_ms, ".4g"), _fmt(r.time_over_floor, ".2f"), err,
+                       "yes" if r.cuda_graph else "no"]
+            if b == "auto":
+                row.append(r.chosen or "")
+            t.add_row(*row)
+        console.print(t)
+    best = winners(result.records)
+    by = {(r.backend, r.T): r for r in result.records}
+    t = Table(title="winner per T", title_justify="left")
+    for col in ("T", "winner", "ms", "time/floor", "auto picks", "auto's pick time/floor"):
+        t.add_column(col, justify="right")
+    for T in result.spec.batch_sizes:
+        w = best.get(T)
+        pick = result.auto_choice.get(T, "")
+        picked = by.get((pick, T))
+        pick_ratio = _fmt(picked.time_over_floor, ".2f") if picked and picked.ms else "-"
+        if pick.startswith("error"):
+            pick = "(none)"
+        if w is None:
+            t.add_row(str(T), "[red]none[/red]", "-", "-", pick, pick_ratio)
+        else:
+            t.add_row(str(T), w.backend, _fmt(w.ms, ".4g"), _fmt(w.time_over_floor, ".2f"), pick,
+                      pick_ratio)
+    console.print(t)
+    for r in result.records:
+        if r.suspicious:
+            console.print(
+                f"[red]warning: {r.backend} at T={r.T} differs from the torch reference "
+                f"(rel err {r.rel_err:.2e})[/red]"
+            )
+    for note in result.notes:
+        console.print(f"[yellow]{note}[/yellow]")
+
+
+def _sweep_with_progress(console, spec: SweepSpec, n_backends: int) -> SweepResult:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    total = n_backends * len(spec.batch_sizes)
+    if not console.is_terminal:
+        # Logs (CI, the GPU box): one line per point instead of a live bar.
+        done = [0]
+
+        def on_point(backend, T, rec):
+            if rec is None:
+                return
+            done[0] += 1
+            what = (f"{rec.ms:.4g} ms, {_fmt(rec.time_over_floor, '.2f')} x floor"
+                    if rec.ms is not None else rec.error)
+            console.print(f"  [{done[0]}/{total}] {backend:>18} T={T:<6} {what}", highlight=False)
+
+        console.print("measuring the ceilings, then the sweep ...")
+        return run_sweep(spec, on_point=on_point)
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("measuring ceilings", total=total)
+
+        def on_point(backend, T, rec):
+            if rec is None:
+                progress.update(task, description=f"{backend} T={T}")
+            else:
+                progress.advance(task)
+
+        return run_sweep(spec, on_point=on_point)
+
+
+def _out_dir(args) -> Path:
+    if args.out_dir:
+        return Path(args.out_dir)
+    root = repo_root()
+    return (root / RESULTS_DIR) if root is not None else Path(RESULTS_DIR)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    # Wide enough for the tables when the output goes to a log rather than a terminal.
+    console = Console(width=None if sys.stdout.isatty() else 130)
+    plat = hardware.detect()
+    spec = spec_from_args(args, plat)
+    _, explicit = parse_backends(args)
+    runnable, skipped = split_backends(spec.backends, workload(spec, max(spec.batch_sizes)), plat)
+    print_header(console, spec, plat)
+    for b, why in skipped.items():
+        if explicit or b in ("torch", "auto"):
+            console.print(f"[yellow]skipping {b}:[/yellow] {why}", highlight=False)
+        else:
+            console.print(f"[dim]skipping {b}: {why}[/dim]", highlight=False)
+    if not runnable:
+        print(
+            "moekit bench: error: none of the requested backends can run this workload here "
+            "(reasons above)",
+            file=sys.stderr,
+        )
+        return 2
+    console.print(f"timing: {', '.join(runnable)}")
+    result = _sweep_with_progress(console, spec, len(runnable))
+    print_tables(console, result)
+
+    doc = result_dict(result, metadata(plat=plat))
+    out = _out_dir(args)
+    json_path, png_path = save(doc, out, plot=not args.no_plot)
+    console.print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""), highlight=False)
+    root = repo_root()
+    if root is not None and out.resolve() == (root / RESULTS_DIR).resolve():
+        md = update_benchmarks_md(root)
+        console.print(f"updated {md}", highlight=False)
+    console.print(f"done in {result.seconds:.1f} s", highlight=False)
+    ok = any(r.ms is not None for r in result.records)
+    return 0 if ok else 1

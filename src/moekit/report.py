@@ -1,0 +1,327 @@
+"""Bench results on disk: the JSON record of a sweep, its PNG plot, and BENCHMARKS.md.
+
+BENCHMARKS.md is generated from the newest result JSON per (device, preset, parallel layout,
+dtype, weight format, routing) in benchmarks/results/; never edit it by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform as py_platform
+import re
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from moekit import envs, hardware
+from moekit.sweep import TIMED, SweepResult, winners
+
+SCHEMA = 1
+BENCHMARKS_MD = "BENCHMARKS.md"
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+def repo_root() -> Path | None:
+    """The source checkout this moekit runs from (src layout), or None when installed elsewhere."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "moekit").is_dir() else None
+
+
+def git_commit(root: Path | None = None) -> tuple[str, bool | None]:
+    """(commit of HEAD, whether the tree has uncommitted changes). Without git or a checkout:
+    MOEKIT_GIT_COMMIT if set (for copies of a tree without .git), else 'unknown'."""
+    root = root or repo_root()
+    if root is not None:
+        try:
+            head = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+            )
+            if head.returncode == 0:
+                status = subprocess.run(
+                    ["git", "status", "--porcelain", "--untracked-files=no"],
+                    cwd=root, capture_output=True, text=True, timeout=10,
+                )
+                dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+                return head.stdout.strip(), dirty
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return envs.MOEKIT_GIT_COMMIT.get() or "unknown", None
+
+
+def metadata(argv: list[str] | None = None, plat: hardware.Platform | None = None) -> dict:
+    """Where and how a run happens: device, library versions, git commit, command line, time."""
+    plat = plat or hardware.detect()
+    commit, dirty = git_commit()
+    libs = {"torch": torch.__version__}
+    libs.update({k: v for k, v in sorted(plat.libraries.items()) if k != "torch" and v})
+    argv = sys.argv if argv is None else argv
+    return {
+        "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": {
+            "type": plat.device,
+            "name": plat.device_name,
+            "capability": list(plat.capability) if plat.capability else None,
+            "num_gpus": plat.num_gpus,
+        },
+        "libraries": libs,
+        "cuda": torch.version.cuda,
+        "python": py_platform.python_version(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "command": " ".join(shlex.quote(a) for a in ["moekit", *argv[1:]]),
+    }
+
+
+def result_dict(result: SweepResult, meta: dict) -> dict:
+    """The JSON document of one sweep."""
+    s = result.spec
+    moe = s.moe
+    return {
+        "schema": SCHEMA,
+        **meta,
+        "preset": s.preset,
+        "scaled_down": s.scaled_down,
+        "shape": {
+            "num_experts": moe.num_experts,
+            "num_shared_experts": moe.num_shared_experts,
+            "top_k": moe.top_k,
+            "hidden_size": moe.hidden_size,
+            "intermediate_size": moe.intermediate_size,
+            "experts_local": s.e_local,
+            "intermediate_local": s.i_local,
+            "activation": moe.activation,
+            "has_bias": moe.has_bias,
+        },
+        "parallel": {
+            "tp_size": s.parallel.tp_size,
+            "ep_size": s.parallel.ep_size,
+            "moe_tp_size": s.parallel.moe_tp_size,
+            "rank": 0,
+        },
+        "dtype": moe.dtype,
+        "quantization": moe.weight_format,
+        "routing": {"kind": s.routing, "zipf_s": s.zipf_s if s.routing == "zipf" else None,
+                    "seed": s.seed},
+        "timed": TIMED,
+        "batch_sizes": list(s.batch_sizes),
+        "ceilings": dataclasses.asdict(result.ceilings),
+        "backends": sorted({r.backend for r in result.records}, key=list(s.backends).index),
+        "skipped": result.skipped,
+        "auto_choice": {str(t): b for t, b in result.auto_choice.items()},
+        "winners": {str(t): r.backend for t, r in winners(result.records).items()},
+        "seconds": round(result.seconds, 2),
+        "notes": result.notes,
+        "records": [dataclasses.asdict(r) for r in result.records],
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "x"
+
+
+def run_name(doc: dict) -> str:
+    """File stem of a result: time, device, preset, layout, dtype, format, routing."""
+    stamp = doc["timestamp"].replace("-", "").replace(":", "")
+    par = doc["parallel"]
+    routing = doc["routing"]["kind"]
+    if routing == "zipf":
+        routing += f"{doc['routing']['zipf_s']:g}"
+    preset = doc["preset"] + ("-cpusmall" if doc.get("scaled_down") else "")
+    parts = [doc["device"]["name"], preset, f"tp{par['tp_size']}ep{par['ep_size']}",
+             doc["dtype"], doc["quantization"], routing]
+    return "_".join([stamp, *(_slug(p) for p in parts)])
+
+
+def save(doc: dict, out_dir: str | os.PathLike, *, plot: bool = True) -> tuple[Path, Path | None]:
+    """Write `<name>.json` (and `<name>.png` if `plot`) into out_dir; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = run_name(doc)
+    n = 1
+    while (out / f"{stem}.json").exists():
+        n += 1
+        stem = f"{run_name(doc)}-{n}"
+    png = None
+    if plot:
+        png = out / f"{stem}.png"
+        doc["plot"] = png.name
+        plot_png(doc, png)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path, png
+
+
+def title(doc: dict) -> str:
+    par = doc["parallel"]
+    routing = doc["routing"]["kind"]
+    if routing == "zipf":
+        routing += f" s={doc['routing']['zipf_s']:g}"
+    preset = doc["preset"] + (" (CPU scale-down)" if doc.get("scaled_down") else "")
+    return (f"{preset} · tp{par['tp_size']} ep{par['ep_size']} · {doc['dtype']} · "
+            f"{doc['quantization']} · {routing} routing")
+
+
+def plot_png(doc: dict, path: str | os.PathLike) -> None:
+    """time / floor against T (log x) per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    by_backend: dict[str, list[tuple[int, float]]] = {}
+    for r in doc["records"]:
+        if r["time_over_floor"] is not None and r["T"] > 0:
+            by_backend.setdefault(r["backend"], []).append((r["T"], r["time_over_floor"]))
+    for backend, pts in by_backend.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ticks = [t for t in doc["batch_sizes"] if t > 0]
+    if ticks:
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+    ax.set_xlabel("tokens per call (T)")
+    ax.set_ylabel("time / roofline floor")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{title(doc)}\n{doc['device']['name']}", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    if by_backend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- BENCHMARKS.md
+
+
+def _key(doc: dict) -> tuple:
+    par = doc["parallel"]
+    return (doc["device"]["name"], doc["preset"], bool(doc.get("scaled_down")),
+            par["tp_size"], par["ep_size"], doc["dtype"], doc["quantization"],
+            doc["routing"]["kind"], doc["routing"].get("zipf_s"))
+
+
+def load_results(results_dir: str | os.PathLike) -> list[tuple[Path, dict]]:
+    """Every readable result JSON (schema SCHEMA) in results_dir."""
+    found = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and "records" in doc:
+            found.append((path, doc))
+    return found
+
+
+def newest_per_key(results: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    best: dict[tuple, tuple[Path, dict]] = {}
+    for path, doc in results:
+        k = _key(doc)
+        if k not in best or (doc["timestamp"], path.name) > (best[k][1]["timestamp"], best[k][0].name):
+            best[k] = (path, doc)
+    from moekit.presets import PRESETS
+
+    order = list(PRESETS)
+
+    def sort_key(item):
+        doc = item[1]
+        return (doc["device"]["type"] != "cuda", doc["device"]["name"],
+                order.index(doc["preset"]) if doc["preset"] in order else len(order),
+                doc["preset"], *[str(v) for v in _key(doc)[2:]])
+
+    return sorted(best.values(), key=sort_key)
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    if r["ms"] is None:
+        return "failed" if not (r.get("error") or "").startswith("skipped") else "skipped"
+    ratio = f" ({r['time_over_floor']:.2f}x)" if r["time_over_floor"] is not None else ""
+    flag = " ⚠" if r.get("suspicious") else ""
+    return f"{r['ms']:.4g}{ratio}{flag}"
+
+
+def table_markdown(doc: dict) -> list[str]:
+    """One result as a markdown table: T rows, a column per backend: ms (time / floor), the
+    winner and what `auto` picks."""
+    backends = doc["backends"]
+    by = {(r["backend"], r["T"]): r for r in doc["records"]}
+    lines = [
+        "| T | " + " | ".join(backends) + " | winner | auto picks |",
+        "|---:|" + "---|" * (len(backends) + 2),
+    ]
+    for T in doc["batch_sizes"]:
+        cells = [_cell(by.get((b, T))) for b in backends]
+        auto = doc["auto_choice"].get(str(T), "")
+        auto = auto if not auto.startswith("error") else "(none)"
+        lines.append(f"| {T} | " + " | ".join(cells) + f" | {doc['winners'].get(str(T), '')} | {auto} |")
+    return lines
+
+
+def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
+    """BENCHMARKS.md from the newest result per key."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `moekit bench` from the newest result per (device, preset, parallel layout, "
+        "dtype, weight format, routing) in `benchmarks/results/`. Do not edit by hand: run "
+        "`moekit bench` to add or refresh a result.",
+        "",
+        f"Timed: {TIMED}. Each cell: milliseconds per call (time / roofline floor); floor = "
+        "max(bytes / copy bandwidth, FLOPs / matmul rate), both ceilings measured in the same "
+        "run; bytes = weights of the local experts the routing touches + activations in and out; "
+        "FLOPs = 2 x local (token, expert) pairs x 3 x H x I_local. CUDA-graph replay where the "
+        "runner is graph safe. ⚠ = output differs from the `torch` reference runner by more than "
+        "the dtype's bound.",
+        "",
+    ]
+    if not results:
+        lines += ["No results yet.", ""]
+    device = None
+    for path, doc in results:
+        if doc["device"]["name"] != device:
+            device = doc["device"]["name"]
+            cap = doc["device"].get("capability")
+            cap = f" (sm_{cap[0]}{cap[1]})" if cap else ""
+            lines += [f"## {device}{cap}", ""]
+        shape, c = doc["shape"], doc["ceilings"]
+        rel = path.relative_to(root) if path.is_relative_to(root) else path
+        commit = doc["git_commit"][:10] + (" (dirty)" if doc.get("git_dirty") else "")
+        lib = doc["libraries"]
+        versions = ", ".join(f"{k} {lib[k]}" for k in ("torch", "triton") if k in lib)
+        lines += [
+            f"### {title(doc)}",
+            "",
+            f"E_local={shape['experts_local']}, K={shape['top_k']}, H={shape['hidden_size']}, "
+            f"I_local={shape['intermediate_local']}, {shape['activation']}"
+            f"{', biases' if shape['has_bias'] else ''} · ceilings: copy "
+            f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
+            f"{c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({c['dtype']}) · {doc['timestamp']} · "
+            f"commit {commit} · {versions} · [json]({rel.as_posix()})"
+            + (f" · [plot]({(rel.parent / doc['plot']).as_posix()})" if doc.get("plot") else ""),
+            "",
+            *table_markdown(doc),
+            "",
+        ]
+        if doc.get("skipped"):
+            lines += ["Not run: " + "; ".join(f"`{b}`: {why}" for b, why in doc["skipped"].items()), ""]
+    return "\n".join(lines)
+
+
+def update_benchmarks_md(root: Path) -> Path:
+    """Regenerate root/BENCHMARKS.md from root/benchmarks/results/."""
+    results = newest_per_key(load_results(root / RESULTS_DIR))
+    path = root / BENCHMARKS_MD
+    path.write_text(render_benchmarks_md(results, root))
+    return path
