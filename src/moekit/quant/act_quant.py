@@ -1,0 +1,173 @@
+"""Activation quantizers for the w8a8 formats: `quantize_act_ref` (pure PyTorch) and its fast
+twin `quantize_act` (one Triton kernel), with the same signature and bit-identical results.
+
+x [T, H] -> (q [T, H] in `dtype` (float8_e4m3fn or int8), scale float32), per scheme:
+  'static_tensor'   scale given (one value), returned as given
+  'dynamic_tensor'  scale [1] = max(amax(|x|), eps) / qmax over the whole tensor
+  'token'           scale [T, 1], one per row
+  'token_group'     scale [T, ceil(H / group_size)], one per row and group of columns (the last
+                    group may be partial)
+with q = clamp(x / scale, -qmax, qmax) rounded to nearest (ties to even) and x ~= q * scale.
+qmax is 448 (fp8 e4m3) or 127 (int8); eps = 1e-10 keeps all-zero rows/groups finite (their
+scale is eps / qmax and their values 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.quant.spec import ACT_SCHEMES, FP8_DTYPE, FP8_MAX, INT8_MAX
+
+ACT_DTYPES = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
+EPS = 1e-10
+
+
+@dataclass(frozen=True)
+class ActQuantTiles:
+    """Launch shape of the kernel: at most `max_elems` values per program (several groups of a
+    row); 'static_tensor'/'dynamic_tensor' tile rows by `static_block` columns."""
+
+    max_elems: int = 4096
+    static_block: int = 1024
+    num_warps: int = 4
+
+
+TILES = ActQuantTiles()
+
+
+def _check(x: torch.Tensor, scheme: str, dtype: torch.dtype, scale, group_size: int) -> float:
+    if scheme not in ACT_SCHEMES:
+        raise ValueError(f"activation scheme must be one of {', '.join(ACT_SCHEMES)}; got {scheme!r}")
+    if dtype not in ACT_DTYPES:
+        allowed = ", ".join(str(d) for d in ACT_DTYPES)
+        raise ValueError(f"activation quant dtype must be one of {allowed}; got {dtype}")
+    if not x.is_floating_point():
+        raise ValueError(f"activation quant needs a float tensor, got {x.dtype}")
+    if scheme == "static_tensor" and scale is None:
+        raise ValueError("activation scheme 'static_tensor' needs the calibrated `scale`")
+    if scheme in ("token", "token_group") and scale is not None:
+        raise ValueError(f"activation scheme {scheme!r} computes its scales; do not pass `scale`")
+    if scheme == "token_group" and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"token_group: group_size must be a positive integer, got {group_size!r}")
+    return ACT_DTYPES[dtype]
+
+
+def tensor_scale(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> torch.Tensor:
+    """The 'dynamic_tensor' scale of x: [1] float32 = max(amax(|x|), eps) / qmax (eps if empty)."""
+    qmax = ACT_DTYPES[dtype]
+    amax = x.abs().amax().float().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+    return amax.clamp_min(EPS) / qmax
+
+
+def _round_cast(y: torch.Tensor, dtype: torch.dtype, qmax: float) -> torch.Tensor:
+    y = y.clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.round(y)  # half to even
+    return y.to(dtype)
+
+
+def quantize_act_ref(
+    x: torch.Tensor,
+    scheme: str,
+    dtype: torch.dtype = FP8_DTYPE,
+    *,
+    scale: torch.Tensor | None = None,
+    group_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: x [.., H] -> (q [.., H] dtype, scale float32) as in the module docstring.
+    For the tensor schemes `scale` may be any float32 tensor broadcastable to x (e.g. one
+    static scale per expert [E, 1, 1] for x [E, C, H])."""
+    qmax = _check(x, scheme, dtype, scale, group_size)
+    xf = x.float()
+    if scheme in ("static_tensor", "dynamic_tensor"):
+        s = tensor_scale(x, dtype) if scale is None else scale.float()
+        return _round_cast(xf / s, dtype, qmax), s
+    H = x.shape[-1]
+    g = H if scheme == "token" else group_size
+    n = -(-H // g) if H else 0
+    pad = n * g - H
+    xg = torch.nn.functional.pad(xf, (0, pad)).reshape(*x.shape[:-1], n, g)
+    s = xg.abs().amax(dim=-1).clamp_min(EPS) / qmax if n else xf.new_zeros(*x.shape[:-1], 0)
+    if scheme == "token":
+        s = s.reshape(*x.shape[:-1], 1) if n else xf.new_full((*x.shape[:-1], 1), EPS / qmax)
+    q = _round_cast(xg / s.reshape(*x.shape[:-1], -1, 1)[..., :n, :], dtype, qmax)
+    return q.reshape(*x.shape[:-1], n * g)[..., :H], s
+
+
+def dequantize_act(
+    q: torch.Tensor, scale: torch.Tensor, scheme: str, *, group_size: int = 128
+) -> torch.Tensor:
+    """(q [.., H], scale) -> float32 [.., H] = q * scale (scales broadcast along their group)."""
+    qf = q.float()
+    if scheme in ("static_tensor", "dynamic_tensor", "token"):
+        return qf * scale
+    s = scale.repeat_interleave(group_size, dim=-1)[..., : q.shape[-1]]
+    return qf * s
+
+
+def fake_quantize_act(
+    x: torch.Tensor,
+    scheme: str,
+    dtype: torch.dtype = FP8_DTYPE,
+    *,
+    scale: torch.Tensor | None = None,
+    group_size: int = 128,
+) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype: the activations a w8a8 kernel actually multiplies
+    (used by the reference runner)."""
+    q, s = quantize_act_ref(x, scheme, dtype, scale=scale, group_size=group_size)
+    return dequantize_act(q, s, scheme, group_size=group_size).to(x.dtype)
+
+
+def quantize_act(
+    x: torch.Tensor,
+    scheme: str,
+    dtype: torch.dtype = FP8_DTYPE,
+    *,
+    scale: torch.Tensor | None = None,
+    group_size: int = 128,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `quantize_act_ref` for x [T, H] (float32/float16/bfloat16, last dim
+    contiguous); tensor schemes need a one-value scale. 'dynamic_tensor' takes the amax with
+    torch, then runs the static kernel.
+
+    out_dtype (default `dtype`): float32 returns the values just before the final cast (int8:
+    already rounded; fp8: scaled and clamped). The Triton 3.6 CPU interpreter casts to fp8
+    wrongly (ties away from zero, and a carry across a power of two halves the value), so the
+    CPU tests check the fp8 path through float32 output; on a GPU the cast is exact."""
+    qmax = _check(x, scheme, dtype, scale, group_size)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_act: x must be [T, H], got {list(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out_dtype = dtype if out_dtype is None else out_dtype
+    T, H = x.shape
+    q = torch.empty(T, H, dtype=out_dtype, device=x.device)
+    static = scheme in ("static_tensor", "dynamic_tensor")
+    if static:
+        s = tensor_scale(x, dtype) if scale is None else scale
+        if s.numel() != 1:
+            raise ValueError(f"quantize_act: a tensor scale must hold one value, got {list(s.shape)}")
+        s = s.float()
+        static_s = s.reshape(1).contiguous()
+        g = min(TILES.static_block, max(H, 1))
+        s_out = torch.empty(1, 1, device=x.device)  # unused by the kernel
+    else:
+        g = max(H, 1) if scheme == "token" else group_size
+        n = -(-H // g)
+        s = s_out = torch.empty(T, max(n, 1) if scheme == "token" else n, device=x.device)
+        static_s = s_out
+    n_groups = -(-H // g)
+    if T == 0 or H == 0:
+        if scheme == "token":
+            s.fill_(EPS / qmax)
+        return q, s
+    from moekit.quant._act_kernels import launch_quant_rows
+
+    launch_quant_rows(
+        x, q, s_out, static_s, g, n_groups, qmax, EPS, static, dtype == torch.int8, TILES
+    )
+    return q, s
