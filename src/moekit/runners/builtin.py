@@ -1,3 +1,4 @@
 """Imports every built-in runner module so that each registers itself."""
 
 from moekit.runners import torch  # noqa: F401
+from moekit.runners import cutlass  # noqa: F401

@@ -1,0 +1,244 @@
+"""Triton kernels around the grouped GEMMs of the `cutlass` and `deep_gemm` runners, each with a
+plain-PyTorch twin of the same signature (used on CPU, and by the tests as the reference).
+
+- `activation`: gate/up pre-activations h [M, 2I] (+ per-expert bias b13) -> a [M, I], rows of
+  expert -1 skipped (left undefined).
+- `weighted_reduce`: grouped expert outputs y [M, >=H] (+ per-expert bias b2) -> out [T, H]
+  = sum_k weight[t, k] * y[row[t, k]], in float32, masked pairs (row -1) contribute 0.
+
+Numerics follow the reference runner: bias add and activation in float32, the result rounded to
+the activation dtype; the top-k sum in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts import ActivationSpec
+from moekit.runners.torch import activate
+
+try:  # Triton is optional: the twins below run everywhere.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # noqa: BLE001
+    HAS_TRITON = False
+
+_ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+
+
+# ---------------------------------------------------------------------------- torch twins
+
+
+def activation_torch(
+    h_MN: torch.Tensor,
+    expert_M: torch.Tensor,
+    b13_EN: torch.Tensor | None,
+    act: ActivationSpec,
+) -> torch.Tensor:
+    """h [M, 2I] -> a [M, I] in h's dtype (rows of expert -1 are computed too: undefined)."""
+    h = h_MN.float()
+    if b13_EN is not None:
+        h = h + b13_EN.float()[expert_M.long().clamp(min=0)]
+    return activate(h, act).to(h_MN.dtype)
+
+
+def weighted_reduce_torch(
+    y_MH: torch.Tensor,
+    row_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_M: torch.Tensor,
+    b2_EH: torch.Tensor | None,
+    hidden: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """out [T, hidden] = sum_k weights[t, k] * (y[row[t, k], :hidden] + b2[expert]) for rows >= 0."""
+    T, K = row_TK.shape
+    if T == 0:
+        return torch.zeros(0, hidden, dtype=out_dtype, device=y_MH.device)
+    rows = row_TK.reshape(-1).clamp(min=0)
+    y = y_MH[rows, :hidden].float()
+    if b2_EH is not None:
+        y = y + b2_EH.float()[expert_M.long()[rows].clamp(min=0)]
+    valid = (row_TK.reshape(-1) >= 0).unsqueeze(-1)
+    y = torch.where(valid, y * weights_TK.reshape(-1, 1).float(), torch.zeros((), device=y.device))
+    return y.view(T, K, hidden).sum(dim=1).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _activation_kernel(
+        h_ptr,
+        a_ptr,
+        expert_ptr,
+        b_ptr,
+        I,
+        stride_h,
+        stride_a,
+        stride_b,
+        alpha,
+        limit,
+        ACT: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        m = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        e = tl.load(expert_ptr + m)
+        mask = (cols < I) & (e >= 0)
+        if INTERLEAVED:
+            gate_cols = 2 * cols
+            up_cols = 2 * cols + 1
+        else:
+            gate_cols = cols
+            up_cols = cols + I
+        row = h_ptr + m.to(tl.int64) * stride_h
+        gate = tl.load(row + gate_cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row + up_cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            brow = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b
+            gate += tl.load(brow + gate_cols, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(brow + up_cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            out = gate * tl.sigmoid(gate) * up
+        elif ACT == 1:
+            out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+        else:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            out = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        tl.store(a_ptr + m.to(tl.int64) * stride_a + cols, out.to(a_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _weighted_reduce_kernel(
+        y_ptr,
+        out_ptr,
+        row_ptr,
+        w_ptr,
+        expert_ptr,
+        b_ptr,
+        H,
+        K,
+        stride_y,
+        stride_o,
+        stride_b,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        cmask = cols < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(K):
+            row = tl.load(row_ptr + t * K + k)
+            ok = row >= 0
+            safe = tl.maximum(row, 0)
+            w = tl.load(w_ptr + t * K + k)
+            y = tl.load(y_ptr + safe * stride_y + cols, mask=cmask & ok, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                e = tl.maximum(tl.load(expert_ptr + safe), 0).to(tl.int64)
+                y += tl.load(b_ptr + e * stride_b + cols, mask=cmask & ok, other=0.0).to(tl.float32)
+            acc += tl.where(ok, w, 0.0) * y
+        tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def _block(n: int, cap: int = 1024) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def activation_triton(
+    h_MN: torch.Tensor,
+    expert_M: torch.Tensor,
+    b13_EN: torch.Tensor | None,
+    act: ActivationSpec,
+) -> torch.Tensor:
+    """Triton twin of `activation_torch`; rows of expert -1 are left unwritten."""
+    M, two_i = h_MN.shape
+    I = two_i // 2
+    a = torch.empty(M, I, dtype=h_MN.dtype, device=h_MN.device)
+    if M == 0 or I == 0:
+        return a
+    if h_MN.stride(1) != 1:
+        h_MN = h_MN.contiguous()
+    bias = b13_EN if b13_EN is not None else h_MN
+    if b13_EN is not None and b13_EN.stride(1) != 1:
+        bias = b13_EN.contiguous()
+    block = _block(I)
+    _activation_kernel[(M, triton.cdiv(I, block))](
+        h_MN,
+        a,
+        expert_M,
+        bias,
+        I,
+        h_MN.stride(0),
+        a.stride(0),
+        bias.stride(0),
+        float(act.alpha),
+        float(act.limit),
+        ACT=_ACT_CODES[act.name],
+        INTERLEAVED=act.interleaved,
+        HAS_BIAS=b13_EN is not None,
+        BLOCK=block,
+    )
+    return a
+
+
+def weighted_reduce_triton(
+    y_MH: torch.Tensor,
+    row_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_M: torch.Tensor,
+    b2_EH: torch.Tensor | None,
+    hidden: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Triton twin of `weighted_reduce_torch`."""
+    T, K = row_TK.shape
+    out = torch.empty(T, hidden, dtype=out_dtype, device=y_MH.device)
+    if T == 0 or hidden == 0:
+        return out
+    if y_MH.stride(1) != 1:
+        y_MH = y_MH.contiguous()
+    bias = b2_EH if b2_EH is not None else y_MH
+    if b2_EH is not None and b2_EH.stride(1) != 1:
+        bias = b2_EH.contiguous()
+    block = _block(hidden)
+    _weighted_reduce_kernel[(T, triton.cdiv(hidden, block))](
+        y_MH,
+        out,
+        row_TK.contiguous(),
+        weights_TK.float().contiguous(),
+        expert_M,
+        bias,
+        hidden,
+        K,
+        y_MH.stride(0),
+        out.stride(0),
+        bias.stride(0),
+        HAS_BIAS=b2_EH is not None,
+        BLOCK=block,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+def use_triton_for(x: torch.Tensor) -> bool:
+    """Triton kernels on CUDA tensors when Triton imports; the torch twins elsewhere."""
+    return HAS_TRITON and x.is_cuda
+
+
+def activation(h_MN, expert_M, b13_EN, act, *, use_triton: bool):
+    fn = activation_triton if use_triton else activation_torch
+    return fn(h_MN, expert_M, b13_EN, act)
+
+
+def weighted_reduce(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype, *, use_triton: bool):
+    fn = weighted_reduce_triton if use_triton else weighted_reduce_torch
+    return fn(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype)

@@ -1,0 +1,229 @@
+"""The `cutlass` runner: PyTorch's CUTLASS grouped GEMMs (`torch._grouped_mm`) with our own
+permute, activation and weighted top-k reduce around them.
+
+Standard format (x [T, H], top-k ids [T, K]):
+  1. `group_rows`: pairs sorted by expert, on the device (no host sync; M = T*K rows, static);
+  2. gather x rows -> [M, H];  h = grouped_mm(x_rows, w13^T, offs) [M, 2I];
+  3. a = act(h + b13) [M, I] (Triton kernel on CUDA);  y = grouped_mm(a, w2^T, offs) [M, H];
+  4. out[t] = sum_k weight[t, k] * (y[row(t, k)] + b2) in float32 (Triton kernel on CUDA).
+Masked format (x [E, C, H], counts [E]): batched grouped_mm per expert, same activation; returns
+unweighted expert outputs [E, C, H] (rows past counts undefined).
+
+CUDA-graph safe: every shape depends on (T, K, E, H, I) only, and nothing reads device values on
+the host. On CUDA the grouped GEMM takes its CUTLASS path for bfloat16 on SM90+ only (other dtypes
+fall back to a loop that copies the offsets to the host), so the runner declares bfloat16 only
+there; on CPU (tests) float32 / float16 / bfloat16 all run.
+
+Alignment: the grouped GEMM wants 16-byte row strides (H and I multiples of 8 in bf16). Other sizes
+run through zero-padded copies of the weights (made once per weight tensor version and cached) and
+of the activations; the zero padding changes no result (every activation maps gate = up = 0 to 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moekit.config import ACTIVATIONS
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
+from moekit.router import TopKOutput
+from moekit.runners import _cutlass_kernels as kernels
+from moekit.runners._grouped import group_rows
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.registry import register
+from moekit.stages import (
+    MASKED,
+    STANDARD,
+    DispatchOutput,
+    MaskedDispatchOutput,
+    MaskedRunnerOutput,
+    RunnerOutput,
+    StandardRunnerOutput,
+)
+
+# Row stride alignment the CUTLASS grouped GEMM needs, in bytes.
+STRIDE_ALIGN_BYTES = 16
+_MAX_CACHED_PADDINGS = 64
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_gate_up(t: torch.Tensor, I: int, Ip: int, interleaved: bool, dim: int) -> torch.Tensor:
+    """Grow the gate/up dimension `dim` of `t` from 2I to 2Ip with zeros: each half padded
+    (gate rows first, then up), or zero pairs appended when `interleaved`."""
+    extra = Ip - I
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    if interleaved:
+        shape[dim] = 2 * extra
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+    shape[dim] = extra
+    zeros = t.new_zeros(shape)
+    return torch.cat([t.narrow(dim, 0, I), zeros, t.narrow(dim, I, I), zeros], dim=dim)
+
+
+class _PaddedWeights:
+    """w13 [E, 2Ip, Hp], w2 [E, Hp, Ip], b13 [E, 2Ip] | None: `weights` zero-padded so that H and
+    I are multiples of `align` elements (the same tensors when already aligned)."""
+
+    def __init__(self, w: ExpertWeights, act: ActivationSpec, align: int) -> None:
+        H, I = w.hidden_size, w.intermediate_size
+        self.H, self.I = H, I
+        self.Hp, self.Ip = _round_up(H, align), _round_up(I, align)
+        w13, w2, b13 = w.w13, w.w2, w.b13
+        if self.Hp != H:
+            w13 = F.pad(w13, (0, self.Hp - H))
+            w2 = F.pad(w2, (0, 0, 0, self.Hp - H))
+        if self.Ip != I:
+            w13 = _pad_gate_up(w13, I, self.Ip, act.interleaved, dim=1)
+            w2 = F.pad(w2, (0, self.Ip - I))
+            if b13 is not None:
+                b13 = _pad_gate_up(b13, I, self.Ip, act.interleaved, dim=1)
+        self.w13, self.w2, self.b13 = w13, w2, b13
+        self.padded = (self.Hp, self.Ip) != (H, I)
+
+
+def _weights_key(w: ExpertWeights, act: ActivationSpec) -> tuple:
+    parts = []
+    for t in (w.w13, w.w2, w.b13):
+        parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype))
+    return (*parts, act.interleaved)
+
+
+@register
+class CutlassRunner(Runner):
+    """`torch._grouped_mm` (CUTLASS, SM90+) for both GEMMs; Triton permute-free activation and
+    weighted top-k reduce around them; standard and masked formats; biases; CUDA-graph safe."""
+
+    name = "cutlass"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD, MASKED}),
+        weight_formats=frozenset({"unquantized"}),
+        activations=frozenset(ACTIVATIONS),
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({"bfloat16", "float16", "float32"}),
+        bias=True,
+        cuda_graph=True,
+    )
+
+    def __init__(self, *, use_triton: bool | None = None) -> None:
+        """use_triton: force the Triton kernels (True; on CPU that needs TRITON_INTERPRET=1) or the
+        torch twins (False); None picks Triton on CUDA tensors."""
+        self.use_triton = use_triton
+        self._padded: dict[tuple, _PaddedWeights] = {}
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        if not hasattr(torch, "_grouped_mm"):
+            return Availability(False, f"torch {torch.__version__} has no torch._grouped_mm")
+        if platform.is_cuda and platform.sm() < 90:
+            return Availability(
+                False,
+                f"needs SM90+ (Hopper or newer) for torch._grouped_mm's CUTLASS kernels; this GPU "
+                f"is SM{platform.sm()}",
+            )
+        return Availability(True)
+
+    @classmethod
+    def unsupported(cls, fmt, weight_format, activation, dtype, device, bias):
+        problem = super().unsupported(fmt, weight_format, activation, dtype, device, bias)
+        if problem is None and device == "cuda" and dtype != "bfloat16":
+            return (
+                f"runner 'cutlass' does not support dtype {dtype!r} on cuda: torch._grouped_mm "
+                "runs CUTLASS for bfloat16 only (other dtypes take a host-synchronising loop); "
+                "it supports: bfloat16"
+            )
+        return problem
+
+    # ------------------------------------------------------------------ helpers
+
+    def _kernels_on(self, x: torch.Tensor) -> bool:
+        return kernels.use_triton_for(x) if self.use_triton is None else self.use_triton
+
+    def _weights(self, w: ExpertWeights, act: ActivationSpec, dtype: torch.dtype) -> _PaddedWeights:
+        align = STRIDE_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+        if w.hidden_size % align == 0 and w.intermediate_size % align == 0:
+            return _PaddedWeights(w, act, align)  # no copies: the tensors themselves
+        key = _weights_key(w, act)
+        cached = self._padded.get(key)
+        if cached is None:
+            if len(self._padded) >= _MAX_CACHED_PADDINGS:
+                self._padded.clear()
+            cached = self._padded[key] = _PaddedWeights(w, act, align)
+        return cached
+
+    @staticmethod
+    def _check_shapes(x: torch.Tensor, w: ExpertWeights) -> None:
+        if x.shape[-1] != w.hidden_size:
+            raise RunnerError(
+                f"runner 'cutlass': x has hidden size {x.shape[-1]}, weights {w.hidden_size}"
+            )
+        if w.w13.dtype != x.dtype or w.w2.dtype != x.dtype:
+            raise RunnerError(
+                f"runner 'cutlass': unquantized weights must have the activations' dtype "
+                f"{x.dtype}, got w13 {w.w13.dtype}, w2 {w.w2.dtype}"
+            )
+
+    # ------------------------------------------------------------------ formats
+
+    def run_standard(
+        self, x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec
+    ) -> torch.Tensor:
+        """x [T, H], topk ids/weights [T, K] -> out [T, H] in x's dtype."""
+        self._check_shapes(x_TH, w)
+        T, H = x_TH.shape
+        if T == 0:
+            return torch.zeros(0, H, dtype=x_TH.dtype, device=x_TH.device)
+        pw = self._weights(w, act, x_TH.dtype)
+        tri = self._kernels_on(x_TH)
+        rows = group_rows(topk.ids, w.num_experts)
+        x_rows = x_TH[rows.token_M]
+        if pw.Hp != H:
+            x_rows = F.pad(x_rows, (0, pw.Hp - H))
+        h = torch._grouped_mm(x_rows, pw.w13.transpose(-1, -2), rows.ends_E)
+        a = kernels.activation(h, rows.expert_M, pw.b13, act, use_triton=tri)
+        y = torch._grouped_mm(a, pw.w2.transpose(-1, -2), rows.ends_E)
+        return kernels.weighted_reduce(
+            y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype, use_triton=tri
+        )
+
+    def run_masked(
+        self, x_ECH: torch.Tensor, counts_E: torch.Tensor, w: ExpertWeights, act: ActivationSpec
+    ) -> torch.Tensor:
+        """x [E, C, H], counts [E] -> unweighted expert outputs [E, C, H] (rows past counts
+        undefined)."""
+        self._check_shapes(x_ECH, w)
+        E, C, H = x_ECH.shape
+        if E != w.num_experts:
+            raise RunnerError(
+                f"runner 'cutlass': masked x has {E} experts, weights {w.num_experts}"
+            )
+        if E * C == 0:
+            return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
+        pw = self._weights(w, act, x_ECH.dtype)
+        tri = self._kernels_on(x_ECH)
+        x = x_ECH if pw.Hp == H else F.pad(x_ECH, (0, pw.Hp - H))
+        h = torch._grouped_mm(x.contiguous(), pw.w13.transpose(-1, -2))  # [E, C, 2Ip]
+        slot = torch.arange(C, device=x.device).unsqueeze(0)
+        expert = torch.arange(E, device=x.device, dtype=torch.int32).unsqueeze(1)
+        expert_M = torch.where(slot < counts_E.unsqueeze(1), expert, -1).reshape(-1)
+        a = kernels.activation(h.reshape(E * C, -1), expert_M, pw.b13, act, use_triton=tri)
+        y = torch._grouped_mm(a.view(E, C, pw.Ip), pw.w2.transpose(-1, -2))  # [E, C, Hp]
+        y = y[..., :H]
+        if w.b2 is not None:
+            y = (y.float() + w.b2.float().unsqueeze(1)).to(x_ECH.dtype)
+        return y.contiguous()
+
+    def run(
+        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
+    ) -> RunnerOutput:
+        self.check(dispatch_out, weights, act)
+        if isinstance(dispatch_out, MaskedDispatchOutput):
+            out = self.run_masked(dispatch_out.x, dispatch_out.counts, weights, act)
+            return MaskedRunnerOutput(out)
+        out = self.run_standard(dispatch_out.x, dispatch_out.topk, weights, act)
+        return StandardRunnerOutput(out)
