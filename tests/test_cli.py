@@ -1,0 +1,161 @@
+"""`moekit env`, `moekit bench` and `moekit tune` through the CLI entry point."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moekit.cli import bench as bench_cli
+from moekit.cli.main import main
+from moekit.config import A2A_BACKENDS, RUNNER_BACKENDS
+from moekit.presets import PRESETS
+
+TINY = ["--device", "cpu", "--batch-sizes", "1,8", "--no-plot"]
+
+
+def test_env_tables(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for text in ("MOEKIT_LOG_LEVEL", "torch", "available", "unavailable", "deepep", "triton"):
+        assert text in out
+
+
+def test_env_json(capsys, monkeypatch):
+    monkeypatch.setenv("MOEKIT_LOG_LEVEL", "WARNING")
+    monkeypatch.setenv("MOEKIT_NOT_A_THING", "1")
+    assert main(["env", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {r["name"] for r in doc["runners"]} == set(RUNNER_BACKENDS) - {"auto"}
+    assert {a["name"] for a in doc["a2a"]} == set(A2A_BACKENDS)
+    torch_runner = next(r for r in doc["runners"] if r["name"] == "torch")
+    assert torch_runner["available"] and torch_runner["caps"]["cuda_graph"] is False
+    for r in doc["runners"] + doc["a2a"]:
+        assert r["available"] or r["reason"], r  # every unavailable one says why
+    log = next(v for v in doc["env"] if v["name"] == "MOEKIT_LOG_LEVEL")
+    assert log["value"] == "WARNING" and log["set"]
+    assert doc["unknown_env"] == ["MOEKIT_NOT_A_THING"]
+    assert "torch" in doc["libraries"] and doc["device"]["type"] in ("cpu", "cuda")
+
+
+def test_env_explain(capsys):
+    args = ["env", "--explain", "--model", "gpt-oss-120b", "--batch-size", "4",
+            "--tp-size", "2", "--ep-size", "2", "--json"]
+    assert main(args) == 0
+    ex = json.loads(capsys.readouterr().out)["explain"]
+    assert ex["workload"]["activation"] == "swiglu_oai" and ex["workload"]["has_bias"]
+    assert ex["workload"]["experts_local"] == 64 and ex["workload"]["num_tokens"] == 4
+    chosen = [b["name"] for b in ex["backends"] if b["status"] == "chosen"]
+    assert chosen == [ex["decision"]["backend"]]
+    assert main(["env", "--explain", "--model", "mixtral-8x7b"]) == 0
+    out = capsys.readouterr().out
+    assert "picked:" in out and "each runner for this workload" in out
+
+
+def test_env_explain_bad_preset(capsys):
+    assert main(["env", "--explain", "--model", "gpt-5"]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and all(name in err for name in PRESETS)
+
+
+def test_bench_tiny(tmp_path, capsys):
+    out_dir = tmp_path / "res"
+    rc = main(["bench", "--device", "cpu", "--batch-sizes", "0,1,8", "--backends", "torch,auto",
+               "--out-dir", str(out_dir)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "SCALED-DOWN" in out and "routing precomputed, not timed" in out
+    assert "backend torch" in out and "winner per T" in out and "time/floor" in out
+    (json_path,) = out_dir.glob("*.json")
+    (png_path,) = out_dir.glob("*.png")
+    assert png_path.read_bytes()[:4] == b"\x89PNG"
+    doc = json.loads(json_path.read_text())
+    for key in ("device", "libraries", "git_commit", "command", "ceilings", "records", "timed",
+                "shape", "parallel", "dtype", "quantization", "routing", "batch_sizes"):
+        assert key in doc, key
+    assert doc["scaled_down"] and doc["preset"] == "qwen3-30b-a3b"
+    assert doc["command"].startswith("moekit")
+    assert doc["ceilings"]["copy_bytes_per_s"] > 0 and doc["ceilings"]["matmul_flops_per_s"] > 0
+    assert {(r["backend"], r["T"]) for r in doc["records"]} == {
+        (b, t) for b in ("torch", "auto") for t in (0, 1, 8)
+    }
+    assert all(r["ms"] > 0 for r in doc["records"])
+    assert not (out_dir.parent / "BENCHMARKS.md").exists()  # only for the repo's results dir
+
+
+def test_bench_alias_zipf_and_ep(tmp_path, capsys):
+    rc = main(["bench", *TINY, "--moe-runner-backend", "torch", "--model", "deepseek-v3",
+               "--tp-size", "4", "--ep-size", "2", "--routing", "zipf", "--zipf-s", "1.5",
+               "--out-dir", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["parallel"] == {"tp_size": 4, "ep_size": 2, "moe_tp_size": 2, "rank": 0}
+    assert doc["shape"]["experts_local"] * 2 == doc["shape"]["num_experts"]
+    assert doc["routing"]["kind"] == "zipf" and doc["routing"]["zipf_s"] == 1.5
+    assert "zipf1.5" in next(tmp_path.glob("*.json")).name
+
+
+def test_bench_updates_benchmarks_md_in_repo_results(tmp_path, monkeypatch, capsys):
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.setattr(bench_cli, "repo_root", lambda: tmp_path)
+    assert main(["bench", *TINY, "--backends", "torch"]) == 0
+    assert len(list((tmp_path / "benchmarks" / "results").glob("*.json"))) == 1
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "qwen3-30b-a3b (CPU scale-down)" in md and "| 8 |" in md
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--model", "llama-moe"], "--model: unknown preset 'llama-moe'; known: qwen3-30b-a3b"),
+        (["--backends", "torch,fastest"], "--backends: unknown value 'fastest'; allowed: all"),
+        (["--moe-runner-backend", "fastest"], "--moe-runner-backend: unknown value 'fastest'"),
+        (["--backends", "torch", "--moe-runner-backend", "torch"], "not both"),
+        (["--batch-sizes", "1,two"], "--batch-sizes"),
+        (["--routing", "pareto"], "--routing: unknown value 'pareto'"),
+        (["--tp-size", "3", "--ep-size", "2"], "--ep-size (2) must divide --tp-size (3)"),
+        (["--dtype", "int3"], "--dtype: unknown value 'int3'"),
+        (["--backends", "flashinfer_trtllm"], "none of the requested backends"),
+    ],
+)
+def test_bench_errors(args, needle, tmp_path, capsys):
+    assert main(["bench", *TINY, "--out-dir", str(tmp_path), *args]) == 2
+    assert needle in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("moekit.cli.tune") is not None, reason="this build has moekit tune"
+)
+def test_tune_unavailable(capsys):
+    assert main(["tune", "--model", "qwen3-30b-a3b"]) == 2
+    assert "not available in this build" in capsys.readouterr().err
+
+
+def test_no_command_and_module_entry():
+    assert main([]) == 2
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    proc = subprocess.run(
+        [sys.executable, "-m", "moekit.cli.main", "--version"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("moekit ")
+
+
+@pytest.mark.gpu
+def test_bench_gpu_every_available_backend(tmp_path, capsys):
+    """On the GPU: the real qwen3-30b-a3b shape, two batch sizes, every available backend;
+    every point must run (CUDA graph capture included) and match the torch reference."""
+    assert main(["bench", "--batch-sizes", "1,256", "--no-plot", "--out-dir", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["device"]["type"] == "cuda" and not doc["scaled_down"]
+    assert doc["records"]
+    for r in doc["records"]:
+        assert r["error"] is None, r
+        assert not r["suspicious"], r
+        if r["backend"] == "torch":
+            assert r["cuda_graph"] is False  # the reference runner syncs with the host

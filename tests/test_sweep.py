@@ -1,0 +1,272 @@
+"""The bench sweep: synthetic routing, per-rank cost and floor arithmetic, records, reports."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit import report
+from moekit.bench import Ceilings
+from moekit.config import ConfigError, MoEConfig, ParallelConfig, validate
+from moekit.hardware import Availability
+from moekit.layer import MoE
+from moekit.presets import PRESETS
+from moekit.runners import registry
+from moekit.runners.base import Runner, RunnerCaps
+from moekit.router import TopKOutput
+from moekit.sweep import (
+    SweepSpec,
+    cpu_scaled,
+    make_routing,
+    point_cost,
+    run_sweep,
+    weight_bytes_per_expert,
+    winners,
+)
+
+CEILINGS = Ceilings(copy_bytes_per_s=1e10, matmul_flops_per_s=1e11, dtype="float32")
+
+
+def tiny(**kw) -> MoEConfig:
+    base = dict(num_experts=6, top_k=2, hidden_size=16, intermediate_size=8, dtype="float32")
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def spec(**kw) -> SweepSpec:
+    base = dict(
+        preset="tiny",
+        moe=tiny(),
+        parallel=ParallelConfig(),
+        batch_sizes=(0, 1, 5),
+        backends=("torch",),
+        device="cpu",
+    )
+    base.update(kw)
+    return SweepSpec(**base)
+
+
+# ---------------------------------------------------------------------------- cost arithmetic
+
+
+def test_point_cost_hand_computed_rank0_of_ep2():
+    """E=4 over ep=2 (rank 0 holds experts 0, 1), K=2, H=8, I=6, float32, T=3."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=6, dtype="float32")
+    module = MoE(cfg, ParallelConfig(tp_size=2, ep_size=2), tp_rank=0)
+    ids = torch.tensor([[0, 3], [2, 1], [1, 0]], dtype=torch.int32)
+    topk = TopKOutput(torch.full((3, 2), 0.5), ids)
+    x = torch.randn(3, 8)
+    cost, local_ids = point_cost(module, x, topk)
+    # Local ids: experts 2, 3 are on rank 1 -> -1.
+    assert local_ids.tolist() == [[0, -1], [-1, 1], [1, 0]]
+    # 4 local pairs; weights per expert (2I*H + H*I) * 4 bytes = (96 + 48) * 4 = 576 bytes.
+    assert weight_bytes_per_expert(module.expert_weights) == 576
+    assert cost.flops == 2 * 4 * 3 * 8 * 6  # 1152
+    # 2 touched experts + activations in and out: 2*576 + 2*3*8*4 = 1152 + 192
+    assert cost.bytes == 1344
+    ceil = Ceilings(copy_bytes_per_s=1344.0, matmul_flops_per_s=576.0, dtype="float32")
+    assert cost.floor_s(ceil) == pytest.approx(2.0)  # max(1344/1344, 1152/576)
+    ceil = Ceilings(copy_bytes_per_s=672.0, matmul_flops_per_s=1152.0, dtype="float32")
+    assert cost.floor_s(ceil) == pytest.approx(2.0)  # memory bound this time
+
+
+def test_weight_bytes_count_biases():
+    cfg = tiny(has_bias=True, activation="swiglu_oai", interleaved=True)
+    module = MoE(cfg)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    assert weight_bytes_per_expert(module.expert_weights) == (3 * H * I + 2 * I + H) * 4
+
+
+def test_tp_slices_intermediate_in_cost():
+    """tp 4, ep 2: moe_tp 2, so I_local = I / 2 and FLOPs halve against tp 2 ep 2."""
+    cfg = tiny(num_experts=4, intermediate_size=8)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    topk = TopKOutput(torch.ones(1, 2) / 2, ids)
+    x = torch.randn(1, cfg.hidden_size)
+    full, _ = point_cost(MoE(cfg, ParallelConfig(2, 2)), x, topk)
+    half, _ = point_cost(MoE(cfg, ParallelConfig(4, 2)), x, topk)
+    assert half.flops * 2 == full.flops == 2 * 2 * 3 * 16 * 8
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+def test_routing_distinct_in_range(routing):
+    g = torch.Generator().manual_seed(1)
+    topk = make_routing(300, 12, 4, routing=routing, generator=g)
+    assert topk.ids.dtype == torch.int32 and topk.weights.dtype == torch.float32
+    assert topk.ids.shape == (300, 4)
+    assert int(topk.ids.min()) >= 0 and int(topk.ids.max()) < 12
+    assert all(len(set(row)) == 4 for row in topk.ids.tolist())
+    torch.testing.assert_close(topk.weights.sum(1), torch.ones(300))
+
+
+def test_zipf_is_skewed_uniform_is_not():
+    g = torch.Generator().manual_seed(2)
+    T, E, K = 4000, 32, 2
+    uni = torch.bincount(make_routing(T, E, K, generator=g).ids.flatten().long(), minlength=E)
+    zipf = torch.bincount(
+        make_routing(T, E, K, routing="zipf", zipf_s=1.2, generator=g).ids.flatten().long(),
+        minlength=E,
+    )
+    mean = T * K / E
+    assert uni.max() < 1.5 * mean
+    assert zipf.max() > 4 * mean
+
+
+def test_routing_empty_and_shared():
+    assert make_routing(0, 8, 2, routing="zipf").ids.shape == (0, 2)
+    topk = make_routing(5, 8, 2, num_shared=1)
+    assert topk.ids[:, 2].tolist() == [8] * 5
+    assert topk.weights[:, 2].tolist() == [1.0] * 5
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (4, 2), (8, 8)])
+def test_cpu_scale_down_is_valid_and_small(name, tp, ep):
+    parallel = ParallelConfig(tp, ep)
+    small = cpu_scaled(PRESETS[name], parallel)
+    validate(small, parallel)
+    assert small.hidden_size == 256 and small.intermediate_size // parallel.moe_tp_size == 128
+    assert small.num_experts <= 16 and small.top_k == PRESETS[name].top_k
+    assert small.activation == PRESETS[name].activation
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+
+def test_sweep_records_and_arithmetic():
+    result = run_sweep(spec(backends=("torch", "auto")), ceilings=CEILINGS)
+    assert [(r.backend, r.T) for r in result.records] == [
+        (b, t) for t in (0, 1, 5) for b in ("torch", "auto")
+    ]
+    for r in result.records:
+        assert r.error is None and r.ms > 0
+        assert r.rel_err == 0.0  # on CPU auto runs torch, the reference
+        if r.T == 0:
+            assert r.flops == 0 and r.time_over_floor is None
+            continue
+        assert r.pairs == r.T * 2  # ep 1: every pair is local
+        floor_ms = max(r.bytes / CEILINGS.copy_bytes_per_s, r.flops / CEILINGS.matmul_flops_per_s) * 1e3
+        assert r.floor_ms == pytest.approx(floor_ms)
+        assert r.time_over_floor == pytest.approx(r.ms / floor_ms)
+        assert r.tflops == pytest.approx(r.flops / (r.ms * 1e-3) / 1e12)
+        assert r.gbps == pytest.approx(r.bytes / (r.ms * 1e-3) / 1e9)
+    assert {r.chosen for r in result.records if r.backend == "auto"} == {"torch"}
+    assert result.auto_choice == {0: "torch", 1: "torch", 5: "torch"}
+    assert set(winners(result.records)) == {0, 1, 5}
+    assert all(w.backend == "torch" for w in winners(result.records).values())
+
+
+def test_sweep_ep_counts_only_local_pairs():
+    s = spec(moe=tiny(num_experts=8, top_k=4), parallel=ParallelConfig(2, 2), batch_sizes=(64,))
+    (r,) = run_sweep(s, ceilings=CEILINGS).records
+    assert 0 < r.pairs < 64 * 4  # about half the pairs are on rank 1
+    assert r.touched_experts <= 4
+
+
+class _Broken(Runner):
+    name = "flashinfer_cutedsl"
+    caps = RunnerCaps(
+        formats=frozenset({"standard"}),
+        weight_formats=frozenset({"unquantized"}),
+        activations=frozenset({"silu"}),
+        devices=frozenset({"cpu"}),
+    )
+
+    @classmethod
+    def availability(cls, platform):
+        return Availability(True)
+
+    def run(self, dispatch_out, weights, act):
+        raise RuntimeError("kernel exploded")
+
+
+def test_failing_backend_is_recorded_and_sweep_goes_on(monkeypatch):
+    registry.registered()  # load the built-in runners first
+    monkeypatch.setitem(registry._RUNNERS, "flashinfer_cutedsl", _Broken)
+    result = run_sweep(spec(backends=("flashinfer_cutedsl", "torch")), ceilings=CEILINGS)
+    broken = [r for r in result.records if r.backend == "flashinfer_cutedsl"]
+    assert broken and all(r.ms is None and "kernel exploded" in r.error for r in broken)
+    assert all(r.ms is not None for r in result.records if r.backend == "torch")
+
+
+def test_unavailable_backends_skipped_with_reason():
+    result = run_sweep(spec(backends=("torch", "flashinfer_trtllm")), ceilings=CEILINGS)
+    assert "flashinfer_trtllm" in result.skipped and result.skipped["flashinfer_trtllm"]
+    assert {r.backend for r in result.records} == {"torch"}
+
+
+def test_time_budget_skips_points():
+    result = run_sweep(spec(time_budget_s=1e-9), ceilings=CEILINGS)
+    assert all(r.ms is None and r.error.startswith("skipped") for r in result.records)
+
+
+def test_spec_rejects_bad_values():
+    with pytest.raises(ConfigError, match="--routing"):
+        spec(routing="pareto")
+    with pytest.raises(ConfigError, match="--batch-sizes"):
+        spec(batch_sizes=(-1,))
+    with pytest.raises(ConfigError, match="--backends.*allowed"):
+        spec(backends=("nope",))
+    with pytest.raises(ConfigError, match="--zipf-s"):
+        spec(routing="zipf", zipf_s=0.0)
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def _doc(timestamp: str, ms_scale: float = 1.0, **meta_over) -> dict:
+    result = run_sweep(spec(batch_sizes=(1, 5)), ceilings=CEILINGS)
+    for r in result.records:
+        r.ms *= ms_scale
+    meta = report.metadata(["moekit", "bench"])
+    meta["timestamp"] = timestamp
+    meta.update(meta_over)
+    return report.result_dict(result, meta)
+
+
+def test_json_roundtrip_and_benchmarks_md(tmp_path):
+    root = tmp_path
+    results = root / "benchmarks" / "results"
+    old = _doc("2026-01-01T00:00:00Z", ms_scale=1000.0)
+    new = _doc("2026-02-01T00:00:00Z")
+    other = _doc("2025-01-01T00:00:00Z", device={**new["device"], "name": "Fake GPU"})
+    paths = [report.save(d, results, plot=False)[0] for d in (old, new, other)]
+    assert len({p.name for p in paths}) == 3
+    loaded = json.loads(paths[1].read_text())
+    for key in ("device", "libraries", "git_commit", "command", "ceilings", "records",
+                "timed", "parallel", "routing", "auto_choice", "winners"):
+        assert key in loaded
+    assert loaded["command"] == "moekit bench"
+    newest = report.newest_per_key(report.load_results(results))
+    assert sorted(d["timestamp"] for _, d in newest) == [
+        "2025-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    ]
+    md_path = report.update_benchmarks_md(root)
+    md = md_path.read_text()
+    assert md.count("| T | torch | winner | auto picks |") == 2
+    assert "## Fake GPU" in md and "Do not edit by hand" in md
+    r1 = next(r for r in new["records"] if r["T"] == 1)
+    assert f"| 1 | {r1['ms']:.4g} ({r1['time_over_floor']:.2f}x) | torch | torch |" in md
+    assert paths[1].name in md and paths[0].name not in md  # only the newest per key
+
+
+def test_plot_written(tmp_path):
+    doc = _doc("2026-01-01T00:00:00Z")
+    json_path, png = report.save(doc, tmp_path, plot=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(json_path.read_text())["plot"] == png.name
+
+
+def test_git_commit_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEKIT_GIT_COMMIT", "abc123")
+    assert report.git_commit(Path(tmp_path)) == ("abc123", None)
+    monkeypatch.delenv("MOEKIT_GIT_COMMIT")
+    assert report.git_commit(Path(tmp_path))[0] == "unknown"
+    root = report.repo_root()
+    if root is not None and (root / ".git").exists():
+        commit, _ = report.git_commit()
+        assert len(commit) == 40 and int(commit, 16) >= 0
