@@ -1,0 +1,333 @@
+"""The `cutlass` runner (torch._grouped_mm) and its pieces against their reference twins.
+
+CPU: bf16 / fp32 through torch._grouped_mm's CPU path with the torch twins of the kernels; the
+Triton kernels under the interpreter (fp32 / fp16). GPU (marked): bf16 on preset shapes, eager
+and CUDA-graph replay; fp8 rowwise through torch._scaled_grouped_mm.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Platform
+from moekit.router import TopKOutput
+from moekit.runners import _cutlass_kernels as kernels
+from moekit.runners._grouped import group_rows, group_rows_reference, max_rows
+from moekit.runners.base import RunnerError
+from moekit.runners.cutlass import CutlassRunner
+from moekit.runners.torch import moe_reference_fp64, run_masked
+from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
+from tests.helpers import TOLERANCE, rel_err
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    T: int = 9
+    E: int = 6
+    K: int = 2
+    H: int = 32
+    I: int = 16
+    activation: str = "silu"
+    interleaved: bool = False
+    bias: bool = False
+    routing: str = "random"  # random | masked | one_expert | out_of_range
+
+
+CASES = [
+    Case("silu"),
+    Case("T0", T=0),
+    Case("T1", T=1),
+    Case("masked-ids", routing="masked", K=3),
+    Case("one-expert-all-tokens", T=12, routing="one_expert"),
+    Case("out-of-range-ids", routing="out_of_range"),
+    Case("gelu-bias", activation="gelu", bias=True),
+    Case("swiglu_oai-interleaved-bias", activation="swiglu_oai", interleaved=True, bias=True),
+    Case("odd-sizes", T=11, E=7, K=3, H=20, I=13, bias=True),
+    Case("odd-sizes-interleaved", T=5, E=5, K=2, H=12, I=6, activation="swiglu_oai",
+         interleaved=True, bias=True),
+]
+
+
+def make_topk(case: Case, device="cpu") -> TopKOutput:
+    T, E, K = case.T, case.E, case.K
+    ids = torch.rand(T, E).argsort(dim=1)[:, :K].to(torch.int32)
+    if case.routing == "masked":
+        ids[torch.rand(T, K) < 0.4] = -1
+        if T:
+            ids[0] = -1  # a token with no expert at all
+    elif case.routing == "one_expert":
+        ids[:, 0] = E - 1
+        ids[:, 1:] = -1
+    elif case.routing == "out_of_range":
+        ids[torch.rand(T, K) < 0.3] = E + 2  # not on this rank: must count as masked
+    weights = torch.rand(T, K) + 0.1
+    return TopKOutput(weights.float().to(device), ids.to(device))
+
+
+def make_weights(case: Case, dtype, device="cpu") -> ExpertWeights:
+    E, H, I = case.E, case.H, case.I
+    w13 = torch.randn(E, 2 * I, H) / H**0.5
+    w2 = torch.randn(E, H, I) / I**0.5
+    b13 = torch.randn(E, 2 * I) * 0.1 if case.bias else None
+    b2 = torch.randn(E, H) * 0.1 if case.bias else None
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return ExpertWeights(cast(w13), cast(w2), cast(b13), cast(b2))
+
+
+def reference(x, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec) -> torch.Tensor:
+    """The fp64 reference; ids outside [0, E) (not on this rank) are masked for it."""
+    ids = torch.where(topk.ids < w.num_experts, topk.ids, -1)
+    return moe_reference_fp64(x, TopKOutput(topk.weights, ids), w, act)
+
+
+def act_of(case: Case) -> ActivationSpec:
+    return ActivationSpec(case.activation, case.interleaved)
+
+
+# ---------------------------------------------------------------------------- row layout
+
+
+@pytest.mark.parametrize("align", [1, 4, 128])
+@pytest.mark.parametrize("case", CASES[:6], ids=lambda c: c.name)
+def test_group_rows_matches_reference(case, align):
+    topk = make_topk(case)
+    got = group_rows(topk.ids, case.E, align)
+    ref = group_rows_reference(topk.ids, case.E, align)
+    assert got.num_rows == max_rows(case.T * case.K, case.E, align)
+    for field in ("token_M", "expert_M", "row_TK", "ends_E", "counts_E"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
+@pytest.mark.parametrize("align", [1, 8])
+def test_group_rows_invariants(align):
+    T, E, K = 37, 10, 4
+    ids = torch.randint(-1, E, (T, K), dtype=torch.int32)
+    rows = group_rows(ids, E, align)
+    valid = ids >= 0
+    # every valid pair has its own row, of its expert and token; masked pairs have none
+    r = rows.row_TK[valid]
+    assert r.unique().numel() == r.numel() == int(valid.sum())
+    assert torch.equal(rows.expert_M[r], ids[valid])
+    assert torch.equal(rows.token_M[r], torch.arange(T).unsqueeze(1).expand(T, K)[valid])
+    assert (rows.row_TK[~valid] == -1).all()
+    # groups: padded to align, ends cumulative, each row inside its group
+    counts = torch.bincount(ids[valid].long(), minlength=E)
+    assert torch.equal(rows.counts_E.long(), counts)
+    padded = (counts + align - 1) // align * align
+    assert torch.equal(rows.ends_E.long(), padded.cumsum(0))
+    starts = rows.ends_E.long() - padded
+    e = ids[valid].long()
+    assert ((r >= starts[e]) & (r < starts[e] + counts[e])).all()
+    assert (rows.expert_M[rows.ends_E[-1]:] == -1).all()
+
+
+# ---------------------------------------------------------------------------- kernels vs twins
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "act", [ActivationSpec("silu"), ActivationSpec("gelu"), ActivationSpec("swiglu_oai", True)],
+    ids=lambda a: a.name,
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_activation_kernel_matches_twin(dtype, act, bias):
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton not importable")
+    M, I, E = 13, 24, 4
+    h = torch.randn(M, 2 * I, dtype=dtype) * 3
+    expert = torch.randint(-1, E, (M,), dtype=torch.int32)
+    b13 = torch.randn(E, 2 * I, dtype=dtype) if bias else None
+    got = kernels.activation_triton(h, expert, b13, act)
+    ref = kernels.activation_torch(h, expert, b13, act)
+    keep = expert >= 0  # rows of expert -1 are left unwritten by the kernel
+    assert rel_err(got[keep], ref[keep]) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_weighted_reduce_kernel_matches_twin(dtype, bias):
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton not importable")
+    T, K, E, H, Hp = 7, 3, 5, 20, 24
+    ids = torch.randint(-1, E, (T, K), dtype=torch.int32)
+    rows = group_rows(ids, E)
+    y = torch.randn(rows.num_rows, Hp, dtype=dtype)
+    w = torch.rand(T, K)
+    b2 = torch.randn(E, H, dtype=dtype) if bias else None
+    got = kernels.weighted_reduce_triton(y, rows.row_TK, w, rows.expert_M, b2, H, dtype)
+    ref = kernels.weighted_reduce_torch(y, rows.row_TK, w, rows.expert_M, b2, H, dtype)
+    assert got.shape == (T, H)
+    assert rel_err(got, ref) <= TOLERANCE[dtype]
+
+
+def test_weighted_reduce_ignores_garbage_rows():
+    """Rows no pair points to may hold NaN/inf (unwritten GEMM rows): they must not leak."""
+    T, K, E, H = 4, 2, 3, 8
+    ids = torch.tensor([[0, -1], [1, 2], [-1, -1], [2, 0]], dtype=torch.int32)
+    rows = group_rows(ids, E)
+    y = torch.randn(rows.num_rows, H)
+    y[rows.ends_E[-1]:] = float("nan")
+    out = kernels.weighted_reduce_torch(y, rows.row_TK, torch.rand(T, K), rows.expert_M, None, H,
+                                        torch.float32)
+    assert torch.isfinite(out).all()
+    assert (out[2] == 0).all()
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_standard_vs_reference(case, dtype):
+    x = torch.randn(case.T, case.H).to(dtype)
+    topk = make_topk(case)
+    w = make_weights(case, dtype)
+    out = CutlassRunner().run(StandardDispatchOutput(x, topk), w, act_of(case)).out
+    assert out.shape == (case.T, case.H) and out.dtype == dtype
+    ref = reference(x, topk, w, act_of(case))
+    assert rel_err(out, ref) <= TOLERANCE[dtype], case.name
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.T > 0][:6], ids=lambda c: c.name)
+def test_standard_triton_kernels_interpreted(case):
+    """The whole runner with the Triton kernels (interpreter on CPU, fp32)."""
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton not importable")
+    dtype = torch.float32
+    x = torch.randn(case.T, case.H)
+    topk = make_topk(case)
+    w = make_weights(case, dtype)
+    out = CutlassRunner(use_triton=True).run_standard(x, topk, w, act_of(case))
+    ref = reference(x, topk, w, act_of(case))
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[6], CASES[7], CASES[8]], ids=lambda c: c.name
+)
+def test_masked_vs_reference(case, dtype):
+    C = 5
+    x = torch.randn(case.E, C, case.H).to(dtype)
+    counts = torch.randint(0, C + 1, (case.E,), dtype=torch.int32)
+    counts[0] = C  # a full expert
+    counts[-1] = 0  # an empty one
+    w = make_weights(case, dtype)
+    out = CutlassRunner().run(MaskedDispatchOutput(x, counts), w, act_of(case)).out
+    assert out.shape == x.shape
+    valid = torch.arange(C).unsqueeze(0) < counts.unsqueeze(1)
+    ref = run_masked(x.double(), counts, ExpertWeights(
+        w.w13.double(), w.w2.double(),
+        None if w.b13 is None else w.b13.double(), None if w.b2 is None else w.b2.double(),
+    ), act_of(case))
+    assert rel_err(out[valid], ref[valid]) <= TOLERANCE[dtype]
+
+
+def test_masked_empty():
+    case = CASES[0]
+    w = make_weights(case, torch.bfloat16)
+    x = torch.randn(case.E, 0, case.H).to(torch.bfloat16)
+    out = CutlassRunner().run_masked(x, torch.zeros(case.E, dtype=torch.int32), w, act_of(case))
+    assert out.shape == (case.E, 0, case.H)
+
+
+def test_unaligned_weights_are_padded_once():
+    case = CASES[8]  # H=20, I=13: not multiples of 8 bf16 elements
+    w = make_weights(case, torch.bfloat16)
+    runner = CutlassRunner()
+    x = torch.randn(case.T, case.H).to(torch.bfloat16)
+    topk = make_topk(case)
+    runner.run_standard(x, topk, w, act_of(case))
+    runner.run_standard(x, topk, w, act_of(case))
+    assert len(runner._padded) == 1
+    w.w13.mul_(2)  # in-place change: a new version, a new padded copy
+    out = runner.run_standard(x, topk, w, act_of(case))
+    assert len(runner._padded) == 2
+    assert rel_err(out, reference(x, topk, w, act_of(case))) <= TOLERANCE[torch.bfloat16]
+
+
+def test_shape_and_dtype_errors():
+    case = CASES[0]
+    w = make_weights(case, torch.bfloat16)
+    x = torch.randn(3, case.H + 1).to(torch.bfloat16)
+    with pytest.raises(RunnerError, match="hidden size"):
+        CutlassRunner().run_standard(x, make_topk(Case("x", T=3)), w, act_of(case))
+    x = torch.randn(3, case.H)  # float32 activations, bf16 weights
+    with pytest.raises(RunnerError, match="dtype"):
+        CutlassRunner().run_standard(x, make_topk(Case("x", T=3)), w, act_of(case))
+
+
+def test_caps_and_availability():
+    cls = CutlassRunner
+    assert cls.unsupported("standard", "unquantized", "silu", "bfloat16", "cuda", True) is None
+    msg = cls.unsupported("standard", "unquantized", "silu", "float16", "cuda", False)
+    assert "bfloat16" in msg and "float16" in msg
+    assert cls.unsupported("standard", "unquantized", "silu", "float32", "cpu", False) is None
+    assert "int4_w4a16" in cls.unsupported("standard", "int4_w4a16", "silu", "bfloat16", "cuda",
+                                           False)
+    a100 = Platform("cuda", "NVIDIA A100", (8, 0), 1, {})
+    h100 = Platform("cuda", "NVIDIA H100", (9, 0), 1, {})
+    assert not cls.availability(a100) and "SM80" in cls.availability(a100).reason
+    assert cls.availability(h100)
+    assert cls.availability(Platform("cpu", "cpu"))
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+PRESET_SHAPES = {  # per-rank E, K, H, I of presets (ep = tp = 1; deepseek-v3 with ep 8)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "deepseek-v3-ep8": (32, 8, 7168, 2048),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", list(PRESET_SHAPES))
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_gpu_bf16_presets(preset, T):
+    E, K, H, I = PRESET_SHAPES[preset]
+    case = Case(preset, T=T, E=E, K=K, H=H, I=I, routing="masked" if T == 64 else "random")
+    dev = "cuda"
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    topk = make_topk(case, dev)
+    w = make_weights(case, torch.bfloat16, dev)
+    runner = CutlassRunner()
+    out = runner.run_standard(x, topk, w, act_of(case))
+    ref = reference(x, topk, w, act_of(case))
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_matches_eager():
+    E, K, H, I = PRESET_SHAPES["qwen3-30b-a3b"]
+    case = Case("graph", T=48, E=E, K=K, H=H, I=I, bias=True, activation="swiglu_oai",
+                interleaved=True, routing="masked")
+    dev = "cuda"
+    x = torch.randn(case.T, H, device=dev).to(torch.bfloat16)
+    topk = make_topk(case, dev)
+    w = make_weights(case, torch.bfloat16, dev)
+    runner = CutlassRunner()
+    act = act_of(case)
+    eager = runner.run_standard(x, topk, w, act)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        runner.run_standard(x, topk, w, act)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = runner.run_standard(x, topk, w, act)
+    # new routing and inputs in place: the replay must follow them
+    new = make_topk(case, dev)
+    topk.ids.copy_(new.ids)
+    topk.weights.copy_(new.weights)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(x, topk, w, act)
+    assert rel_err(static_out, ref) <= TOLERANCE[torch.bfloat16]
+    assert not torch.equal(static_out, eager)
