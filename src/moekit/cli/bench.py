@@ -74,6 +74,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         f"{CPU_TIME_BUDGET_S:.0f} on a CPU scale-down, none otherwise)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and inputs")
+    p.add_argument(
+        "--regenerate-md",
+        action="store_true",
+        help="only regenerate BENCHMARKS.md from benchmarks/results/ (e.g. after copying in "
+        "results from a GPU machine); runs nothing",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -287,6 +293,13 @@ def _out_dir(args) -> Path:
 
 def run(args) -> int:
     from rich.console import Console
+
+    if args.regenerate_md:
+        root = repo_root()
+        if root is None:
+            raise ConfigError("--regenerate-md needs a source checkout of moekit (none found)")
+        print(f"updated {update_benchmarks_md(root)}")
+        return 0
 
     # Wide enough for the tables when the output goes to a log rather than a terminal.
     console = Console(width=None if sys.stdout.isatty() else 130)
