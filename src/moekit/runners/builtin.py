@@ -2,3 +2,4 @@
 
 from moekit.runners import torch  # noqa: F401
 from moekit.runners import cutlass  # noqa: F401
+from moekit.runners import triton  # noqa: F401

@@ -1,0 +1,98 @@
+"""The `triton` runner: fused MoE expert FFNs in Triton kernels of our own.
+
+Standard format: pairs are sorted by expert into blocks (`align.py`), a grouped GEMM computes
+the gate/up projection with the activation fused (`gate_up`), a second one the down projection
+times the routing weight (`down`), and the K rows of each token are summed (a small kernel, or
+atomics in the down GEMM, as the config says). Masked format: the same GEMMs on the fixed
+[E, C, H] layout, unweighted. Block sizes come from tuned JSON tables (`configs.py`).
+
+Importing this module needs no Triton (the runner then reports itself unavailable); the kernels
+are imported on first use. On CPU it runs in the Triton interpreter when TRITON_INTERPRET=1 is
+set before import (float32 / float16: bfloat16 is wrong in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+from moekit.config import ACTIVATIONS
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.registry import register
+from moekit.stages import (
+    MASKED,
+    STANDARD,
+    DispatchOutput,
+    MaskedDispatchOutput,
+    MaskedRunnerOutput,
+    RunnerOutput,
+    StandardRunnerOutput,
+)
+
+MIN_CAPABILITY = (8, 0)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@register
+class TritonRunner(Runner):
+    """Fused MoE in Triton: both dispatch formats, every activation, biases, CUDA graphs."""
+
+    name = "triton"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD, MASKED}),
+        weight_formats=frozenset({"unquantized"}),
+        activations=frozenset(ACTIVATIONS),
+        devices=frozenset({"cuda", "cpu"} if _interpret() else {"cuda"}),
+        cuda_graph=True,
+    )
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        if not platform.has("triton"):
+            return Availability(False, "needs the triton package (pip install triton)")
+        if platform.is_cuda:
+            if platform.capability is not None and platform.capability < MIN_CAPABILITY:
+                return Availability(
+                    False,
+                    f"needs a CUDA GPU of compute capability >= 8.0, found {platform.capability}",
+                )
+            return Availability(True)
+        if _interpret():
+            return Availability(True, "CPU through the Triton interpreter (TRITON_INTERPRET=1)")
+        return Availability(
+            False, "needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+        )
+
+    @classmethod
+    def unsupported(
+        cls, fmt: str, weight_format: str, activation: str, dtype: str, device: str, bias: bool
+    ) -> str | None:
+        problem = super().unsupported(fmt, weight_format, activation, dtype, device, bias)
+        if problem is None and device == "cpu" and dtype == "bfloat16":
+            return (
+                "runner 'triton' does not support dtype 'bfloat16' on cpu (the Triton "
+                "interpreter computes it wrongly); on cpu it supports: float16, float32"
+            )
+        return problem
+
+    def run(
+        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
+    ) -> RunnerOutput:
+        self.check(dispatch_out, weights, act)
+        from moekit.runners.triton import ops
+
+        try:
+            if isinstance(dispatch_out, MaskedDispatchOutput):
+                out = ops.fused_moe_masked(dispatch_out.x, dispatch_out.counts, weights, act)
+                return MaskedRunnerOutput(out)
+            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act)
+            return StandardRunnerOutput(out)
+        except ValueError as err:
+            raise RunnerError(str(err)) from err
+
+
+__all__ = ["TritonRunner"]

@@ -1,0 +1,157 @@
+"""Token alignment: the (token, k) pairs sorted by expert into blocks of `block_m` rows.
+
+Every block of `block_m` consecutive rows belongs to one expert, so a grouped GEMM program
+loads one weight tile for its whole block. Each expert's segment is padded up to a multiple of
+`block_m` with the sentinel P (= number of pairs); masked ids (-1, or >= E) are left out and
+experts without pairs take no rows. All shapes depend on (P, E, block_m) only and nothing is
+read back to the host, so the alignment can be captured in a CUDA graph.
+
+`align_block_size` runs the Triton kernels; `align_block_size_torch` is the reference twin and
+produces the same layout (pairs of one expert in increasing pair order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AlignTuning:
+    """single_max: largest P done by one program; chunk: pairs per program above that."""
+
+    single_max: int = 2048
+    chunk: int = 2048
+
+
+ALIGN_TUNING = AlignTuning()
+
+
+@dataclass(frozen=True)
+class AlignOutput:
+    """sorted_ids [max_rows] int32: pair index p = t*K + k of each row, P on padding rows (rows
+    at or past num_rows are not written); block_expert [max_blocks] int32: the expert of each
+    block of block_m rows, -1 past the used ones; num_rows [1] int32: rows in use (a multiple of
+    block_m)."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_rows: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.sorted_ids.shape[0]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Most blocks any routing of `num_pairs` pairs over `num_experts` experts can need:
+    sum_e ceil(c_e / BM) <= n + (P - n) // BM with n = min(E, P) experts in use."""
+    n = min(num_experts, num_pairs)
+    return n + (num_pairs - n) // block_m
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if ids_TK.dtype != torch.int32:
+        raise ValueError(f"topk ids must be int32, got {ids_TK.dtype}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if not 1 <= num_experts <= 1024:
+        raise ValueError(f"the triton runner supports 1..1024 local experts, got {num_experts}")
+
+
+def _empty(P: int, E: int, block_m: int, device) -> AlignOutput:
+    blocks = max_blocks(P, E, block_m)
+    return AlignOutput(
+        sorted_ids=torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+        block_expert=torch.empty(blocks, dtype=torch.int32, device=device),
+        num_rows=torch.zeros(1, dtype=torch.int32, device=device),
+        block_m=block_m,
+        num_pairs=P,
+    )
+
+
+def align_block_size(
+    ids_TK: torch.Tensor, num_experts: int, block_m: int, tuning: AlignTuning = ALIGN_TUNING
+) -> AlignOutput:
+    """Sort the pairs of `ids_TK` [T, K] int32 (ids in [0, E) or masked) by expert, on device."""
+    import triton
+
+    from moekit.runners.triton import _kernels as k
+
+    _check(ids_TK, num_experts, block_m)
+    ids = ids_TK.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    P, E = ids.numel(), num_experts
+    out = _empty(P, E, block_m, ids.device)
+    if P == 0:
+        return out
+    EP = _next_pow2(E + 1)
+    layout = dict(
+        BLOCK_M=block_m,
+        EP=EP,
+        PAD_STEP=min(block_m, 16),
+        BLOCKS_STEP=max(16, min(128, 4096 // EP)),
+    )
+    if P <= tuning.single_max:
+        chunk = _next_pow2(max(P, 16))
+        k._align_small_kernel[(1,)](
+            ids, out.sorted_ids, out.block_expert, out.num_rows, P, E, out.max_blocks,
+            CHUNK=chunk, num_warps=4 if chunk <= 512 else 8, **layout,
+        )  # fmt: skip
+        return out
+    chunk = tuning.chunk
+    C = triton.cdiv(P, chunk)
+    dev = ids.device
+    expert = torch.empty(C * chunk, dtype=torch.int32, device=dev)
+    pair = torch.empty_like(expert)
+    rank = torch.empty_like(expert)
+    hist = torch.empty(C * EP, dtype=torch.int32, device=dev)
+    base = torch.empty_like(hist)
+    k._align_chunk_kernel[(C,)](
+        ids, expert, pair, rank, hist, P, E, CHUNK=chunk, EP=EP, num_warps=8
+    )
+    k._align_scan_kernel[(1,)](
+        hist, base, out.sorted_ids, out.block_expert, out.num_rows, C, P, E, out.max_blocks,
+        num_warps=4, **layout,
+    )  # fmt: skip
+    k._align_scatter_kernel[(C,)](
+        expert, pair, rank, base, out.sorted_ids, E, CHUNK=chunk, EP=EP, num_warps=8
+    )
+    return out
+
+
+def align_block_size_torch(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> AlignOutput:
+    """Reference twin of `align_block_size` in plain PyTorch (reads counts on the host)."""
+    _check(ids_TK, num_experts, block_m)
+    ids = ids_TK.reshape(-1).long()
+    P, E = ids.numel(), num_experts
+    out = _empty(P, E, block_m, ids.device)
+    valid = (ids >= 0) & (ids < E)
+    counts = torch.bincount(ids[valid], minlength=E).tolist()
+    order = torch.argsort(torch.where(valid, ids, E), stable=True)
+    rows, experts, start = [], [], 0
+    for e, n in enumerate(counts):
+        padded = -(-n // block_m) * block_m
+        pad = torch.full((padded - n,), P, dtype=torch.long, device=ids.device)
+        rows.append(torch.cat([order[start : start + n], pad]))
+        experts += [e] * (padded // block_m)
+        start += n
+    sorted_rows = torch.cat(rows) if rows else order[:0]
+    used = sorted_rows.numel()
+    out.sorted_ids[:used] = sorted_rows.to(torch.int32)
+    out.block_expert.fill_(-1)
+    out.block_expert[: len(experts)] = torch.tensor(experts, dtype=torch.int32, device=ids.device)
+    out.num_rows.fill_(used)
+    return out

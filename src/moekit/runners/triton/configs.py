@@ -1,0 +1,264 @@
+"""Kernel configs of the `triton` runner as data: tuned JSON tables and a heuristic default.
+
+One table per GEMM and weight shape, keyed by (gemm, E, N, K, dtype, device name, Triton
+version), with a config per batch size T inside; the batch size nearest to the call's T (in
+log2 distance) wins. GEMM names and shapes:
+  gate_up: x [*, H] @ w13[e].T -> N = 2I, K = H
+  down:    h [*, I] @ w2[e].T  -> N = H,  K = I
+Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
+`moekit/configs/triton`, a table tuned with this Triton version before one tuned with
+another, then the heuristic `default_config`. Which one is used is logged once per shape.
+File format (written by `moekit tune`):
+  {"key": {...}, "configs": {"<T>": {GemmConfig fields}}, "meta": {...}}
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from moekit import envs
+from moekit.log import log_once
+
+GEMMS = ("gate_up", "down")
+REDUCE_MODES = ("kernel", "atomic")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Block sizes and schedule of one grouped GEMM launch.
+
+    block_m: rows per program (pairs sorted by expert, padded to it); block_n: output columns
+    per program (for gate_up: activated columns, the program reads 2 * block_n weight rows);
+    block_k: reduction step; group_m: row blocks that share a weight tile in program order;
+    swap_ab: compute the transposed tile (weights in the MMA's M slot; for small block_m);
+    reduce (down only): 'kernel' stores each pair's row and sums over K in a second kernel,
+    'atomic' adds rows into the zeroed output with atomics.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = False
+    reduce: str = "kernel"
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.group_m <= 64 or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"GemmConfig group_m / num_stages out of range: {self}")
+        if self.reduce not in REDUCE_MODES:
+            raise ValueError(
+                f"GemmConfig.reduce: unknown {self.reduce!r}; allowed: {', '.join(REDUCE_MODES)}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        allowed = {f.name for f in fields(cls)}
+        unknown = set(d) - allowed
+        if unknown:
+            raise ValueError(
+                f"GemmConfig: unknown keys {sorted(unknown)}; allowed: {', '.join(sorted(allowed))}"
+            )
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """What a tuned table is for. n, k: the GEMM's output columns and reduction length."""
+
+    gemm: str
+    num_experts: int
+    n: int
+    k: int
+    dtype: str
+    device: str
+    triton: str
+
+    def filename(self) -> str:
+        return (
+            f"{self.gemm},E={self.num_experts},N={self.n},K={self.k},dtype={self.dtype},"
+            f"device={_slug(self.device)},triton={self.triton}.json"
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _slug(device_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", device_name).strip("_")
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
+def shipped_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "configs" / "triton"
+
+
+def user_dir() -> Path:
+    return Path(envs.MOEKIT_CONFIG_DIR.get()).expanduser() / "triton"
+
+
+def gemm_shape(gemm: str, hidden: int, intermediate: int) -> tuple[int, int]:
+    """(N, K) of `gemm` for hidden size H and intermediate size I."""
+    if gemm == "gate_up":
+        return 2 * intermediate, hidden
+    if gemm == "down":
+        return hidden, intermediate
+    raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMMS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables on disk
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Table:
+    """Configs per batch size, and where they came from."""
+
+    configs: dict[int, GemmConfig]
+    source: str
+
+    def pick(self, num_tokens: int) -> GemmConfig:
+        """The config of the batch size nearest to num_tokens in log2 distance (ties: smaller)."""
+        t = math.log2(max(num_tokens, 1))
+        best = min(self.configs, key=lambda b: (abs(math.log2(b) - t), b))
+        return self.configs[best]
+
+
+def read_table(path: Path) -> Table:
+    """Load one JSON table; errors name the file."""
+    try:
+        data = json.loads(path.read_text())
+        configs = {int(b): GemmConfig.from_dict(c) for b, c in data["configs"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"bad triton config file {path}: {err}") from err
+    if not configs or min(configs) < 1:
+        raise ValueError(f"bad triton config file {path}: no positive batch-size keys")
+    return Table(configs, str(path))
+
+
+def write_table(path: Path, key: TableKey, configs: dict[int, GemmConfig], meta: dict) -> None:
+    """Write (or overwrite) one JSON table, batch sizes sorted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "key": key.to_dict(),
+        "configs": {str(b): configs[b].to_dict() for b in sorted(configs)},
+        "meta": meta,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _candidates(key: TableKey) -> list[Path]:
+    """Files that may hold `key`'s table, best first."""
+    exact = key.filename()
+    other = exact.replace(f",triton={key.triton}.json", ",triton=*.json")
+    paths = []
+    for directory in (user_dir(), shipped_dir()):
+        paths.append(directory / exact)
+    for directory in (user_dir(), shipped_dir()):
+        paths += sorted(directory.glob(other), reverse=True)
+    return paths
+
+
+@functools.lru_cache(maxsize=None)
+def find_table(key: TableKey) -> Table | None:
+    """The first readable table for `key` (see module docstring), else None. Cached: call
+    `clear_cache()` after writing new files."""
+    for path in _candidates(key):
+        if path.is_file():
+            return read_table(path)
+    return None
+
+
+def clear_cache() -> None:
+    find_table.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Heuristic default
+# ---------------------------------------------------------------------------------------------
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    """The power of two >= 16 nearest below or at max(n, 16), capped at `cap`."""
+    p = 16
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+def default_config(gemm: str, rows_per_expert: float, n: int, k: int) -> GemmConfig:
+    """A reasonable config without tuning, from the mean rows per used expert (T*K/E, at least
+    1) and the GEMM's N and K. Small row counts are weight-bandwidth bound: small block_m and a
+    deep pipeline; large ones are MMA bound: 128-row blocks."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMMS)}")
+    width = n // 2 if gemm == "gate_up" else n  # output columns of one program's N range
+    if rows_per_expert <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif rows_per_expert <= 48:
+        bm, bn, bk, warps, stages = 32, 64, 128, 4, 4
+    elif rows_per_expert <= 192:
+        bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 64 if gemm == "gate_up" else 128, 64, 8, 3
+    return GemmConfig(
+        block_m=bm,
+        block_n=_pow2_at_most(width, bn),
+        block_k=_pow2_at_most(k, bk),
+        group_m=1 if rows_per_expert <= 16 else 8,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def get_config(
+    gemm: str,
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    dtype: str,
+    device: str,
+) -> GemmConfig:
+    """The config for one GEMM of a call with `num_tokens` tokens (tuned table, else default)."""
+    n, k = gemm_shape(gemm, hidden, intermediate)
+    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version())
+    table = find_table(key)
+    what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} on {device}"
+    if table is not None:
+        log_once(logging.INFO, f"{what}: tuned configs from {table.source}")
+        return table.pick(num_tokens)
+    log_once(
+        logging.INFO,
+        f"{what}: no tuned config file ({key.filename()}); using heuristic defaults "
+        "(`moekit tune` makes one)",
+    )
+    rows = max(1.0, num_tokens * top_k / num_experts)
+    return default_config(gemm, rows, n, k)

@@ -1,0 +1,277 @@
+"""Allocating wrappers around the Triton kernels: shapes, grids and launches.
+
+Public ops (T tokens, K top-k, E local experts, H hidden, I intermediate):
+  fused_moe(x [T, H], topk, weights, act)        -> [T, H], weighted and summed over K
+  fused_moe_masked(x [E, C, H], counts [E], ...) -> [E, C, H], unweighted
+and the pieces `gate_up`, `down`, `sum_topk` that `moekit tune` times one by one. Nothing here
+reads a device value on the host, so every op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.router import TopKOutput
+from moekit.runners.triton import _kernels as k
+from moekit.runners.triton.align import AlignOutput, align_block_size
+from moekit.runners.triton.configs import GemmConfig, default_config, get_config
+
+_ACT_CODES = {"silu": k.ACT_SILU, "gelu": k.ACT_GELU, "swiglu_oai": k.ACT_SWIGLU_OAI}
+_TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    if t.dtype not in _TL_DTYPES:
+        raise ValueError(f"dtype: {t.dtype} is not supported; allowed: float16, bfloat16, float32")
+    return _TL_DTYPES[t.dtype]
+
+
+def _precision(t: torch.Tensor):
+    # float32 inputs: exact products (the default tf32 would lose ~3 decimal digits)
+    return "ieee" if t.dtype == torch.float32 else None
+
+
+def _check_weights(x: torch.Tensor, w: ExpertWeights) -> None:
+    if w.format != "unquantized":
+        raise ValueError(
+            f"weight format {w.format!r}: the triton runner supports: unquantized"
+        )
+    for name in ("w13", "w2", "b13", "b2"):
+        t = getattr(w, name)
+        if t is None:
+            continue
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(
+                f"{name} must match x in dtype and device ({x.dtype}, {x.device}), "
+                f"got {t.dtype}, {t.device}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if w.hidden_size != x.shape[-1]:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but w13 is {list(w.w13.shape)}")
+
+
+def _gemm_meta(cfg: GemmConfig, k_dim: int) -> dict:
+    return dict(
+        EVEN_K=k_dim % cfg.block_k == 0,
+        SWAP_AB=cfg.swap_ab,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _launch(kernel, grid, args, meta, warmup: bool):
+    if warmup:
+        return kernel.warmup(*args, grid=grid, **meta)
+    return kernel[grid](*args, **meta)
+
+
+class _Rows:
+    """Row-block description shared by both GEMMs: the alignment (standard format) or the
+    (counts, capacity) of the masked format."""
+
+    def __init__(self, align: AlignOutput | None, counts=None, capacity=0, num_experts=0):
+        self.align, self.counts, self.capacity, self.num_experts = (
+            align,
+            counts,
+            capacity,
+            num_experts,
+        )
+
+    def args(self, block_m: int, top_k: int) -> tuple:
+        """(sorted_ids, block_expert, num_rows, counts, num_pairs, top_k, capacity,
+        blocks_per_expert, align_m, num_pid_m)"""
+        a = self.align
+        if a is not None:
+            if a.block_m % block_m:
+                raise ValueError(
+                    f"GEMM block_m {block_m} must divide the alignment block {a.block_m}"
+                )
+            num_pid_m = a.max_rows // block_m
+            dummy = a.num_rows
+            return (a.sorted_ids, a.block_expert, a.num_rows, dummy, a.num_pairs, top_k,
+                    0, 1, a.block_m, num_pid_m)  # fmt: skip
+        bpe = triton.cdiv(self.capacity, block_m)
+        c = self.counts
+        return (c, c, c, c, 0, 1, self.capacity, bpe, block_m, bpe * self.num_experts)
+
+
+def gate_up(
+    x: torch.Tensor,
+    rows: _Rows,
+    w: ExpertWeights,
+    act: ActivationSpec,
+    cfg: GemmConfig,
+    top_k: int,
+    out: torch.Tensor | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:
+    """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block (slots: alignment rows, or
+    E * capacity for the masked format); x is [T, H] or [E * capacity, H]."""
+    I, H = w.intermediate_size, w.hidden_size
+    slots = rows.align.max_rows if rows.align is not None else rows.capacity * rows.num_experts
+    if out is None:
+        out = torch.empty(slots, I, dtype=x.dtype, device=x.device)
+    if act.name not in _ACT_CODES:
+        raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(_ACT_CODES)}")
+    gate_step, up_offset = (2, 1) if act.interleaved else (1, I)
+    row_args = rows.args(cfg.block_m, top_k)
+    num_pid_m = row_args[-1]
+    grid = (num_pid_m * triton.cdiv(I, cfg.block_n),)
+    if grid[0] == 0:
+        return out
+    b13 = w.b13 if w.b13 is not None else w.w13
+    args = (
+        x, w.w13, b13, out, *row_args, I, H,
+        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
+        gate_step, up_offset, float(act.alpha), float(act.limit),
+    )  # fmt: skip
+    meta = dict(
+        ACT=_ACT_CODES[act.name],
+        HAS_BIAS=w.b13 is not None,
+        MASKED=rows.align is None,
+        DOT_PRECISION=_precision(x),
+        **_gemm_meta(cfg, H),
+    )
+    _launch(k._gate_up_kernel, grid, args, meta, warmup)
+    return out
+
+
+def down(
+    h: torch.Tensor,
+    rows: _Rows,
+    w: ExpertWeights,
+    cfg: GemmConfig,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor | None = None,
+    top_k: int = 1,
+    warmup: bool = False,
+) -> torch.Tensor:
+    """out = h @ w2[e].T + b2[e] per row block. Standard format: times the pair's weight, into
+    out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
+    ('atomic'). Masked format: unweighted into out [E * capacity, H]."""
+    I, H = w.intermediate_size, w.hidden_size
+    masked = rows.align is None
+    row_args = rows.args(cfg.block_m, top_k)
+    num_pid_m = row_args[-1]
+    grid = (num_pid_m * triton.cdiv(H, cfg.block_n),)
+    if grid[0] == 0:
+        return out
+    b2 = w.b2 if w.b2 is not None else w.w2
+    tw = topk_weights if topk_weights is not None else out
+    args = (
+        h, w.w2, b2, out, tw, *row_args, H, I,
+        h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
+    )  # fmt: skip
+    meta = dict(
+        HAS_BIAS=w.b2 is not None,
+        MASKED=masked,
+        ATOMIC=(not masked) and cfg.reduce == "atomic",
+        DOT_PRECISION=_precision(h),
+        **_gemm_meta(cfg, I),
+    )
+    _launch(k._down_kernel, grid, args, meta, warmup)
+    return out
+
+
+def sum_topk(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: torch.Tensor):
+    """out [T, H] = sum over k of y [T*K, H] rows whose id is in [0, E)."""
+    T, K = ids_TK.shape
+    H = y_PH.shape[1]
+    if T == 0:
+        return out
+    block_h = min(1024, triton.next_power_of_2(H))
+    block_t = max(1, 2048 // block_h)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    k._sum_topk_kernel[grid](
+        y_PH, ids_TK, out, T, H, K, num_experts, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4
+    )
+    return out
+
+
+def configs_for(
+    num_tokens: int, top_k: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
+) -> tuple[GemmConfig, GemmConfig]:
+    """(gate_up config, down config) for a standard call with `num_tokens` tokens."""
+    dev = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    name = _TL_DTYPES[dtype]
+    E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+    return (
+        get_config("gate_up", num_tokens, top_k, E, H, I, name, dev),
+        get_config("down", num_tokens, top_k, E, H, I, name, dev),
+    )
+
+
+def fused_moe(
+    x_TH: torch.Tensor,
+    topk: TopKOutput,
+    w: ExpertWeights,
+    act: ActivationSpec,
+    configs: tuple[GemmConfig, GemmConfig] | None = None,
+) -> torch.Tensor:
+    """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
+    contribute 0. `configs` (gate_up, down) overrides the tuned/heuristic lookup."""
+    _dtype_name(x_TH)
+    _check_weights(x_TH, w)
+    T, H = x_TH.shape
+    K = topk.top_k
+    if T == 0 or K == 0:
+        return x_TH.new_zeros(T, H)
+    if x_TH.stride(-1) != 1:
+        x_TH = x_TH.contiguous()
+    ids = topk.ids if topk.ids.dtype == torch.int32 else topk.ids.to(torch.int32)
+    ids = ids.contiguous()
+    weights = topk.weights.float().contiguous()
+    cfg1, cfg2 = configs or configs_for(T, K, w, x_TH.dtype, x_TH.device)
+    align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
+    rows = _Rows(align)
+    h = gate_up(x_TH, rows, w, act, cfg1, K)
+    if cfg2.reduce == "atomic":
+        out = torch.zeros(T, H, dtype=x_TH.dtype, device=x_TH.device)
+        return down(h, rows, w, cfg2, out, weights, K)
+    y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
+    down(h, rows, w, cfg2, y, weights, K)
+    return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
+
+
+def masked_configs(capacity: int, w: ExpertWeights) -> tuple[GemmConfig, GemmConfig]:
+    """Heuristic configs for the masked format: capacity is the row count per expert."""
+    H, I = w.hidden_size, w.intermediate_size
+    return (
+        default_config("gate_up", capacity, 2 * I, H),
+        default_config("down", capacity, H, I),
+    )
+
+
+def fused_moe_masked(
+    x_ECH: torch.Tensor,
+    counts_E: torch.Tensor,
+    w: ExpertWeights,
+    act: ActivationSpec,
+    configs: tuple[GemmConfig, GemmConfig] | None = None,
+) -> torch.Tensor:
+    """out [E, C, H] in x's dtype: expert e on its first counts[e] rows (counts clamp to C);
+    rows at or past the count are left unwritten."""
+    _dtype_name(x_ECH)
+    _check_weights(x_ECH, w)
+    E, C, H = x_ECH.shape
+    if E != w.num_experts:
+        raise ValueError(f"x has {E} experts but the weights have {w.num_experts}")
+    out = torch.empty_like(x_ECH)
+    if E * C == 0:
+        return out
+    x = x_ECH.reshape(E * C, H)
+    if x.stride(-1) != 1 or x.stride(0) != H:
+        x = x.contiguous()
+    counts = counts_E.to(device=x.device, dtype=torch.int32).contiguous()
+    cfg1, cfg2 = configs or masked_configs(C, w)
+    rows = _Rows(None, counts, C, E)
+    h = gate_up(x, rows, w, act, cfg1, 1)
+    down(h, rows, w, cfg2, out.view(E * C, H))
+    return out
