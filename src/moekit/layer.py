@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping
 
 import torch
@@ -11,9 +12,10 @@ from torch import nn
 from moekit import hardware
 from moekit.config import MoEConfig, ParallelConfig, RunnerConfig, validate
 from moekit.dispatch.none import NoneDispatcher
-from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
 from moekit.loading import load_hf_experts
 from moekit.placement import ExpertPlacement
+from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner
 from moekit.runners.registry import runner_class
@@ -70,6 +72,11 @@ class MoE(nn.Module):
     Parameters (this rank's share): w13 [E_local, 2I_local, H], w2 [E_local, H, I_local],
     b13 [E_local, 2I_local] and b2 [E_local, H] when `config.has_bias`, correction_bias [E] when
     `config.use_correction_bias`. forward(x [..., H], router_logits [..., E]) -> [..., H].
+
+    Quantized weights (`weight_format`, a format name or a moekit.quant spec; default
+    `config.weight_format`): w13 / w2 become buffers holding the format's data, with its scale
+    buffers beside (names in moekit.experts.QUANT_TENSORS); they are drawn unquantized and
+    quantized. `quantize_weights_` quantizes an unquantized layer in place.
     """
 
     def __init__(
@@ -83,8 +90,12 @@ class MoE(nn.Module):
         dispatcher=None,
         custom_routing_function: CustomRoutingFunction | None = None,
         device: torch.device | str | None = None,
+        weight_format: str | QuantSpec | None = None,
     ) -> None:
         super().__init__()
+        if weight_format is not None:
+            config = replace(config, weight_format=format_name(weight_format))
+        spec = make_spec(weight_format if weight_format is not None else config.weight_format)
         validate(config, parallel, runner)
         self.config, self.parallel = config, parallel
         self.tp_rank = tp_rank
@@ -100,6 +111,7 @@ class MoE(nn.Module):
         self.act = ActivationSpec.from_config(config)
         self.runners = RunnerCache(runner)
         self.custom_routing_function = custom_routing_function
+        self.quant_spec: QuantSpec | None = None
 
         E, H = self.placement.slots_per_rank, config.hidden_size
         I = config.intermediate_size // parallel.moe_tp_size
@@ -116,19 +128,77 @@ class MoE(nn.Module):
                 requires_grad=False,
             )
         self.reset_parameters()
+        if spec is not None:
+            self.quantize_weights_(spec)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Random init like nn.Linear (uniform in +-1/sqrt(fan_in)); biases likewise."""
-        for p, fan_in in ((self.w13, self.w13.shape[2]), (self.w2, self.w2.shape[2])):
+        """Random init like nn.Linear (uniform in +-1/sqrt(fan_in)); biases likewise. A quantized
+        layer draws unquantized weights and quantizes them."""
+        w13, w2 = self.w13, self.w2
+        if self.quant_spec is not None:
+            ew = self.expert_weights
+            E, I, H = ew.num_experts, ew.intermediate_size, ew.hidden_size
+            kw = dict(device=w13.device, dtype=self.config.torch_dtype)
+            w13, w2 = torch.empty(E, 2 * I, H, **kw), torch.empty(E, H, I, **kw)
+        for p, fan_in in ((w13, w13.shape[2]), (w2, w2.shape[2])):
             nn.init.uniform_(p, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
         for b in (self.b13, self.b2):
             if b is not None:
                 nn.init.uniform_(b, -0.05, 0.05)
+        if self.quant_spec is not None:
+            self._requantize(w13, w2)
 
     @property
     def expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13, self.w2, self.b13, self.b2, self.config.weight_format)
+        if self.quant_spec is None:
+            return ExpertWeights(self.w13, self.w2, self.b13, self.b2)
+        scales = {name: getattr(self, name) for name in QUANT_TENSORS}
+        return ExpertWeights(
+            self.w13, self.w2, self.b13, self.b2, self.quant_spec.name, spec=self.quant_spec,
+            **scales,
+        )
+
+    @torch.no_grad()
+    def quantize_weights_(
+        self,
+        weight_format: str | QuantSpec,
+        *,
+        a13_scale: torch.Tensor | float | None = None,
+        a2_scale: torch.Tensor | float | None = None,
+        **params,
+    ) -> None:
+        """Quantize this (unquantized) layer's experts in place to `weight_format` (a name with
+        optional spec parameters, or a QuantSpec; see moekit.quant). a13_scale / a2_scale: the
+        calibrated activation scales (one value or [E_local]) of a 'static_tensor' fp8 spec."""
+        if self.quant_spec is not None:
+            raise ValueError(f"the layer is already quantized ({self.quant_spec.describe()})")
+        spec = make_spec(weight_format, **params)
+        if spec is None:
+            return
+        self._set_experts(
+            quantize_experts(self.expert_weights, spec, a13_scale=a13_scale, a2_scale=a2_scale)
+        )
+
+    def _requantize(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantize unquantized w13 / w2 with this layer's spec (and its static activation
+        scales) and hold them."""
+        fresh = ExpertWeights(w13, w2, self.b13, self.b2)
+        self._set_experts(
+            quantize_experts(
+                fresh, self.quant_spec, a13_scale=self.a13_scale, a2_scale=self.a2_scale
+            )
+        )
+
+    def _set_experts(self, q: ExpertWeights) -> None:
+        """Hold quantized experts `q`: data and scales as buffers (they follow .to(), state_dict)."""
+        for name in ("w13", "w2"):
+            if name in self._parameters:
+                delattr(self, name)
+        for name in ("w13", "w2", *QUANT_TENSORS):
+            self.register_buffer(name, getattr(q, name))
+        self.quant_spec = q.spec
+        self.config = replace(self.config, weight_format=q.spec.name)
 
     @property
     def local_experts(self) -> torch.Tensor:
@@ -170,8 +240,11 @@ class MoE(nn.Module):
             moe_tp_size=self.parallel.moe_tp_size,
             moe_tp_rank=self.moe_tp_rank,
         )
-        self.w13.copy_(loaded.w13)
-        self.w2.copy_(loaded.w2)
+        if self.quant_spec is None:
+            self.w13.copy_(loaded.w13)
+            self.w2.copy_(loaded.w2)
+        else:
+            self._requantize(loaded.w13.to(self.w13.device), loaded.w2.to(self.w13.device))
         for name in ("b13", "b2"):
             param, value = getattr(self, name), getattr(loaded, name)
             if (param is None) != (value is None):
