@@ -149,7 +149,8 @@ def test_sweep_records_and_arithmetic():
             assert r.flops == 0 and r.time_over_floor is None
             continue
         assert r.pairs == r.T * 2  # ep 1: every pair is local
-        floor_ms = max(r.bytes / CEILINGS.copy_bytes_per_s, r.flops / CEILINGS.matmul_flops_per_s) * 1e3
+        c = CEILINGS
+        floor_ms = max(r.bytes / c.copy_bytes_per_s, r.flops / c.matmul_flops_per_s) * 1e3
         assert r.floor_ms == pytest.approx(floor_ms)
         assert r.time_over_floor == pytest.approx(r.ms / floor_ms)
         assert r.tflops == pytest.approx(r.flops / (r.ms * 1e-3) / 1e12)

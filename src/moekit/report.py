@@ -30,7 +30,8 @@ RESULTS_DIR = Path("benchmarks") / "results"
 def repo_root() -> Path | None:
     """The source checkout this moekit runs from (src layout), or None when installed elsewhere."""
     root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").is_file() and (root / "src" / "moekit").is_dir() else None
+    is_checkout = (root / "pyproject.toml").is_file() and (root / "src" / "moekit").is_dir()
+    return root if is_checkout else None
 
 
 def git_commit(root: Path | None = None) -> tuple[str, bool | None]:
@@ -227,7 +228,10 @@ def newest_per_key(results: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     best: dict[tuple, tuple[Path, dict]] = {}
     for path, doc in results:
         k = _key(doc)
-        if k not in best or (doc["timestamp"], path.name) > (best[k][1]["timestamp"], best[k][0].name):
+        newer = k not in best or (doc["timestamp"], path.name) > (
+            best[k][1]["timestamp"], best[k][0].name
+        )
+        if newer:
             best[k] = (path, doc)
     from moekit.presets import PRESETS
 
@@ -265,7 +269,8 @@ def table_markdown(doc: dict) -> list[str]:
         cells = [_cell(by.get((b, T))) for b in backends]
         auto = doc["auto_choice"].get(str(T), "")
         auto = auto if not auto.startswith("error") else "(none)"
-        lines.append(f"| {T} | " + " | ".join(cells) + f" | {doc['winners'].get(str(T), '')} | {auto} |")
+        winner = doc["winners"].get(str(T), "")
+        lines.append(f"| {T} | " + " | ".join(cells) + f" | {winner} | {auto} |")
     return lines
 
 
@@ -315,7 +320,8 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
             "",
         ]
         if doc.get("skipped"):
-            lines += ["Not run: " + "; ".join(f"`{b}`: {why}" for b, why in doc["skipped"].items()), ""]
+            why = "; ".join(f"`{b}`: {reason}" for b, reason in doc["skipped"].items())
+            lines += ["Not run: " + why, ""]
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from moekit.bench import Ceilings, Cost, measure_ceilings, moe_cost, time_ms
 from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.experts import ExpertWeights
 from moekit.layer import MoE, RunnerCache
+from moekit.layer import _workload as layer_workload  # the layer's own workload rule
 from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.select import Workload, select_runner, why_not
@@ -36,7 +37,7 @@ TIMED = "MoE.forward_topk: dispatch + experts + combine on rank 0; routing preco
 
 GPU_BATCH_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 CPU_BATCH_SIZES = (1, 4, 16, 64, 256)
-# The shape a CPU run uses instead of the preset's (hidden, intermediate, at most this many experts).
+# The shape a CPU run uses instead of the preset's: H, I per moe-tp rank, at most this many E.
 CPU_SHAPE = dict(hidden_size=256, intermediate_size=128, max_experts=16)
 # CPU timing is wall clock with few samples; CUDA uses time_ms's defaults.
 CPU_TIMING = dict(warmup=2, samples=7)
@@ -186,7 +187,9 @@ def make_routing(
         shared = torch.arange(num_experts, num_experts + num_shared).expand(T, num_shared)
         ids = torch.cat([ids, shared], dim=1)
         weights = torch.cat([weights, torch.ones(T, num_shared)], dim=1)
-    return TopKOutput(weights.float().contiguous().to(device), ids.to(torch.int32).contiguous().to(device))
+    return TopKOutput(
+        weights.float().contiguous().to(device), ids.to(torch.int32).contiguous().to(device)
+    )
 
 
 def weight_bytes_per_expert(weights: ExpertWeights) -> float:
@@ -231,17 +234,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- backends
 
 
-def workload(spec: SweepSpec, T: int) -> Workload:
-    """The runner workload of one forward_topk call of the sweep's layer on T tokens."""
-    return Workload(
-        num_tokens=T,
-        format="standard",
-        weight_format=spec.moe.weight_format,
-        activation=spec.moe.activation,
-        dtype=spec.moe.dtype,
-        device=spec.device,
-        has_bias=spec.moe.has_bias,
-    )
+def workload(module: MoE, x_TH: torch.Tensor, topk: TopKOutput) -> Workload:
+    """The runner workload of `module.forward_topk(x_TH, topk)`, exactly as the layer computes
+    it to pick its runner (so `auto` decisions here are the layer's)."""
+    return layer_workload(module.dispatcher.dispatch(x_TH, topk), module.expert_weights, module.act)
 
 
 def split_backends(
@@ -357,38 +353,49 @@ def run_sweep(
     *,
     platform: hardware.Platform | None = None,
     ceilings: Ceilings | None = None,
+    on_start: Callable[[list[str], dict[str, str]], None] | None = None,
     on_point: Callable[[str, int, Record | None], None] | None = None,
 ) -> SweepResult:
-    """Run the sweep. `on_point(backend, T, record)` is called before (record None) and after
-    each point, for progress display. Backends that cannot run the workload are skipped with
-    their reason; a point that raises is recorded with its error and the sweep goes on."""
+    """Run the sweep. `on_start(backends to run, {skipped backend: why})` is called once the
+    layer is built, before the ceilings are measured; `on_point(backend, T, record)` before
+    (record None) and after each point, for progress display. Backends that cannot run the
+    workload are skipped with their reason; a point that raises is recorded with its error and
+    the sweep goes on. With no runnable backend, nothing is measured (records empty)."""
     started = time.perf_counter()
     platform = platform or hardware.detect()
     module = build_layer(spec)
-    work0 = workload(spec, max(spec.batch_sizes))
+    gen = torch.Generator().manual_seed(spec.seed)
+    probe = make_routing(1, spec.moe.num_experts, spec.moe.top_k, generator=gen,
+                         num_shared=spec.moe.num_shared_experts, device=spec.device)
+    x_probe = torch.randn(1, spec.moe.hidden_size).to(spec.device, spec.moe.torch_dtype)
+    work0 = replace(workload(module, x_probe, probe), num_tokens=max(spec.batch_sizes))
     run, skipped = split_backends(spec.backends, work0, platform)
+    if on_start:
+        on_start(run, skipped)
+    if not run:
+        return SweepResult(spec, ceilings or Ceilings(0.0, 0.0, ""), [], skipped, {},
+                           time.perf_counter() - started,
+                           ["no requested backend can run this workload here"])
     if ceilings is None:
         ceilings = measure_ceilings(spec.device, spec.moe.torch_dtype)
-    dev = torch.device(spec.device)
-    on_cuda = dev.type == "cuda"
+    on_cuda = spec.device == "cuda"
     timing = {} if on_cuda else CPU_TIMING
     calls_per_point = 1 + timing.get("warmup", 5) + timing.get("samples", 25)
     l2 = _l2_bytes(spec.device)
-    gen = torch.Generator().manual_seed(spec.seed)
     caches = {b: RunnerCache(RunnerConfig(b)) for b in run}
     reference = RunnerCache(RunnerConfig("torch"))
+    auto = RunnerCache(RunnerConfig("auto"))
     records: list[Record] = []
     auto_choice: dict[int, str] = {}
-    notes: list[str] = []
     tol = SUSPICIOUS_REL_ERR.get(spec.moe.dtype, 5e-2)
 
     for T in spec.batch_sizes:
-        work = workload(spec, T)
+        sets, cost, ids = _input_sets(spec, module, T, gen, l2)
+        work = workload(module, *sets[0])
         try:
-            auto_choice[T] = select_runner(work, RunnerConfig("auto"), platform).backend
+            auto_choice[T] = auto.decide(work).backend
         except ConfigError as err:
             auto_choice[T] = f"error: {err}"
-        sets, cost, ids = _input_sets(spec, module, T, gen, l2)
         pairs, touched, max_load = _load_stats(ids, spec.e_local)
         floor_s = cost.floor_s(ceilings)
         module.runners = reference
@@ -422,8 +429,6 @@ def run_sweep(
                 on_point(backend, T, rec)
         del sets, ref_out
     module.runners = reference
-    if not run:
-        notes.append("no requested backend can run this workload here")
     return SweepResult(
         spec=spec,
         ceilings=ceilings,
@@ -431,7 +436,6 @@ def run_sweep(
         skipped=skipped,
         auto_choice=auto_choice,
         seconds=time.perf_counter() - started,
-        notes=notes,
     )
 
 

@@ -26,9 +26,7 @@ from moekit.sweep import (
     all_backends,
     cpu_scaled,
     run_sweep,
-    split_backends,
     winners,
-    workload,
 )
 
 DEFAULT_MODEL = "qwen3-30b-a3b"
@@ -55,7 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         f"known: {', '.join(RUNNER_BACKENDS)}",
     )
     p.add_argument("--moe-runner-backend", help="one backend (alias of --backends NAME)")
-    p.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16, float16, float32")
+    p.add_argument(
+        "--dtype", default="bfloat16", help="activation dtype: bfloat16, float16, float32"
+    )
     p.add_argument("--routing", default="uniform", help=f"synthetic routing: {', '.join(ROUTINGS)}")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
     p.add_argument("--quantization", default="unquantized", help="weight format")
@@ -192,7 +192,8 @@ def print_tables(console, result: SweepResult) -> None:
     backends = list(dict.fromkeys(r.backend for r in result.records))
     for b in backends:
         t = Table(title=f"backend {b}", title_justify="left")
-        for col in ("T", "ms", "TFLOP/s", "GB/s", "floor ms", "time/floor", "rel err vs torch", "graph"):
+        cols = ("T", "ms", "TFLOP/s", "GB/s", "floor ms", "time/floor", "rel err vs torch", "graph")
+        for col in cols:
             t.add_column(col, justify="right")
         if b == "auto":
             t.add_column("ran", justify="left")
@@ -238,7 +239,13 @@ def print_tables(console, result: SweepResult) -> None:
         console.print(f"[yellow]{note}[/yellow]")
 
 
-def _sweep_with_progress(console, spec: SweepSpec, n_backends: int) -> SweepResult:
+def _report_skipped(console, skipped: dict[str, str], explicit: bool) -> None:
+    for b, why in skipped.items():
+        style = "yellow" if explicit or b in ("torch", "auto") else "dim"
+        console.print(f"[{style}]skipping {b}: {why}[/{style}]", highlight=False)
+
+
+def _sweep_with_progress(console, spec: SweepSpec, explicit: bool) -> SweepResult:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -248,21 +255,27 @@ def _sweep_with_progress(console, spec: SweepSpec, n_backends: int) -> SweepResu
         TimeElapsedColumn,
     )
 
-    total = n_backends * len(spec.batch_sizes)
+    n_points = len(spec.batch_sizes)
     if not console.is_terminal:
         # Logs (CI, the GPU box): one line per point instead of a live bar.
-        done = [0]
+        state = {"done": 0, "total": 0}
+
+        def on_start(run, skipped):
+            _report_skipped(console, skipped, explicit)
+            state["total"] = len(run) * n_points
+            if run:
+                console.print(f"timing: {', '.join(run)}; measuring the ceilings first ...")
 
         def on_point(backend, T, rec):
             if rec is None:
                 return
-            done[0] += 1
+            state["done"] += 1
             what = (f"{rec.ms:.4g} ms, {_fmt(rec.time_over_floor, '.2f')} x floor"
                     if rec.ms is not None else rec.error)
-            console.print(f"  [{done[0]}/{total}] {backend:>18} T={T:<6} {what}", highlight=False)
+            console.print(f"  [{state['done']}/{state['total']}] {backend:>18} T={T:<6} {what}",
+                          highlight=False)
 
-        console.print("measuring the ceilings, then the sweep ...")
-        return run_sweep(spec, on_point=on_point)
+        return run_sweep(spec, on_start=on_start, on_point=on_point)
 
     with Progress(
         SpinnerColumn(),
@@ -273,7 +286,13 @@ def _sweep_with_progress(console, spec: SweepSpec, n_backends: int) -> SweepResu
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("measuring ceilings", total=total)
+        task = progress.add_task("building the layer", total=None)
+
+        def on_start(run, skipped):
+            _report_skipped(console, skipped, explicit)
+            if run:
+                console.print(f"timing: {', '.join(run)}")
+            progress.update(task, total=len(run) * n_points, description="measuring ceilings")
 
         def on_point(backend, T, rec):
             if rec is None:
@@ -281,7 +300,7 @@ def _sweep_with_progress(console, spec: SweepSpec, n_backends: int) -> SweepResu
             else:
                 progress.advance(task)
 
-        return run_sweep(spec, on_point=on_point)
+        return run_sweep(spec, on_start=on_start, on_point=on_point)
 
 
 def _out_dir(args) -> Path:
@@ -306,22 +325,15 @@ def run(args) -> int:
     plat = hardware.detect()
     spec = spec_from_args(args, plat)
     _, explicit = parse_backends(args)
-    runnable, skipped = split_backends(spec.backends, workload(spec, max(spec.batch_sizes)), plat)
     print_header(console, spec, plat)
-    for b, why in skipped.items():
-        if explicit or b in ("torch", "auto"):
-            console.print(f"[yellow]skipping {b}:[/yellow] {why}", highlight=False)
-        else:
-            console.print(f"[dim]skipping {b}: {why}[/dim]", highlight=False)
-    if not runnable:
+    result = _sweep_with_progress(console, spec, explicit)
+    if not result.records:
         print(
             "moekit bench: error: none of the requested backends can run this workload here "
             "(reasons above)",
             file=sys.stderr,
         )
         return 2
-    console.print(f"timing: {', '.join(runnable)}")
-    result = _sweep_with_progress(console, spec, len(runnable))
     print_tables(console, result)
 
     doc = result_dict(result, metadata(plat=plat))

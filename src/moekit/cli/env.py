@@ -37,7 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--explain", action="store_true", help="explain the runner choice")
-    p.add_argument("--model", default="qwen3-30b-a3b", help=f"preset for --explain: {', '.join(PRESETS)}")
+    p.add_argument(
+        "--model", default="qwen3-30b-a3b", help=f"preset for --explain: {', '.join(PRESETS)}"
+    )
     p.add_argument("--batch-size", type=int, default=1, help="tokens per call for --explain")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
@@ -100,7 +102,9 @@ def collect(args: argparse.Namespace, plat: hardware.Platform | None = None) -> 
              "help": v.help}
             for v in envs.ALL
         ],
-        "unknown_env": sorted(k for k in os.environ if k.startswith("MOEKIT_") and k not in declared),
+        "unknown_env": sorted(
+            k for k in os.environ if k.startswith("MOEKIT_") and k not in declared
+        ),
         "parallel": {"tp_size": parallel.tp_size, "ep_size": parallel.ep_size},
         "runners": runners,
         "a2a": a2a,
@@ -180,7 +184,8 @@ def _render(doc: dict) -> None:
         value = v["value"] or "(empty)"
         env.add_row(v["name"], value if v["set"] else f"{value} [dim](default)[/dim]", v["help"])
     for name in doc["unknown_env"]:
-        env.add_row(name, os.environ.get(name, ""), "[yellow]unknown variable: moekit ignores it[/yellow]")
+        unknown = "[yellow]unknown variable: moekit ignores it[/yellow]"
+        env.add_row(name, os.environ.get(name, ""), unknown)
     console.print(env)
 
     for key, what in (("runners", "runner backends (--moe-runner-backend)"),
@@ -194,9 +199,11 @@ def _render(doc: dict) -> None:
             detail = b["reason"]
             caps = b.get("caps")
             if b["available"] and caps:
-                detail = (f"devices {','.join(caps['devices'])} · formats {','.join(caps['formats'])}"
-                          f" · weights {','.join(caps['weight_formats'])} · "
-                          f"cuda graph {'yes' if caps['cuda_graph'] else 'no'}")
+                detail = (
+                    f"devices {','.join(caps['devices'])} · formats {','.join(caps['formats'])}"
+                    f" · weights {','.join(caps['weight_formats'])} · "
+                    f"cuda graph {'yes' if caps['cuda_graph'] else 'no'}"
+                )
             t.add_row(b["name"], status, detail)
         console.print(t)
 
@@ -204,7 +211,8 @@ def _render(doc: dict) -> None:
         ex = doc["explain"]
         w = ex["workload"]
         console.print(
-            f"[bold]explain[/bold] {ex['model']}: T={w['num_tokens']}, E_local={w['experts_local']}, "
+            f"[bold]explain[/bold] {ex['model']}: T={w['num_tokens']}, "
+            f"E_local={w['experts_local']}, "
             f"K={w['top_k']}, H={w['hidden_size']}, I_local={w['intermediate_local']}, "
             f"{w['activation']}{' + biases' if w['has_bias'] else ''}, {w['dtype']}, "
             f"{w['weight_format']} weights, {w['format']} format on {w['device']}; "
