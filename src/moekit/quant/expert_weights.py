@@ -68,6 +68,9 @@ def quantize_experts(
     if spec is None:
         return weights
     E, dev = weights.num_experts, weights.w13.device
+    I, H = weights.intermediate_size, weights.hidden_size
+    spec.check_k(2 * I, H, "w13")
+    spec.check_k(H, I, "w2")
     return from_quantized(
         quantize(weights.w13, spec),
         quantize(weights.w2, spec),

@@ -1,10 +1,11 @@
 """The reference twins: `quantize(w, fmt)` and `dequantize(q)` in plain PyTorch (CPU or CUDA).
 
 w is one weight [.., N, K] (leading dims, e.g. the expert dim E, are kept): N output rows, K the
-input (reduction) dim. Scales are computed from the absolute maximum of their group (round to
-nearest, saturating); a group of zeros gets scale 1 (dequantizes to exact zeros). Scales are
-rounded to their storage dtype before the values are quantized, so that `dequantize` reproduces
-exactly what was meant. Layouts: see `moekit.quant.spec`.
+input (reduction) dim. Scales are computed from the absolute maximum of their group (values round
+to nearest, ties to even, and saturate); a group of zeros gets scale 1 (dequantizes to exact
+zeros). Scales are rounded to their storage dtype before the values are quantized (int4 scales
+round up, so the group's range stays covered), and `dequantize` reproduces exactly what was
+meant. Layouts: see `moekit.quant.spec`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
+def _round_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """s (float32, > 0) in `dtype`, rounded up so that the group's range stays covered."""
+    r = s.to(dtype)
+    r = torch.where(r.float() < s, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(
+            f"int4_w4a16: a group scale of {s.max().item():.3g} overflows scale_dtype {dtype}; "
+            "use scale_dtype torch.bfloat16 or torch.float32"
+        )
+    return r
+
+
 def _groups(w: torch.Tensor, g: int) -> torch.Tensor:
     """[.., N, K] -> [.., N, K/g, g] (g divides K)."""
     return w.reshape(*w.shape[:-1], w.shape[-1] // g, g)
@@ -125,12 +138,12 @@ def quantize(w: torch.Tensor, fmt: str | QuantSpec, **params) -> QuantizedTensor
     elif isinstance(spec, Int4W4A16):
         wg = _groups(w, spec.group_size)
         if spec.symmetric:
-            scale = _safe_scale(wg.abs().amax(dim=-1), 7.0).to(spec.scale_dtype)
+            scale = _round_up(_safe_scale(wg.abs().amax(dim=-1), 7.0), spec.scale_dtype)
             q = torch.round(wg / scale.float()[..., None]).clamp(-8, 7) + 8
         else:
             lo = wg.amin(dim=-1).clamp(max=0)
             hi = wg.amax(dim=-1).clamp(min=0)
-            scale = _safe_scale(hi - lo, 15.0).to(spec.scale_dtype)
+            scale = _round_up(_safe_scale(hi - lo, 15.0), spec.scale_dtype)
             s = scale.float()
             zero = torch.round(-lo / s).clamp(0, 15)
             q = torch.round(wg / s[..., None]) + zero[..., None]
