@@ -14,7 +14,8 @@ from moekit.cli.main import main
 from moekit.config import A2A_BACKENDS, RUNNER_BACKENDS
 from moekit.presets import PRESETS
 
-TINY = ["--device", "cpu", "--batch-sizes", "1,8", "--no-plot"]
+# A generous time budget: a loaded CI machine must not turn points into "skipped".
+TINY = ["--device", "cpu", "--batch-sizes", "1,8", "--no-plot", "--time-budget", "600"]
 
 
 def test_env_tables(capsys):
@@ -64,7 +65,7 @@ def test_env_explain_bad_preset(capsys):
 def test_bench_tiny(tmp_path, capsys):
     out_dir = tmp_path / "res"
     rc = main(["bench", "--device", "cpu", "--batch-sizes", "0,1,8", "--backends", "torch,auto",
-               "--out-dir", str(out_dir)])
+               "--time-budget", "600", "--out-dir", str(out_dir)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "SCALED-DOWN" in out and "routing precomputed, not timed" in out
