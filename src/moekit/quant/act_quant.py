@@ -84,16 +84,15 @@ def quantize_act_ref(
     if scheme in ("static_tensor", "dynamic_tensor"):
         s = tensor_scale(x, dtype) if scale is None else scale.float()
         return _round_cast(xf / s, dtype, qmax), s
-    H = x.shape[-1]
-    g = H if scheme == "token" else group_size
-    n = -(-H // g) if H else 0
-    pad = n * g - H
-    xg = torch.nn.functional.pad(xf, (0, pad)).reshape(*x.shape[:-1], n, g)
-    s = xg.abs().amax(dim=-1).clamp_min(EPS) / qmax if n else xf.new_zeros(*x.shape[:-1], 0)
-    if scheme == "token":
-        s = s.reshape(*x.shape[:-1], 1) if n else xf.new_full((*x.shape[:-1], 1), EPS / qmax)
-    q = _round_cast(xg / s.reshape(*x.shape[:-1], -1, 1)[..., :n, :], dtype, qmax)
-    return q.reshape(*x.shape[:-1], n * g)[..., :H], s
+    lead, H = x.shape[:-1], x.shape[-1]
+    g = max(H, 1) if scheme == "token" else group_size
+    n = -(-H // g)  # groups per row (the last may be partial)
+    xg = torch.nn.functional.pad(xf, (0, n * g - H)).reshape(*lead, n, g)
+    s = xg.abs().amax(dim=-1).clamp_min(EPS) / qmax  # [.., n]
+    q = _round_cast(xg / s[..., None], dtype, qmax).reshape(*lead, n * g)[..., :H]
+    if scheme == "token" and n == 0:  # H = 0: still one scale per row
+        s = xf.new_full((*lead, 1), EPS / qmax)
+    return q, s
 
 
 def dequantize_act(
