@@ -271,3 +271,21 @@ def test_git_commit_falls_back(monkeypatch, tmp_path):
     if root is not None and (root / ".git").exists():
         commit, _ = report.git_commit()
         assert len(commit) == 40 and int(commit, 16) >= 0
+
+
+def test_eight_bit_rate_only_on_cuda():
+    from moekit.bench import ceilings_for_format, measure_matmul_rate
+
+    assert measure_matmul_rate("cpu", "float8_e4m3fn") is None
+    assert ceilings_for_format("cpu", torch.float32, "fp8_w8a8").dtype == "float32"
+
+
+@pytest.mark.gpu
+def test_fp8_matmul_rate_beats_bf16_on_hopper():
+    from moekit.bench import measure_ceilings, measure_matmul_rate
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
+    fp8 = measure_matmul_rate("cuda", "float8_e4m3fn")
+    bf16 = measure_ceilings("cuda", torch.bfloat16).matmul_flops_per_s
+    assert fp8 is not None and fp8 > 1.3 * bf16

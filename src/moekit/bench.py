@@ -135,3 +135,52 @@ def moe_cost(
         bytes=touched * per_expert + 2 * T * H * act_bytes,
     )
 
+
+
+# Weight formats whose GEMMs run on 8-bit tensor cores: their floor uses that matmul rate.
+EIGHT_BIT_MATMUL = {"fp8_w8a8": "float8_e4m3fn", "int8_w8a8": "int8"}
+
+
+def measure_matmul_rate(device: torch.device | str, kind: str, n: int = 8192) -> float | None:
+    """Dense [n, n] x [n, n] matmul rate (FLOP/s) on 8-bit tensor cores of a CUDA device:
+    kind 'float8_e4m3fn' (torch._scaled_mm, bf16 out) or 'int8' (torch._int_mm, int32 out).
+    None where this torch / GPU cannot run it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        a = torch.randn(n, n, device=device)
+        b = torch.randn(n, n, device=device)
+        if kind == "float8_e4m3fn":
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+
+            def fn():
+                return torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)
+
+        elif kind == "int8":
+            a8 = a.clamp(-127, 127).to(torch.int8)
+            b8 = b.clamp(-127, 127).to(torch.int8)
+
+            def fn():
+                return torch._int_mm(a8, b8.t())
+
+        else:
+            raise ValueError(f"kind: unknown {kind!r}; allowed: float8_e4m3fn, int8")
+        ms = time_ms(fn, device, cuda_graph=False, samples=10)
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def ceilings_for_format(
+    device: torch.device | str, dtype: torch.dtype, weight_format: str = "unquantized"
+) -> Ceilings:
+    """`measure_ceilings`, with the matmul rate of the 8-bit tensor cores for the w8a8 formats
+    (where it can be measured; else the `dtype` rate, and `Ceilings.dtype` says which)."""
+    ceilings = measure_ceilings(device, dtype)
+    kind = EIGHT_BIT_MATMUL.get(weight_format)
+    rate = measure_matmul_rate(device, kind) if kind else None
+    if rate is None:
+        return ceilings
+    return Ceilings(ceilings.copy_bytes_per_s, rate, kind)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from moekit import hardware
-from moekit.bench import Ceilings, Cost, measure_ceilings, moe_cost, time_ms
+from moekit.bench import Ceilings, Cost, ceilings_for_format, moe_cost, time_ms
 from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.experts import ExpertWeights
 from moekit.layer import MoE, RunnerCache
@@ -377,7 +377,7 @@ def run_sweep(
                            time.perf_counter() - started,
                            ["no requested backend can run this workload here"])
     if ceilings is None:
-        ceilings = measure_ceilings(spec.device, spec.moe.torch_dtype)
+        ceilings = ceilings_for_format(spec.device, spec.moe.torch_dtype, spec.moe.weight_format)
     on_cuda = spec.device == "cuda"
     timing = {} if on_cuda else CPU_TIMING
     calls_per_point = 1 + timing.get("warmup", 5) + timing.get("samples", 25)
