@@ -19,6 +19,7 @@ from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner
 from moekit.runners.registry import runner_class
+from moekit import metrics
 from moekit.select import Decision, Workload, select_runner
 from moekit.stages import DispatchOutput, StandardDispatchOutput
 
@@ -42,6 +43,7 @@ class RunnerCache:
         name = self.decide(work).backend
         if name not in self._runners:
             self._runners[name] = runner_class(name)()
+        metrics.record_runner_call(name)
         return self._runners[name]
 
 
@@ -56,6 +58,12 @@ def _workload(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) ->
         dtype=str(x.dtype).removeprefix("torch."),
         device=x.device.type,
         has_bias=weights.has_bias,
+        # shape (for the selection tables; masked: no top-k) and quantization parameters
+        num_experts=weights.num_experts,
+        hidden_size=weights.hidden_size,
+        intermediate_size=weights.intermediate_size,
+        top_k=d.topk.top_k if isinstance(d, StandardDispatchOutput) else None,
+        weight_spec=weights.spec,
     )
 
 

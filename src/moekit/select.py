@@ -1,22 +1,60 @@
 """The one place that picks a runner backend, and says why.
 
-Inputs are plain data (a `Workload`, the `RunnerConfig`, a `Platform`), so every rule is a pure
-function that tests can drive with an injected platform.
+Inputs are plain data (a `Workload`, the `RunnerConfig`, a `Platform`, optionally the selection
+tables), so every rule is a pure function that tests drive with injected platforms and tables.
+
+How a backend is chosen (`select_runner`):
+  1. `--enable-adaptive-moe`: `triton` below `--adaptive-moe-batch-threshold` tokens,
+     `triton_kernel` at or above (the engines' familiar rule), checked like a requested backend.
+  2. `--moe-runner-backend NAME`: that backend, or a ConfigError saying why it cannot run here
+     (library missing, needs SM100, format not supported, ...).
+  3. `auto`: the backends that can run the workload here (hardware, libraries, weight format,
+     dispatch format, dtype, shape) are ranked by the measured selection table of this device and
+     shape (`moekit.select_table`; nearest measured batch size); without a table, by the default
+     preference order, which switches at the adaptive threshold like rule 1.
+
+Each new decision is logged once. Decisions are cached per `Workload` by the layer
+(`moekit.layer.RunnerCache`); the workload includes the batch size, so under CUDA graphs each
+captured batch size gets its own decision, made when it is first run (at capture).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-from moekit.config import RUNNER_BACKENDS, ConfigError, RunnerConfig
+from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.hardware import Platform
 from moekit.log import log_once
 from moekit.runners import registry
 
-# Backends `auto` may pick, best first, per device type. (Issue: a measured selection table.)
+if TYPE_CHECKING:
+    from moekit.quant.spec import QuantSpec
+    from moekit.select_table import SelectionTable
+
+# Default preference of `auto` when no selection table matches, best first: below the adaptive
+# threshold (small batches) and at or above it (large batches). CPU: the reference only.
 AUTO_PREFERENCE = {
-    "cuda": ("triton", "torch"),
+    "cuda": (
+        "triton",
+        "triton_kernel",
+        "cutlass",
+        "deep_gemm",
+        "flashinfer_cutlass",
+        "torch",
+    ),
+    "cpu": ("torch",),
+}
+AUTO_PREFERENCE_LARGE = {
+    "cuda": (
+        "triton_kernel",
+        "triton",
+        "deep_gemm",
+        "cutlass",
+        "flashinfer_cutlass",
+        "torch",
+    ),
     "cpu": ("torch",),
 }
 ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
@@ -24,8 +62,15 @@ ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
 
 @dataclass(frozen=True)
 class Workload:
-    """What one runner call must do: T tokens, dispatch format, weight format, activation,
-    dtype and device of the activations, and whether the experts have biases."""
+    """What one runner call must do.
+
+    num_tokens T (masked format: E_local * capacity rows), dispatch format, weight format (and its
+    QuantSpec when quantized), activation, dtype and device of the activations, whether the
+    experts have biases; the per-rank shape when known (E_local, H, I_local, K columns of the
+    routing; the parallel config enters through them: E_local = E / ep, I_local = I / moe_tp).
+    The shape fields are optional: without them the selection table cannot be consulted and the
+    shape rules of the runners are not checked.
+    """
 
     num_tokens: int
     format: str = "standard"
@@ -34,6 +79,41 @@ class Workload:
     dtype: str = "bfloat16"
     device: str = "cuda"
     has_bias: bool = False
+    num_experts: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    top_k: int | None = None
+    weight_spec: "QuantSpec | None" = None
+
+    @property
+    def has_shape(self) -> bool:
+        return None not in (self.num_experts, self.hidden_size, self.intermediate_size, self.top_k)
+
+
+def workload_for(
+    moe: MoEConfig,
+    num_tokens: int,
+    *,
+    parallel: ParallelConfig = ParallelConfig(),
+    device: str = "cuda",
+    format: str = "standard",
+    weight_spec: "QuantSpec | None" = None,
+) -> Workload:
+    """The workload of one rank of a layer of `moe` under `parallel` on `num_tokens` tokens."""
+    return Workload(
+        num_tokens=num_tokens,
+        format=format,
+        weight_format=moe.weight_format,
+        activation=moe.activation,
+        dtype=moe.dtype,
+        device=device,
+        has_bias=moe.has_bias,
+        num_experts=(moe.total_experts + parallel.ep_num_redundant_experts) // parallel.ep_size,
+        hidden_size=moe.hidden_size,
+        intermediate_size=moe.intermediate_size // parallel.moe_tp_size,
+        top_k=moe.total_top_k,
+        weight_spec=weight_spec,
+    )
 
 
 @dataclass(frozen=True)
@@ -43,39 +123,105 @@ class Decision:
 
 
 def why_not(backend: str, work: Workload, platform: Platform) -> str | None:
-    """None if `backend` can run `work` on `platform`, else the reason it cannot."""
+    """None if `backend` can run `work` on `platform`, else the reason it cannot.
+
+    Checks the runner's availability here (hardware, libraries), its declared capabilities
+    (formats, weight formats, activations, dtypes, devices, biases) and, for runners that define
+    `workload_problem(work)`, workload rules (shape alignment, quantization parameters,
+    parallelism)."""
     avail = registry.availability(backend, platform)
     if not avail:
         return avail.reason
     cls = registry.runner_class(backend)
-    return cls.unsupported(
+    problem = cls.unsupported(
         work.format, work.weight_format, work.activation, work.dtype, work.device, work.has_bias
     )
+    if problem is None and hasattr(cls, "workload_problem"):
+        problem = cls.workload_problem(work)
+    return problem
 
 
-def select_runner(work: Workload, config: RunnerConfig, platform: Platform) -> Decision:
-    """Pick the runner for `work`; raise ConfigError when the requested one cannot run it."""
+def _preference(work: Workload, config: RunnerConfig) -> tuple[tuple[str, ...], str]:
+    large = work.num_tokens >= config.adaptive_moe_batch_threshold
+    table = AUTO_PREFERENCE_LARGE if large else AUTO_PREFERENCE
+    order = table.get(work.device, ("torch",))
+    why = (
+        f"T {'>=' if large else '<'} {config.adaptive_moe_batch_threshold} "
+        f"(--adaptive-moe-batch-threshold)"
+    )
+    return order, why
+
+
+def select_runner(
+    work: Workload,
+    config: RunnerConfig,
+    platform: Platform,
+    *,
+    tables: "Sequence[SelectionTable] | None" = None,
+) -> Decision:
+    """Pick the runner for `work`; raise ConfigError when the requested one cannot run it.
+    `tables`: the selection tables to consult (default: shipped + user dir, see select_table)."""
     requested = config.moe_runner_backend
     if config.enable_adaptive_moe:
         small = work.num_tokens < config.adaptive_moe_batch_threshold
         backend = ADAPTIVE_SMALL if small else ADAPTIVE_LARGE
         reason = (
-            f"--enable-adaptive-moe: T {'<' if small else '>='} "
+            f"--enable-adaptive-moe: T={work.num_tokens} {'<' if small else '>='} "
             f"--adaptive-moe-batch-threshold {config.adaptive_moe_batch_threshold}"
         )
         return _checked(Decision(backend, reason), work, platform)
     if requested != "auto":
         return _checked(Decision(requested, "--moe-runner-backend " + requested), work, platform)
-    skipped = []
-    for backend in AUTO_PREFERENCE.get(work.device, ("torch",)):
-        problem = why_not(backend, work, platform)
-        if problem is None:
-            reason = f"auto: first usable of {AUTO_PREFERENCE.get(work.device)} on {work.device}"
+    return _logged(_auto(work, config, platform, tables), work)
+
+
+def _auto(work, config, platform, tables) -> Decision:
+    from moekit import select_table
+
+    problems = {
+        b: why_not(b, work, platform) for b in RUNNER_BACKENDS if b != "auto"
+    }
+    usable = [b for b, p in problems.items() if p is None]
+    if not usable:
+        raise ConfigError(
+            "--moe-runner-backend auto: no runner can run this; "
+            + "; ".join(f"{b}: {p}" for b, p in problems.items())
+        )
+    if tables is None:
+        tables = select_table.default_tables()
+    match = select_table.lookup(tables, work, platform)
+    if match.table is not None:
+        point = match.point
+        for backend in point.ranking:
+            if backend in usable:
+                ms = point.ms[backend]
+                best = point.ranking[0]
+                reason = (
+                    f"auto: selection table {match.table.source} ({match.note}): at the nearest "
+                    f"measured T={point.num_tokens}, {backend} is the fastest usable "
+                    f"({ms:.4g} ms"
+                )
+                if best != backend:
+                    reason += f"; {best} {point.ms[best]:.4g} ms is not usable: {problems[best]}"
+                return Decision(backend, reason + ")")
+        unmeasured = f"none of the measured {', '.join(point.ranking)} is usable here"
+    else:
+        unmeasured = match.note
+    order, why = _preference(work, config)
+    for backend in order:
+        if backend in usable:
+            skipped = [f"{b}: {problems[b]}" for b in order[: order.index(backend)]]
+            reason = (
+                f"auto: no selection table ({unmeasured}); default preference for {work.device}, "
+                f"{why}: {' > '.join(order)}"
+            )
             if skipped:
                 reason += " (skipped " + "; ".join(skipped) + ")"
-            return _logged(Decision(backend, reason), work)
-        skipped.append(f"{backend}: {problem}")
-    raise ConfigError("--moe-runner-backend auto: no runner can run this; " + "; ".join(skipped))
+            return Decision(backend, reason)
+    raise ConfigError(
+        f"--moe-runner-backend auto: usable here are only {', '.join(usable)}, none of which is "
+        f"in the preference order for {work.device} ({', '.join(order)})"
+    )
 
 
 def _checked(decision: Decision, work: Workload, platform: Platform) -> Decision:
@@ -86,14 +232,25 @@ def _checked(decision: Decision, work: Workload, platform: Platform) -> Decision
 
 
 def _logged(decision: Decision, work: Workload) -> Decision:
-    log_once(logging.INFO, f"runner {decision.backend} ({work.format}): {decision.reason}")
+    log_once(
+        logging.INFO,
+        f"runner {decision.backend} for T={work.num_tokens} ({work.format}, {work.weight_format}, "
+        f"{work.dtype}, {work.device}): {decision.reason}",
+    )
     return decision
 
 
-def explain(work: Workload, config: RunnerConfig, platform: Platform) -> list[tuple[str, str]]:
-    """Every backend with 'chosen', 'usable' or the reason it cannot run `work`."""
+def explain(
+    work: Workload,
+    config: RunnerConfig,
+    platform: Platform,
+    *,
+    tables: "Sequence[SelectionTable] | None" = None,
+) -> list[tuple[str, str]]:
+    """Every backend with 'chosen', 'usable' or the reason it cannot run `work`; a first row
+    ('(none)', error) when nothing can be chosen."""
     try:
-        chosen = select_runner(work, config, platform).backend
+        chosen = select_runner(work, config, platform, tables=tables).backend
     except ConfigError as err:
         chosen, rows = None, [("(none)", str(err))]
     else:

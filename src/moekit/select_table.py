@@ -1,0 +1,279 @@
+"""Selection tables: measured time of every runner backend over a batch-size sweep, per device,
+shape and weight format, that `auto` (moekit.select) ranks backends by.
+
+One JSON file per key, written by `moekit tune --select` (moekit.select_tune):
+
+    {"schema": "moekit-select-table/1",
+     "key": {"device_name": "NVIDIA H100 80GB HBM3", "format": "standard",
+             "weight_format": "unquantized", "weight_spec": "unquantized", "dtype": "bfloat16",
+             "activation": "silu", "has_bias": false,
+             "num_experts": 128, "hidden_size": 2048, "intermediate_size": 768, "top_k": 8},
+     "libraries": {"torch": "2.11.0+cu130", "triton": "3.6.0", "sgl-deep-gemm": "0.2.2", ...},
+     "points": [{"num_tokens": 1, "ms": {"triton": 0.031, "cutlass": 0.048, ...}}, ...],
+     "meta": {"preset": "qwen3-30b-a3b", "git_commit": "...", "created": "..."}}
+
+Shape fields are per rank (E_local, I_local; K = routing columns incl. fused shared experts).
+Lookup: the key must match exactly (device name compared case-insensitively); among matching
+tables one measured with the same library versions is preferred, else the first is used and the
+decision says which versions differ. The point used is the measured batch size nearest to T in
+log scale (T = 0 uses the smallest). Files: shipped in `moekit/configs/select/`, and in the user
+directory `$MOEKIT_CONFIG_DIR/select/`, whose tables take precedence.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from moekit import envs
+from moekit.hardware import Platform
+from moekit.log import logger
+
+if TYPE_CHECKING:
+    from moekit.select import Workload
+
+SCHEMA = "moekit-select-table/1"
+# Library versions that change which backend is fastest; recorded with every table.
+LIBRARIES = ("torch", "triton", "sgl-deep-gemm", "flashinfer-python")
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """What a table was measured for (per-rank shape)."""
+
+    device_name: str
+    format: str
+    weight_format: str
+    weight_spec: str
+    dtype: str
+    activation: str
+    has_bias: bool
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+
+    def normalized(self) -> "TableKey":
+        d = asdict(self)
+        d["device_name"] = " ".join(self.device_name.lower().split())
+        return TableKey(**d)
+
+    def file_name(self) -> str:
+        dev = "_".join(self.device_name.split()).replace("/", "_")
+        bias = "_bias" if self.has_bias else ""
+        return (
+            f"{dev}__E{self.num_experts}_H{self.hidden_size}_I{self.intermediate_size}"
+            f"_K{self.top_k}__{self.weight_format}_{self.dtype}_{self.activation}{bias}"
+            f"_{self.format}.json"
+        )
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured batch size: median ms per backend (backends that failed are absent)."""
+
+    num_tokens: int
+    ms: dict[str, float]
+
+    @property
+    def ranking(self) -> tuple[str, ...]:
+        """Backends fastest first."""
+        return tuple(sorted(self.ms, key=lambda b: (self.ms[b], b)))
+
+
+@dataclass(frozen=True)
+class SelectionTable:
+    key: TableKey
+    libraries: dict[str, str | None]
+    points: tuple[Point, ...]
+    source: str = "<memory>"
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError(f"selection table {self.source}: no points")
+        pts = tuple(sorted(self.points, key=lambda p: p.num_tokens))
+        seen = [p.num_tokens for p in pts]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"selection table {self.source}: repeated batch sizes {seen}")
+        for p in pts:
+            if p.num_tokens < 0 or not p.ms:
+                raise ValueError(
+                    f"selection table {self.source}: a point needs num_tokens >= 0 and at least "
+                    f"one backend, got {p}"
+                )
+            bad = {b: v for b, v in p.ms.items() if not (isinstance(v, (int, float)) and v > 0)}
+            if bad:
+                raise ValueError(f"selection table {self.source}: non-positive times {bad}")
+        object.__setattr__(self, "points", pts)
+
+    def nearest(self, num_tokens: int) -> Point:
+        """The measured point nearest to `num_tokens` in log scale (ties: the smaller batch)."""
+        x = math.log(max(num_tokens, 1))
+        return min(self.points, key=lambda p: (abs(math.log(max(p.num_tokens, 1)) - x), p.num_tokens))
+
+    def crossovers(self) -> list[tuple[int, str]]:
+        """[(T, winner)] at each measured T where the fastest backend changes (the first point
+        included)."""
+        out: list[tuple[int, str]] = []
+        for p in self.points:
+            w = p.ranking[0]
+            if not out or out[-1][1] != w:
+                out.append((p.num_tokens, w))
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "key": asdict(self.key),
+            "libraries": dict(self.libraries),
+            "points": [{"num_tokens": p.num_tokens, "ms": dict(p.ms)} for p in self.points],
+            "crossovers": [{"from_num_tokens": t, "backend": b} for t, b in self.crossovers()],
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict, source: str = "<memory>") -> "SelectionTable":
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"{source}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+        try:
+            key = TableKey(**doc["key"])
+            points = tuple(
+                Point(int(p["num_tokens"]), {str(b): float(v) for b, v in p["ms"].items()})
+                for p in doc["points"]
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: malformed selection table: {err}") from err
+        return cls(key, dict(doc.get("libraries", {})), points, source, dict(doc.get("meta", {})))
+
+
+@dataclass(frozen=True)
+class Match:
+    """The result of a lookup: the table and point used (None when no table matches), and a
+    note for the decision's reason."""
+
+    table: SelectionTable | None
+    point: Point | None
+    note: str
+
+
+def spec_name(work: "Workload") -> str:
+    """The weight spec of a workload as recorded in table keys ('unquantized', or the spec's
+    describe(), the format's default spec when the workload names none)."""
+    if work.weight_format == "unquantized":
+        return "unquantized"
+    if work.weight_spec is not None:
+        return work.weight_spec.describe()
+    from moekit.quant.spec import make_spec
+
+    return make_spec(work.weight_format).describe()
+
+
+def key_of(work: "Workload", platform: Platform) -> TableKey | None:
+    """The table key of `work` on `platform`, None when the workload carries no shape."""
+    if not work.has_shape:
+        return None
+    return TableKey(
+        device_name=platform.device_name,
+        format=work.format,
+        weight_format=work.weight_format,
+        weight_spec=spec_name(work),
+        dtype=work.dtype,
+        activation=work.activation,
+        has_bias=work.has_bias,
+        num_experts=work.num_experts,
+        hidden_size=work.hidden_size,
+        intermediate_size=work.intermediate_size,
+        top_k=work.top_k,
+    )
+
+
+def library_versions(platform: Platform) -> dict[str, str | None]:
+    return {lib: platform.libraries.get(lib) for lib in LIBRARIES}
+
+
+def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platform) -> Match:
+    """The table and nearest point for `work` on `platform` (see the module docstring)."""
+    key = key_of(work, platform)
+    if key is None:
+        return Match(None, None, "the workload carries no shape (E, H, I, K)")
+    want = key.normalized()
+    found = [t for t in tables if t.key.normalized() == want]
+    if not found:
+        return Match(
+            None,
+            None,
+            f"none measured for {platform.device_name}, E={key.num_experts} H={key.hidden_size} "
+            f"I={key.intermediate_size} K={key.top_k}, {key.weight_spec} {key.dtype} "
+            f"{key.activation}{' bias' if key.has_bias else ''} {key.format}",
+        )
+    here = library_versions(platform)
+
+    def diffs(t: SelectionTable) -> list[str]:
+        return [
+            f"{lib} {t.libraries.get(lib)} (here {here[lib]})"
+            for lib in LIBRARIES
+            if lib in t.libraries and t.libraries.get(lib) != here[lib]
+        ]
+
+    best = min(found, key=lambda t: len(diffs(t)))  # stable: earlier (user) tables win ties
+    d = diffs(best)
+    note = f"measured on {best.key.device_name}"
+    note += f", measured with {', '.join(d)}" if d else ", same library versions"
+    return Match(best, best.nearest(work.num_tokens), note)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def shipped_dir() -> Path:
+    return Path(__file__).resolve().parent / "configs" / "select"
+
+
+def user_dir() -> Path:
+    return Path(envs.MOEKIT_CONFIG_DIR.get()) / "select"
+
+
+def load_dir(directory: Path | str) -> list[SelectionTable]:
+    """Every valid table in `directory` (sorted by file name); invalid files are logged and
+    skipped; a missing directory gives []."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    tables = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            tables.append(SelectionTable.from_json(json.loads(path.read_text()), str(path)))
+        except (OSError, ValueError) as err:
+            logger.log(logging.WARNING, f"selection table skipped: {path}: {err}")
+    return tables
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(dirs: tuple[str, ...]) -> tuple[SelectionTable, ...]:
+    return tuple(t for d in dirs for t in load_dir(d))
+
+
+def default_tables() -> Sequence[SelectionTable]:
+    """User tables ($MOEKIT_CONFIG_DIR/select), then the shipped ones; read once per process
+    and directory set (`reload()` forgets them)."""
+    return _cached((str(user_dir()), str(shipped_dir())))
+
+
+def reload() -> None:
+    _cached.cache_clear()
+
+
+def save(table: SelectionTable, directory: Path | str | None = None) -> Path:
+    """Write `table` as JSON into `directory` (default: the user dir); returns the path."""
+    directory = Path(directory) if directory is not None else user_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / table.key.file_name()
+    path.write_text(json.dumps(table.to_json(), indent=1, sort_keys=False) + "\n")
+    reload()
+    return path
