@@ -238,10 +238,10 @@ def validate(
         )
     backend = runner.moe_runner_backend
     if backend == "flashinfer_cutlass":
-        if moe.weight_format != "nvfp4":
+        if moe.weight_format not in ("unquantized", "nvfp4"):
             raise ConfigError(
-                "--moe-runner-backend flashinfer_cutlass needs --quantization nvfp4, "
-                f"got {moe.weight_format!r}"
+                "--moe-runner-backend flashinfer_cutlass needs --quantization unquantized "
+                f"(SM90+) or nvfp4 (SM100), got {moe.weight_format!r}"
             )
         if parallel.ep_size not in (1, parallel.tp_size):
             raise ConfigError(

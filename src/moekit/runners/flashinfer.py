@@ -1,0 +1,175 @@
+"""FlashInfer runners (optional extra `flashinfer-python`).
+
+- `flashinfer_cutlass`: FlashInfer's CUTLASS fused MoE (`flashinfer.fused_moe.cutlass_fused_moe`,
+  the TensorRT-LLM MoE kernels) on SM90+, for unquantized bfloat16 / float16 weights with SwiGLU.
+  Written against the flashinfer-python 0.7.2 API and NOT run by this project: the package could
+  not be installed on the development GPU machines (its 62 MB wheel does not fit the transfer
+  limit beside the other wheels, it needs packages the machines lack (nvidia-cutlass-dsl,
+  cuda-tile, nccl4py, nvidia-cudnn-frontend) and it JIT-compiles the MoE kernels with nvcc on
+  first use). Its GPU test compares it with the reference wherever flashinfer is installed.
+- `flashinfer_trtllm`, `flashinfer_mxfp4`, `flashinfer_cutedsl`: FlashInfer's TensorRT-LLM-gen,
+  MXFP4 and CuTe-DSL MoE kernels exist for SM100 (Blackwell data-centre GPUs) only. They are
+  registered so that selecting one says why it cannot run, and `auto` never picks them: their
+  availability is always False (no CUDA GPU / not SM100 / flashinfer missing / not implemented,
+  since no SM100 machine is at hand to write and test them), and `run` raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.registry import register
+from moekit.stages import MASKED, STANDARD, DispatchOutput, RunnerOutput, StandardRunnerOutput
+
+LIBRARY = "flashinfer-python"
+INSTALL_HINT = "pip install flashinfer-python (moekit[flashinfer])"
+NOT_IMPLEMENTED_SM100 = (
+    "not implemented in this version of moekit: it needs an SM100 (Blackwell) GPU to be written "
+    "and tested, and none was at hand"
+)
+
+
+def sm100_availability(platform: Platform) -> Availability:
+    """Availability of a FlashInfer backend that exists for SM100 only (see module docstring)."""
+    if not platform.is_cuda:
+        return Availability(False, "needs SM100 (Blackwell); no CUDA GPU")
+    if platform.capability is None or platform.capability[0] != 10:
+        return Availability(False, f"needs SM100 (Blackwell); this GPU is SM{platform.sm()}")
+    if not platform.has(LIBRARY):
+        return Availability(False, f"needs {LIBRARY}, which is not installed ({INSTALL_HINT})")
+    return Availability(False, NOT_IMPLEMENTED_SM100)
+
+
+class _SM100Only(Runner):
+    """Base of the SM100-only FlashInfer backends: never available here; `run` raises."""
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        return sm100_availability(platform)
+
+    def run(self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec):
+        raise RunnerError(f"runner {self.name!r} is not implemented: {NOT_IMPLEMENTED_SM100}")
+
+
+@register
+class FlashInferTrtllmRunner(_SM100Only):
+    """TensorRT-LLM-gen fused MoE (SM100): fp8 block-scale, nvfp4, mxfp4 and bf16 weights."""
+
+    name = "flashinfer_trtllm"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD}),
+        weight_formats=frozenset({"unquantized", "fp8_w8a8", "nvfp4", "mxfp4"}),
+        activations=frozenset({"silu", "swiglu_oai"}),
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16"}),
+        bias=True,
+        cuda_graph=True,
+    )
+
+
+@register
+class FlashInferMxfp4Runner(_SM100Only):
+    """MXFP4-weight MoE (gpt-oss) on SM100, bf16 or mxfp8 activations."""
+
+    name = "flashinfer_mxfp4"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD}),
+        weight_formats=frozenset({"mxfp4"}),
+        activations=frozenset({"silu", "swiglu_oai"}),
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16"}),
+        bias=True,
+        cuda_graph=True,
+    )
+
+
+@register
+class FlashInferCuteDslRunner(_SM100Only):
+    """CuTe-DSL masked grouped GEMM MoE (SM100, nvfp4), for the low-latency all-to-all layout."""
+
+    name = "flashinfer_cutedsl"
+    caps = RunnerCaps(
+        formats=frozenset({MASKED}),
+        weight_formats=frozenset({"nvfp4"}),
+        activations=frozenset({"silu"}),
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16"}),
+        bias=False,
+        cuda_graph=True,
+    )
+
+
+@register
+class FlashInferCutlassRunner(Runner):
+    """FlashInfer CUTLASS fused MoE (SM90+): unquantized bf16/fp16, SwiGLU, no biases, standard
+    format. Masked pairs (id -1 or >= E) are routed to expert 0 with weight 0. Unverified here
+    (see the module docstring)."""
+
+    name = "flashinfer_cutlass"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD}),
+        weight_formats=frozenset({"unquantized"}),
+        activations=frozenset({"silu"}),
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16", "float16"}),
+        bias=False,
+        cuda_graph=False,  # its autotuner profiles on the first call of each shape
+    )
+
+    def __init__(self) -> None:
+        self._w31: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        if not platform.is_cuda:
+            return Availability(False, "needs a CUDA GPU (SM90+); no CUDA GPU")
+        if platform.sm() < 90:
+            return Availability(False, f"needs SM90+ (Hopper or newer); this GPU is SM{platform.sm()}")
+        if not platform.has(LIBRARY):
+            return Availability(False, f"needs {LIBRARY}, which is not installed ({INSTALL_HINT})")
+        return Availability(True)
+
+    def _up_gate(self, w13: torch.Tensor) -> torch.Tensor:
+        """w13 [E, 2I, H] (gate rows, then up rows) -> [E, 2I, H] up rows first, the order of the
+        TensorRT-LLM SwiGLU epilogue; cached per weight tensor version."""
+        key = (w13.data_ptr(), w13._version, tuple(w13.shape))
+        cached = self._w31.get(key)
+        if cached is None:
+            gate, up = w13.chunk(2, dim=1)
+            self._w31.clear()
+            cached = self._w31[key] = torch.cat([up, gate], dim=1).contiguous()
+        return cached
+
+    def run(
+        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
+    ) -> RunnerOutput:
+        self.check(dispatch_out, weights, act)
+        if act.interleaved:
+            raise RunnerError("runner 'flashinfer_cutlass' needs gate/up halves, not interleaved")
+        from flashinfer.fused_moe import cutlass_fused_moe
+        from flashinfer.fused_moe.core import ActivationType
+
+        x, topk = dispatch_out.x, dispatch_out.topk
+        T, H = x.shape
+        if T == 0:
+            return StandardRunnerOutput(torch.zeros(0, H, dtype=x.dtype, device=x.device))
+        E = weights.num_experts
+        valid = (topk.ids >= 0) & (topk.ids < E)
+        ids = torch.where(valid, topk.ids, 0).to(torch.int32).contiguous()
+        scales = torch.where(valid, topk.weights.float(), 0.0).contiguous()
+        out = cutlass_fused_moe(
+            input=x.contiguous(),
+            token_selected_experts=ids,
+            token_final_scales=scales,
+            fc1_expert_weights=self._up_gate(weights.w13),
+            fc2_expert_weights=weights.w2.contiguous(),
+            output_dtype=x.dtype,
+            quant_scales=None,
+            activation_type=ActivationType.Swiglu,
+        )
+        if isinstance(out, (list, tuple)):
+            out = out[0]
+        return StandardRunnerOutput(out)
