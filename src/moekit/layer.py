@@ -11,9 +11,10 @@ from torch import nn
 
 from moekit import hardware
 from moekit.config import MoEConfig, ParallelConfig, RunnerConfig, validate
-from moekit.dispatch.none import NoneDispatcher
+from moekit.dispatch.factory import make_dispatcher
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
 from moekit.loading import load_hf_experts
+from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
 from moekit.router import CustomRoutingFunction, TopKOutput, route
@@ -98,12 +99,15 @@ class MoE(nn.Module):
         dispatcher=None,
         custom_routing_function: CustomRoutingFunction | None = None,
         device: torch.device | str | None = None,
+        state: ParallelState | None = None,
         weight_format: str | QuantSpec | None = None,
     ) -> None:
         super().__init__()
         if weight_format is not None:
             config = replace(config, weight_format=format_name(weight_format))
         spec = make_spec(weight_format if weight_format is not None else config.weight_format)
+        if state is not None:  # ranks and groups from moekit.parallel.init_parallel
+            parallel, tp_rank = state.resolve(parallel), state.tp_rank
         validate(config, parallel, runner)
         self.config, self.parallel = config, parallel
         self.tp_rank = tp_rank
@@ -113,8 +117,8 @@ class MoE(nn.Module):
         self.placement = placement or ExpertPlacement(
             torch.arange(slots) % config.total_experts, parallel.ep_size
         )
-        self.dispatcher = dispatcher or NoneDispatcher(
-            self.placement, self.ep_rank, config.total_experts
+        self.dispatcher = dispatcher or make_dispatcher(
+            parallel, self.placement, config.total_experts, state=state, ep_rank=self.ep_rank
         )
         self.act = ActivationSpec.from_config(config)
         self.runners = RunnerCache(runner)

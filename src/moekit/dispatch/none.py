@@ -1,7 +1,10 @@
 """Dispatcher `none`: tokens stay where they are (replicated over the TP group).
 
 Each rank maps logical ids to its local expert slots (-1 where the expert lives elsewhere),
-runs its share, and combine all-reduces the partial outputs over the group (if any).
+runs its share, and combine all-reduces the partial outputs over the group (if any): the TP
+group, which sums over the EP ranks' experts and, in the hybrid EP x TP layout, over the moe-TP
+ranks' slices of I. A logical expert with copies on several ranks is computed by its first copy
+only (`moekit.dispatch.slots.SlotMap`), so the sum counts it once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.dispatch.base import Dispatcher
+from moekit.dispatch.slots import SlotMap
 from moekit.placement import ExpertPlacement
 from moekit.router import TopKOutput
 from moekit.stages import StandardDispatchOutput, StandardRunnerOutput
@@ -28,22 +32,17 @@ class NoneDispatcher(Dispatcher):
         num_logical_experts: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        num_logical = num_logical_experts or placement.num_slots
-        self._table = placement.logical_to_local(ep_rank, num_logical)
+        self._slots = SlotMap(placement, num_logical_experts, spread=False)
+        self.ep_rank = ep_rank
         self._identity = placement.ep_size == 1 and torch.equal(
-            placement.physical_to_logical, torch.arange(num_logical)
+            placement.physical_to_logical, torch.arange(self._slots.num_logical)
         )
         self.group = group
-
-    def _table_on(self, device: torch.device) -> torch.Tensor:
-        if self._table.device != device:
-            self._table = self._table.to(device)
-        return self._table
 
     def dispatch(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
         if self._identity:
             return StandardDispatchOutput(x_TH, topk)
-        local_ids = self._table_on(topk.ids.device)[topk.ids.long()]
+        local_ids = self._slots.local_ids(topk.ids, self.ep_rank)
         return StandardDispatchOutput(x_TH, TopKOutput(topk.weights, local_ids))
 
     def combine(self, runner_out: StandardRunnerOutput, dispatched) -> torch.Tensor:

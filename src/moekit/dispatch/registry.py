@@ -53,6 +53,7 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from moekit.dispatch import none
+    from moekit.dispatch import alltoall, none
 
     register(none.NoneDispatcher)
+    register(alltoall.AllToAllDispatcher)

@@ -1,0 +1,408 @@
+"""Dispatcher `alltoall`: expert parallelism over torch.distributed `all_to_all_single` (NCCL on
+GPU, gloo on CPU), with the serving engines' `--deepep-mode`s. Not DeepEP: no NVSHMEM, no custom
+transport, only the collectives of the EP group.
+
+Each rank dispatches its own tokens (x [T, H], topk with logical ids) to the EP ranks that hold
+their experts and gets the results back in combine. R = EP ranks, E = experts per rank (local
+slots), K = top-k, C = --max-dispatch-tokens-per-rank.
+
+normal (prefill, throughput; variable sizes, host synchronisation):
+  1. the per-destination token counts are exchanged (all_to_all_single of R counts);
+  2. each token is sent once per destination rank (not once per expert), with its local expert
+     ids there (-1 for experts elsewhere) and its top-k weights;
+  3. the runner gets the standard format: received rows [N, H] ordered by source rank, then
+     token, with local ids; it applies the weights and sums over its local experts;
+  4. combine sends each row's partial sum back and adds a token's partials (float32 sum).
+
+low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturable):
+  every rank sends a fixed [R, C] block of rows (unused rows ignored); the receiver lays them out
+  masked, x [E, R * C, H] + counts [E] (the worst case: every token of every rank picks the same
+  local expert, as DeepEP low-latency sizes it), rows ordered by source rank, then token. The
+  runner returns unweighted outputs; combine applies the top-k weights on the expert side, sends
+  one row per (source token, rank) back, and sums them.
+  A batch over capacity (T > C) is never truncated: it raises `CapacityError` before any
+  communication. Every rank of the group must stay within C (the raise happens only on the
+  ranks over it; the others would wait in the collective), so bound decode batches or use auto.
+
+auto: low_latency when every rank of the group has at most C tokens, else normal. The ranks
+  agree through an all-reduce of max T (one tiny collective and a host read); while a CUDA graph
+  is being captured the local T decides (capture the same batch size on every rank).
+
+fp8_dispatch: the token rows travel as float8_e4m3fn with one float32 scale per 128 columns
+  (about half the bytes of bf16); the receiver dequantizes to the input dtype for the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
+from moekit.dispatch.base import Dispatcher
+from moekit.dispatch.rows import gather_reduce, positions, scatter_rows
+from moekit.dispatch.slots import SlotMap
+from moekit.hardware import Availability, Platform
+from moekit.placement import ExpertPlacement
+from moekit.router import TopKOutput
+from moekit.stages import (
+    MaskedDispatchOutput,
+    MaskedRunnerOutput,
+    StandardDispatchOutput,
+    StandardRunnerOutput,
+)
+
+NORMAL, LOW_LATENCY, AUTO = "normal", "low_latency", "auto"
+FP8_GROUP = 128
+NEEDS_DIST = (
+    "needs torch.distributed initialised with several processes (launch with torchrun and "
+    "call moekit.parallel.init_parallel)"
+)
+
+
+class CapacityError(ValueError):
+    """A low-latency batch holds more tokens than --max-dispatch-tokens-per-rank."""
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Bytes of one packed token row: x (H values in `dtype`, or H fp8 bytes then ceil(H/128)
+    float32 scales), then K int32 local ids and K float32 weights when top_k > 0."""
+
+    hidden: int
+    dtype: torch.dtype
+    top_k: int = 0
+    fp8: bool = False
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.hidden // FP8_GROUP) if self.fp8 else 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """x (and scales): the part a token carries whatever its destination."""
+        if self.fp8:
+            return _align(self.hidden, 4) + 4 * self.num_groups
+        return _align(self.hidden * self.dtype.itemsize, 4)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.payload_bytes + 8 * self.top_k
+
+    def payload_view(self, buf: torch.Tensor) -> torch.Tensor:
+        """[N, H] in dtype (plain) or [N, payload_bytes] uint8 (fp8) view of buf [N, row_bytes]."""
+        if self.fp8:
+            return buf[:, : self.payload_bytes]
+        return buf[:, : self.hidden * self.dtype.itemsize].view(self.dtype)
+
+    def meta_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [N, K] int32, weights [N, K] float32) views of buf."""
+        p, K = self.payload_bytes, self.top_k
+        return buf[:, p : p + 4 * K].view(torch.int32), buf[:, p + 4 * K :].view(torch.float32)
+
+    def pack_tokens(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The per-token payload: x itself, or [T, payload_bytes] uint8 of fp8 x + scales."""
+        if not self.fp8:
+            return x_TH
+        q, s = _quantize_fp8(x_TH)
+        T = x_TH.shape[0]
+        out = torch.zeros(T, self.payload_bytes, dtype=torch.uint8, device=x_TH.device)
+        out[:, : self.hidden] = q.view(torch.uint8)
+        out[:, _align(self.hidden, 4) :] = s.contiguous().view(torch.uint8)
+        return out
+
+    def unpack_tokens(self, payload: torch.Tensor) -> torch.Tensor:
+        """Payload rows (a view of received rows) -> x [N, H] in dtype."""
+        if not self.fp8:
+            return payload
+        from moekit.quant.act_quant import dequantize_act
+
+        q = payload[:, : self.hidden].contiguous().view(torch.float8_e4m3fn)
+        s = payload[:, _align(self.hidden, 4) :].contiguous().view(torch.float32)
+        return dequantize_act(q, s, "token_group", group_size=FP8_GROUP).to(self.dtype)
+
+
+def _quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, ceil(H/128)] float32)."""
+    from moekit.quant.act_quant import quantize_act, quantize_act_ref
+
+    if x_TH.is_cuda:
+        try:
+            return quantize_act(x_TH, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
+        except ImportError:
+            pass
+    return quantize_act_ref(x_TH, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
+
+
+def _all_to_all(out, inp, group, out_splits=None, in_splits=None) -> None:
+    if group is None:  # a group of one rank
+        out.copy_(inp)
+        return
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(frozen=True)
+class NormalHandle:
+    """Metadata for the return trip of a normal-mode dispatch.
+
+    send_splits / recv_splits: rows sent to / received from each rank; rows_TR [T, R] int64:
+    where the partial result of (token, rank) lands in the combine's receive buffer (n_send
+    where the token has no expert on that rank)."""
+
+    num_tokens: int
+    send_splits: list[int]
+    recv_splits: list[int]
+    rows_TR: torch.Tensor
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    """Metadata for the return trip of a low-latency dispatch (all fixed shapes).
+
+    dest_NK [R*C, K]: masked slot (expert * R*C + row) of each received (row, k), E*R*C where
+    unused; weights_NK [R*C, K] float32; rows_TR [T, R]: the row of (token, rank) in the
+    returned block, R*C where unused."""
+
+    num_tokens: int
+    dest_NK: torch.Tensor
+    weights_NK: torch.Tensor
+    rows_TR: torch.Tensor
+    dtype: torch.dtype
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Expert parallelism over all_to_all_single in the EP group (see the module docstring).
+
+    placement: the physical slots and their EP ranks (placement.ep_size must equal the group
+    size); group: the EP process group (None: a single rank, the collectives become copies);
+    mode: 'normal', 'low_latency' or 'auto' (--deepep-mode); max_dispatch_tokens_per_rank: C;
+    fp8_dispatch: send fp8 rows; impl: row kernels, 'auto' | 'torch' | 'triton'."""
+
+    name = "alltoall"
+
+    def __init__(
+        self,
+        placement: ExpertPlacement,
+        *,
+        group: dist.ProcessGroup | None = None,
+        num_logical_experts: int | None = None,
+        mode: str = AUTO,
+        max_dispatch_tokens_per_rank: int = 128,
+        fp8_dispatch: bool = False,
+        impl: str = "auto",
+    ) -> None:
+        check_choice("deepep_mode", mode, DEEPEP_MODES)
+        if not isinstance(max_dispatch_tokens_per_rank, int) or max_dispatch_tokens_per_rank < 1:
+            raise ConfigError(
+                "--max-dispatch-tokens-per-rank must be a positive integer, got "
+                f"{max_dispatch_tokens_per_rank!r}"
+            )
+        size = 1 if group is None else dist.get_world_size(group)
+        if placement.ep_size != size:
+            raise ConfigError(
+                f"--ep-size ({placement.ep_size}, from the placement) must equal the EP group "
+                f"size ({size} ranks)"
+            )
+        self.group = group
+        self.ep_size = size
+        self.ep_rank = 0 if group is None else dist.get_rank(group)
+        self.slots = SlotMap(placement, num_logical_experts)
+        self.num_local = placement.slots_per_rank
+        self.mode = mode
+        self.capacity = max_dispatch_tokens_per_rank
+        self.fp8 = fp8_dispatch
+        self.impl = impl
+
+    @classmethod
+    def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return Availability(False, NEEDS_DIST)
+        return Availability(True)
+
+    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
+        """Take a new placement (EPLB); must keep the same ep_size and slots per rank."""
+        if (placement.ep_size, placement.slots_per_rank) != (self.ep_size, self.num_local):
+            raise ValueError("a new placement must keep ep_size and the slots per rank")
+        self.slots = SlotMap(placement, num_logical or self.slots.num_logical)
+
+    # ---- mode ----------------------------------------------------------------------------
+
+    def mode_for(self, num_tokens: int, device: torch.device) -> str:
+        """The mode this call runs in: the configured one, or auto's choice (see module doc)."""
+        if self.mode != AUTO:
+            return self.mode
+        worst = num_tokens
+        if self.group is not None and not _capturing(device):
+            t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            worst = int(t.item())
+        return LOW_LATENCY if worst <= self.capacity else NORMAL
+
+    # ---- protocol --------------------------------------------------------------------------
+
+    def dispatch(self, x_TH: torch.Tensor, topk: TopKOutput):
+        """x_TH [T, H], topk (logical ids [T, K], float32 weights) -> StandardDispatchOutput
+        (normal) or MaskedDispatchOutput (low_latency) for this rank's experts."""
+        if x_TH.dim() != 2 or topk.ids.shape[0] != x_TH.shape[0]:
+            raise ValueError(
+                f"dispatch: x must be [T, H] and topk ids [T, K]; got {list(x_TH.shape)} and "
+                f"{list(topk.ids.shape)}"
+            )
+        mode = self.mode_for(x_TH.shape[0], x_TH.device)
+        if mode == LOW_LATENCY:
+            return self.dispatch_low_latency(x_TH, topk)
+        return self.dispatch_normal(x_TH, topk)
+
+    def combine(self, runner_out, dispatched) -> torch.Tensor:
+        handle = dispatched.handle
+        if isinstance(handle, LowLatencyHandle):
+            if not isinstance(runner_out, MaskedRunnerOutput):
+                raise TypeError("a low-latency dispatch needs a MaskedRunnerOutput to combine")
+            return self.combine_low_latency(runner_out.out, handle)
+        if isinstance(handle, NormalHandle):
+            if not isinstance(runner_out, StandardRunnerOutput):
+                raise TypeError("a normal dispatch needs a StandardRunnerOutput to combine")
+            return self.combine_normal(runner_out.out, handle)
+        raise TypeError(f"combine: not a dispatch of this dispatcher (handle {type(handle)})")
+
+    # ---- shared ----------------------------------------------------------------------------
+
+    def _route(self, topk: TopKOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> slot [T, K] int64 (-1 masked), hit [T, R] bool (token has an expert on rank r)."""
+        slot = self.slots.physical(topk.ids)
+        rank = torch.where(slot >= 0, slot // self.num_local, -1)
+        ranks = torch.arange(self.ep_size, device=slot.device)
+        hit = (rank.unsqueeze(1) == ranks.view(1, -1, 1)).any(dim=-1)
+        return slot, hit
+
+    def _local(self, slot_NK, rank_N, weights_NK):
+        """Slots of tokens headed to rank_N -> (local ids int32, weights float32), -1 / 0 for
+        experts not on that rank."""
+        E = self.num_local
+        start = (rank_N * E).unsqueeze(1)
+        here = (slot_NK >= start) & (slot_NK < start + E)
+        ids = torch.where(here, slot_NK - start, -1).to(torch.int32)
+        return ids, torch.where(here, weights_NK.float(), 0.0)
+
+    # ---- normal ----------------------------------------------------------------------------
+
+    def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
+        T, H = x_TH.shape
+        K, R = topk.ids.shape[1], self.ep_size
+        slot, hit = self._route(topk)
+        send_counts = hit.sum(dim=0)  # [R] int64
+        recv_counts = torch.empty_like(send_counts)
+        _all_to_all(recv_counts, send_counts, self.group)
+        sizes = torch.cat([send_counts, recv_counts]).tolist()  # the host synchronisation
+        send_splits, recv_splits = sizes[:R], sizes[R:]
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+
+        pair = positions(hit.t().reshape(-1), n_send)  # r * T + t, ordered by rank then token
+        tok, rank = pair % max(T, 1), pair // max(T, 1)
+        ids, weights = self._local(slot.index_select(0, tok), rank,
+                                   topk.weights.index_select(0, tok))
+        meta = torch.cat([ids, weights.view(torch.int32)], dim=1)  # [n_send, 2K]
+        recv_meta = meta.new_empty(n_recv, 2 * K)
+        _all_to_all(recv_meta, meta, self.group, recv_splits, send_splits)
+
+        layout = RowLayout(H, x_TH.dtype, 0, self.fp8)
+        payload = layout.pack_tokens(x_TH)
+        send_x = payload.index_select(0, tok)
+        recv_x = payload.new_empty(n_recv, payload.shape[1])
+        _all_to_all(recv_x, send_x, self.group, recv_splits, send_splits)
+        recv_x = layout.unpack_tokens(recv_x)
+
+        pos = hit.long().cumsum(dim=0) - 1
+        offset = (send_counts.cumsum(0) - send_counts).unsqueeze(0)
+        rows_TR = torch.where(hit, offset + pos, n_send)
+        handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype)
+        local = TopKOutput(recv_meta[:, K:].contiguous().view(torch.float32),
+                           recv_meta[:, :K].contiguous())
+        return StandardDispatchOutput(recv_x, local, handle)
+
+    def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
+        """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens."""
+        n_send, n_recv = sum(handle.send_splits), sum(handle.recv_splits)
+        if out_NH.shape[0] != n_recv:
+            raise ValueError(f"combine: runner output has {out_NH.shape[0]} rows, dispatched "
+                             f"{n_recv}")
+        back = out_NH.new_empty(n_send, out_NH.shape[1])
+        _all_to_all(back, out_NH.contiguous(), self.group, handle.send_splits,
+                    handle.recv_splits)
+        return gather_reduce(back, handle.rows_TR, None, handle.dtype, self.impl)
+
+    # ---- low latency -----------------------------------------------------------------------
+
+    def check_capacity(self, num_tokens: int) -> None:
+        if num_tokens > self.capacity:
+            raise CapacityError(
+                f"--deepep-mode low_latency: {num_tokens} tokens on this rank exceed "
+                f"--max-dispatch-tokens-per-rank {self.capacity}; raise it, or use "
+                "--deepep-mode auto (normal mode for larger batches) or normal"
+            )
+
+    def dispatch_low_latency(self, x_TH: torch.Tensor, topk: TopKOutput) -> MaskedDispatchOutput:
+        T, H = x_TH.shape
+        self.check_capacity(T)
+        K, R, E, C = topk.ids.shape[1], self.ep_size, self.num_local, self.capacity
+        RC, dev = R * C, x_TH.device
+        slot, hit = self._route(topk)
+
+        # sender: token t goes to row pos[t, r] of block r (tokens in order, unused rows last)
+        pos = hit.long().cumsum(dim=0) - 1
+        block = torch.arange(R, device=dev) * C
+        rows_TR = torch.where(hit, block + pos, RC)
+        src = torch.zeros(RC + 1, dtype=torch.int64, device=dev)
+        src.scatter_(0, rows_TR.reshape(-1), torch.arange(T, device=dev).repeat_interleave(R))
+        src = src[:RC]  # token of each row (0 for unused rows, whose ids are all -1)
+        used = torch.arange(C, device=dev).unsqueeze(0) < hit.sum(dim=0).unsqueeze(1)
+        row_rank = torch.arange(R, device=dev).repeat_interleave(C)
+
+        layout = RowLayout(H, x_TH.dtype, K, self.fp8)
+        send = torch.empty(RC, layout.row_bytes, dtype=torch.uint8, device=dev)
+        send_ids, send_w = layout.meta_views(send)
+        if T > 0:
+            torch.index_select(layout.pack_tokens(x_TH), 0, src, out=layout.payload_view(send))
+            ids, w = self._local(slot.index_select(0, src), row_rank,
+                                 topk.weights.index_select(0, src))
+            send_ids.copy_(torch.where(used.reshape(RC, 1), ids, -1))
+            send_w.copy_(torch.where(used.reshape(RC, 1), w, 0.0))
+        else:
+            send_ids.fill_(-1)
+            send_w.zero_()
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, self.group)
+
+        # receiver: (row, k) pairs -> masked slots, ordered by (source rank, row, k)
+        recv_ids, recv_w = layout.meta_views(recv)
+        ids = recv_ids.long()
+        onehot = ids.reshape(-1, 1) == torch.arange(E, device=dev)  # [RC*K, E]
+        ranked = onehot.long().cumsum(dim=0)
+        counts = ranked[-1].to(torch.int32)
+        index = ranked.gather(1, ids.clamp(min=0).reshape(-1, 1)).view(RC, K) - 1
+        dest = torch.where(ids >= 0, ids * RC + index, E * RC)
+        x_rows = layout.unpack_tokens(layout.payload_view(recv))
+        x_masked = scatter_rows(x_rows, dest, E * RC, self.impl).view(E, RC, H)
+        handle = LowLatencyHandle(T, dest, recv_w.contiguous(), rows_TR, x_TH.dtype)
+        return MaskedDispatchOutput(x_masked, counts, handle)
+
+    def combine_low_latency(self, out_ECH: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:
+        """out_ECH [E, R*C, H] unweighted expert outputs -> [T, H] for this rank's tokens."""
+        E, RC = self.num_local, self.ep_size * self.capacity
+        if out_ECH.shape[:2] != (E, RC):
+            raise ValueError(f"combine: runner output {list(out_ECH.shape)}; expected [{E}, {RC}, H]")
+        flat = out_ECH.reshape(E * RC, out_ECH.shape[2])
+        send = gather_reduce(flat, handle.dest_NK, handle.weights_NK, handle.dtype, self.impl)
+        back = torch.empty_like(send)
+        _all_to_all(back, send, self.group)
+        return gather_reduce(back, handle.rows_TR, None, handle.dtype, self.impl)

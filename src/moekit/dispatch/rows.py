@@ -1,0 +1,126 @@
+"""Row movement for the all-to-all dispatcher: fixed-shape gathers and scatters of token rows,
+with no host synchronisation (so they can be captured in a CUDA graph).
+
+`gather_reduce` and `scatter_rows` have a Triton kernel (used on CUDA) and a PyTorch twin
+(`*_torch`, used on CPU and as the reference in tests); `impl` forces one ('auto', 'torch',
+'triton'). Invalid indices (< 0 or >= the row count) are skipped, never read or written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+IMPLS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor, impl: str) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"row impl: unknown {impl!r}; allowed: {', '.join(IMPLS)}")
+    if impl == "auto":
+        return t.is_cuda and _triton_ok()
+    return impl == "triton"
+
+
+def positions(mask_N: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the True entries of mask_N [N] bool, in order, as [n] int64, where n is the
+    number of True entries (known to the caller) or an upper bound (then the tail is
+    undefined). Like nonzero(), without a host synchronisation."""
+    N = mask_N.numel()
+    pos = mask_N.long().cumsum(0) - 1
+    target = torch.where(mask_N & (pos < n), pos, n)  # n is a trash slot
+    out = torch.empty(n + 1, dtype=torch.int64, device=mask_N.device)
+    out.scatter_(0, target, torch.arange(N, device=mask_N.device))
+    return out[:n]
+
+
+def gather_reduce_torch(
+    src_MH: torch.Tensor,
+    rows_NK: torch.Tensor,
+    weights_NK: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """out [N, H] = sum over k of weights[n, k] * src[rows[n, k]] (float32 sum), skipping
+    rows outside [0, M). Rows never read can hold anything (NaN included)."""
+    M, H = src_MH.shape
+    N, K = rows_NK.shape
+    out_dtype = out_dtype or src_MH.dtype
+    if N == 0 or M == 0:
+        return torch.zeros(N, H, dtype=out_dtype, device=src_MH.device)
+    valid = (rows_NK >= 0) & (rows_NK < M)
+    picked = src_MH.index_select(0, torch.where(valid, rows_NK, 0).reshape(-1))
+    picked = picked.view(N, K, H).float()
+    if weights_NK is not None:
+        picked = picked * weights_NK.float().unsqueeze(-1)
+    picked = torch.where(valid.unsqueeze(-1), picked, 0.0)
+    return picked.sum(dim=1).to(out_dtype)
+
+
+def gather_reduce(
+    src_MH: torch.Tensor,
+    rows_NK: torch.Tensor,
+    weights_NK: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """See `gather_reduce_torch`. src rows may be strided (last dim contiguous)."""
+    if not _use_triton(src_MH, impl):
+        return gather_reduce_torch(src_MH, rows_NK, weights_NK, out_dtype)
+    from moekit.dispatch._kernels import launch_gather_reduce
+
+    M, H = src_MH.shape
+    N = rows_NK.shape[0]
+    out = torch.empty(N, H, dtype=out_dtype or src_MH.dtype, device=src_MH.device)
+    if N == 0 or H == 0:
+        return out
+    if M == 0:
+        return out.zero_()
+    if src_MH.stride(1) != 1:
+        src_MH = src_MH.contiguous()
+    w = None if weights_NK is None else weights_NK.float().contiguous()
+    launch_gather_reduce(src_MH, rows_NK.contiguous(), w, out)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as an integer tensor of the same element size (a copy moves bits)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
+
+
+def scatter_rows_torch(src_NH: torch.Tensor, dest_NK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """out [num_rows, H] with out[dest[n, k]] = src[n] for dest in [0, num_rows); rows nobody
+    writes are undefined. A destination must be named once at most."""
+    N, H = src_NH.shape
+    out = src_NH.new_empty(num_rows + 1, H)  # the last row takes the skipped copies
+    dest = torch.where((dest_NK >= 0) & (dest_NK < num_rows), dest_NK, num_rows)
+    out.index_put_((dest,), src_NH.unsqueeze(1).expand(N, dest.shape[1], H))
+    return out[:num_rows]
+
+
+def scatter_rows(
+    src_NH: torch.Tensor, dest_NK: torch.Tensor, num_rows: int, impl: str = "auto"
+) -> torch.Tensor:
+    """See `scatter_rows_torch`. src rows may be strided (last dim contiguous)."""
+    if not _use_triton(src_NH, impl):
+        return scatter_rows_torch(src_NH, dest_NK, num_rows)
+    from moekit.dispatch._kernels import launch_scatter_rows
+
+    N, H = src_NH.shape
+    out = src_NH.new_empty(num_rows, H)
+    if N == 0 or H == 0 or num_rows == 0:
+        return out
+    if src_NH.stride(1) != 1:
+        src_NH = src_NH.contiguous()
+    launch_scatter_rows(_bits(src_NH), dest_NK.contiguous(), _bits(out))
+    return out

@@ -1,0 +1,71 @@
+"""Which physical expert slot each routed (token, expert) pair goes to, and on which EP rank.
+
+A logical expert may have several physical copies (redundant experts, EPLB). With `spread`,
+token t uses copy t % n_copies (copies in slot order): a balance that needs no communication;
+without, every token uses the first copy. Either way every rank that holds the same tokens picks
+the same slot, so each pair is computed exactly once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.placement import ExpertPlacement
+
+
+class SlotMap:
+    """Logical expert id -> physical slot for a placement over `ep_size` ranks.
+
+    physical(ids_TK) -> slot_TK int64 (-1 where the id is -1); rank = slot // slots_per_rank,
+    local slot = slot % slots_per_rank."""
+
+    def __init__(
+        self, placement: ExpertPlacement, num_logical: int | None = None, spread: bool = True
+    ) -> None:
+        p2l = placement.physical_to_logical.detach().to("cpu", torch.int64)
+        L = int(num_logical if num_logical is not None else p2l.max().item() + 1)
+        if p2l.numel() and (p2l.min() < 0 or p2l.max() >= L):
+            raise ValueError(
+                f"placement maps slots to logical experts outside [0, {L}): "
+                f"{sorted(set(p2l.tolist()) - set(range(L)))}"
+            )
+        copies = torch.bincount(p2l, minlength=L)
+        missing = (copies == 0).nonzero().flatten().tolist()
+        if missing:
+            raise ValueError(f"placement holds no slot for logical experts {missing[:16]}")
+        width = int(copies.max())
+        table = torch.full((L + 1, width), -1, dtype=torch.int64)
+        filled = [0] * L
+        for slot, e in enumerate(p2l.tolist()):
+            table[e, filled[e]] = slot
+            filled[e] += 1
+        self.num_logical = L
+        self.ep_size = placement.ep_size
+        self.slots_per_rank = placement.slots_per_rank
+        self.redundant = width > 1
+        self.spread = spread
+        self._table = table  # [L + 1, width]; row L (for id -1) is -1
+        self._copies = torch.cat([copies, torch.ones(1, dtype=torch.int64)])  # [L + 1]
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._table.device != device:
+            self._table, self._copies = self._table.to(device), self._copies.to(device)
+        return self._table, self._copies
+
+    def physical(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """ids_TK [T, K] int (logical, -1 = masked) -> slots [T, K] int64 (-1 = masked).
+        No host synchronisation."""
+        table, copies = self._on(ids_TK.device)
+        ids = ids_TK.long()
+        row = torch.where(ids < 0, self.num_logical, ids)
+        if not (self.redundant and self.spread):
+            return table[:, 0][row]
+        t = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        return table[row, t % copies[row]]
+
+    def local_ids(self, ids_TK: torch.Tensor, ep_rank: int) -> torch.Tensor:
+        """[T, K] int32: the local slot on `ep_rank` for each pair, -1 where it goes elsewhere."""
+        slot = self.physical(ids_TK)
+        start = ep_rank * self.slots_per_rank
+        here = (slot >= start) & (slot < start + self.slots_per_rank)
+        return torch.where(here, slot - start, -1).to(torch.int32)

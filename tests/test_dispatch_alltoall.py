@@ -1,0 +1,386 @@
+"""The `alltoall` dispatcher (normal, low_latency, auto; fp8; torch and Triton row kernels)
+against the single-process reference twin (`moekit.dispatch.reference`), on 2 and 4 spawned
+gloo ranks; the same cases on GPUs with NCCL, plus CUDA-graph capture of low-latency mode."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moekit.config import DTYPES, ConfigError, ParallelConfig
+from moekit.dispatch import registry
+from moekit.dispatch.alltoall import NEEDS_DIST, AllToAllDispatcher, CapacityError
+from moekit.dispatch.factory import make_dispatcher
+from moekit.dispatch.reference import ReferenceAllToAll, moe_reference_ranks
+from moekit.dispatch.rows import (
+    gather_reduce,
+    gather_reduce_torch,
+    positions,
+    scatter_rows,
+    scatter_rows_torch,
+)
+from moekit.dispatch.slots import SlotMap
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import detect
+from moekit.parallel import init_parallel
+from moekit.placement import ExpertPlacement
+from moekit.router import TopKOutput
+from moekit.runners.torch import TorchRunner
+from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
+from tests.dist_utils import ep_inputs, get_pool
+from tests.helpers import TOLERANCE, rel_err
+
+FP8_TOL = 1e-5  # fp8 cases compare against the reference fed the same dequantized x
+
+
+# ---- single process: row kernels, slot map, reference twin --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_reduce_triton_matches_torch(dtype, weighted):
+    src = torch.randn(23, 40).to(dtype)
+    src[5] = float("nan")  # never referenced: must not leak
+    rows = torch.randint(-3, 27, (9, 4))
+    rows[rows == 5] = 6
+    w = torch.rand(9, 4) if weighted else None
+    ref = gather_reduce_torch(src, rows, w)
+    out = gather_reduce(src, rows, w, impl="triton")
+    assert torch.isfinite(ref).all() and out.dtype == dtype
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    dense = torch.zeros(9, 40, dtype=torch.float64)
+    for n in range(9):
+        for k in range(4):
+            if 0 <= rows[n, k] < 23:
+                dense[n] += (1.0 if w is None else w[n, k].item()) * src[rows[n, k]].double()
+    assert rel_err(ref, dense) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_triton_matches_torch(dtype):
+    src_wide = torch.randn(7, 50).to(dtype)
+    src = src_wide[:, 3:43]  # strided rows, as in a packed receive buffer
+    dest = torch.randperm(40)[:21].view(7, 3)
+    dest[0, 1], dest[3, 2], dest[6, 0] = -1, 40, 99  # skipped
+    a = scatter_rows(src, dest, 40, impl="triton")
+    b = scatter_rows_torch(src, dest, 40)
+    for n in range(7):
+        for k in range(3):
+            d = int(dest[n, k])
+            if 0 <= d < 40:
+                assert torch.equal(a[d], src[n]) and torch.equal(b[d], src[n])
+
+
+def test_positions_match_nonzero_and_gather_reduce_empty():
+    for n in (0, 1, 17):
+        mask = torch.rand(n) < 0.5
+        assert torch.equal(positions(mask, int(mask.sum())), mask.nonzero().flatten())
+    assert gather_reduce(torch.randn(0, 8), torch.zeros(3, 2, dtype=torch.long)).abs().sum() == 0
+    assert gather_reduce(torch.randn(4, 8), torch.zeros(0, 2, dtype=torch.long)).shape == (0, 8)
+
+
+def test_slot_map_spreads_copies_like_the_reference():
+    placement = ExpertPlacement(torch.tensor([0, 1, 2, 3, 0, 1, 0, 2]), ep_size=2)
+    ids = torch.tensor([[0, 1], [0, 3], [2, -1], [0, 1], [1, 2]], dtype=torch.int32)
+    ref = ReferenceAllToAll(placement)
+    assert torch.equal(SlotMap(placement, 4).physical(ids).int(), ref.physical_ids(TopKOutput(
+        torch.rand(5, 2), ids)))
+    first = SlotMap(placement, 4, spread=False).physical(ids)
+    assert first.tolist() == [[0, 1], [0, 3], [2, -1], [0, 1], [1, 2]]
+    with pytest.raises(ValueError, match="no slot for logical experts"):
+        SlotMap(ExpertPlacement(torch.tensor([0, 1, 1, 3]), 2), 4)
+
+
+def _global_weights(seed: int, E: int, H: int, I: int, dtype, p2l: torch.Tensor):
+    """Logical experts from `seed`, laid out per physical slot (copies share weights)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5)[p2l]
+    w2 = (torch.randn(E, H, I, generator=g) * I**-0.5)[p2l]
+    return w13.to(dtype), w2.to(dtype)
+
+
+@pytest.mark.parametrize("routing", ["random", "masked", "skewed", "one_expert"])
+def test_reference_twin_matches_dense_moe(routing):
+    """The reference's dispatch -> torch runner -> combine equals the plain MoE per rank."""
+    R, E, K, H, I, C = 3, 6, 2, 16, 8, 5
+    placement = ExpertPlacement(torch.arange(9) % E, R)
+    xs, topks = ep_inputs(11, (4, 0, 5), E, K, H, routing, skew_experts=3)
+    w13, w2 = _global_weights(3, E, H, I, torch.float32, placement.physical_to_logical)
+    act, runner, ref = ActivationSpec(), TorchRunner(), ReferenceAllToAll(placement)
+    local = [ExpertWeights(w13[r * 3:(r + 1) * 3], w2[r * 3:(r + 1) * 3]) for r in range(R)]
+    expected = moe_reference_ranks(xs, topks, placement, ExpertWeights(w13, w2), act)
+    d = ref.dispatch_normal(xs, topks)
+    normal = ref.combine_normal([runner.run(d[r], local[r], act).out for r in range(R)], d[0].handle)
+    m = ref.dispatch_masked(xs, topks, C)
+    masked = ref.combine_masked([runner.run(m[r], local[r], act).out for r in range(R)], m[0].handle)
+    for s in range(R):
+        assert rel_err(normal[s], expected[s]) < 1e-5
+        assert rel_err(masked[s], expected[s]) < 1e-5
+
+
+def test_single_rank_dispatcher_and_capacity_error():
+    E, K, H, I = 6, 2, 16, 8
+    placement = ExpertPlacement.contiguous(E)
+    (x,), (topk,) = ep_inputs(5, (9,), E, K, H)
+    w13, w2 = _global_weights(1, E, H, I, torch.float32, placement.physical_to_logical)
+    w, act = ExpertWeights(w13, w2), ActivationSpec()
+    (expected,) = moe_reference_ranks([x], [topk], placement, w, act)
+    for mode in ("normal", "low_latency", "auto"):
+        d = AllToAllDispatcher(placement, mode=mode, max_dispatch_tokens_per_rank=9)
+        out = d.dispatch(x, topk)
+        assert isinstance(out, StandardDispatchOutput if mode == "normal" else MaskedDispatchOutput)
+        assert rel_err(d.combine(TorchRunner().run(out, w, act), out), expected) < 1e-5
+    small = AllToAllDispatcher(placement, mode="low_latency", max_dispatch_tokens_per_rank=8)
+    with pytest.raises(CapacityError, match="9 tokens.*--max-dispatch-tokens-per-rank 8"):
+        small.dispatch(x, topk)
+    auto = AllToAllDispatcher(placement, mode="auto", max_dispatch_tokens_per_rank=8)
+    assert isinstance(auto.dispatch(x, topk), StandardDispatchOutput)  # falls back to normal
+
+
+def test_availability_and_factory_errors():
+    platform, parallel = detect(), ParallelConfig()
+    avail = registry.availability("alltoall", platform, parallel)
+    assert not avail and avail.reason == NEEDS_DIST
+    assert "several processes" in NEEDS_DIST
+    for name in ("deepep", "mooncake", "flashinfer", "ascend_fuseep"):
+        reason = registry.availability(name, platform, parallel).reason
+        assert reason and reason == registry.UNAVAILABLE_REASONS[name]
+        with pytest.raises(ConfigError, match=f"--moe-a2a-backend {name}"):
+            make_dispatcher(ParallelConfig(moe_a2a_backend=name), ExpertPlacement.contiguous(4), 4)
+    with pytest.raises(ConfigError, match="several processes"):
+        make_dispatcher(ParallelConfig(moe_a2a_backend="alltoall"), ExpertPlacement.contiguous(4), 4)
+    with pytest.raises(ConfigError, match="--deepep-mode"):
+        AllToAllDispatcher(ExpertPlacement.contiguous(4), mode="fast")
+    with pytest.raises(ConfigError, match="must equal the EP group size"):
+        AllToAllDispatcher(ExpertPlacement.contiguous(4, ep_size=2))
+
+
+# ---- multi-process cases ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class A2A:
+    """One dispatcher case: Ts = tokens of each rank of the world."""
+
+    name: str
+    Ts: tuple[int, ...]
+    mode: str = "normal"
+    routing: str = "random"
+    E: int = 8
+    K: int = 2
+    H: int = 32
+    I: int = 16
+    capacity: int = 8
+    fp8: bool = False
+    impl: str = "torch"
+    dtype: str = "float32"
+    redundant: int = 0
+    tp: int | None = None  # EP group size; default the world (smaller: data-parallel replicas)
+    expect: str | None = None  # 'standard' / 'masked': the format auto must pick
+    overflow: bool = False  # every rank is over capacity: CapacityError before communicating
+
+
+def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
+    """On every rank: dispatch -> torch runner -> combine, checked stage by stage against the
+    reference twin simulating this rank's EP group, and end to end against the fp64 MoE."""
+    world = dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+    dev = dev or torch.device("cpu")
+    R = case.tp or world
+    parallel = ParallelConfig(
+        tp_size=R, ep_size=R, moe_a2a_backend="alltoall", deepep_mode=case.mode,
+        max_dispatch_tokens_per_rank=case.capacity, ep_num_redundant_experts=case.redundant,
+    )
+    state = init_parallel(parallel)
+    P = case.E + case.redundant
+    placement = ExpertPlacement(torch.arange(P) % case.E, R)
+    dtype = DTYPES[case.dtype]
+    xs_all, topks_all = ep_inputs(zlib.crc32(case.name.encode()) % 1000, case.Ts, case.E, case.K, case.H,
+                                  case.routing, dtype, skew_experts=P // R)
+    xs = [xs_all[r] for r in state.ep_ranks]
+    topks = [topks_all[r] for r in state.ep_ranks]
+    me = state.ep_rank
+    d = make_dispatcher(parallel, placement, case.E, state=state, ep_rank=me, fp8_dispatch=case.fp8)
+    d.impl = case.impl
+    x_me = xs[me].to(dev)
+    topk_me = TopKOutput(topks[me].weights.to(dev), topks[me].ids.to(dev))
+    if case.overflow:
+        with pytest.raises(CapacityError, match="--max-dispatch-tokens-per-rank"):
+            d.dispatch(x_me, topk_me)
+        return "overflow"
+    out = d.dispatch(x_me, topk_me)
+    if case.expect:
+        assert out.format == case.expect, (out.format, case.expect)
+
+    if case.fp8:  # the reference gets the values the receiver dequantizes
+        from moekit.quant.act_quant import fake_quantize_act
+
+        xs = [fake_quantize_act(x, "token_group", torch.float8_e4m3fn, group_size=128)
+              for x in xs]
+    ref = ReferenceAllToAll(placement)
+    w13, w2 = _global_weights(zlib.crc32(case.name.encode()) % 1000, case.E, case.H, case.I, dtype,
+                              placement.physical_to_logical)
+    n = placement.slots_per_rank
+    local = [ExpertWeights(w13[r * n:(r + 1) * n], w2[r * n:(r + 1) * n]) for r in range(R)]
+    mine = ExpertWeights(local[me].w13.to(dev), local[me].w2.to(dev))
+    act, runner = ActivationSpec(), TorchRunner()
+
+    if isinstance(out, MaskedDispatchOutput):
+        ref_d = ref.dispatch_masked(xs, topks, case.capacity)
+        assert out.x.shape == (n, R * case.capacity, case.H)
+        assert torch.equal(out.counts.cpu(), ref_d[me].counts)
+        for e, c in enumerate(ref_d[me].counts.tolist()):
+            assert torch.equal(out.x[e, :c].cpu(), ref_d[me].x[e, :c]), f"expert {e} rows"
+        ref_y = [runner.run(ref_d[r], local[r], act).out for r in range(R)]
+        ref_out = ref.combine_masked(ref_y, ref_d[0].handle)[me]
+    else:
+        ref_d = ref.dispatch_normal(xs, topks)
+        assert torch.equal(out.x.cpu(), ref_d[me].x), "received rows"
+        assert torch.equal(out.topk.ids.cpu(), ref_d[me].topk.ids), "local ids"
+        assert torch.equal(out.topk.weights.cpu(), ref_d[me].topk.weights), "weights"
+        ref_y = [runner.run(ref_d[r], local[r], act).out for r in range(R)]
+        ref_out = ref.combine_normal(ref_y, ref_d[0].handle)[me]
+    result = d.combine(runner.run(out, mine, act), out)
+    assert result.shape == x_me.shape and result.dtype == dtype
+    tol = TOLERANCE[dtype]
+    assert rel_err(result, ref_out) < tol, "combine vs reference combine"
+    expected = moe_reference_ranks(xs, topks, placement, ExpertWeights(w13, w2), act)[me]
+    assert rel_err(result, expected) < tol, "end to end vs fp64 MoE"
+    return out.format
+
+
+def _cases_2() -> list[A2A]:
+    base = [
+        A2A("normal", (7, 5)),
+        A2A("normal-zero-rank", (0, 6)),
+        A2A("normal-all-empty", (0, 0)),
+        A2A("normal-skewed", (6, 9), routing="skewed"),
+        A2A("normal-masked-ids", (8, 3), routing="masked"),
+        A2A("normal-one-expert", (5, 4), routing="one_expert"),
+        A2A("normal-redundant", (9, 7), E=6, redundant=2),
+        A2A("normal-odd", (13, 2), E=6, K=3, H=24, I=10),
+        A2A("normal-fp8", (6, 5), H=160, fp8=True),
+        A2A("normal-triton-fp16", (7, 4), impl="triton", dtype="float16"),
+        A2A("ll", (7, 5), mode="low_latency"),
+        A2A("ll-zero-rank", (0, 3), mode="low_latency"),
+        A2A("ll-full-one-expert", (8, 8), mode="low_latency", routing="one_expert"),
+        A2A("ll-skewed", (8, 2), mode="low_latency", routing="skewed"),
+        A2A("ll-masked-ids", (6, 6), mode="low_latency", routing="masked"),
+        A2A("ll-redundant", (5, 7), mode="low_latency", E=6, redundant=2),
+        A2A("ll-fp8", (4, 6), mode="low_latency", H=160, fp8=True),
+        A2A("ll-triton-fp16", (6, 3), mode="low_latency", impl="triton", dtype="float16"),
+        A2A("ll-overflow", (9, 12), mode="low_latency", overflow=True),
+        A2A("auto-decode", (3, 8), mode="auto", expect="masked"),
+        A2A("auto-prefill-one-rank-over", (3, 9), mode="auto", expect="standard"),
+    ]
+    return base
+
+
+def _cases_4() -> list[A2A]:
+    return [
+        A2A("4-normal-uneven", (5, 0, 9, 3)),
+        A2A("4-normal-skewed", (4, 6, 2, 7), routing="skewed"),
+        A2A("4-ll-uneven", (4, 8, 0, 2), mode="low_latency"),
+        A2A("4-ll-one-expert", (8, 8, 8, 8), mode="low_latency", routing="one_expert"),
+        A2A("4-auto-mixed", (2, 3, 11, 0), mode="auto", expect="standard"),
+        A2A("4-dp2-ep2-normal", (5, 3, 0, 6), tp=2, E=6),
+        A2A("4-dp2-ep2-ll", (5, 3, 8, 1), tp=2, mode="low_latency"),
+    ]
+
+
+@pytest.mark.parametrize("case", _cases_2(), ids=lambda c: c.name)
+def test_alltoall_2_ranks(case):
+    get_pool(2).run(run_a2a_case, case)
+
+
+@pytest.mark.parametrize("case", _cases_4(), ids=lambda c: c.name)
+def test_alltoall_4_ranks(case):
+    get_pool(4).run(run_a2a_case, case)
+
+
+# ---- GPUs: NCCL, no host sync in low-latency mode, CUDA-graph capture ------------------------
+
+
+def _gpu_world() -> int:
+    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
+
+
+def _gpu_cases() -> list[A2A]:
+    out = []
+    for c in _cases_2() + _cases_4():
+        if c.tp is None and len(c.Ts) != 2:
+            continue
+        out.append(replace(c, impl="auto", dtype="bfloat16" if c.dtype == "float32" else c.dtype))
+    out.append(A2A("gpu-normal-big", (300, 257), H=256, I=64, E=16, K=4, dtype="bfloat16",
+                   impl="auto"))
+    out.append(A2A("gpu-ll-big", (64, 33), mode="low_latency", capacity=64, H=256, I=64, E=16,
+                   K=4, dtype="bfloat16", impl="auto"))
+    return out
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c.name)
+def test_alltoall_nccl_2_gpus(case):
+    get_pool(2, "nccl").run(run_a2a_case, case, "cuda")
+
+
+def run_graph_case(T: int, capacity: int, fp8: bool) -> float:
+    """Low-latency dispatch -> masked torch runner -> combine with host syncs forbidden, then
+    captured in a CUDA graph and replayed on fresh inputs; returns the max rel. error vs eager."""
+    R, E, K, H, I = dist.get_world_size(), 16, 4, 256, 64
+    dev = torch.device("cuda", torch.cuda.current_device())
+    placement = ExpertPlacement(torch.arange(E), R)
+    d = AllToAllDispatcher(placement, group=dist.group.WORLD, mode="low_latency",
+                           max_dispatch_tokens_per_rank=capacity, fp8_dispatch=fp8)
+    n = E // R
+    w13, w2 = _global_weights(4, E, H, I, torch.bfloat16, placement.physical_to_logical)
+    me = dist.get_rank()
+    w = ExpertWeights(w13[me * n:(me + 1) * n].to(dev), w2[me * n:(me + 1) * n].to(dev))
+    act, runner = ActivationSpec(), TorchRunner()
+
+    def layer(x, topk):
+        out = d.dispatch(x, topk)
+        return d.combine(runner.run(out, w, act), out)
+
+    def inputs(seed):
+        xs, topks = ep_inputs(seed, (T,) * R, E, K, H, "random", torch.bfloat16)
+        return xs[me].to(dev), TopKOutput(topks[me].weights.to(dev), topks[me].ids.to(dev))
+
+    x0, t0 = inputs(1)
+    layer(x0, t0)  # warm-up: NCCL communicator, kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
+    try:
+        layer(x0, t0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static_x, static_w, static_ids = x0.clone(), t0.weights.clone(), t0.ids.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x, TopKOutput(static_w, static_ids))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x, TopKOutput(static_w, static_ids))
+    worst = 0.0
+    for seed in (2, 3):
+        x, topk = inputs(seed)
+        static_x.copy_(x)
+        static_w.copy_(topk.weights)
+        static_ids.copy_(topk.ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        worst = max(worst, rel_err(static_out, layer(x, topk)))
+    return worst
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_cuda_graph_capture(fp8):
+    results = get_pool(2, "nccl").run(run_graph_case, 32, 32, fp8)
+    assert max(results) < 1e-3, results
