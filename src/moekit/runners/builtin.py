@@ -4,3 +4,4 @@ from moekit.runners import torch  # noqa: F401
 from moekit.runners import cutlass  # noqa: F401
 from moekit.runners import triton  # noqa: F401
 from moekit.runners import flashinfer  # noqa: F401
+from moekit.runners import deep_gemm  # noqa: F401
