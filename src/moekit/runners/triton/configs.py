@@ -173,15 +173,21 @@ def write_table(path: Path, key: TableKey, configs: dict[int, GemmConfig], meta:
     tmp.replace(path)
 
 
+def _version_key(path: Path) -> tuple:
+    version = path.name.rsplit(",triton=", 1)[-1].removesuffix(".json")
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+-]", version))
+
+
 def _candidates(key: TableKey) -> list[Path]:
-    """Files that may hold `key`'s table, best first."""
+    """Files that may hold `key`'s table, best first: exact Triton version (user dir, then
+    shipped), then other versions, newest first (user dir, then shipped)."""
     exact = key.filename()
     other = exact.replace(f",triton={key.triton}.json", ",triton=*.json")
     paths = []
     for directory in (user_dir(), shipped_dir()):
         paths.append(directory / exact)
     for directory in (user_dir(), shipped_dir()):
-        paths += sorted(directory.glob(other), reverse=True)
+        paths += sorted(directory.glob(other), key=_version_key, reverse=True)
     return paths
 
 

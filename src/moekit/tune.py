@@ -1,0 +1,554 @@
+"""`moekit tune`: sweep the `triton` runner's kernel configs on this device and write the tables
+the runner looks up (`moekit.runners.triton.configs`).
+
+For each batch size T: draw uniform random top-k routing over this rank's experts, time every
+candidate config of the gate_up GEMM (CUDA-graph replay, `moekit.bench.time_ms`), then every
+candidate of the down GEMM (+ its reduction over K) on the best gate_up output, check the chosen
+pair against the torch reference, time the whole layer and its roofline floor, and save both
+tables. Results are written after each batch size, so an interrupted run resumes where it
+stopped (batch sizes already in the output files are skipped unless `force`).
+
+The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab) at a schedule typical of
+the regime, then warps / stages / group_m for the two best tiles; for `down` the reduction
+'atomic' is tried on the three best.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from moekit.config import DTYPES, ConfigError
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.router import TopKOutput
+from moekit.runners.triton import configs as tcfg
+from moekit.runners.triton.configs import GemmConfig, TableKey
+
+BATCH_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+SMEM_LIMIT = 220 * 1024  # bytes; configs estimated above it are not tried (H100: 227 KB)
+L2_ROTATE_BYTES = 200e6  # rotate routings until the timed weights exceed about 4 x L2
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    """One rank's MoE shape: E local experts, K top-k (<= E), H hidden, I intermediate."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    dtype: str = "bfloat16"
+    act: ActivationSpec = ActivationSpec()
+    has_bias: bool = False
+    label: str = ""
+
+    def describe(self) -> str:
+        bias = " +bias" if self.has_bias else ""
+        inter = " interleaved" if self.act.interleaved else ""
+        return (
+            f"{self.label or 'custom'}: E={self.num_experts} K={self.top_k} H={self.hidden} "
+            f"I={self.intermediate} {self.dtype} {self.act.name}{inter}{bias}"
+        )
+
+
+def shape_for(model: str, tp_size: int = 1, ep_size: int = 1, dtype: str = "bfloat16"):
+    """The per-rank shape of preset `model` at --tp-size/--ep-size: E_local = E / ep,
+    I_local = I / (tp / ep), K = min(top_k + shared experts, E_local)."""
+    from moekit.presets import preset
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: unknown value {dtype!r}; allowed: {', '.join(DTYPES)}")
+    cfg = preset(model, dtype=dtype)
+    if tp_size < 1 or ep_size < 1:
+        raise ConfigError("--tp-size and --ep-size must be positive integers")
+    if tp_size % ep_size:
+        raise ConfigError(f"--ep-size ({ep_size}) must divide --tp-size ({tp_size})")
+    moe_tp = tp_size // ep_size
+    experts = cfg.num_experts + cfg.num_shared_experts
+    if experts % ep_size:
+        raise ConfigError(f"--ep-size ({ep_size}) must divide the experts ({experts})")
+    if cfg.intermediate_size % moe_tp:
+        raise ConfigError(
+            f"--tp-size / --ep-size ({moe_tp}) must divide the intermediate size "
+            f"({cfg.intermediate_size})"
+        )
+    e_local = experts // ep_size
+    return TuneShape(
+        num_experts=e_local,
+        top_k=min(cfg.top_k + cfg.num_shared_experts, e_local),
+        hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size // moe_tp,
+        dtype=dtype,
+        act=ActivationSpec.from_config(cfg),
+        has_bias=cfg.has_bias,
+        label=f"{model} tp{tp_size} ep{ep_size}",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Search space
+# ---------------------------------------------------------------------------------------------
+
+
+def _smem_bytes(gemm: str, c: GemmConfig, elem: int) -> int:
+    b_tiles = 2 if gemm == "gate_up" else 1
+    return c.num_stages * (c.block_m + b_tiles * c.block_n) * c.block_k * elem
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _clamp(gemm: str, c: GemmConfig, n: int, k: int) -> GemmConfig:
+    """Blocks no larger than the (power-of-two rounded) GEMM sizes."""
+    width = n // 2 if gemm == "gate_up" else n
+    return replace(
+        c,
+        block_n=min(c.block_n, max(16, _next_pow2(width))),
+        block_k=min(c.block_k, max(16, _next_pow2(k))),
+    )
+
+
+def _fits(gemm: str, c: GemmConfig, n: int, k: int, elem: int) -> bool:
+    return _smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == _clamp(gemm, c, n, k)
+
+
+def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int = 2):
+    """Round 1: tile shapes for the regime of `rows_per_expert` (mean rows per used expert)."""
+    m = rows_per_expert
+    if m <= 12:
+        bms, bns, bks, swaps, warps, stages = (16,), (32, 64, 128), (128, 256), (False, True), 4, 4
+    elif m <= 48:
+        bms, bns, bks, swaps, warps, stages = (16, 32, 64), (64, 128), (64, 128), (False, True), 4, 4
+    elif m <= 384:
+        bms, bns, bks, swaps, warps, stages = (64, 128), (64, 128), (64, 128), (False,), 4, 3
+    else:
+        bms, bns, bks, swaps, warps, stages = (64, 128), (64, 128, 256), (64,), (False,), 8, 3
+    group = 1 if m <= 12 else 8
+    out = []
+    for bm in bms:
+        for bn in bns:
+            for bk in bks:
+                for swap in swaps:
+                    if swap and bm > 32:
+                        continue
+                    if gemm == "gate_up" and bm * bn > 128 * 128:
+                        continue  # two accumulators of bm x bn
+                    c = _clamp(gemm, GemmConfig(bm, bn, bk, group, warps, stages, swap), n, k)
+                    if _fits(gemm, c, n, k, elem) and c not in out:
+                        out.append(c)
+    return out
+
+
+def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: int = 2):
+    """Round 2: warps and pipeline stages around one tile, and the other group_m."""
+    out = [replace(tile, group_m=1 if tile.group_m != 1 else 8)]
+    for warps in (4, 8):
+        for stages in (3, 4, 5):
+            out.append(replace(tile, num_warps=warps, num_stages=stages))
+    return [c for c in out if c != tile and _fits(gemm, c, n, k, elem)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and timing
+# ---------------------------------------------------------------------------------------------
+
+
+def random_weights(shape: TuneShape, device) -> ExpertWeights:
+    """Weights like nn.Linear's init (uniform in +-1/sqrt(fan_in)), biases small."""
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    dt = DTYPES[shape.dtype]
+
+    def uniform(*size, fan_in):
+        return torch.empty(*size, device=device, dtype=dt).uniform_(-1, 1) / math.sqrt(fan_in)
+
+    w13, w2 = uniform(E, 2 * I, H, fan_in=H), uniform(E, H, I, fan_in=I)
+    b13 = b2 = None
+    if shape.has_bias:
+        b13 = torch.empty(E, 2 * I, device=device, dtype=dt).uniform_(-0.05, 0.05)
+        b2 = torch.empty(E, H, device=device, dtype=dt).uniform_(-0.05, 0.05)
+    return ExpertWeights(w13, w2, b13, b2)
+
+
+def uniform_topk(T: int, E: int, K: int, device, generator=None) -> TopKOutput:
+    """K distinct experts per token, uniformly at random; softmax-like weights summing to 1."""
+    scores = torch.rand(T, E, device=device, generator=generator)
+    ids = scores.topk(K, dim=1).indices.to(torch.int32)
+    weights = torch.rand(T, K, device=device, generator=generator) + 0.1
+    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
+
+
+def rotations(shape: TuneShape, T: int) -> int:
+    """How many routings to rotate through so the timed weights do not sit in L2."""
+    elem = DTYPES[shape.dtype].itemsize
+    touched = min(shape.num_experts, T * shape.top_k)
+    weight_bytes = touched * 3 * shape.hidden * shape.intermediate * elem
+    return max(1, min(8, math.ceil(L2_ROTATE_BYTES / weight_bytes)))
+
+
+@dataclass
+class PointResult:
+    """Timings (microseconds) of one batch size."""
+
+    num_tokens: int
+    gate_up: GemmConfig
+    down: GemmConfig
+    gate_up_us: float
+    down_us: float
+    layer_us: float
+    floor_us: float
+    rel_err: float
+    tried: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.layer_us / self.floor_us
+
+    def meta(self) -> dict:
+        return {
+            "gate_up_us": round(self.gate_up_us, 2),
+            "down_us": round(self.down_us, 2),
+            "layer_us": round(self.layer_us, 2),
+            "floor_us": round(self.floor_us, 2),
+            "time_over_floor": round(self.ratio, 3),
+            "rel_err": float(f"{self.rel_err:.3g}"),
+            "tried": self.tried,
+        }
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def precompile(launches: Sequence[Callable[[], object]], workers: int = 16) -> None:
+    """Compile kernels in parallel threads: each callable launches its kernel with
+    warmup=True. Errors are ignored here (the timed launch reports them)."""
+    if _interpreting() or not launches:
+        return
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        with AsyncCompileMode(pool, ignore_errors=True):
+            for launch in launches:
+                try:
+                    launch()
+                except Exception:  # noqa: BLE001 - a config the compiler rejects is skipped
+                    pass
+
+
+class _Point:
+    """The inputs of one batch size: R routings, their alignments per block_m, buffers."""
+
+    def __init__(self, shape: TuneShape, w: ExpertWeights, T: int, device, seed: int):
+        from moekit.runners.triton.align import align_block_size
+
+        self._align = align_block_size
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dt = DTYPES[shape.dtype]
+        self.shape, self.w, self.T, self.device = shape, w, T, torch.device(device)
+        self.R = rotations(shape, T) if self.device.type == "cuda" else 1
+        self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
+        self.topks = [
+            uniform_topk(T, shape.num_experts, shape.top_k, device, gen) for _ in range(self.R)
+        ]
+        self._aligns: dict[int, list] = {}
+        self.h = None
+
+    def aligns(self, block_m: int):
+        if block_m not in self._aligns:
+            self._aligns[block_m] = [
+                self._align(t.ids, self.shape.num_experts, block_m) for t in self.topks
+            ]
+        return self._aligns[block_m]
+
+
+def _time_us(fn, device, R: int) -> float:
+    from moekit.bench import time_ms
+
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
+        ms = time_ms(fn, device, cuda_graph=True, warmup=2, samples=7)
+    else:  # CPU (Triton interpreter): one warm-up call, one timed call
+        ms = time_ms(fn, device, cuda_graph=False, warmup=1, samples=1)
+    return ms * 1e3 / R
+
+
+def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
+    from moekit.runners.triton import ops
+
+    aligns = p.aligns(cfg.block_m)
+    outs = [
+        torch.empty(a.max_rows, p.shape.intermediate, device=p.device, dtype=p.x.dtype)
+        for a in aligns
+    ]
+
+    def fn():
+        for a, o in zip(aligns, outs):
+            ops.gate_up(p.x, ops._Rows(a), p.w, p.shape.act, cfg, p.shape.top_k, o, warmup)
+
+    return fn, outs
+
+
+def _down_fn(p: _Point, h_cfg: GemmConfig, hs, cfg: GemmConfig, warmup: bool = False):
+    """The down GEMM on gate_up outputs `hs` (aligned for h_cfg.block_m) plus the reduction.
+    Its block_m must divide h_cfg's alignment block; otherwise it gets its own alignment and
+    the first rows of hs are reused (timing only)."""
+    from moekit.runners.triton import ops
+
+    T, H, K = p.T, p.shape.hidden, p.shape.top_k
+    bm = max(cfg.block_m, h_cfg.block_m)
+    aligns = p.aligns(bm)
+    hs = [
+        h if bm == h_cfg.block_m else _padded_rows(h, a.max_rows) for h, a in zip(hs, aligns)
+    ]
+    atomic = cfg.reduce == "atomic"
+    out = torch.empty(T, H, device=p.device, dtype=p.x.dtype)
+    y = None if atomic else torch.empty(T * K, H, device=p.device, dtype=p.x.dtype)
+
+    def fn():
+        for a, h, t in zip(aligns, hs, p.topks):
+            if atomic:
+                out.zero_()
+                ops.down(h, ops._Rows(a), p.w, cfg, out, t.weights, K, warmup)
+            else:
+                ops.down(h, ops._Rows(a), p.w, cfg, y, t.weights, K, warmup)
+                if not warmup:
+                    ops.sum_topk(y, t.ids, p.shape.num_experts, out)
+
+    return fn
+
+
+def _padded_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
+    """h with `rows` rows (timing only: extra rows repeat the first ones)."""
+    if h.shape[0] >= rows:
+        return h[:rows]
+    return h.repeat(math.ceil(rows / h.shape[0]), 1)[:rows].contiguous()
+
+
+def _search(
+    gemm: str,
+    p: _Point,
+    make_fn: Callable[[GemmConfig, bool], Callable[[], object]],
+    tiles: list[GemmConfig],
+    variants: Callable[[GemmConfig], list[GemmConfig]],
+    advance: Callable[[int], None],
+    limit: int | None = None,
+) -> tuple[GemmConfig, float, dict]:
+    """Two-round search; returns (best config, its time in us, {config: us or error}).
+    `limit` (tests): only the first `limit` tiles, and no second round."""
+    tried: dict[GemmConfig, float | str] = {}
+
+    def run(cands):
+        cands = [c for c in cands if c not in tried]
+        precompile([(lambda c=c: make_fn(c, True)()) for c in cands])
+        for c in cands:
+            try:
+                tried[c] = _time_us(make_fn(c, False), p.device, p.R)
+            except Exception as err:  # noqa: BLE001 - compile / resource failures skip the config
+                tried[c] = f"{type(err).__name__}: {str(err)[:120]}"
+            advance(1)
+
+    run(tiles[:limit])
+    ok = sorted((t, c) for c, t in tried.items() if isinstance(t, float))
+    if not ok:
+        raise RuntimeError(f"{gemm}: every candidate config failed: {tried}")
+    second = []
+    for _, c in ok[:2]:
+        second += variants(c)
+    run(second if limit is None else [])
+    if gemm == "down":
+        ok = sorted((t, c) for c, t in tried.items() if isinstance(t, float))
+        run([replace(c, reduce="atomic") for _, c in ok[:3]] if limit is None else [])
+    ok = sorted((t, c) for c, t in tried.items() if isinstance(t, float))
+    best_t, best = ok[0]
+    summary = {
+        _short(c): (round(t, 2) if isinstance(t, float) else t) for c, t in tried.items()
+    }
+    return best, best_t, summary
+
+
+def _short(c: GemmConfig) -> str:
+    s = f"m{c.block_m}n{c.block_n}k{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
+    return s + ("T" if c.swap_ab else "") + ("A" if c.reduce == "atomic" else "")
+
+
+def tune_point(
+    shape, w, T, device, ceilings, advance=lambda n: None, seed=0, limit=None
+) -> PointResult:
+    """Tune both GEMMs for batch size T; returns the result (configs + timings)."""
+    from moekit.bench import moe_cost
+    from moekit.runners.torch import run_standard
+    from moekit.runners.triton import ops
+
+    p = _Point(shape, w, T, device, seed)
+    E, H, I, K = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k
+    elem = DTYPES[shape.dtype].itemsize
+    rows = max(1.0, T * K / E)
+    n1, k1 = tcfg.gemm_shape("gate_up", H, I)
+    n2, k2 = tcfg.gemm_shape("down", H, I)
+
+    def gate_fn(c, warmup):
+        return _gate_up_fn(p, c, warmup)[0]
+
+    best1, t1, tried1 = _search(
+        "gate_up", p, gate_fn, tile_candidates("gate_up", rows, n1, k1, elem),
+        lambda c: schedule_variants("gate_up", c, n1, k1, elem), advance, limit,
+    )  # fmt: skip
+    fn, hs = _gate_up_fn(p, best1)
+    fn()
+
+    def down_fn(c, warmup):
+        return _down_fn(p, best1, hs, c, warmup)
+
+    best2, t2, tried2 = _search(
+        "down", p, down_fn, tile_candidates("down", rows, n2, k2, elem),
+        lambda c: schedule_variants("down", c, n2, k2, elem), advance, limit,
+    )  # fmt: skip
+
+    cfgs = (best1, best2)
+    ref = run_standard(p.x, p.topks[0], w, shape.act).double()
+    got = ops.fused_moe(p.x, p.topks[0], w, shape.act, configs=cfgs).double()
+    err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    if not err < 3e-2:
+        raise RuntimeError(f"T={T}: tuned configs {cfgs} give relative error {err:.3g}")
+
+    def layer():
+        for t in p.topks:
+            ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
+
+    layer_us = _time_us(layer, device, p.R)
+    floors = [
+        moe_cost(t.ids, E, H, I, act_bytes=elem).floor_s(ceilings) * 1e6 for t in p.topks
+    ]
+    return PointResult(
+        T, best1, best2, t1, t2, layer_us, sum(floors) / len(floors), err,
+        {"gate_up": tried1, "down": tried2},
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+
+
+def table_keys(shape: TuneShape, device) -> dict[str, TableKey]:
+    dev = device_name(device)
+    keys = {}
+    for gemm in tcfg.GEMMS:
+        n, k = tcfg.gemm_shape(gemm, shape.hidden, shape.intermediate)
+        keys[gemm] = TableKey(gemm, shape.num_experts, n, k, shape.dtype, dev, tcfg.triton_version())
+    return keys
+
+
+def _existing(path: Path) -> tuple[dict[int, GemmConfig], dict]:
+    if not path.is_file():
+        return {}, {}
+    import json
+
+    table = tcfg.read_table(path)
+    meta = json.loads(path.read_text()).get("meta", {})
+    return dict(table.configs), meta
+
+
+def pending_batch_sizes(paths: dict[str, Path], batch_sizes: Sequence[int], force: bool):
+    """Batch sizes still to tune: those missing from either table (all with force)."""
+    if force:
+        return list(batch_sizes)
+    have = [set(_existing(p)[0]) for p in paths.values()]
+    return [b for b in batch_sizes if not all(b in h for h in have)]
+
+
+@dataclass
+class TuneReport:
+    shape: TuneShape
+    paths: dict[str, Path]
+    results: list[PointResult]
+    skipped: list[int]
+
+
+def tune(
+    shape: TuneShape,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    out_dir: Path | str | None = None,
+    device: str | torch.device = "cuda",
+    force: bool = False,
+    progress: bool = True,
+    note: str = "",
+    limit: int | None = None,
+    ceilings=None,
+) -> TuneReport:
+    """Tune `shape` for `batch_sizes` on `device`; write/extend the two tables in `out_dir`
+    (default: the user config directory). Returns what was done. `limit` (tests): try only
+    the first `limit` tile candidates per GEMM, in one round; `ceilings` (tests): skip
+    measuring the device's ceilings."""
+    from moekit.bench import measure_ceilings
+
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("moekit tune needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")
+    for b in batch_sizes:
+        if not isinstance(b, int) or b < 1:
+            raise ConfigError(f"--batch-sizes must be positive integers, got {b!r}")
+    out_dir = Path(out_dir) if out_dir is not None else tcfg.user_dir()
+    keys = table_keys(shape, device)
+    paths = {g: out_dir / key.filename() for g, key in keys.items()}
+    todo = pending_batch_sizes(paths, batch_sizes, force)
+    skipped = [b for b in batch_sizes if b not in todo]
+    results: list[PointResult] = []
+    if not todo:
+        return TuneReport(shape, paths, results, skipped)
+
+    dt = DTYPES[shape.dtype]
+    ceilings = ceilings or measure_ceilings(device, dt)
+    w = random_weights(shape, device)
+    tables = {g: _existing(p) for g, p in paths.items()}
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}"),
+               TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task(shape.describe(), total=None)
+        for T in todo:
+            bar.update(task, description=f"{shape.describe()}  T={T}")
+            t0 = time.perf_counter()
+            r = tune_point(
+                shape, w, T, device, ceilings, lambda n: bar.advance(task, n), T, limit
+            )
+            results.append(r)
+            for gemm, path in paths.items():
+                configs, meta = tables[gemm]
+                configs[T] = r.gate_up if gemm == "gate_up" else r.down
+                meta.setdefault("points", {})[str(T)] = r.meta()
+                meta.update(
+                    shape=shape.describe(),
+                    top_k=shape.top_k,
+                    note=note,
+                    ceilings={
+                        "copy_TBps": round(ceilings.copy_bytes_per_s / 1e12, 3),
+                        "matmul_TFLOPs": round(ceilings.matmul_flops_per_s / 1e12, 1),
+                    },
+                    torch=torch.__version__,
+                )
+                tcfg.write_table(path, keys[gemm], configs, meta)
+                tables[gemm] = (configs, meta)
+            bar.console.log(
+                f"T={T}: gate_up {_short(r.gate_up)} {r.gate_up_us:.1f}us, down "
+                f"{_short(r.down)} {r.down_us:.1f}us, layer {r.layer_us:.1f}us = "
+                f"{r.ratio:.2f}x floor ({time.perf_counter() - t0:.0f}s)"
+            )
+    tcfg.clear_cache()
+    return TuneReport(shape, paths, results, skipped)

@@ -1,0 +1,179 @@
+"""The triton runner's config tables (lookup order, nearest batch size, validation), the shipped
+files, and the tuner's pure parts (per-rank shapes, search space, resume, a tiny CPU run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit.config import ConfigError
+from moekit.experts import ActivationSpec
+from moekit.runners.triton import configs as tc
+from moekit.runners.triton.configs import GemmConfig, Table, TableKey
+
+KEY = TableKey("down", 8, 64, 32, "float32", "Test GPU 80GB", "3.6.0")
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """An empty user dir and an empty shipped dir."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(user))
+    monkeypatch.setattr(tc, "shipped_dir", lambda: shipped)
+    tc.clear_cache()
+    yield user / "triton", shipped
+    tc.clear_cache()
+
+
+def test_gemm_config_validation():
+    with pytest.raises(ValueError, match="block_m"):
+        GemmConfig(block_m=24)
+    with pytest.raises(ValueError, match="reduce"):
+        GemmConfig(reduce="sum")
+    with pytest.raises(ValueError, match="unknown keys"):
+        GemmConfig.from_dict({"block_m": 16, "BLOCK_SIZE_M": 16})
+    c = GemmConfig(32, 64, 128, 1, 8, 5, True, "atomic")
+    assert GemmConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_nearest_batch_size_in_log_distance():
+    t = Table({1: GemmConfig(16), 64: GemmConfig(32), 1024: GemmConfig(128)}, "x")
+    assert t.pick(0).block_m == 16
+    assert t.pick(7).block_m == 16  # log2: 2.8 from 1, 3.2 from 64
+    assert t.pick(9).block_m == 32
+    assert t.pick(300).block_m == 128  # 2.1 from 64, 1.8 from 1024 (absolute would pick 64)
+    assert t.pick(10**6).block_m == 128
+
+
+def test_user_dir_overrides_shipped_and_exact_version_first(dirs):
+    user, shipped = dirs
+    tc.write_table(shipped / KEY.filename(), KEY, {16: GemmConfig(block_m=16)}, {})
+    assert tc.find_table(KEY).source.startswith(str(shipped))
+    other = TableKey(**{**KEY.to_dict(), "triton": "3.5.0"})
+    tc.write_table(user / other.filename(), other, {16: GemmConfig(block_m=32)}, {})
+    tc.clear_cache()
+    assert tc.find_table(KEY).configs[16].block_m == 16  # exact version beats the user dir
+    tc.write_table(user / KEY.filename(), KEY, {16: GemmConfig(block_m=64)}, {})
+    tc.clear_cache()
+    assert tc.find_table(KEY).configs[16].block_m == 64
+    newer = TableKey(**{**KEY.to_dict(), "triton": "3.10.0"})
+    assert tc.find_table(newer).configs[16].block_m == 64  # other versions: newest (3.6 > 3.5)
+    (user / KEY.filename()).unlink()
+    tc.clear_cache()
+    assert tc.find_table(newer).configs[16].block_m == 32  # the user dir still comes first
+
+
+
+def test_get_config_uses_table_else_heuristic(dirs):
+    user, _ = dirs
+    key = TableKey("gate_up", 8, 2 * 40, 48, "float32", "cpu", tc.triton_version())
+    heuristic = tc.get_config("gate_up", 5, 2, 8, 48, 40, "float32", "cpu")
+    assert heuristic == tc.default_config("gate_up", 5 * 2 / 8 if 5 * 2 > 8 else 1.0, 80, 48)
+    tc.write_table(user / key.filename(), key, {4: GemmConfig(block_m=64, block_n=16)}, {})
+    tc.clear_cache()
+    assert tc.get_config("gate_up", 5, 2, 8, 48, 40, "float32", "cpu").block_m == 64
+
+
+def test_bad_file_names_itself(dirs):
+    user, _ = dirs
+    path = user / KEY.filename()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"configs": {"16": {"block_m": 17}}}')
+    with pytest.raises(ValueError, match=str(path.name)):
+        tc.find_table(KEY)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 30, 100, 1000, 5000])
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+def test_default_config_is_valid(gemm, rows):
+    c = tc.default_config(gemm, rows, 1536, 2048)
+    assert c.block_m >= 16 and (rows <= 16) == (c.block_m == 16)
+    small = tc.default_config(gemm, rows, 40, 24)  # tiny GEMMs get small blocks
+    assert small.block_n <= 32 and small.block_k <= 16
+
+
+def test_shipped_files_parse_and_match_their_names():
+    files = sorted(tc.shipped_dir().glob("*.json"))
+    for path in files:
+        data = json.loads(path.read_text())
+        key = TableKey(**data["key"])
+        assert key.filename() == path.name
+        table = tc.read_table(path)
+        assert all(b >= 1 for b in table.configs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuner
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shape_for_per_rank_sizes():
+    from moekit.tune import shape_for
+
+    s = shape_for("deepseek-v3", tp_size=8, ep_size=8)
+    assert (s.num_experts, s.top_k, s.hidden, s.intermediate) == (32, 8, 7168, 2048)
+    s = shape_for("mixtral-8x7b", tp_size=2)
+    assert (s.num_experts, s.top_k, s.intermediate) == (8, 2, 7168)
+    s = shape_for("gpt-oss-120b")
+    assert s.act.name == "swiglu_oai" and s.act.interleaved and s.has_bias
+    with pytest.raises(ConfigError, match="--ep-size"):
+        shape_for("qwen3-30b-a3b", tp_size=4, ep_size=3)
+    with pytest.raises(ConfigError, match="--model"):
+        shape_for("no-such-model")
+    with pytest.raises(ConfigError, match="--dtype"):
+        shape_for("qwen3-30b-a3b", dtype="int8")
+
+
+@pytest.mark.parametrize("rows", [1, 20, 100, 2000])
+def test_search_space_is_valid_and_bounded(rows):
+    from moekit.tune import schedule_variants, tile_candidates
+
+    for gemm, n, k in (("gate_up", 1536, 2048), ("down", 2048, 768)):
+        tiles = tile_candidates(gemm, rows, n, k)
+        assert 1 <= len(tiles) <= 24 and len(set(tiles)) == len(tiles)
+        assert len(schedule_variants(gemm, tiles[0], n, k)) <= 8
+
+
+def test_pending_batch_sizes_resume(tmp_path):
+    from moekit.tune import pending_batch_sizes
+
+    keys = {g: TableKey(g, 8, 64, 32, "float32", "cpu", "3.6.0") for g in ("gate_up", "down")}
+    paths = {g: tmp_path / k.filename() for g, k in keys.items()}
+    assert pending_batch_sizes(paths, [1, 4, 16], False) == [1, 4, 16]
+    tc.write_table(paths["gate_up"], keys["gate_up"], {1: GemmConfig(), 4: GemmConfig()}, {})
+    tc.write_table(paths["down"], keys["down"], {1: GemmConfig()}, {})
+    assert pending_batch_sizes(paths, [1, 4, 16], False) == [4, 16]
+    assert pending_batch_sizes(paths, [1, 4, 16], True) == [1, 4, 16]
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    from moekit.cli.tune import main
+
+    assert main(["--model", "no-such-model"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(["--model", "qwen3-30b-a3b", "--batch-sizes", "1,x"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
+def test_tiny_tune_writes_tables_and_resumes(tmp_path):
+    pytest.importorskip("triton")
+    from moekit.bench import Ceilings
+    from moekit.tune import TuneShape, tune
+
+    shape = TuneShape(4, 2, 32, 24, "float32", ActivationSpec("silu"), False, "tiny")
+    ceilings = Ceilings(1e10, 1e11, "float32")
+    report = tune(
+        shape, [3], out_dir=tmp_path, device="cpu", progress=False, limit=1, ceilings=ceilings
+    )
+    assert [r.num_tokens for r in report.results] == [3]
+    assert report.results[0].rel_err < 1e-4
+    for path in report.paths.values():
+        table = tc.read_table(Path(path))
+        assert list(table.configs) == [3]
+        meta = json.loads(Path(path).read_text())["meta"]
+        assert meta["points"]["3"]["floor_us"] > 0
+    again = tune(shape, [3], out_dir=tmp_path, device="cpu", progress=False, limit=1)
+    assert again.skipped == [3] and not again.results

@@ -1,0 +1,294 @@
+"""The triton runner against the torch reference: CPU through the Triton interpreter (float32 /
+float16, tiny shapes), GPU (marked) in bfloat16 on the preset shapes and under CUDA graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers import TOLERANCE, rel_err  # noqa: E402
+
+from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
+from moekit.hardware import Platform  # noqa: E402
+from moekit.router import TopKOutput  # noqa: E402
+from moekit.runners.base import RunnerError  # noqa: E402
+from moekit.runners.registry import runner_class  # noqa: E402
+from moekit.runners.torch import moe_reference_fp64, run_masked, run_standard  # noqa: E402
+from moekit.runners.triton import TritonRunner, ops  # noqa: E402
+from moekit.runners.triton.configs import GemmConfig  # noqa: E402
+from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def make_weights(E, H, I, dtype, bias, device=DEVICE) -> ExpertWeights:
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) / H**0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype) / I**0.5
+    b13 = b2 = None
+    if bias:
+        b13 = torch.randn(E, 2 * I, device=device, dtype=dtype) * 0.1
+        b2 = torch.randn(E, H, device=device, dtype=dtype) * 0.1
+    return ExpertWeights(w13, w2, b13, b2)
+
+
+def make_topk(T, K, E, masked=0.0, one_expert=False, device=DEVICE) -> TopKOutput:
+    if one_expert:
+        ids = torch.full((T, K), E - 1, dtype=torch.int32, device=device)
+    else:
+        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].to(torch.int32)
+    if masked:
+        ids[torch.rand(T, K, device=device) < masked] = -1
+    weights = torch.rand(T, K, device=device) + 0.1
+    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    T: int = 7
+    K: int = 2
+    E: int = 5
+    H: int = 48
+    I: int = 40
+    act: str = "silu"
+    interleaved: bool = False
+    bias: bool = False
+    dtype: torch.dtype = torch.float32
+    masked: float = 0.0
+    one_expert: bool = False
+    configs: tuple[GemmConfig, GemmConfig] | None = None
+
+
+SWAP = (GemmConfig(16, 16, 16, swap_ab=True), GemmConfig(16, 32, 32, swap_ab=True))
+ATOMIC = (GemmConfig(16, 32, 32), GemmConfig(32, 16, 16, reduce="atomic"))
+MIXED_BM = (GemmConfig(32, 16, 32, group_m=2), GemmConfig(16, 16, 16, group_m=1))
+
+CASES = [
+    Case("T0", T=0),
+    Case("T1", T=1),
+    Case("silu"),
+    Case("gelu-interleaved", act="gelu", interleaved=True),
+    Case("swiglu_oai-bias-interleaved", act="swiglu_oai", interleaved=True, bias=True),
+    Case("swiglu_oai-bias", act="swiglu_oai", bias=True, K=3, E=7),
+    Case("masked-ids", masked=0.3, T=9),
+    Case("one-expert", one_expert=True, T=6, K=1),
+    Case("fp16", dtype=torch.float16, bias=True, act="gelu"),
+    Case("swap-ab", configs=SWAP, T=5, E=6),
+    Case("atomic-reduce", configs=ATOMIC, masked=0.2, bias=True, dtype=torch.float16),
+    Case("gate_up-bm-larger", configs=MIXED_BM, T=11, H=40, I=24),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_standard_matches_reference(case: Case):
+    w = make_weights(case.E, case.H, case.I, case.dtype, case.bias)
+    act = ActivationSpec(case.act, case.interleaved)
+    x = torch.randn(case.T, case.H, device=DEVICE, dtype=case.dtype)
+    topk = make_topk(case.T, case.K, case.E, case.masked, case.one_expert)
+    if case.configs is None:
+        out = TritonRunner().run(StandardDispatchOutput(x, topk), w, act).out
+    else:
+        out = ops.fused_moe(x, topk, w, act, configs=case.configs)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    ref = moe_reference_fp64(x, topk, w, act)
+    assert rel_err(out, ref) < TOLERANCE[case.dtype]
+    if case.T:  # same function as the torch runner, not only close to fp64
+        assert rel_err(out, run_standard(x, topk, w, act)) < TOLERANCE[case.dtype]
+
+
+def masked_reference(x_ECH, counts, w: ExpertWeights, act):
+    to64 = {n: (None if t is None else t.double()) for n, t in vars(w).items()
+            if isinstance(t, torch.Tensor) or t is None}  # fmt: skip
+    w64 = ExpertWeights(to64["w13"], to64["w2"], to64["b13"], to64["b2"])
+    return run_masked(x_ECH.double(), counts, w64, act)
+
+
+@pytest.mark.parametrize(
+    "act,bias,dtype",
+    [("silu", False, torch.float32), ("swiglu_oai", True, torch.float16)],
+)
+def test_masked_matches_reference(act, bias, dtype):
+    E, C, H, I = 3, 20, 40, 24
+    w = make_weights(E, H, I, dtype, bias)
+    spec = ActivationSpec(act, interleaved=bias)
+    x = torch.randn(E, C, H, device=DEVICE, dtype=dtype)
+    counts = torch.tensor([0, 17, 25], dtype=torch.int32, device=DEVICE)  # empty, partial, > C
+    out = TritonRunner().run(MaskedDispatchOutput(x, counts), w, spec).out
+    assert out.shape == x.shape
+    ref = masked_reference(x, counts, w, spec)
+    valid = torch.arange(C, device=DEVICE)[None, :] < counts.clamp(max=C)[:, None]
+    assert rel_err(out[valid], ref[valid]) < TOLERANCE[dtype]
+
+
+def test_masked_empty_capacity():
+    w = make_weights(2, 32, 16, torch.float32, False)
+    x = torch.randn(2, 0, 32, device=DEVICE)
+    out = ops.fused_moe_masked(x, torch.zeros(2, dtype=torch.int32, device=DEVICE), w, ActivationSpec())
+    assert out.shape == (2, 0, 32)
+
+
+def test_registered_and_caps():
+    assert runner_class("triton") is TritonRunner
+    caps = TritonRunner.caps
+    assert caps.cuda_graph and caps.formats == {"standard", "masked"}
+    assert caps.activations == {"silu", "gelu", "swiglu_oai"}
+    assert caps.weight_formats == {"unquantized"}
+
+
+def test_refuses_what_it_cannot_run():
+    why = TritonRunner.unsupported("standard", "unquantized", "silu", "bfloat16", "cpu", False)
+    assert why and "float16" in why and "interpreter" in why
+    why = TritonRunner.unsupported("standard", "fp8_w8a8", "silu", "float16", "cuda", False)
+    assert why and "unquantized" in why
+    w = make_weights(2, 32, 16, torch.float32, False)
+    w.format = "int8_w8a8"
+    x = torch.randn(3, 32, device=DEVICE)
+    with pytest.raises(RunnerError, match="weight format"):
+        TritonRunner().run(StandardDispatchOutput(x, make_topk(3, 1, 2)), w, ActivationSpec())
+
+
+def test_availability_says_why():
+    no_triton = Platform("cuda", "gpu", (9, 0), 1, {"triton": None})
+    assert "triton" in TritonRunner.availability(no_triton).reason
+    old_gpu = Platform("cuda", "gpu", (7, 0), 1, {"triton": "3.6.0"})
+    assert not TritonRunner.availability(old_gpu)
+    assert TritonRunner.availability(Platform("cuda", "H100", (9, 0), 1, {"triton": "3.6.0"}))
+    cpu = Platform("cpu", "cpu", None, 0, {"triton": "3.6.0"})
+    assert bool(TritonRunner.availability(cpu)) == (not ON_GPU)  # conftest interprets on CPU
+
+
+def test_bad_shapes_are_refused():
+    w = make_weights(2, 32, 16, torch.float32, False)
+    x = torch.randn(3, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden size"):
+        ops.fused_moe(x, make_topk(3, 1, 2), w, ActivationSpec())
+    with pytest.raises(ValueError, match="activation"):
+        ops.fused_moe(torch.randn(3, 32, device=DEVICE), make_topk(3, 1, 2), w,
+                      ActivationSpec("relu"))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+PRESET_SHAPES = [
+    ("qwen3-30b-a3b", 1, 1),
+    ("mixtral-8x7b", 2, 1),
+    ("deepseek-v3", 8, 8),
+    ("gpt-oss-120b", 1, 1),
+]
+
+
+def reference_fp64_sparse(x, topk: TopKOutput, w: ExpertWeights, act):
+    """Float64 reference that converts only the experts in use (preset weights are large)."""
+    used = torch.unique(topk.ids[topk.ids >= 0]).long()
+    remap = torch.full((w.num_experts,), -1, dtype=torch.int32, device=x.device)
+    remap[used] = torch.arange(used.numel(), dtype=torch.int32, device=x.device)
+    ids = torch.where(topk.ids >= 0, remap[topk.ids.long().clamp(min=0)], -1)
+
+    def pick(t):
+        return None if t is None else t[used].double()
+
+    w64 = ExpertWeights(pick(w.w13), pick(w.w2), pick(w.b13), pick(w.b2))
+    return run_standard(x.double(), TopKOutput(topk.weights, ids), w64, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,tp,ep", PRESET_SHAPES, ids=lambda v: str(v))
+def test_presets_bf16_gpu(model, tp, ep):
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for(model, tp, ep)
+    w = random_weights(shape, "cuda")
+    for T in (1, 37, 1024, 4096):
+        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.02 if T > 1 else 0.0)
+        out = TritonRunner().run(StandardDispatchOutput(x, topk), w, shape.act).out
+        err = rel_err(out, reference_fp64_sparse(x, topk, w, shape.act))
+        assert err < TOLERANCE[torch.bfloat16], (model, T, err)
+    # masked format on the same weights
+    E, C = shape.num_experts, 48
+    xm = torch.randn(E, C, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    counts = torch.randint(0, C + 1, (E,), dtype=torch.int32, device="cuda")
+    out = TritonRunner().run(MaskedDispatchOutput(xm, counts), w, shape.act).out
+    valid = torch.arange(C, device="cuda")[None, :] < counts[:, None]
+    ref = run_masked(xm, counts, w, shape.act)  # bf16 torch runner (fp64 would be too big)
+    assert rel_err(out[valid], ref[valid]) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("configs", [SWAP, ATOMIC, MIXED_BM, None], ids=["swap", "atomic", "mixed", "lookup"])
+@pytest.mark.parametrize("T", [3, 300])
+def test_config_variants_gpu(configs, T):
+    w = make_weights(16, 512, 384, torch.bfloat16, True)
+    act = ActivationSpec("swiglu_oai", interleaved=True)
+    x = torch.randn(T, 512, device="cuda", dtype=torch.bfloat16)
+    topk = make_topk(T, 4, 16, masked=0.05)
+    out = ops.fused_moe(x, topk, w, act, configs=configs)
+    assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["kernel", "atomic"])
+def test_cuda_graph_replay_equals_eager(reduce):
+    E, K, H, I, T = 32, 4, 1024, 512, 200
+    w = make_weights(E, H, I, torch.bfloat16, False)
+    act = ActivationSpec()
+    configs = (GemmConfig(32, 64, 64), GemmConfig(32, 64, 64, reduce=reduce))
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    topk = make_topk(T, K, E)
+    static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
+
+    def step():
+        return ops.fused_moe(static_x, TopKOutput(static_w, static_ids), w, act, configs=configs)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for _ in range(3):  # new inputs and a new routing each replay
+        x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        topk2 = make_topk(T, K, E, masked=0.1)
+        static_x.copy_(x2), static_w.copy_(topk2.weights), static_ids.copy_(topk2.ids)
+        graph.replay()
+        eager = ops.fused_moe(x2, topk2, w, act, configs=configs)
+        if reduce == "kernel":
+            assert torch.equal(static_out, eager)
+        else:  # atomics add in any order
+            assert rel_err(static_out, eager) < 1e-2
+        assert rel_err(static_out, moe_reference_fp64(x2, topk2, w, act)) < 3e-2
+
+
+@pytest.mark.gpu
+def test_whole_layer_cuda_graph():
+    from moekit.config import MoEConfig, RunnerConfig
+    from moekit.layer import MoE
+
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256)
+    layer = MoE(cfg, runner=RunnerConfig(moe_runner_backend="triton"), device="cuda")
+    T = 96
+    x = torch.randn(T, 512, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(T, 16, device="cuda")
+    eager = layer(x, logits)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, logits)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, logits)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    assert torch.equal(out, layer(x, logits))
+    assert not torch.equal(out, eager)
