@@ -176,7 +176,8 @@ def run_masked(
         x = aq.apply(x_ECH, 1, None, aq.call_scale(x_ECH[valid]))
         a = expert_up(x, w.w13, w.b13, act)
         y = expert_down(aq.apply(a, 2, None, aq.call_scale(a[valid])), w.w2, w.b2)
-    return (y * valid.unsqueeze(-1)).to(x_ECH.dtype)
+    # where, not a product: padding rows may hold garbage (NaN * 0 is NaN)
+    return torch.where(valid.unsqueeze(-1), y, 0.0).to(x_ECH.dtype)
 
 
 @register
