@@ -311,8 +311,8 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
             f"E_local={shape['experts_local']}, K={shape['top_k']}, H={shape['hidden_size']}, "
             f"I_local={shape['intermediate_local']}, {shape['activation']}"
             f"{', biases' if shape['has_bias'] else ''} · ceilings: copy "
-            f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
-            f"{c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({c['dtype']}) · {doc['timestamp']} · "
+            f"{c['copy_bytes_per_s'] / 1e12:.3g} TB/s, matmul "
+            f"{c['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s ({c['dtype']}) · {doc['timestamp']} · "
             f"commit {commit} · {versions} · [json]({rel.as_posix()})"
             + (f" · [plot]({(rel.parent / doc['plot']).as_posix()})" if doc.get("plot") else ""),
             "",
