@@ -184,18 +184,20 @@ PRESET_SHAPES = [
 ]
 
 
-def reference_fp64_sparse(x, topk: TopKOutput, w: ExpertWeights, act):
-    """Float64 reference that converts only the experts in use (preset weights are large)."""
+def reference_fp32_sparse(x, topk: TopKOutput, w: ExpertWeights, act):
+    """Float32 reference (no TF32) that converts only the experts in use: preset weights are
+    too large for float64; float32 is ~1e-6 accurate, far below the bf16 tolerance."""
     used = torch.unique(topk.ids[topk.ids >= 0]).long()
     remap = torch.full((w.num_experts,), -1, dtype=torch.int32, device=x.device)
     remap[used] = torch.arange(used.numel(), dtype=torch.int32, device=x.device)
     ids = torch.where(topk.ids >= 0, remap[topk.ids.long().clamp(min=0)], -1)
 
     def pick(t):
-        return None if t is None else t[used].double()
+        return None if t is None else t[used].float()
 
-    w64 = ExpertWeights(pick(w.w13), pick(w.w2), pick(w.b13), pick(w.b2))
-    return run_standard(x.double(), TopKOutput(topk.weights, ids), w64, act)
+    w32 = ExpertWeights(pick(w.w13), pick(w.w2), pick(w.b13), pick(w.b2))
+    assert not torch.backends.cuda.matmul.allow_tf32
+    return run_standard(x.float(), TopKOutput(topk.weights, ids), w32, act)
 
 
 @pytest.mark.gpu
@@ -209,7 +211,7 @@ def test_presets_bf16_gpu(model, tp, ep):
         x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
         topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.02 if T > 1 else 0.0)
         out = TritonRunner().run(StandardDispatchOutput(x, topk), w, shape.act).out
-        err = rel_err(out, reference_fp64_sparse(x, topk, w, shape.act))
+        err = rel_err(out, reference_fp32_sparse(x, topk, w, shape.act))
         assert err < TOLERANCE[torch.bfloat16], (model, T, err)
     # masked format on the same weights
     E, C = shape.num_experts, 48

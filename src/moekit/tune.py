@@ -184,6 +184,16 @@ def uniform_topk(T: int, E: int, K: int, device, generator=None) -> TopKOutput:
     return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
+def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) -> TopKOutput:
+    """K distinct experts per token drawn with probability ~ 1 / rank^s over a random ranking of
+    the experts (skewed, like real routing)."""
+    ranks = torch.randperm(E, device=device, generator=generator).float() + 1
+    probs = (ranks ** -s).expand(T, E)
+    ids = torch.multinomial(probs, K, replacement=False, generator=generator).to(torch.int32)
+    weights = torch.rand(T, K, device=device, generator=generator) + 0.1
+    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
+
+
 def rotations(shape: TuneShape, T: int) -> int:
     """How many routings to rotate through so the timed weights do not sit in L2."""
     elem = DTYPES[shape.dtype].itemsize
@@ -247,7 +257,7 @@ def precompile(launches: Sequence[Callable[[], object]], workers: int = 16) -> N
 class _Point:
     """The inputs of one batch size: R routings, their alignments per block_m, buffers."""
 
-    def __init__(self, shape: TuneShape, w: ExpertWeights, T: int, device, seed: int):
+    def __init__(self, shape, w, T, device, seed: int, routing: str = "uniform"):
         from moekit.runners.triton.align import align_block_size
 
         self._align = align_block_size
@@ -256,9 +266,13 @@ class _Point:
         self.shape, self.w, self.T, self.device = shape, w, T, torch.device(device)
         self.R = rotations(shape, T) if self.device.type == "cuda" else 1
         self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
-        self.topks = [
-            uniform_topk(T, shape.num_experts, shape.top_k, device, gen) for _ in range(self.R)
-        ]
+        E, K = shape.num_experts, shape.top_k
+        if routing == "uniform":
+            self.topks = [uniform_topk(T, E, K, device, gen) for _ in range(self.R)]
+        elif routing == "zipf":
+            self.topks = [zipf_topk(T, E, K, device, generator=gen) for _ in range(self.R)]
+        else:
+            raise ConfigError(f"--routing: unknown {routing!r}; allowed: uniform, zipf")
         self._aligns: dict[int, list] = {}
         self.h = None
 
@@ -552,3 +566,54 @@ def tune(
             )
     tcfg.clear_cache()
     return TuneReport(shape, paths, results, skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring the runner as shipped (the configs it looks up)
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(
+    shape: TuneShape,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    device: str | torch.device = "cuda",
+    routing: str = "uniform",
+    ceilings=None,
+    breakdown: bool = False,
+) -> list[dict]:
+    """Time the whole runner call (CUDA-graph replay) with the configs it looks up, against the
+    roofline floor, per batch size. With `breakdown`, also time its stages one by one."""
+    from moekit.bench import measure_ceilings, moe_cost
+    from moekit.runners.triton import ops
+
+    device = torch.device(device)
+    dt = DTYPES[shape.dtype]
+    ceilings = ceilings or measure_ceilings(device, dt)
+    w = random_weights(shape, device)
+    rows = []
+    for T in batch_sizes:
+        p = _Point(shape, w, T, device, seed=T, routing=routing)
+        cfgs = ops.configs_for(T, shape.top_k, w, dt, device)
+
+        def layer():
+            for t in p.topks:
+                ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
+
+        row = {"T": T, "routing": routing, "gate_up": _short(cfgs[0]), "down": _short(cfgs[1])}
+        row["layer_us"] = _time_us(layer, device, p.R)
+        floors = [moe_cost(t.ids, shape.num_experts, shape.hidden, shape.intermediate,
+                           act_bytes=dt.itemsize).floor_s(ceilings) * 1e6 for t in p.topks]  # fmt: skip
+        row["floor_us"] = sum(floors) / len(floors)
+        row["ratio"] = row["layer_us"] / row["floor_us"]
+        if breakdown:
+            bm = max(cfgs[0].block_m, cfgs[1].block_m)
+            row["align_us"] = _time_us(
+                lambda: [p._align(t.ids, shape.num_experts, bm) for t in p.topks], device, p.R
+            )
+            g_fn, hs = _gate_up_fn(p, replace(cfgs[0]))
+            g_fn()
+            row["gate_up_us"] = _time_us(g_fn, device, p.R)
+            if cfgs[0].block_m == bm:
+                row["down_us"] = _time_us(_down_fn(p, cfgs[0], hs, cfgs[1]), device, p.R)
+        rows.append(row)
+    return rows
