@@ -16,8 +16,9 @@ from moekit.router import TopKOutput
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows, group_rows_reference, max_rows
 from moekit.runners.base import RunnerError
-from moekit.runners.cutlass import CutlassRunner
-from moekit.runners.torch import moe_reference_fp64, run_masked
+from moekit.quant import quantize_experts
+from moekit.runners.cutlass import CutlassRunner, scaled_grouped_mm_torch
+from moekit.runners.torch import TorchRunner, moe_reference_fp64, run_masked
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
 from tests.helpers import TOLERANCE, rel_err
 
@@ -275,6 +276,92 @@ def test_caps_and_availability():
     assert cls.availability(Platform("cpu", "cpu"))
 
 
+# ---------------------------------------------------------------------------- fp8 (rowwise)
+
+# fp8 e4m3 keeps 3 mantissa bits: against the reference runner (the same quantization of weights
+# and activations, bf16 matmuls) the accumulation and rounding order differ by a few percent.
+FP8_VS_REFERENCE = 6e-2
+FP8_VS_FP64 = 1e-1  # the fp64 reference does not quantize the activations
+
+FP8_SPECS = [
+    dict(weight_scale="channel"),  # activation_scheme 'token'
+    dict(weight_scale="tensor"),  # 'dynamic_tensor'
+    dict(weight_scale="channel", activation_scheme="dynamic_tensor"),
+    dict(weight_scale="tensor", activation_scheme="static_tensor"),
+]
+
+
+def fp8_weights(case: Case, params: dict, device="cpu") -> ExpertWeights:
+    w = make_weights(case, torch.bfloat16, device)
+    kw = {}
+    if params.get("activation_scheme") == "static_tensor":
+        kw = dict(a13_scale=torch.rand(case.E) * 0.01 + 0.005, a2_scale=torch.rand(case.E) * 0.01
+                  + 0.005)
+    return quantize_experts(w, "fp8_w8a8", **params, **kw)
+
+
+def test_scaled_grouped_mm_twin():
+    M, K, N, E = 10, 32, 16, 3
+    a = torch.randn(M, K).to(torch.float8_e4m3fn)
+    w = torch.randn(E, N, K).to(torch.float8_e4m3fn)
+    sa, sw = torch.rand(M) + 0.5, torch.rand(E, N) + 0.5
+    ends = torch.tensor([4, 4, 10], dtype=torch.int32)
+    got = scaled_grouped_mm_torch(a, sa, w, sw, ends, torch.float32)
+    groups = [0, 0, 0, 0, 2, 2, 2, 2, 2, 2]
+    for r, e in enumerate(groups):
+        ref = (a[r].float() * sa[r]) @ (w[e].float() * sw[e].unsqueeze(1)).T
+        assert torch.allclose(got[r], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("params", FP8_SPECS, ids=lambda p: "-".join(p.values()))
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[7]], ids=lambda c: c.name)
+def test_fp8_standard_vs_reference(case, params):
+    x = torch.randn(case.T, case.H).to(torch.bfloat16)
+    topk = make_topk(case)
+    wq = fp8_weights(case, params)
+    out = CutlassRunner().run(StandardDispatchOutput(x, topk), wq, act_of(case)).out
+    ids = torch.where(topk.ids < case.E, topk.ids, -1)
+    clean = StandardDispatchOutput(x, TopKOutput(topk.weights, ids))
+    ref = TorchRunner().run(clean, wq, act_of(case)).out
+    assert rel_err(out, ref) <= FP8_VS_REFERENCE
+    if params.get("activation_scheme") != "static_tensor":  # random static scales may clip
+        assert rel_err(out, reference(x, topk, wq, act_of(case))) <= FP8_VS_FP64
+
+
+@pytest.mark.parametrize("params", FP8_SPECS, ids=lambda p: "-".join(p.values()))
+def test_fp8_masked_vs_reference(params):
+    case, C = CASES[7], 6
+    x = torch.randn(case.E, C, case.H).to(torch.bfloat16)
+    counts = torch.randint(1, C + 1, (case.E,), dtype=torch.int32)
+    counts[1] = 0
+    wq = fp8_weights(case, params)
+    out = CutlassRunner().run(MaskedDispatchOutput(x, counts), wq, act_of(case)).out
+    ref = TorchRunner().run(MaskedDispatchOutput(x, counts), wq, act_of(case)).out
+    valid = torch.arange(C).unsqueeze(0) < counts.unsqueeze(1)
+    assert rel_err(out[valid], ref[valid]) <= FP8_VS_REFERENCE
+
+
+def test_fp8_refuses_block_scales_and_unaligned_sizes():
+    from moekit.quant import make_spec
+    from moekit.select import Workload
+
+    case = CASES[0]
+    block = quantize_experts(make_weights(case, torch.bfloat16), "fp8_w8a8")  # default: block
+    x = torch.randn(3, case.H).to(torch.bfloat16)
+    with pytest.raises(RunnerError, match="deep_gemm"):
+        CutlassRunner().run_standard(x, make_topk(Case("x", T=3)), block, act_of(case))
+    odd = Case("odd", H=24, I=8)
+    wq = fp8_weights(odd, dict(weight_scale="channel"))
+    with pytest.raises(RunnerError, match="multiples of 16"):
+        CutlassRunner().run_standard(torch.randn(2, 24).to(torch.bfloat16),
+                                     make_topk(Case("x", T=2)), wq, act_of(odd))
+    work = Workload(4, weight_format="fp8_w8a8", weight_spec=make_spec("fp8_w8a8"))
+    assert "block" in CutlassRunner.workload_problem(work)
+    work = Workload(4, weight_format="fp8_w8a8", hidden_size=2880, intermediate_size=100,
+                    weight_spec=make_spec("fp8_w8a8", weight_scale="channel"))
+    assert "I=100" in CutlassRunner.workload_problem(work)
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
@@ -331,3 +418,18 @@ def test_gpu_cuda_graph_replay_matches_eager():
     ref = reference(x, topk, w, act)
     assert rel_err(static_out, ref) <= TOLERANCE[torch.bfloat16]
     assert not torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", FP8_SPECS[:2], ids=lambda p: "-".join(p.values()))
+@pytest.mark.parametrize("T", [1, 200])
+def test_gpu_fp8_rowwise(params, T):
+    E, K, H, I = PRESET_SHAPES["qwen3-30b-a3b"]
+    case = Case("fp8", T=T, E=E, K=K, H=H, I=I, routing="masked")
+    dev = "cuda"
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    topk = make_topk(case, dev)
+    wq = fp8_weights(case, params, dev)
+    out = CutlassRunner().run(StandardDispatchOutput(x, topk), wq, act_of(case)).out
+    ref = TorchRunner().run(StandardDispatchOutput(x, topk), wq, act_of(case)).out
+    assert rel_err(out, ref) <= FP8_VS_REFERENCE

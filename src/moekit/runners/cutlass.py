@@ -14,6 +14,14 @@ the host. On CUDA the grouped GEMM takes its CUTLASS path for bfloat16 on SM90+ 
 fall back to a loop that copies the offsets to the host), so the runner declares bfloat16 only
 there; on CPU (tests) float32 / float16 / bfloat16 all run.
 
+fp8_w8a8 weights (rowwise: weight_scale 'channel' or 'tensor'; activations 'token',
+'dynamic_tensor' or 'static_tensor'): both GEMMs run `torch._scaled_grouped_mm` with one scale per
+row of the activations and one per output channel of each expert (CUDA; on CPU an emulation with
+dequantized operands, `scaled_grouped_mm_torch`, for tests); each expert's rows are padded to 16
+and H, I must be multiples of 16. The activation scales follow the reference runner: 'token' per
+row, 'dynamic_tensor' one over all of x (GEMM 1) / all valid intermediate rows (GEMM 2),
+'static_tensor' the expert's a13_scale / a2_scale. Block-scaled fp8 is the `deep_gemm` runner's.
+
 Alignment: the grouped GEMM wants 16-byte row strides (H and I multiples of 8 in bf16). Other sizes
 run through zero-padded copies of the weights (made once per weight tensor version and cached) and
 of the activations; the zero padding changes no result (every activation maps gate = up = 0 to 0).
@@ -25,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from moekit.config import ACTIVATIONS
+from moekit.quant.act_quant import EPS, quantize_act, quantize_act_ref, tensor_scale
+from moekit.quant.spec import FP8_DTYPE, FP8_MAX
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform
 from moekit.router import TopKOutput
@@ -45,6 +55,88 @@ from moekit.stages import (
 # Row stride alignment the CUTLASS grouped GEMM needs, in bytes.
 STRIDE_ALIGN_BYTES = 16
 _MAX_CACHED_PADDINGS = 64
+# fp8 (rowwise) path: supported spec parameters; rows per expert group and H / I alignment.
+FP8_WEIGHT_SCALES = ("channel", "tensor")
+FP8_ACT_SCHEMES = ("token", "dynamic_tensor", "static_tensor")
+FP8_ALIGN = 16
+
+
+def fp8_spec_problem(spec) -> str | None:
+    """None if `spec` is an fp8 spec this runner runs (rowwise scales), else why not."""
+    if spec is None or spec.name != "fp8_w8a8":
+        name = "unquantized" if spec is None else spec.describe()
+        return f"runner 'cutlass' runs unquantized or fp8_w8a8 weights, got {name}"
+    if spec.weight_scale not in FP8_WEIGHT_SCALES:
+        return (
+            f"runner 'cutlass' runs fp8 weights with weight_scale in {FP8_WEIGHT_SCALES} "
+            f"(rowwise torch._scaled_grouped_mm), got {spec.describe()}; block scales: deep_gemm"
+        )
+    if spec.act_scheme not in FP8_ACT_SCHEMES:
+        return (
+            f"runner 'cutlass' runs fp8 activations scaled per {FP8_ACT_SCHEMES}, got "
+            f"{spec.describe()}"
+        )
+    return None
+
+
+def scaled_grouped_mm_torch(
+    a_MK: torch.Tensor, s_M: torch.Tensor, w_ENK: torch.Tensor, s_EN: torch.Tensor,
+    ends_E: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Twin of torch._scaled_grouped_mm (2d x 3d, rowwise scales): rows of group e times w[e]^T,
+    (a * s_M) @ (w * s_EN)^T in float32 -> [M, N] out_dtype (rows past ends_E[-1] undefined)."""
+    a = a_MK.float() * s_M.float().unsqueeze(1)
+    w = w_ENK.float() * s_EN.float().unsqueeze(-1)
+    return torch._grouped_mm(a, w.transpose(-1, -2), ends_E).to(out_dtype)
+
+
+def scaled_grouped_mm(a_MK, s_M, w_ENK, s_EN, ends_E, out_dtype) -> torch.Tensor:
+    """fp8 a [M, K] (row scales s_M) x fp8 w [E, N, K] (channel scales s_EN), grouped by ends_E."""
+    if a_MK.is_cuda:
+        return torch._scaled_grouped_mm(
+            a_MK, w_ENK.transpose(-1, -2), s_M.float().contiguous(), s_EN.float().contiguous(),
+            offs=ends_E, out_dtype=out_dtype,
+        )
+    return scaled_grouped_mm_torch(a_MK, s_M, w_ENK, s_EN, ends_E, out_dtype)
+
+
+def _channel_scales(scale: torch.Tensor, E: int, N: int) -> torch.Tensor:
+    """Weight scale [E] ('tensor') or [E, N] ('channel') -> [E, N] float32."""
+    if scale.dim() == 1:
+        return scale.float().unsqueeze(1).expand(E, N).contiguous()
+    return scale.float()
+
+
+def quantize_rows(
+    a_MK: torch.Tensor,
+    spec,
+    *,
+    valid_M: torch.Tensor,
+    static_M: torch.Tensor | None = None,
+    tensor_of: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize GEMM input rows to fp8 with one scale per row -> (q [M, K], s [M] float32).
+    'token': each row's own; 'dynamic_tensor': one over `tensor_of` (default: the valid rows);
+    'static_tensor': `static_M` (the row's expert's calibrated scale)."""
+    scheme = spec.act_scheme
+    M = a_MK.shape[0]
+    if scheme == "token":
+        if a_MK.is_cuda:
+            q, s = quantize_act(a_MK, "token", FP8_DTYPE)
+        else:
+            q, s = quantize_act_ref(a_MK, "token", FP8_DTYPE)
+        return q, s.reshape(M)
+    if scheme == "dynamic_tensor":
+        if tensor_of is not None:
+            s1 = tensor_scale(tensor_of, FP8_DTYPE)
+        else:
+            amax = torch.where(valid_M.unsqueeze(1), a_MK.float().abs(), 0.0).amax()
+            s1 = (amax.clamp_min(EPS) / FP8_MAX).reshape(1)
+        s = s1.expand(M)
+    else:
+        s = static_M.float()
+    q, _ = quantize_act_ref(a_MK, "static_tensor", FP8_DTYPE, scale=s.unsqueeze(1))
+    return q, s.contiguous()
 
 
 def _round_up(n: int, m: int) -> int:
@@ -102,7 +194,7 @@ class CutlassRunner(Runner):
     name = "cutlass"
     caps = RunnerCaps(
         formats=frozenset({STANDARD, MASKED}),
-        weight_formats=frozenset({"unquantized"}),
+        weight_formats=frozenset({"unquantized", "fp8_w8a8"}),
         activations=frozenset(ACTIVATIONS),
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({"bfloat16", "float16", "float32"}),
@@ -139,6 +231,26 @@ class CutlassRunner(Runner):
             )
         return problem
 
+    @classmethod
+    def workload_problem(cls, work) -> str | None:
+        """fp8: the spec must be rowwise and H, I multiples of 16 (used by moekit.select)."""
+        if work.weight_format != "fp8_w8a8":
+            return None
+        if work.weight_spec is not None:
+            problem = fp8_spec_problem(work.weight_spec)
+            if problem:
+                return problem
+        bad = [
+            f"{n}={v}"
+            for n, v in (("H", work.hidden_size), ("I", work.intermediate_size))
+            if v is not None and v % FP8_ALIGN
+        ]
+        if bad:
+            return f"runner 'cutlass' with fp8 needs H and I multiples of {FP8_ALIGN}, got " + (
+                ", ".join(bad)
+            )
+        return None
+
     # ------------------------------------------------------------------ helpers
 
     def _kernels_on(self, x: torch.Tensor) -> bool:
@@ -174,6 +286,8 @@ class CutlassRunner(Runner):
         self, x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec
     ) -> torch.Tensor:
         """x [T, H], topk ids/weights [T, K] -> out [T, H] in x's dtype."""
+        if w.is_quantized:
+            return self._run_standard_fp8(x_TH, topk, w, act)
         self._check_shapes(x_TH, w)
         T, H = x_TH.shape
         if T == 0:
@@ -196,6 +310,8 @@ class CutlassRunner(Runner):
     ) -> torch.Tensor:
         """x [E, C, H], counts [E] -> unweighted expert outputs [E, C, H] (rows past counts
         undefined)."""
+        if w.is_quantized:
+            return self._run_masked_fp8(x_ECH, counts_E, w, act)
         self._check_shapes(x_ECH, w)
         E, C, H = x_ECH.shape
         if E != w.num_experts:
@@ -217,6 +333,80 @@ class CutlassRunner(Runner):
         if w.b2 is not None:
             y = (y.float() + w.b2.float().unsqueeze(1)).to(x_ECH.dtype)
         return y.contiguous()
+
+    # ------------------------------------------------------------------ fp8 (rowwise)
+
+    def _check_fp8(self, x: torch.Tensor, w: ExpertWeights) -> None:
+        problem = fp8_spec_problem(w.spec)
+        if problem is None and (w.hidden_size % FP8_ALIGN or w.intermediate_size % FP8_ALIGN):
+            problem = (
+                f"runner 'cutlass' with fp8 needs H and I multiples of {FP8_ALIGN}, got "
+                f"H={w.hidden_size}, I={w.intermediate_size}"
+            )
+        if problem is None and x.shape[-1] != w.hidden_size:
+            problem = f"runner 'cutlass': x has hidden size {x.shape[-1]}, weights {w.hidden_size}"
+        if problem:
+            raise RunnerError(problem)
+
+    def _fp8_expert_pass(self, x_rows, ends, expert_M, valid_M, w, act, tri, x_all=None):
+        """Both GEMMs on grouped rows: x_rows [M, H] -> y [M, H] in x's dtype (rows of no group
+        undefined). x_all: the tensor a 'dynamic_tensor' GEMM-1 scale is taken over."""
+        spec, E = w.spec, w.num_experts
+        I, H = w.intermediate_size, w.hidden_size
+        e = expert_M.long().clamp(min=0)
+        static1 = w.a13_scale[e] if w.a13_scale is not None else None
+        q, s = quantize_rows(x_rows, spec, valid_M=valid_M, static_M=static1, tensor_of=x_all)
+        h = scaled_grouped_mm(q, s, w.w13, _channel_scales(w.w13_scale, E, 2 * I), ends,
+                              x_rows.dtype)
+        a = kernels.activation(h, expert_M, w.b13, act, use_triton=tri)
+        static2 = w.a2_scale[e] if w.a2_scale is not None else None
+        q, s = quantize_rows(a, spec, valid_M=valid_M, static_M=static2)
+        return scaled_grouped_mm(q, s, w.w2, _channel_scales(w.w2_scale, E, H), ends, x_rows.dtype)
+
+    def _run_standard_fp8(self, x_TH, topk, w, act) -> torch.Tensor:
+        self._check_fp8(x_TH, w)
+        T, H = x_TH.shape
+        if T == 0:
+            return torch.zeros(0, H, dtype=x_TH.dtype, device=x_TH.device)
+        tri = self._kernels_on(x_TH)
+        rows = group_rows(topk.ids, w.num_experts, align=FP8_ALIGN)
+        valid = rows.expert_M >= 0
+        x_rows = x_TH[rows.token_M]
+        y = self._fp8_expert_pass(x_rows, rows.ends_E, rows.expert_M, valid, w, act, tri, x_all=x_TH)
+        return kernels.weighted_reduce(
+            y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype, use_triton=tri
+        )
+
+    def _run_masked_fp8(self, x_ECH, counts_E, w, act) -> torch.Tensor:
+        self._check_fp8(x_ECH, w)
+        E, C, H = x_ECH.shape
+        if E != w.num_experts:
+            raise RunnerError(f"runner 'cutlass': masked x has {E} experts, weights {w.num_experts}")
+        if E * C == 0:
+            return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
+        tri = self._kernels_on(x_ECH)
+        dev = x_ECH.device
+        # one group of C rows per expert (2d x 3d with offsets (e + 1) * C)
+        ends = (torch.arange(1, E + 1, device=dev, dtype=torch.int32) * C).contiguous()
+        slot = torch.arange(C, device=dev).unsqueeze(0)
+        expert = torch.arange(E, device=dev, dtype=torch.int32).unsqueeze(1)
+        expert_M = torch.where(slot < counts_E.unsqueeze(1), expert, -1).reshape(-1)
+        valid = expert_M >= 0
+        expert_rows = expert.expand(E, C).reshape(-1)  # the expert of every row (static scales)
+        spec = w.spec
+        I = w.intermediate_size
+        x = x_ECH.reshape(E * C, H)
+        static1 = w.a13_scale[expert_rows.long()] if w.a13_scale is not None else None
+        q, s = quantize_rows(x, spec, valid_M=valid, static_M=static1)
+        h = scaled_grouped_mm(q, s, w.w13, _channel_scales(w.w13_scale, E, 2 * I), ends,
+                              x_ECH.dtype)
+        a = kernels.activation(h, expert_M, w.b13, act, use_triton=tri)
+        static2 = w.a2_scale[expert_rows.long()] if w.a2_scale is not None else None
+        q, s = quantize_rows(a, spec, valid_M=valid, static_M=static2)
+        y = scaled_grouped_mm(q, s, w.w2, _channel_scales(w.w2_scale, E, H), ends, x_ECH.dtype)
+        if w.b2 is not None:
+            y = (y.float() + w.b2.float()[expert_rows.long()]).to(x_ECH.dtype)
+        return y.view(E, C, H)
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
