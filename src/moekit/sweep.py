@@ -370,6 +370,13 @@ def run_sweep(
     x_probe = torch.randn(1, spec.moe.hidden_size).to(spec.device, spec.moe.torch_dtype)
     work0 = replace(workload(module, x_probe, probe), num_tokens=max(spec.batch_sizes))
     run, skipped = split_backends(spec.backends, work0, platform)
+    caches: dict[str, RunnerCache] = {}
+    for b in list(run):
+        try:
+            caches[b] = RunnerCache(RunnerConfig(b))
+        except ConfigError as err:  # the layer's own check of a requested backend
+            run.remove(b)
+            skipped[b] = str(err)
     if on_start:
         on_start(run, skipped)
     if not run:
@@ -382,7 +389,6 @@ def run_sweep(
     timing = {} if on_cuda else CPU_TIMING
     calls_per_point = 1 + timing.get("warmup", 5) + timing.get("samples", 25)
     l2 = _l2_bytes(spec.device)
-    caches = {b: RunnerCache(RunnerConfig(b)) for b in run}
     reference = RunnerCache(RunnerConfig("torch"))
     auto = RunnerCache(RunnerConfig("auto"))
     records: list[Record] = []

@@ -19,12 +19,12 @@ from moekit.config import (
     ConfigError,
     ParallelConfig,
     RunnerConfig,
-    per_rank,
+    validate,
 )
 from moekit.dispatch import registry as dispatch_registry
 from moekit.presets import PRESETS, preset
 from moekit.runners import registry as runner_registry
-from moekit.select import Workload, explain, select_runner
+from moekit.select import explain, select_runner, workload_for
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -119,20 +119,21 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
     if args.batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0, got {args.batch_size}")
     cfg = preset(args.model, dtype=args.dtype, weight_format=args.quantization)
-    local = per_rank(cfg, parallel)
+    validate(cfg, parallel)
     config = RunnerConfig(
         moe_runner_backend=args.moe_runner_backend,
         enable_adaptive_moe=args.enable_adaptive_moe,
         adaptive_moe_batch_threshold=args.adaptive_moe_batch_threshold,
     )
-    work = Workload(
-        num_tokens=args.batch_size,
-        format="standard",
-        weight_format=cfg.weight_format,
-        activation=cfg.activation,
-        dtype=cfg.dtype,
+    from moekit.quant import make_spec
+
+    # The workload the layer would see on rank 0: per-rank shape and the format's default spec.
+    work = workload_for(
+        cfg,
+        args.batch_size,
+        parallel=parallel,
         device=plat.device,
-        has_bias=cfg.has_bias,
+        weight_spec=make_spec(cfg.weight_format),
     )
     try:
         d = select_runner(work, config, plat)
@@ -145,9 +146,9 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
             "num_tokens": work.num_tokens, "format": work.format,
             "weight_format": work.weight_format, "activation": work.activation,
             "dtype": work.dtype, "device": work.device, "has_bias": work.has_bias,
-            "experts_local": cfg.total_experts // parallel.ep_size,
-            "intermediate_local": local.intermediate_size,
-            "hidden_size": cfg.hidden_size, "top_k": cfg.top_k,
+            "experts_local": work.num_experts,
+            "intermediate_local": work.intermediate_size,
+            "hidden_size": work.hidden_size, "top_k": work.top_k,
         },
         "requested": args.moe_runner_backend,
         "decision": decision,
