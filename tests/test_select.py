@@ -1,0 +1,448 @@
+"""Runner selection (`moekit.select`, `moekit.select_table`) as pure functions on the CPU, with
+the hardware, the installed libraries, the runners and the selection tables injected."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moekit import metrics, select_table
+from moekit.config import ConfigError, ParallelConfig, RunnerConfig
+from moekit.hardware import Availability, Platform
+from moekit.presets import preset
+from moekit.quant import make_spec
+from moekit.runners import registry
+from moekit.runners.base import Runner, RunnerCaps
+from moekit.select import Workload, explain, select_runner, why_not, workload_for
+from moekit.select_table import Point, SelectionTable, TableKey, key_of, lookup
+
+LIBS = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
+H100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1, {**LIBS, "sgl-deep-gemm": "0.2.2"})
+H100_NO_DG = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1, dict(LIBS))
+B200 = Platform("cuda", "NVIDIA B200", (10, 0), 1, {**LIBS, "flashinfer-python": "0.7.2"})
+A100 = Platform("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 1, dict(LIBS))
+CPU = Platform("cpu", "cpu", None, 0, {"torch": "2.13.0"})
+
+SM100_ONLY = ("flashinfer_trtllm", "flashinfer_mxfp4", "flashinfer_cutedsl")
+
+
+def shaped(T: int, **kw) -> Workload:
+    """A bf16 workload with the per-rank shape of qwen3-30b-a3b."""
+    return replace(workload_for(preset("qwen3-30b-a3b"), T), **kw)
+
+
+# ---------------------------------------------------------------------------- fake runners
+
+
+def fake_runner(name: str, *, needs_gpu=True, sm=None, lib=None, formats=("standard",),
+                weight_formats=("unquantized",), min_h=None):
+    """A Runner class with controlled availability and capabilities."""
+
+    class Fake(Runner):
+        caps = RunnerCaps(
+            formats=frozenset(formats),
+            weight_formats=frozenset(weight_formats),
+            activations=frozenset({"silu", "gelu", "swiglu_oai"}),
+            devices=frozenset({"cuda"} if needs_gpu else {"cuda", "cpu"}),
+        )
+
+        @classmethod
+        def availability(cls, platform: Platform) -> Availability:
+            if needs_gpu and not platform.is_cuda:
+                return Availability(False, "needs a CUDA GPU")
+            if sm is not None and platform.sm() < sm:
+                return Availability(False, f"needs SM{sm}+")
+            if lib is not None and not platform.has(lib):
+                return Availability(False, f"needs {lib}")
+            return Availability(True)
+
+        @classmethod
+        def workload_problem(cls, work):
+            if min_h and work.hidden_size is not None and work.hidden_size < min_h:
+                return f"needs H >= {min_h}"
+            return None
+
+        def run(self, dispatch_out, weights, act):  # pragma: no cover - never run
+            raise AssertionError("selection tests do not run runners")
+
+    Fake.name = name
+    return Fake
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """Replace the registry with fake runners: triton, triton_kernel (GPU), cutlass (GPU, SM90,
+    standard + masked), deep_gemm (SM90 + sgl-deep-gemm), torch (anywhere)."""
+    runners = {
+        "triton": fake_runner("triton", lib="triton"),
+        "triton_kernel": fake_runner("triton_kernel", lib="triton"),
+        "cutlass": fake_runner("cutlass", sm=90, formats=("standard", "masked")),
+        "deep_gemm": fake_runner("deep_gemm", sm=90, lib="sgl-deep-gemm",
+                                 formats=("standard", "masked"),
+                                 weight_formats=("unquantized", "fp8_w8a8")),
+        "torch": fake_runner("torch", needs_gpu=False, formats=("standard", "masked"),
+                             weight_formats=("unquantized", "fp8_w8a8")),
+    }
+    monkeypatch.setattr(registry, "_RUNNERS", runners)
+    monkeypatch.setattr(registry, "_loaded", True)
+    return runners
+
+
+def table(points: dict[int, dict[str, float]], *, device="NVIDIA H100 80GB HBM3", libs=None,
+          work: Workload | None = None, source="<test>") -> SelectionTable:
+    work = work or shaped(1)
+    key = replace(key_of(work, Platform("cuda", device)), device_name=device)
+    return SelectionTable(
+        key, dict(LIBS if libs is None else libs),
+        tuple(Point(t, ms) for t, ms in points.items()), source,
+    )
+
+
+NO_TABLES: tuple = ()
+
+
+# ---------------------------------------------------------------------------- requested backends
+
+
+def test_requested_backend_is_checked(fakes):
+    d = select_runner(shaped(8), RunnerConfig("cutlass"), H100, tables=NO_TABLES)
+    assert d.backend == "cutlass" and "--moe-runner-backend cutlass" in d.reason
+    with pytest.raises(ConfigError, match="deep_gemm cannot run here: needs sgl-deep-gemm"):
+        select_runner(shaped(8), RunnerConfig("deep_gemm"), H100_NO_DG, tables=NO_TABLES)
+    with pytest.raises(ConfigError, match="cutlass cannot run here: needs SM90"):
+        select_runner(shaped(8), RunnerConfig("cutlass"), A100, tables=NO_TABLES)
+    with pytest.raises(ConfigError, match="not implemented"):
+        select_runner(shaped(8), RunnerConfig("flashinfer_trtllm"), H100, tables=NO_TABLES)
+
+
+def test_requested_format_and_workload_rules(fakes):
+    fakes["cutlass"] = fake_runner("cutlass", sm=90, min_h=4096)
+    with pytest.raises(ConfigError, match="needs H >= 4096"):
+        select_runner(shaped(8), RunnerConfig("cutlass"), H100, tables=NO_TABLES)
+    with pytest.raises(ConfigError, match="dispatch format 'masked'"):
+        select_runner(shaped(8, format="masked"), RunnerConfig("triton"), H100, tables=NO_TABLES)
+    with pytest.raises(ConfigError, match="weight format 'fp8_w8a8'"):
+        select_runner(shaped(8, weight_format="fp8_w8a8"), RunnerConfig("triton"), H100,
+                      tables=NO_TABLES)
+
+
+# ---------------------------------------------------------------------------- adaptive threshold
+
+
+@pytest.mark.parametrize("threshold", [1, 64, 1024])
+def test_adaptive_threshold(fakes, threshold):
+    cfg = RunnerConfig("auto", enable_adaptive_moe=True, adaptive_moe_batch_threshold=threshold)
+    if threshold > 1:
+        below = select_runner(shaped(threshold - 1), cfg, H100, tables=NO_TABLES)
+        assert below.backend == "triton" and f"< --adaptive-moe-batch-threshold {threshold}" in (
+            below.reason
+        )
+    at = select_runner(shaped(threshold), cfg, H100, tables=NO_TABLES)
+    assert at.backend == "triton_kernel" and ">=" in at.reason
+    above = select_runner(shaped(threshold * 4), cfg, H100, tables=NO_TABLES)
+    assert above.backend == "triton_kernel"
+
+
+def test_adaptive_overrides_the_table_and_fails_when_triton_kernel_cannot_run(fakes):
+    cfg = RunnerConfig("triton", enable_adaptive_moe=True, adaptive_moe_batch_threshold=16)
+    tables = [table({1: {"cutlass": 0.01, "triton": 0.02}})]
+    assert select_runner(shaped(1), cfg, H100, tables=tables).backend == "triton"
+    del fakes["triton_kernel"]
+    with pytest.raises(ConfigError, match="triton_kernel"):
+        select_runner(shaped(16), cfg, H100, tables=tables)
+
+
+# ---------------------------------------------------------------------------- auto without a table
+
+
+def test_auto_default_preference_switches_at_threshold(fakes):
+    cfg = RunnerConfig("auto", adaptive_moe_batch_threshold=512)
+    small = select_runner(shaped(8), cfg, H100, tables=NO_TABLES)
+    assert small.backend == "triton"
+    assert "no selection table" in small.reason and "none measured for" in small.reason
+    large = select_runner(shaped(512), cfg, H100, tables=NO_TABLES)
+    assert large.backend == "triton_kernel" and "T >= 512" in large.reason
+
+
+def test_auto_skips_unusable_and_says_why(fakes):
+    del fakes["triton"]
+    d = select_runner(shaped(8), RunnerConfig("auto"), A100, tables=NO_TABLES)
+    assert d.backend == "triton_kernel"
+    assert "skipped triton: " in d.reason
+    d = select_runner(shaped(8, format="masked"), RunnerConfig("auto"), H100, tables=NO_TABLES)
+    assert d.backend == "cutlass"  # triton_kernel: standard only in the fakes
+
+
+def test_auto_on_cpu_picks_the_reference(fakes):
+    d = select_runner(shaped(8, device="cpu"), RunnerConfig("auto"), CPU, tables=NO_TABLES)
+    assert d.backend == "torch"
+
+
+def test_auto_without_any_usable_backend(fakes):
+    work = shaped(8, weight_format="int4_w4a16")
+    with pytest.raises(ConfigError, match="no runner can run this") as err:
+        select_runner(work, RunnerConfig("auto"), H100, tables=NO_TABLES)
+    assert "deep_gemm: " in str(err.value) and "int4_w4a16" in str(err.value)
+
+
+def test_workload_without_shape_uses_the_preference(fakes):
+    tables = [table({1: {"cutlass": 0.01, "triton": 0.02}})]
+    d = select_runner(Workload(1), RunnerConfig("auto"), H100, tables=tables)
+    assert d.backend == "triton" and "carries no shape" in d.reason
+
+
+# ---------------------------------------------------------------------------- selection tables
+
+
+SWEEP = {
+    1: {"triton": 0.020, "cutlass": 0.030, "deep_gemm": 0.050},
+    16: {"triton": 0.025, "cutlass": 0.024, "deep_gemm": 0.040},
+    256: {"triton": 0.080, "cutlass": 0.060, "deep_gemm": 0.055},
+    4096: {"triton": 0.900, "triton_kernel": 0.700, "cutlass": 0.750, "deep_gemm": 0.600},
+}
+
+
+@pytest.mark.parametrize(
+    "T, expected, nearest",
+    [(0, "triton", 1), (1, "triton", 1), (3, "triton", 1), (5, "cutlass", 16), (16, "cutlass", 16),
+     (60, "cutlass", 16), (70, "deep_gemm", 256), (1500, "deep_gemm", 4096),
+     (100000, "deep_gemm", 4096)],
+)
+def test_table_nearest_batch(fakes, T, expected, nearest):
+    d = select_runner(shaped(T), RunnerConfig("auto"), H100, tables=[table(SWEEP)])
+    assert d.backend == expected
+    assert f"nearest measured T={nearest}," in d.reason and "same library versions" in d.reason
+
+
+def test_table_skips_backends_not_usable_here(fakes):
+    d = select_runner(shaped(4096), RunnerConfig("auto"), H100_NO_DG, tables=[table(SWEEP)])
+    assert d.backend == "triton_kernel"
+    assert "deep_gemm 0.6 ms is not usable: needs sgl-deep-gemm" in d.reason
+
+
+def test_table_with_no_usable_backend_falls_back(fakes):
+    tables = [table({1: {"deep_gemm": 0.01}})]
+    d = select_runner(shaped(1), RunnerConfig("auto"), H100_NO_DG, tables=tables)
+    assert d.backend == "triton"
+    assert "none of the measured deep_gemm is usable here" in d.reason
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(device_name="NVIDIA H200"), dict(num_experts=64), dict(top_k=4), dict(dtype="float16"),
+     dict(weight_format="fp8_w8a8", weight_spec="fp8_w8a8(...)"), dict(format="masked"),
+     dict(activation="gelu")],
+)
+def test_table_key_must_match(fakes, change):
+    t = table(SWEEP)
+    t = SelectionTable(replace(t.key, **change), t.libraries, t.points, "<other>")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[t])
+    assert "no selection table" in d.reason and d.backend == "triton"
+
+
+def test_table_device_name_is_case_insensitive(fakes):
+    t = table(SWEEP, device="nvidia  h100 80gb hbm3")
+    assert select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[t]).backend == "cutlass"
+
+
+def test_table_prefers_matching_library_versions(fakes):
+    old = table({16: {"triton": 0.01, "cutlass": 0.02}}, libs={**LIBS, "triton": "3.5.0"},
+                source="old")
+    new = table({16: {"triton": 0.03, "cutlass": 0.02}}, source="new")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100_NO_DG, tables=[old, new])
+    assert d.backend == "cutlass" and "selection table new" in d.reason
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100_NO_DG, tables=[old])
+    assert d.backend == "triton"
+    assert "measured with triton 3.5.0 (here 3.6.0)" in d.reason
+
+
+def test_table_with_spec_key_for_fp8(fakes):
+    spec = make_spec("fp8_w8a8")
+    work = shaped(16, weight_format="fp8_w8a8", weight_spec=spec)
+    t = table({16: {"deep_gemm": 0.01, "torch": 1.0}}, work=work)
+    assert t.key.weight_spec == spec.describe()
+    assert select_runner(work, RunnerConfig("auto"), H100, tables=[t]).backend == "deep_gemm"
+    other = shaped(16, weight_format="fp8_w8a8",
+                   weight_spec=make_spec("fp8_w8a8", weight_scale="channel"))
+    assert "no selection table" in select_runner(other, RunnerConfig("auto"), H100,
+                                                 tables=[t]).reason
+
+
+def test_table_validation_and_crossovers():
+    t = table(SWEEP)
+    assert t.crossovers() == [(1, "triton"), (16, "cutlass"), (256, "deep_gemm")]
+    assert t.nearest(2).num_tokens == 1  # log-distance tie between 1 and 4 goes to the smaller
+    with pytest.raises(ValueError, match="no points"):
+        table({})
+    with pytest.raises(ValueError, match="non-positive"):
+        table({1: {"triton": 0.0}})
+
+
+def test_table_files_roundtrip_and_bad_files(tmp_path):
+    t = table(SWEEP)
+    path = select_table.save(t, tmp_path)
+    assert path.name == t.key.file_name()
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "something-else"}))
+    loaded = select_table.load_dir(tmp_path)
+    assert len(loaded) == 1
+    got = loaded[0]
+    assert got.key == t.key and got.points == t.points and got.libraries == t.libraries
+    assert json.loads(path.read_text())["crossovers"][0] == {"from_num_tokens": 1,
+                                                              "backend": "triton"}
+    assert select_table.load_dir(tmp_path / "missing") == []
+
+
+def test_user_tables_take_precedence(tmp_path, monkeypatch, fakes):
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path / "user"))
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(select_table, "shipped_dir", lambda: shipped)
+    select_table.save(table({16: {"triton": 0.01, "cutlass": 0.02}}), shipped)
+    assert select_runner(shaped(16), RunnerConfig("auto"), H100).backend == "triton"
+    select_table.save(table({16: {"triton": 0.03, "cutlass": 0.02}}))  # user dir
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100)
+    assert d.backend == "cutlass" and str(tmp_path / "user") in d.reason
+    select_table.reload()
+
+
+def test_shipped_tables_are_valid():
+    """Every shipped table parses and names only known backends."""
+    from moekit.config import RUNNER_BACKENDS
+
+    for t in select_table.load_dir(select_table.shipped_dir()):
+        for p in t.points:
+            assert set(p.ms) <= set(RUNNER_BACKENDS) - {"auto"}, t.source
+
+
+# ---------------------------------------------------------------------------- real runners
+
+
+@pytest.mark.parametrize("platform, reason", [(H100, "needs SM100 (Blackwell); this GPU is SM90"),
+                                              (CPU, "needs SM100 (Blackwell); no CUDA GPU"),
+                                              (B200, "not implemented")])
+@pytest.mark.parametrize("backend", SM100_ONLY)
+def test_sm100_only_backends_fail_with_reason(backend, platform, reason):
+    work = shaped(8, device="cpu" if platform is CPU else "cuda")
+    with pytest.raises(ConfigError, match="cannot run here: .*" + re.escape(reason)):
+        select_runner(work, RunnerConfig(backend), platform, tables=NO_TABLES)
+    assert reason in why_not(backend, work, platform)
+
+
+@pytest.mark.parametrize("platform", [H100, H100_NO_DG, B200, A100], ids=lambda p: p.device_name)
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_auto_never_picks_sm100_only_backends(platform, T):
+    cfg = RunnerConfig("auto")
+    try:
+        d = select_runner(shaped(T), cfg, platform, tables=NO_TABLES)
+    except ConfigError:
+        return  # nothing usable on this fake platform with this build: fine, nothing picked
+    assert d.backend not in SM100_ONLY
+
+
+def test_real_rules_for_impossible_choices():
+    gptoss = workload_for(preset("gpt-oss-120b"), 16)
+    assert "multiples of 128" in why_not("deep_gemm", gptoss, H100)
+    assert "sgl-deep-gemm" in why_not("deep_gemm", shaped(1), H100_NO_DG)
+    assert "SM90" in why_not("deep_gemm", shaped(1), B200)
+    fp16 = shaped(1, dtype="float16")
+    assert "bfloat16" in why_not("cutlass", fp16, H100)
+    assert "int4_w4a16" in why_not("cutlass", shaped(1, weight_format="int4_w4a16"), H100)
+    block = shaped(1, weight_format="fp8_w8a8", weight_spec=make_spec("fp8_w8a8"))
+    assert "block" in why_not("cutlass", block, H100)
+    assert why_not("deep_gemm", block, H100) is None
+    channel = replace(block, weight_spec=make_spec("fp8_w8a8", weight_scale="channel"))
+    assert "block" in why_not("deep_gemm", channel, H100)
+    assert why_not("cutlass", channel, H100) is None
+    assert "flashinfer-python" in why_not("flashinfer_cutlass", shaped(1), H100)
+
+
+def test_workload_for_is_per_rank():
+    m = preset("deepseek-v3")
+    w = workload_for(m, 32, parallel=ParallelConfig(tp_size=8, ep_size=8))
+    assert (w.num_experts, w.hidden_size, w.intermediate_size, w.top_k) == (32, 7168, 2048, 8)
+    w = workload_for(preset("mixtral-8x7b"), 1, parallel=ParallelConfig(tp_size=4))
+    assert (w.num_experts, w.intermediate_size) == (8, 14336 // 4)
+
+
+# ---------------------------------------------------------------------------- explain and logging
+
+
+def test_explain_rows(fakes):
+    rows = dict(explain(shaped(16), RunnerConfig("auto"), H100_NO_DG, tables=[table(SWEEP)]))
+    assert rows["cutlass"] == "chosen"
+    assert rows["triton"] == "usable" and rows["torch"] == "usable"
+    assert rows["deep_gemm"] == "needs sgl-deep-gemm"
+    assert rows["flashinfer_trtllm"] == registry.NOT_IMPLEMENTED
+    assert list(rows.values()).count("chosen") == 1
+
+
+def test_explain_when_nothing_can_run(fakes):
+    rows = explain(shaped(1, weight_format="int4_w4a16"), RunnerConfig("auto"), H100,
+                   tables=NO_TABLES)
+    assert rows[0][0] == "(none)" and "no runner can run this" in rows[0][1]
+    assert all(s != "chosen" for _, s in rows)
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_one_log_line_per_new_decision(fakes):
+    handler = _Collect()
+    log = logging.getLogger("moekit")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.INFO)
+    try:
+        work = shaped(12345)  # a batch size no other test uses
+        for _ in range(3):
+            select_runner(work, RunnerConfig("auto"), H100, tables=[table(SWEEP)])
+        select_runner(replace(work, num_tokens=12346), RunnerConfig("auto"), H100,
+                      tables=[table(SWEEP)])
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    lines = [m for m in handler.messages if "T=1234" in m]
+    assert len(lines) == 2
+    assert lines[0].startswith("runner deep_gemm for T=12345 (standard, unquantized, bfloat16")
+
+
+# ---------------------------------------------------------------------------- in the layer
+
+
+def test_layer_decides_per_batch_size_from_the_table(tmp_path, monkeypatch):
+    """The MoE layer caches one decision per workload, batch size included (what makes the choice
+    per captured batch size under CUDA graphs); a CPU table switches torch -> cutlass at T=32."""
+    from moekit import MoE, MoEConfig
+    from moekit.hardware import detect
+    from moekit.router import TopKOutput
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, dtype="float32")
+    layer = MoE(cfg, device="cpu")
+    work = workload_for(cfg, 1, device="cpu")
+    key = key_of(work, detect())
+    t = SelectionTable(key, select_table.library_versions(detect()), (
+        Point(4, {"torch": 0.01, "cutlass": 0.02}), Point(32, {"torch": 0.05, "cutlass": 0.03})))
+    select_table.save(t, tmp_path / "select")
+    metrics.reset()
+    try:
+        for T in (4, 4, 32):
+            x = torch.randn(T, 32)
+            ids = torch.rand(T, 8).argsort(1)[:, :2].int()
+            layer.forward_topk(x, TopKOutput(torch.rand(T, 2), ids))
+        decided = {w.num_tokens: d.backend for w, d in layer.runners._decisions.items()}
+        assert decided == {4: "torch", 32: "cutlass"}
+        assert metrics.runner_calls() == {"torch": 2, "cutlass": 1}
+    finally:
+        select_table.reload()
