@@ -83,6 +83,32 @@ def test_positions_match_nonzero_and_gather_reduce_empty():
     assert gather_reduce(torch.randn(4, 8), torch.zeros(0, 2, dtype=torch.long)).shape == (0, 8)
 
 
+@pytest.mark.parametrize("T, redundant", [(0, 0), (5, 0), (8, 0), (7, 3)])
+def test_low_latency_plans_triton_match_torch(T, redundant):
+    from moekit.dispatch.layout import recv_plan, recv_plan_torch, send_plan, send_plan_torch
+
+    R, E_logical, K, C = 3, 9, 3, 8
+    P = E_logical + redundant
+    placement = ExpertPlacement(torch.arange(P) % E_logical, R)
+    slots, E = SlotMap(placement, E_logical), P // R
+    _, (topk,) = ep_inputs(T + 3 * redundant, (T,), E_logical, K, 4, "masked")
+    bufs = [torch.zeros(R * C, 3 * K, dtype=torch.int32) for _ in range(2)]
+    outs = []
+    for buf, fn in zip(bufs, (send_plan_torch, send_plan)):
+        ids_v, w_v = buf[:, 1:K + 1], buf[:, K + 1:2 * K + 1].view(torch.float32)
+        args = (topk.ids, topk.weights, slots, R, E, C, ids_v, w_v)
+        rows = fn(*args) if fn is send_plan_torch else fn(*args, impl="triton")
+        outs.append((rows, ids_v, w_v))
+    (r0, i0, w0), (r1, i1, w1) = outs
+    assert torch.equal(r0, r1) and torch.equal(i0, i1) and torch.equal(w0, w1)
+    assert torch.equal(bufs[0][:, 0], bufs[1][:, 0])  # nothing outside the views written
+    d0, c0, ww0 = recv_plan_torch(i0, w0, E)
+    d1, c1, ww1 = recv_plan(i1, w1, E, impl="triton")
+    assert torch.equal(d0, d1) and torch.equal(c0, c1) and torch.equal(ww0, ww1)
+    assert int(c0.sum()) == int((topk.ids >= 0).sum())  # every routed pair lands once
+    assert sorted(d0[d0 < E * R * C].tolist()) == sorted(set(d0[d0 < E * R * C].tolist()))
+
+
 def test_slot_map_spreads_copies_like_the_reference():
     placement = ExpertPlacement(torch.tensor([0, 1, 2, 3, 0, 1, 0, 2]), ep_size=2)
     ids = torch.tensor([[0, 1], [0, 3], [2, -1], [0, 1], [1, 2]], dtype=torch.int32)
@@ -384,3 +410,34 @@ def run_graph_case(T: int, capacity: int, fp8: bool) -> float:
 def test_low_latency_cuda_graph_capture(fp8):
     results = get_pool(2, "nccl").run(run_graph_case, 32, 32, fp8)
     assert max(results) < 1e-3, results
+
+
+# ---- the EP benchmark's code path, tiny shapes on gloo ----------------------------------------
+
+
+def run_bench_case(out_dir: str) -> dict:
+    from moekit.bench_ep import main
+
+    return main(["--out", f"{out_dir}/ep_bench.json", "--num-experts", "8", "--top-k", "2",
+                 "--hidden-size", "32", "--intermediate-size", "16", "--dtype", "float32",
+                 "--prefill-tokens", "24", "--decode-tokens", "4", "--iters", "2", "--warmup", "1",
+                 "--graph-reps", "2", "--runner", "torch", "--routing", "zipf"])
+
+
+def test_ep_bench_runs_on_gloo(tmp_path):
+    import json
+
+    docs = get_pool(2).run(run_bench_case, str(tmp_path))
+    doc = json.loads((tmp_path / "ep_bench.json").read_text())
+    assert doc["errors"] == {} and docs[1]["errors"] == {}
+    assert doc["world_size"] == 2 and doc["shape"]["num_experts"] == 8
+    n = doc["normal"]
+    assert [r["rank"] for r in n["per_rank"]] == [0, 1]
+    assert all(r["rows_sent"] > 0 and r["dispatch_combine_ms"] > 0 for r in n["per_rank"])
+    assert n["aggregate"]["ratio_of_max"] > 0 and "meets_target" in n["aggregate"]
+    ll = doc["low_latency"]["aggregate"]
+    assert ll["dispatch_ms_max"] > 0 and ll["combine_ms_max"] > 0
+    layer = doc["layer"]["aggregate"]
+    assert [r["batch"] for r in layer] == ["prefill", "decode"]
+    assert all(r["ep_ms_max"] > 0 and r["tp_ms_max"] > 0 for r in layer)
+    assert layer[0]["global_tokens"] == 48 and layer[0]["ep_runner"] == "torch"

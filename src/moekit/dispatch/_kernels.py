@@ -68,3 +68,89 @@ def launch_scatter_rows(src, dest, out):
         src, dest, out, out.shape[0], H, src.stride(0), out.stride(0), K=K, BLOCK_H=block,
         num_warps=4,
     )
+
+
+@triton.jit
+def _ll_send_plan_kernel(
+    ids_ptr, w_ptr, table_ptr, copies_ptr, rows_ptr, send_ids_ptr, send_w_ptr,
+    T, L, W, E, C, R, stride_meta,
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+):
+    """Program r lays out block r of the low-latency send buffer: the tokens with an expert on
+    rank r, in token order, get rows r*C + 0, 1, ...; their meta rows hold local ids (-1 for
+    experts elsewhere) and weights; rows past them get ids -1. rows[t, r] = the row, or R*C."""
+    r = tl.program_id(0)
+    t = tl.arange(0, BT)[:, None]
+    k = tl.arange(0, BK)[None, :]
+    mask = (t < T) & (k < K)
+    ids = tl.load(ids_ptr + t * K + k, mask=mask, other=-1).to(tl.int64)
+    row = tl.where(ids < 0, L, ids)
+    if SPREAD:
+        copies = tl.load(copies_ptr + row, mask=mask, other=1)
+        choice = t % copies
+    else:
+        choice = tl.zeros([BT, BK], dtype=tl.int64)
+    slot = tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
+    lo = r * E
+    here = mask & (slot >= lo) & (slot < lo + E)
+    hit = tl.max(here.to(tl.int32), axis=1)  # [BT]
+    pos = tl.cumsum(hit, axis=0) - 1
+    n = tl.sum(hit, axis=0)
+    tv = tl.arange(0, BT)
+    out_row = (r * C + pos).to(tl.int64)
+    tl.store(rows_ptr + tv * R + r, tl.where(hit > 0, out_row, R * C), mask=tv < T)
+    used = (hit > 0)[:, None] & (k < K)
+    w = tl.load(w_ptr + t * K + k, mask=mask, other=0.0)
+    meta = out_row[:, None] * stride_meta + k
+    tl.store(send_ids_ptr + meta, tl.where(here, slot - lo, -1).to(tl.int32), mask=used)
+    tl.store(send_w_ptr + meta, tl.where(here, w, 0.0), mask=used)
+    j = tl.arange(0, BT)[:, None]
+    free = (j >= n) & (j < C) & (k < K)
+    meta_free = (r * C + j).to(tl.int64) * stride_meta + k
+    tl.store(send_ids_ptr + meta_free, tl.full([BT, BK], -1, tl.int32), mask=free)
+    tl.store(send_w_ptr + meta_free, tl.zeros([BT, BK], dtype=tl.float32), mask=free)
+
+
+@triton.jit
+def _ll_recv_plan_kernel(
+    ids_ptr, w_ptr, dest_ptr, counts_ptr, w_out_ptr, N, RC, E, stride_meta,
+    K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program e numbers the received (row, k) pairs of local expert e in (row, k) order:
+    dest = e * RC + position, counts[e] = how many. Program 0 also marks unused pairs
+    (dest = E * RC) and copies the weights out contiguously."""
+    e = tl.program_id(0)
+    count = 0
+    for start in range(0, N, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        m = idx < N
+        meta = (idx // K).to(tl.int64) * stride_meta + idx % K
+        ids = tl.load(ids_ptr + meta, mask=m, other=-1)
+        match = m & (ids == e)
+        pos = tl.cumsum(match.to(tl.int32), axis=0) - 1 + count
+        tl.store(dest_ptr + idx, (e * RC + pos).to(tl.int64), mask=match)
+        if e == 0:
+            tl.store(dest_ptr + idx, tl.zeros([BLOCK], dtype=tl.int64) + E * RC,
+                     mask=m & (ids < 0))
+            tl.store(w_out_ptr + idx, tl.load(w_ptr + meta, mask=m, other=0.0), mask=m)
+        count += tl.sum(match.to(tl.int32), axis=0)
+    tl.store(counts_ptr + e, count)
+
+
+def launch_ll_send_plan(ids, weights, table, copies, spread, rows, send_ids, send_w, E, C, R):
+    T, K = ids.shape
+    L, W = table.shape[0] - 1, table.shape[1]
+    BT = max(16, triton.next_power_of_2(C))
+    BK = max(2, triton.next_power_of_2(K))
+    _ll_send_plan_kernel[(R,)](
+        ids, weights, table, copies, rows, send_ids, send_w, T, L, W, E, C, R,
+        send_ids.stride(0), K=K, BT=BT, BK=BK, SPREAD=spread, num_warps=4,
+    )
+
+
+def launch_ll_recv_plan(recv_ids, recv_w, dest, counts, w_out, E):
+    RC, K = recv_ids.shape
+    _ll_recv_plan_kernel[(E,)](
+        recv_ids, recv_w, dest, counts, w_out, RC * K, RC, E, recv_ids.stride(0),
+        K=K, BLOCK=1024, num_warps=4,
+    )

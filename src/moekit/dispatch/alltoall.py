@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
+from moekit.dispatch.layout import recv_plan, send_plan
 from moekit.dispatch.rows import gather_reduce, positions, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
@@ -139,11 +140,14 @@ def _quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_act_ref(x_TH, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
 
 
-def _all_to_all(out, inp, group, out_splits=None, in_splits=None) -> None:
-    if group is None:  # a group of one rank
+def _all_to_all(out, inp, group, out_splits=None, in_splits=None, async_op=False):
+    """all_to_all_single over `group`; a copy for a group of one rank (None). Returns the
+    work handle when async_op."""
+    if group is None:
         out.copy_(inp)
-        return
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        return None
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                  async_op=async_op)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -302,22 +306,26 @@ class AllToAllDispatcher(Dispatcher):
         slot, hit = self._route(topk)
         send_counts = hit.sum(dim=0)  # [R] int64
         recv_counts = torch.empty_like(send_counts)
-        _all_to_all(recv_counts, send_counts, self.group)
-        sizes = torch.cat([send_counts, recv_counts]).tolist()  # the host synchronisation
-        send_splits, recv_splits = sizes[:R], sizes[R:]
-        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        work = _all_to_all(recv_counts, send_counts, self.group, async_op=True)
+        send_splits = send_counts.tolist()  # waits for local work only; the exchange runs on
+        n_send = sum(send_splits)
 
-        pair = positions(hit.t().reshape(-1), n_send)  # r * T + t, ordered by rank then token
+        # while the counts travel: the rows to send, ordered by destination rank, then token
+        pair = positions(hit.t().reshape(-1), n_send)  # r * T + t
         tok, rank = pair % max(T, 1), pair // max(T, 1)
         ids, weights = self._local(slot.index_select(0, tok), rank,
                                    topk.weights.index_select(0, tok))
         meta = torch.cat([ids, weights.view(torch.int32)], dim=1)  # [n_send, 2K]
-        recv_meta = meta.new_empty(n_recv, 2 * K)
-        _all_to_all(recv_meta, meta, self.group, recv_splits, send_splits)
-
         layout = RowLayout(H, x_TH.dtype, 0, self.fp8)
         payload = layout.pack_tokens(x_TH)
         send_x = payload.index_select(0, tok)
+        if work is not None:
+            work.wait()
+        recv_splits = recv_counts.tolist()  # the host synchronisation on the exchange
+        n_recv = sum(recv_splits)
+
+        recv_meta = meta.new_empty(n_recv, 2 * K)
+        _all_to_all(recv_meta, meta, self.group, recv_splits, send_splits)
         recv_x = payload.new_empty(n_recv, payload.shape[1])
         _all_to_all(recv_x, send_x, self.group, recv_splits, send_splits)
         recv_x = layout.unpack_tokens(recv_x)
@@ -355,45 +363,23 @@ class AllToAllDispatcher(Dispatcher):
         T, H = x_TH.shape
         self.check_capacity(T)
         K, R, E, C = topk.ids.shape[1], self.ep_size, self.num_local, self.capacity
-        RC, dev = R * C, x_TH.device
-        slot, hit = self._route(topk)
-
-        # sender: token t goes to row pos[t, r] of block r (tokens in order, unused rows last)
-        pos = hit.long().cumsum(dim=0) - 1
-        block = torch.arange(R, device=dev) * C
-        rows_TR = torch.where(hit, block + pos, RC)
-        src = torch.zeros(RC + 1, dtype=torch.int64, device=dev)
-        src.scatter_(0, rows_TR.reshape(-1), torch.arange(T, device=dev).repeat_interleave(R))
-        src = src[:RC]  # token of each row (0 for unused rows, whose ids are all -1)
-        used = torch.arange(C, device=dev).unsqueeze(0) < hit.sum(dim=0).unsqueeze(1)
-        row_rank = torch.arange(R, device=dev).repeat_interleave(C)
-
+        RC = R * C
         layout = RowLayout(H, x_TH.dtype, K, self.fp8)
-        send = torch.empty(RC, layout.row_bytes, dtype=torch.uint8, device=dev)
+        send = torch.empty(RC, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
         send_ids, send_w = layout.meta_views(send)
-        if T > 0:
-            torch.index_select(layout.pack_tokens(x_TH), 0, src, out=layout.payload_view(send))
-            ids, w = self._local(slot.index_select(0, src), row_rank,
-                                 topk.weights.index_select(0, src))
-            send_ids.copy_(torch.where(used.reshape(RC, 1), ids, -1))
-            send_w.copy_(torch.where(used.reshape(RC, 1), w, 0.0))
-        else:
-            send_ids.fill_(-1)
-            send_w.zero_()
+        # sender: block r holds, in token order, the tokens with an expert on rank r
+        rows_TR = send_plan(topk.ids, topk.weights, self.slots, R, E, C, send_ids, send_w,
+                            self.impl)
+        scatter_rows(layout.pack_tokens(x_TH), rows_TR, RC, self.impl,
+                     out=layout.payload_view(send))
         recv = torch.empty_like(send)
         _all_to_all(recv, send, self.group)
-
-        # receiver: (row, k) pairs -> masked slots, ordered by (source rank, row, k)
+        # receiver: (row, k) pairs -> masked rows of their expert, in (source rank, row, k) order
         recv_ids, recv_w = layout.meta_views(recv)
-        ids = recv_ids.long()
-        onehot = ids.reshape(-1, 1) == torch.arange(E, device=dev)  # [RC*K, E]
-        ranked = onehot.long().cumsum(dim=0)
-        counts = ranked[-1].to(torch.int32)
-        index = ranked.gather(1, ids.clamp(min=0).reshape(-1, 1)).view(RC, K) - 1
-        dest = torch.where(ids >= 0, ids * RC + index, E * RC)
+        dest, counts, weights = recv_plan(recv_ids, recv_w, E, self.impl)
         x_rows = layout.unpack_tokens(layout.payload_view(recv))
         x_masked = scatter_rows(x_rows, dest, E * RC, self.impl).view(E, RC, H)
-        handle = LowLatencyHandle(T, dest, recv_w.contiguous(), rows_TR, x_TH.dtype)
+        handle = LowLatencyHandle(T, dest, weights, rows_TR, x_TH.dtype)
         return MaskedDispatchOutput(x_masked, counts, handle)
 
     def combine_low_latency(self, out_ECH: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:

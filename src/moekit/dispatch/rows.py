@@ -98,26 +98,39 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(ints[t.element_size()])
 
 
-def scatter_rows_torch(src_NH: torch.Tensor, dest_NK: torch.Tensor, num_rows: int) -> torch.Tensor:
+def scatter_rows_torch(
+    src_NH: torch.Tensor, dest_NK: torch.Tensor, num_rows: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """out [num_rows, H] with out[dest[n, k]] = src[n] for dest in [0, num_rows); rows nobody
-    writes are undefined. A destination must be named once at most."""
+    writes are undefined. A destination must be named once at most. `out` (may be strided)
+    receives the rows when given."""
     N, H = src_NH.shape
-    out = src_NH.new_empty(num_rows + 1, H)  # the last row takes the skipped copies
+    ext = src_NH.new_empty(num_rows + 1, H)  # the last row takes the skipped copies
     dest = torch.where((dest_NK >= 0) & (dest_NK < num_rows), dest_NK, num_rows)
-    out.index_put_((dest,), src_NH.unsqueeze(1).expand(N, dest.shape[1], H))
-    return out[:num_rows]
+    ext.index_put_((dest,), src_NH.unsqueeze(1).expand(N, dest.shape[1], H))
+    if out is None:
+        return ext[:num_rows]
+    return out.copy_(ext[:num_rows])
 
 
 def scatter_rows(
-    src_NH: torch.Tensor, dest_NK: torch.Tensor, num_rows: int, impl: str = "auto"
+    src_NH: torch.Tensor,
+    dest_NK: torch.Tensor,
+    num_rows: int,
+    impl: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See `scatter_rows_torch`. src rows may be strided (last dim contiguous)."""
+    """See `scatter_rows_torch`. src and out rows may be strided (last dim contiguous)."""
     if not _use_triton(src_NH, impl):
-        return scatter_rows_torch(src_NH, dest_NK, num_rows)
+        return scatter_rows_torch(src_NH, dest_NK, num_rows, out)
     from moekit.dispatch._kernels import launch_scatter_rows
 
     N, H = src_NH.shape
-    out = src_NH.new_empty(num_rows, H)
+    if out is None:
+        out = src_NH.new_empty(num_rows, H)
+    if out.shape != (num_rows, H) or out.dtype != src_NH.dtype or out.stride(1) != 1:
+        raise ValueError(f"scatter_rows: out must be [{num_rows}, {H}] {src_NH.dtype} with "
+                         f"contiguous rows, got {list(out.shape)} {out.dtype}")
     if N == 0 or H == 0 or num_rows == 0:
         return out
     if src_NH.stride(1) != 1:
