@@ -446,3 +446,52 @@ def test_layer_decides_per_batch_size_from_the_table(tmp_path, monkeypatch):
         assert metrics.runner_calls() == {"torch": 2, "cutlass": 1}
     finally:
         select_table.reload()
+
+
+# ---------------------------------------------------------------------------- moekit tune --select
+
+
+def test_tune_select_writes_a_table_the_layer_uses(tmp_path, monkeypatch):
+    """CPU, scaled-down preset: measure torch and cutlass, write the table, and check that the
+    layer's `auto` decisions follow it (the table's fastest backend at the nearest batch)."""
+    from moekit import MoE
+    from moekit.select_tune import sweep_spec, tune_select
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    spec = sweep_spec("qwen3-30b-a3b", dtype="float32", batch_sizes=(1, 16), device="cpu",
+                      backends=("torch", "cutlass", "auto"))
+    assert "auto" not in spec.backends
+    report = tune_select(spec)
+    try:
+        assert report.path is not None and report.path.parent == tmp_path / "select"
+        t = report.table
+        assert [p.num_tokens for p in t.points] == [1, 16]
+        assert all(set(p.ms) == {"torch", "cutlass"} for p in t.points)
+        assert t.meta["preset"] == "qwen3-30b-a3b" and t.meta["scaled_down"]
+        layer = MoE(spec.moe, spec.parallel, device="cpu")
+        from moekit.sweep import make_routing
+
+        for T in (1, 16):
+            topk = make_routing(T, spec.moe.num_experts, spec.moe.top_k)
+            layer.forward_topk(torch.randn(T, spec.moe.hidden_size), topk)
+        decided = {w.num_tokens: d for w, d in layer.runners._decisions.items()}
+        for p in t.points:
+            assert decided[p.num_tokens].backend == p.ranking[0]
+            assert str(report.path) in decided[p.num_tokens].reason
+    finally:
+        select_table.reload()
+
+
+def test_tune_cli_select_flag(tmp_path, monkeypatch, capsys):
+    from moekit.cli.main import main
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    try:
+        code = main(["tune", "--select", "--model", "mixtral-8x7b", "--dtype", "float32",
+                     "--batch-sizes", "2", "--no-progress", "--out-dir", str(tmp_path / "x")])
+    finally:
+        select_table.reload()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "wrote " in out and "fastest: T>=2: " in out
+    assert len(list((tmp_path / "x").glob("*.json"))) == 1

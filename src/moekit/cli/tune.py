@@ -39,6 +39,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "give src/moekit/configs/triton to update the files shipped with the package)",
     )
     p.add_argument("--force", action="store_true", help="re-tune batch sizes already present")
+    p.add_argument("--select", action="store_true", help="instead: time every runner backend "
+                   "and write the selection table `auto` uses (moekit.select_tune; --out-dir "
+                   "default $MOEKIT_CONFIG_DIR/select)")
+    p.add_argument("--quantization", default="unquantized", help="weight format (--select)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -55,6 +59,10 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def run(args) -> int:
+    if args.select:
+        from moekit.select_tune import run_cli
+
+        return run_cli(args)
     from moekit.tune import shape_for, tune
 
     shape = shape_for(args.model, args.tp_size, args.ep_size, args.dtype)

@@ -1,0 +1,180 @@
+"""`moekit tune --select`: time every runner backend over the batch-size sweep on this device and
+write the selection table that `auto` ranks backends by (`moekit.select_table`).
+
+The measurement is the bench sweep (`moekit.sweep.run_sweep`: `MoE.forward_topk` with CUDA-graph
+replay where the runner is graph safe, inputs rotated past L2, each backend's output checked
+against the reference runner). A backend enters the table at a batch size only with a time and a
+result within the sweep's error bound: a fast wrong backend must never be selected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from moekit import hardware, select_table
+from moekit.config import ConfigError, ParallelConfig, validate
+from moekit.presets import preset
+from moekit.select import workload_for
+from moekit.select_table import Point, SelectionTable, TableKey
+from moekit.sweep import (
+    CPU_BATCH_SIZES,
+    GPU_BATCH_SIZES,
+    Record,
+    SweepResult,
+    SweepSpec,
+    all_backends,
+    cpu_scaled,
+    run_sweep,
+)
+
+
+@dataclass
+class SelectTuneReport:
+    """table: what was written (None when nothing could be measured); path: its file;
+    excluded: backend -> why it is missing from some or all points."""
+
+    table: SelectionTable | None
+    path: Path | None
+    excluded: dict[str, str]
+    result: SweepResult
+
+
+def sweep_spec(
+    model: str,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    dtype: str = "bfloat16",
+    quantization: str = "unquantized",
+    batch_sizes: tuple[int, ...] | None = None,
+    device: str | None = None,
+    routing: str = "uniform",
+    backends: tuple[str, ...] | None = None,
+    time_budget_s: float | None = None,
+) -> SweepSpec:
+    """The sweep of `moekit tune --select` for a preset: every concrete backend (not 'auto'),
+    GPU batch sizes; on a CPU the preset is scaled down (tests)."""
+    plat = hardware.detect()
+    device = device or plat.device
+    moe = preset(model, dtype=dtype, weight_format=quantization)
+    parallel = ParallelConfig(tp_size=tp_size, ep_size=ep_size)
+    validate(moe, parallel)
+    scaled = device == "cpu"
+    if scaled:
+        moe = cpu_scaled(moe, parallel)
+    sizes = batch_sizes or (GPU_BATCH_SIZES if device == "cuda" else CPU_BATCH_SIZES)
+    return SweepSpec(
+        preset=model,
+        moe=moe,
+        parallel=parallel,
+        batch_sizes=tuple(sizes),
+        backends=tuple(b for b in (backends or all_backends()) if b != "auto"),
+        device=device,
+        routing=routing,
+        scaled_down=scaled,
+        time_budget_s=time_budget_s,
+    )
+
+
+def table_key(spec: SweepSpec, platform: hardware.Platform) -> TableKey:
+    """The table key of the sweep's layer (rank 0): the key the layer's workloads look up."""
+    work = workload_for(spec.moe, 1, parallel=spec.parallel, device=spec.device)
+    key = select_table.key_of(work, platform)
+    assert key is not None
+    return key
+
+
+def points_from_records(records: list[Record]) -> tuple[list[Point], dict[str, str]]:
+    """Measured points (backends with a time and a correct result) and why others are out."""
+    by_t: dict[int, dict[str, float]] = {}
+    excluded: dict[str, str] = {}
+    for r in records:
+        if r.backend == "auto":
+            continue
+        if r.error is not None or r.ms is None:
+            excluded.setdefault(r.backend, f"T={r.T}: {r.error or 'no time'}")
+            continue
+        if r.suspicious:
+            excluded.setdefault(r.backend, f"T={r.T}: wrong result, rel_err {r.rel_err:.3g}")
+            continue
+        by_t.setdefault(r.T, {})[r.backend] = float(r.ms)
+    points = [Point(t, ms) for t, ms in sorted(by_t.items()) if ms]
+    return points, excluded
+
+
+def tune_select(
+    spec: SweepSpec,
+    *,
+    out_dir: str | Path | None = None,
+    platform: hardware.Platform | None = None,
+    on_start: Callable[[list[str], dict[str, str]], None] | None = None,
+    on_point: Callable[[str, int, Record | None], None] | None = None,
+) -> SelectTuneReport:
+    """Run the sweep of `spec` and write its selection table into `out_dir` (default: the user
+    config dir, $MOEKIT_CONFIG_DIR/select)."""
+    platform = platform or hardware.detect()
+    spec = replace(spec, backends=tuple(b for b in spec.backends if b != "auto"))
+    result = run_sweep(spec, platform=platform, on_start=on_start, on_point=on_point)
+    points, excluded = points_from_records(result.records)
+    excluded.update(result.skipped)
+    if not points:
+        return SelectTuneReport(None, None, excluded, result)
+    from moekit.report import git_commit
+
+    commit, dirty = git_commit()
+    table = SelectionTable(
+        key=table_key(spec, platform),
+        libraries=select_table.library_versions(platform),
+        points=tuple(points),
+        meta={
+            "preset": spec.preset,
+            "tp_size": spec.parallel.tp_size,
+            "ep_size": spec.parallel.ep_size,
+            "routing": spec.routing,
+            "scaled_down": spec.scaled_down,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": commit,
+            "git_dirty": dirty,
+            "excluded": excluded,
+            "command": "moekit tune --select",
+        },
+    )
+    return SelectTuneReport(table, select_table.save(table, out_dir), excluded, result)
+
+
+def run_cli(args) -> int:
+    """`moekit tune --select` (called by moekit.cli.tune): args model, tp_size, ep_size, dtype,
+    batch_sizes (comma-separated), out_dir, no_progress, and optionally quantization, routing."""
+    try:
+        sizes = tuple(int(s) for s in args.batch_sizes.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+    spec = sweep_spec(
+        args.model,
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        dtype=args.dtype,
+        quantization=getattr(args, "quantization", "unquantized"),
+        batch_sizes=sizes or None,
+        routing=getattr(args, "routing", "uniform"),
+    )
+
+    def on_point(backend: str, T: int, rec: Record | None) -> None:
+        if rec is not None and not args.no_progress:
+            what = f"{rec.ms:.4f} ms" if rec.ms is not None else f"- ({rec.error})"
+            print(f"  T={T:>6} {backend:<20} {what}", flush=True)
+
+    report = tune_select(spec, out_dir=args.out_dir, on_point=on_point)
+    for backend, why in sorted(report.excluded.items()):
+        print(f"not in the table: {backend}: {why}")
+    if report.table is None:
+        print("moekit tune --select: no backend could be measured", file=sys.stderr)
+        return 1
+    crossings = ", ".join(f"T>={t}: {b}" for t, b in report.table.crossovers())
+    print(f"fastest: {crossings}")
+    print(f"wrote {report.path}")
+    return 0
