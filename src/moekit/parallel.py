@@ -138,7 +138,8 @@ def init_parallel(
 
     Initialises torch.distributed from the environment (torchrun's RANK, WORLD_SIZE,
     MASTER_ADDR...) if it is not already; backend defaults to NCCL with CUDA, gloo without.
-    On CUDA the device defaults to cuda:LOCAL_RANK (and is made current). Every rank must call
+    With NCCL the device defaults to cuda:LOCAL_RANK (torchrun), else the current device; it is
+    made current. Every rank must call
     this with the same config (new_group is collective). Raises ConfigError when tp_size does not
     divide the world size.
     """
@@ -146,8 +147,10 @@ def init_parallel(
         raise ConfigError("torch.distributed is not available in this build of torch")
     backend = backend or (dist.get_backend() if dist.is_initialized() else default_backend())
     if device is None:
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if backend == "nccl":  # torchrun's LOCAL_RANK, else the current device
+            local = os.environ.get("LOCAL_RANK")
+            index = int(local) if local is not None else torch.cuda.current_device()
+            device = torch.device("cuda", index)
         else:
             device = torch.device("cpu")
     device = torch.device(device)

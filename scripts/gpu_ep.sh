@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Expert parallelism on the GPU machine, in one call: the multi-GPU and GPU tests of the EP code
+# (NCCL, CUDA graphs) and the EP benchmark (python -m moekit.bench_ep under torchrun).
+# Meant for nvidia-h200-x4 (works on any machine with 2+ GPUs; the bench uses all of them).
+#
+# Usage (repo root):  OUT=/tmp/out bash scripts/gpu_ep.sh
+# Writes under $OUT (at most 8 files come back from the device tool):
+#   summary.txt            pass/FAIL per step, then the benchmark summaries
+#   gpu_ep.log             everything the steps printed
+#   ep_tests.xml           junit of pytest -m "gpu or multigpu" on the EP test files
+#   ep_bench.json          parts normal + layer (T = 4096 and 128 per rank, deepseek-v3 shape)
+#   ep_bench_ll.json       part low_latency (CUDA graphs), bf16 dispatch
+#   ep_bench_ll_fp8.json   part low_latency with fp8 dispatch
+# Knobs (environment): GPU_EP_DEADLINE=560 (seconds for the whole script), GPU_EP_TESTS=1,
+#   GPU_EP_BENCH_ARGS (extra arguments for every bench run), GPU_EP_NPROC (default: all GPUs).
+# Exit status: 0 when every step passed, 1 otherwise.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on these machines (see the device notes); NCCL, torch and NVSHMEM.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/moekit_gpu_ep}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_ep.log"
+: >"$LOG"
+DEADLINE=${GPU_EP_DEADLINE:-560}
+START=$(date +%s)
+declare -a STEPS=()
+
+log() { echo "$@" | tee -a "$LOG"; }
+left() { echo $((DEADLINE - ($(date +%s) - START) - ${1:-0})); }
+# step NAME SECONDS CMD...: run CMD under `timeout SECONDS` (capped by the deadline), logged.
+step() {
+    local name=$1 secs=$2
+    shift 2
+    local avail
+    avail=$(left 5)
+    [ "$secs" -gt "$avail" ] && secs=$avail
+    if [ "$secs" -lt 15 ]; then
+        STEPS+=("FAIL  $name (not run: no time left of GPU_EP_DEADLINE=$DEADLINE s)")
+        return 0
+    fi
+    log ""
+    log "=== $name (limit ${secs}s, $(($(date +%s) - START))s in): $*"
+    timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 0 ]; then STEPS+=("pass  $name"); else STEPS+=("FAIL  $name (exit $rc)"); fi
+    return 0
+}
+
+step "device" 60 "$PY" -c '
+import torch, triton
+n = torch.cuda.device_count()
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "nccl", torch.cuda.nccl.version(), "gpus", n)
+for i in range(n):
+    print(i, torch.cuda.get_device_name(i))
+assert n >= 2, "the EP checks need 2+ GPUs"
+'
+NPROC=${GPU_EP_NPROC:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
+nvidia-smi topo -m >>"$LOG" 2>&1 || true
+
+if [ "${GPU_EP_TESTS:-1}" = "1" ]; then
+    step "pytest gpu+multigpu (EP)" 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+        --timeout=200 -m "gpu or multigpu" --junitxml="$OUT/ep_tests.xml" \
+        tests/test_dispatch_alltoall.py tests/test_parallel.py
+fi
+
+BENCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moekit.bench_ep)
+EXTRA=${GPU_EP_BENCH_ARGS:-}
+# eager parts first (normal mode, the layers); the CUDA-graph part runs on its own so that a
+# problem there cannot take the other numbers with it
+# shellcheck disable=SC2086
+step "bench normal + layer" 200 "${BENCH[@]}" --parts normal,layer --out "$OUT/ep_bench.json" $EXTRA
+# shellcheck disable=SC2086
+step "bench low_latency" 90 "${BENCH[@]}" --parts low_latency --out "$OUT/ep_bench_ll.json" $EXTRA
+# shellcheck disable=SC2086
+step "bench low_latency fp8" 90 "${BENCH[@]}" --parts low_latency --fp8 \
+    --out "$OUT/ep_bench_ll_fp8.json" $EXTRA
+
+{
+    echo "gpu_ep.sh: $(($(date +%s) - START)) s, $NPROC GPUs"
+    printf '%s\n' "${STEPS[@]}"
+    for f in "$OUT"/ep_bench*.json; do
+        [ -f "$f" ] || continue
+        echo ""
+        echo "--- $(basename "$f")"
+        "$PY" - "$f" <<'PYEOF' || true
+import json, sys
+from moekit.bench_ep import _summary
+doc = json.load(open(sys.argv[1]))
+print(_summary(doc))
+PYEOF
+    done
+} | tee "$OUT/summary.txt" | tee -a "$LOG"
+
+for s in "${STEPS[@]}"; do
+    case $s in FAIL*) exit 1 ;; esac
+done
+exit 0
