@@ -23,6 +23,10 @@ from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
 from tests.helpers import TOLERANCE, rel_err
 
 
+# The Triton kernels run on CUDA tensors where there is a GPU, else in the interpreter on CPU.
+KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -138,9 +142,9 @@ def test_activation_kernel_matches_twin(dtype, act, bias):
     if not kernels.HAS_TRITON:
         pytest.skip("triton not importable")
     M, I, E = 13, 24, 4
-    h = torch.randn(M, 2 * I, dtype=dtype) * 3
-    expert = torch.randint(-1, E, (M,), dtype=torch.int32)
-    b13 = torch.randn(E, 2 * I, dtype=dtype) if bias else None
+    h = (torch.randn(M, 2 * I) * 3).to(KDEV, dtype)
+    expert = torch.randint(-1, E, (M,), dtype=torch.int32).to(KDEV)
+    b13 = torch.randn(E, 2 * I).to(KDEV, dtype) if bias else None
     got = kernels.activation_triton(h, expert, b13, act)
     ref = kernels.activation_torch(h, expert, b13, act)
     keep = expert >= 0  # rows of expert -1 are left unwritten by the kernel
@@ -153,11 +157,11 @@ def test_weighted_reduce_kernel_matches_twin(dtype, bias):
     if not kernels.HAS_TRITON:
         pytest.skip("triton not importable")
     T, K, E, H, Hp = 7, 3, 5, 20, 24
-    ids = torch.randint(-1, E, (T, K), dtype=torch.int32)
+    ids = torch.randint(-1, E, (T, K), dtype=torch.int32).to(KDEV)
     rows = group_rows(ids, E)
-    y = torch.randn(rows.num_rows, Hp, dtype=dtype)
-    w = torch.rand(T, K)
-    b2 = torch.randn(E, H, dtype=dtype) if bias else None
+    y = torch.randn(rows.num_rows, Hp).to(KDEV, dtype)
+    w = torch.rand(T, K).to(KDEV)
+    b2 = torch.randn(E, H).to(KDEV, dtype) if bias else None
     got = kernels.weighted_reduce_triton(y, rows.row_TK, w, rows.expert_M, b2, H, dtype)
     ref = kernels.weighted_reduce_torch(y, rows.row_TK, w, rows.expert_M, b2, H, dtype)
     assert got.shape == (T, H)
@@ -193,14 +197,14 @@ def test_standard_vs_reference(case, dtype):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.T > 0][:6], ids=lambda c: c.name)
-def test_standard_triton_kernels_interpreted(case):
-    """The whole runner with the Triton kernels (interpreter on CPU, fp32)."""
+def test_standard_triton_kernels(case):
+    """The whole runner with the Triton kernels, fp32 (interpreter on CPU; on a GPU, CUDA)."""
     if not kernels.HAS_TRITON:
         pytest.skip("triton not importable")
     dtype = torch.float32
-    x = torch.randn(case.T, case.H)
-    topk = make_topk(case)
-    w = make_weights(case, dtype)
+    x = torch.randn(case.T, case.H).to(KDEV)
+    topk = make_topk(case, KDEV)
+    w = make_weights(case, dtype, KDEV)
     out = CutlassRunner(use_triton=True).run_standard(x, topk, w, act_of(case))
     ref = reference(x, topk, w, act_of(case))
     assert rel_err(out, ref) <= TOLERANCE[dtype]

@@ -1,0 +1,296 @@
+"""Driver of scripts/gpu_backends.sh (run from the repo root with PYTHONPATH=src):
+
+  python3 scripts/gpu_backends.py smoke   --work DIR
+      DeepGEMM: import, version, M alignment, first (JIT) and second call times of its bf16 and
+      fp8 grouped GEMMs, and their error against torch.
+  python3 scripts/gpu_backends.py sweep   --work DIR --jobs "J1;J2" --batch-sizes 1,4,.. --deadline EPOCH
+      Per job ("qwen3-30b-a3b --tp-size 2 --quantization fp8_w8a8 ..."): time every backend over
+      the batch sizes (moekit.select_tune: CUDA-graph replay, correctness vs the reference) and
+      write the selection table into $MOEKIT_CONFIG_DIR/select; then time `auto` (which now reads
+      that table) on the same inputs; save both as one bench JSON + PNG (moekit.report) in
+      DIR/results and print `auto` against the fastest backend at each T.
+  python3 scripts/gpu_backends.py explain --work DIR --jobs ... --batch-sizes ...
+      What `auto` picks for each job and T, with the reason, and every backend's status.
+
+Every step catches its own errors (printed with the traceback) so one failure does not lose the
+others' results. Exit status: 0 if every job/step succeeded, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+
+def parse_job(text: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="job", add_help=False)
+    p.add_argument("model")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--quantization", default="unquantized")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--routing", default="uniform")
+    words = shlex.split(text.replace("--model", ""))
+    return p.parse_args(words)
+
+
+def jobs_of(text: str) -> list[tuple[str, argparse.Namespace]]:
+    return [(j.strip(), parse_job(j)) for j in text.split(";") if j.strip()]
+
+
+def sizes_of(text: str) -> tuple[int, ...]:
+    return tuple(int(s) for s in text.split(",") if s.strip())
+
+
+def gmean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+# ---------------------------------------------------------------------------- smoke
+
+
+def smoke(work: Path) -> bool:
+    ok = True
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001
+        print("deep_gemm: import failed:")
+        traceback.print_exc(file=sys.stdout)
+        return False
+    print(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} from {deep_gemm.__file__}")
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to run")
+        return False
+    from moekit.quant.act_quant import quantize_act
+    from moekit.quant.quantize import quantize
+
+    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    print(f"M alignment of the contiguous layout: {align}")
+    E, N, K, per = 4, 1536, 2048, align
+    M = E * per
+    dev = "cuda"
+    a = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    b = (torch.randn(E, N, K, device=dev) / K**0.5).to(torch.bfloat16)
+    m_idx = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(per)
+    ref = torch.cat([a[e * per:(e + 1) * per].float() @ b[e].float().T for e in range(E)])
+    for name in ("bf16", "fp8"):
+        try:
+            d = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            if name == "bf16":
+                call = lambda: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_idx)  # noqa
+            else:
+                qa = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=128)
+                qb = quantize(b, "fp8_w8a8")
+                call = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(  # noqa
+                    qa, (qb.data, qb.scale), d, m_idx, disable_ue8m0_cast=True)
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                call()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            err = ((d.float() - ref).norm() / ref.norm()).item()
+            print(f"{name} m-grouped contiguous E={E} M={M} N={N} K={K}: first call "
+                  f"{times[0]:.2f} s (JIT), second {times[1] * 1e3:.3f} ms, rel err {err:.2e}")
+            ok &= err < (3e-2 if name == "fp8" else 1e-2)
+        except Exception:  # noqa: BLE001
+            ok = False
+            print(f"{name}: failed:")
+            traceback.print_exc(file=sys.stdout)
+    return ok
+
+
+# ---------------------------------------------------------------------------- sweep
+
+
+def auto_summary(records, title: str) -> list[str]:
+    """Lines: per T the fastest backend, what auto chose and auto / fastest; then the geometric
+    means of auto and of the best single backend over the batch sizes where all were timed."""
+    by_t: dict[int, dict[str, float]] = {}
+    chosen: dict[int, str] = {}
+    for r in records:
+        if r.ms is None or r.suspicious:
+            continue
+        by_t.setdefault(r.T, {})[r.backend] = r.ms
+        if r.backend == "auto":
+            chosen[r.T] = r.chosen or "?"
+    lines = [f"== {title}", f"{'T':>6}  {'fastest':<16} {'ms':>9}  {'auto chose':<16} "
+             f"{'auto ms':>9}  auto/fastest"]
+    ratios = []
+    for T in sorted(by_t):
+        ms = {b: v for b, v in by_t[T].items() if b != "auto"}
+        if not ms:
+            continue
+        best = min(ms, key=ms.get)
+        auto = by_t[T].get("auto")
+        ratio = auto / ms[best] if auto else None
+        if ratio:
+            ratios.append(ratio)
+        flag = "" if ratio is None or ratio <= 1.05 else "  > 5% slower"
+        lines.append(
+            f"{T:>6}  {best:<16} {ms[best]:9.4f}  {chosen.get(T, '-'):<16} "
+            f"{auto if auto else float('nan'):9.4f}  "
+            f"{'-' if ratio is None else f'{ratio:.3f}'}{flag}"
+        )
+    ts = [T for T in sorted(by_t) if "auto" in by_t[T]]
+    singles = {}
+    for b in {b for T in ts for b in by_t[T] if b != "auto"}:
+        if all(b in by_t[T] for T in ts):
+            singles[b] = gmean([by_t[T][b] for T in ts])
+    if ts and singles:
+        best_single = min(singles, key=singles.get)
+        ga = gmean([by_t[T]["auto"] for T in ts])
+        lines.append(
+            f"geomean over T={','.join(map(str, ts))}: auto {ga:.4f} ms, best single backend "
+            f"{best_single} {singles[best_single]:.4f} ms -> auto is "
+            f"{(1 - ga / singles[best_single]) * 100:+.1f}% faster; auto within 5% of the fastest "
+            f"at {sum(r <= 1.05 for r in ratios)}/{len(ratios)} points"
+        )
+    return lines
+
+
+def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) -> bool:
+    from moekit import select_table
+    from moekit.report import metadata, result_dict, save
+    from moekit.select_tune import sweep_spec, tune_select
+    from moekit.sweep import SweepResult, run_sweep
+
+    ok = True
+    todo = jobs_of(jobs)
+    summary: list[str] = []
+    for i, (text, job) in enumerate(todo):
+        left = deadline - time.time() - 15
+        budget = left / (len(todo) - i)
+        if budget < 60:
+            line = f"== {text}: NOT RUN, {left:.0f} s left (rerun with GPU_BACKENDS_JOBS='{text}')"
+            print(line)
+            summary.append(line)
+            ok = False
+            continue
+        print(f"\n=== sweep {text}: budget {budget:.0f} s", flush=True)
+        started = time.time()
+        try:
+            spec = sweep_spec(job.model, tp_size=job.tp_size, ep_size=job.ep_size, dtype=job.dtype,
+                              quantization=job.quantization, batch_sizes=batch_sizes,
+                              routing=job.routing, time_budget_s=budget * 0.7)
+
+            def on_point(backend, T, rec):
+                if rec is not None:
+                    f = lambda v, s: "-" if v is None else format(v, s)  # noqa: E731
+                    what = (f"{f(rec.ms, '.4f')} ms, x{f(rec.time_over_floor, '.2f')} floor, "
+                            f"rel_err {f(rec.rel_err, '.1e')}" if rec.ms is not None else rec.error)
+                    extra = f" -> {rec.chosen}" if rec.chosen else ""
+                    print(f"  T={T:>6} {backend:<18}{extra} {what}", flush=True)
+
+            report = tune_select(spec, on_point=on_point)
+            for b, why in sorted(report.excluded.items()):
+                print(f"  not in the table: {b}: {why}")
+            if report.table is None:
+                raise RuntimeError("no backend could be measured")
+            print(f"  table {report.path}: fastest {report.table.crossovers()}")
+            select_table.reload()
+            rest = max(budget - (time.time() - started), 20)
+            auto_spec = replace(spec, backends=("auto",), time_budget_s=rest * 0.9)
+            auto = run_sweep(auto_spec, ceilings=report.result.ceilings, on_point=on_point)
+            merged = SweepResult(
+                spec=replace(spec, backends=spec.backends + ("auto",)),
+                ceilings=report.result.ceilings,
+                records=report.result.records + auto.records,
+                skipped={**report.result.skipped, **auto.skipped},
+                auto_choice=auto.auto_choice,
+                seconds=report.result.seconds + auto.seconds,
+                notes=report.result.notes + auto.notes + [
+                    "every backend timed by `moekit tune --select` (its selection table written); "
+                    "then `auto` timed on the same inputs with that table in place"],
+            )
+            argv = ["moekit", "bench", "--model", job.model, "--tp-size", str(job.tp_size),
+                    "--ep-size", str(job.ep_size), "--quantization", job.quantization,
+                    "--backends", "all,auto", "(scripts/gpu_backends.sh)"]
+            path, _ = save(result_dict(merged, metadata(argv)), work / "results")
+            print(f"  wrote {path}")
+            lines = auto_summary(merged.records, text)
+            print("\n".join(lines))
+            summary.extend(lines)
+        except Exception:  # noqa: BLE001
+            ok = False
+            print(f"sweep {text}: failed:")
+            traceback.print_exc(file=sys.stdout)
+            summary.append(f"== {text}: FAILED (see the log)")
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    (work / "auto_summary.txt").write_text("\n".join(summary) + "\n")
+    return ok
+
+
+# ---------------------------------------------------------------------------- explain
+
+
+def explain(work: Path, jobs: str, batch_sizes: tuple[int, ...]) -> bool:
+    from moekit.config import ParallelConfig, RunnerConfig
+    from moekit.hardware import detect
+    from moekit.presets import preset
+    from moekit.quant import make_spec
+    from moekit.select import explain as explain_rows
+    from moekit.select import select_runner, workload_for
+
+    plat = detect()
+    lines = [f"device: {plat.device_name} {plat.capability}; libraries {plat.libraries}"]
+    ok = True
+    for text, job in jobs_of(jobs):
+        try:
+            moe = preset(job.model, dtype=job.dtype, weight_format=job.quantization)
+            par = ParallelConfig(tp_size=job.tp_size, ep_size=job.ep_size)
+            spec = make_spec(job.quantization)
+            lines.append(f"== {text}")
+            for T in batch_sizes:
+                work_ = workload_for(moe, T, parallel=par, device=plat.device, weight_spec=spec)
+                try:
+                    d = select_runner(work_, RunnerConfig("auto"), plat)
+                    lines.append(f"  T={T:>6}: {d.backend}: {d.reason}")
+                except Exception as err:  # noqa: BLE001
+                    lines.append(f"  T={T:>6}: error: {err}")
+            work_ = workload_for(moe, batch_sizes[0], parallel=par, device=plat.device,
+                                 weight_spec=spec)
+            for name, status in explain_rows(work_, RunnerConfig("auto"), plat):
+                lines.append(f"    {name:<20} {status}")
+        except Exception:  # noqa: BLE001
+            ok = False
+            lines.append(f"== {text}: failed: {traceback.format_exc()}")
+    (work / "explain.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_backends.py")
+    p.add_argument("step", choices=("smoke", "sweep", "explain"))
+    p.add_argument("--work", required=True, type=Path)
+    p.add_argument("--jobs", default="qwen3-30b-a3b")
+    p.add_argument("--batch-sizes", default="1,4,16,64,256,1024,4096,16384")
+    p.add_argument("--deadline", type=float, default=None, help="epoch seconds to end by")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    sizes = sizes_of(args.batch_sizes)
+    if args.step == "smoke":
+        ok = smoke(args.work)
+    elif args.step == "sweep":
+        ok = sweep(args.work, args.jobs, sizes, args.deadline or time.time() + 3600)
+    else:
+        ok = explain(args.work, args.jobs, sizes)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
