@@ -68,6 +68,9 @@ SWAP = (GemmConfig(16, 16, 16, swap_ab=True), GemmConfig(16, 32, 32, swap_ab=Tru
 ATOMIC = (GemmConfig(16, 32, 32), GemmConfig(32, 16, 16, reduce="atomic"))
 MIXED_BM = (GemmConfig(32, 16, 32, group_m=2), GemmConfig(16, 16, 16, group_m=1))
 
+TMA = (GemmConfig(16, 16, 16, tma=True), GemmConfig(16, 16, 16, tma=True, reduce="atomic"))
+TMA_SWAP = (GemmConfig(32, 16, 32, tma=True, swap_ab=True), GemmConfig(16, 32, 16, tma=True))
+
 CASES = [
     Case("T0", T=0),
     Case("T1", T=1),
@@ -81,6 +84,11 @@ CASES = [
     Case("swap-ab", configs=SWAP, T=5, E=6),
     Case("atomic-reduce", configs=ATOMIC, masked=0.2, bias=True, dtype=torch.float16),
     Case("gate_up-bm-larger", configs=MIXED_BM, T=11, H=40, I=24),
+    Case("T1-direct-atomic-bias", T=1, K=3, configs=ATOMIC, bias=True, act="gelu"),
+    Case("T1-direct-masked-id", T=1, K=3, masked=0.5, dtype=torch.float16),
+    Case("tma", configs=TMA, T=9, H=64, I=48, masked=0.2, bias=True),
+    Case("tma-swap-interleaved", configs=TMA_SWAP, T=6, H=64, I=40, act="swiglu_oai",
+         interleaved=True, bias=True, dtype=torch.float16),  # fmt: skip
 ]
 
 
@@ -223,12 +231,18 @@ def test_presets_bf16_gpu(model, tp, ep):
     assert rel_err(out[valid], ref[valid]) < TOLERANCE[torch.bfloat16]
 
 
+VARIANTS = {"swap": SWAP, "atomic": ATOMIC, "mixed": MIXED_BM, "tma": TMA, "tma-swap": TMA_SWAP,
+            "lookup": None}  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("configs", [SWAP, ATOMIC, MIXED_BM, None], ids=["swap", "atomic", "mixed", "lookup"])
-@pytest.mark.parametrize("T", [3, 300])
-def test_config_variants_gpu(configs, T):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("T", [1, 3, 300])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_config_variants_gpu(variant, T, interleaved):
+    configs = VARIANTS[variant]
     w = make_weights(16, 512, 384, torch.bfloat16, True)
-    act = ActivationSpec("swiglu_oai", interleaved=True)
+    act = ActivationSpec("swiglu_oai" if interleaved else "silu", interleaved=interleaved)
     x = torch.randn(T, 512, device="cuda", dtype=torch.bfloat16)
     topk = make_topk(T, 4, 16, masked=0.05)
     out = ops.fused_moe(x, topk, w, act, configs=configs)

@@ -116,33 +116,38 @@ def _clamp(gemm: str, c: GemmConfig, n: int, k: int) -> GemmConfig:
 
 
 def _fits(gemm: str, c: GemmConfig, n: int, k: int, elem: int) -> bool:
+    box_rows = 2 * c.block_n if gemm == "gate_up" else max(c.block_n, c.block_m)
+    if c.tma and box_rows > 256:
+        return False  # a TMA box has at most 256 rows (interleaved gate_up: 2 * block_n)
     return _smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == _clamp(gemm, c, n, k)
 
 
 def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int = 2):
     """Round 1: tile shapes for the regime of `rows_per_expert` (mean rows per used expert)."""
     m = rows_per_expert
-    if m <= 12:
-        bms, bns, bks, swaps, warps, stages = (16,), (32, 64, 128), (128, 256), (False, True), 4, 4
+    if m <= 12:  # weight-bandwidth bound: 16-row blocks, long K steps
+        groups = [((16,), (32, 64, 128), (128, 256), (False, True), 4, 4)]
     elif m <= 48:
-        bms, bns, bks, swaps, warps, stages = (16, 32, 64), (64, 128), (64, 128), (False, True), 4, 4
+        groups = [((16, 32), (64, 128), (128,), (False, True), 4, 4),
+                  ((64,), (64, 128), (64,), (False,), 4, 4)]  # fmt: skip
     elif m <= 384:
-        bms, bns, bks, swaps, warps, stages = (64, 128), (64, 128), (64, 128), (False,), 4, 3
-    else:
-        bms, bns, bks, swaps, warps, stages = (64, 128), (64, 128, 256), (64,), (False,), 8, 3
+        groups = [((64, 128), (64, 128), (64, 128), (False,), 4, 3)]
+    else:  # MMA bound
+        groups = [((64, 128), (64, 128, 256), (64,), (False,), 8, 3)]
     group = 1 if m <= 12 else 8
     out = []
-    for bm in bms:
-        for bn in bns:
-            for bk in bks:
-                for swap in swaps:
-                    if swap and bm > 32:
-                        continue
-                    if gemm == "gate_up" and bm * bn > 128 * 128:
-                        continue  # two accumulators of bm x bn
-                    c = _clamp(gemm, GemmConfig(bm, bn, bk, group, warps, stages, swap), n, k)
-                    if _fits(gemm, c, n, k, elem) and c not in out:
-                        out.append(c)
+    for bms, bns, bks, swaps, warps, stages in groups:
+        for bm in bms:
+            for bn in bns:
+                for bk in bks:
+                    for swap in swaps:
+                        if gemm == "gate_up" and bm * bn > 128 * 128:
+                            continue  # two accumulators of bm x bn
+                        for tma in (False, True):
+                            c = GemmConfig(bm, bn, bk, group, warps, stages, swap, tma=tma)
+                            c = _clamp(gemm, c, n, k)
+                            if _fits(gemm, c, n, k, elem) and c not in out:
+                                out.append(c)
     return out
 
 
@@ -276,11 +281,19 @@ class _Point:
         self._aligns: dict[int, list] = {}
         self.h = None
 
-    def aligns(self, block_m: int):
+    def rows(self, block_m: int):
+        """The GEMMs' row description for each routing (as `ops.fused_moe` builds it)."""
+        from moekit.runners.triton import ops
+        from moekit.runners.triton.configs import PIPELINE
+
+        E = self.shape.num_experts
         if block_m not in self._aligns:
-            self._aligns[block_m] = [
-                self._align(t.ids, self.shape.num_experts, block_m) for t in self.topks
-            ]
+            if self.T <= PIPELINE.direct_max_tokens:
+                self._aligns[block_m] = [ops.Rows.direct(t.ids.view(-1), E) for t in self.topks]
+            else:
+                self._aligns[block_m] = [
+                    ops.Rows.sorted(self._align(t.ids, E, block_m), E) for t in self.topks
+                ]
         return self._aligns[block_m]
 
 
@@ -298,15 +311,15 @@ def _time_us(fn, device, R: int) -> float:
 def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
     from moekit.runners.triton import ops
 
-    aligns = p.aligns(cfg.block_m)
+    rows = p.rows(cfg.block_m)
     outs = [
-        torch.empty(a.max_rows, p.shape.intermediate, device=p.device, dtype=p.x.dtype)
-        for a in aligns
+        torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
+        for r in rows
     ]
 
     def fn():
-        for a, o in zip(aligns, outs):
-            ops.gate_up(p.x, ops._Rows(a), p.w, p.shape.act, cfg, p.shape.top_k, o, warmup)
+        for r, o in zip(rows, outs):
+            ops.gate_up(p.x, r, p.w, p.shape.act, cfg, p.shape.top_k, o, warmup=warmup)
 
     return fn, outs
 
@@ -319,21 +332,19 @@ def _down_fn(p: _Point, h_cfg: GemmConfig, hs, cfg: GemmConfig, warmup: bool = F
 
     T, H, K = p.T, p.shape.hidden, p.shape.top_k
     bm = max(cfg.block_m, h_cfg.block_m)
-    aligns = p.aligns(bm)
-    hs = [
-        h if bm == h_cfg.block_m else _padded_rows(h, a.max_rows) for h, a in zip(hs, aligns)
-    ]
+    rows = p.rows(bm)
+    hs = [h if bm == h_cfg.block_m else _padded_rows(h, r.slots()) for h, r in zip(hs, rows)]
     atomic = cfg.reduce == "atomic"
     out = torch.empty(T, H, device=p.device, dtype=p.x.dtype)
     y = None if atomic else torch.empty(T * K, H, device=p.device, dtype=p.x.dtype)
 
     def fn():
-        for a, h, t in zip(aligns, hs, p.topks):
+        for r, h, t in zip(rows, hs, p.topks):
             if atomic:
-                out.zero_()
-                ops.down(h, ops._Rows(a), p.w, cfg, out, t.weights, K, warmup)
+                out.zero_()  # (in the layer, the gate_up launch zeroes it)
+                ops.down(h, r, p.w, cfg, out, t.weights, K, warmup)
             else:
-                ops.down(h, ops._Rows(a), p.w, cfg, y, t.weights, K, warmup)
+                ops.down(h, r, p.w, cfg, y, t.weights, K, warmup)
                 if not warmup:
                     ops.sum_topk(y, t.ids, p.shape.num_experts, out)
 
@@ -345,6 +356,12 @@ def _padded_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
     if h.shape[0] >= rows:
         return h[:rows]
     return h.repeat(math.ceil(rows / h.shape[0]), 1)[:rows].contiguous()
+
+
+def _ranked(tried: dict) -> list[tuple[float, GemmConfig]]:
+    """(time, config) of the configs that ran, fastest first (ties keep trial order)."""
+    ok = [(t, c) for c, t in tried.items() if isinstance(t, float)]
+    return sorted(ok, key=lambda tc: tc[0])
 
 
 def _search(
@@ -371,7 +388,7 @@ def _search(
             advance(1)
 
     run(tiles[:limit])
-    ok = sorted((t, c) for c, t in tried.items() if isinstance(t, float))
+    ok = _ranked(tried)
     if not ok:
         raise RuntimeError(f"{gemm}: every candidate config failed: {tried}")
     second = []
@@ -379,9 +396,9 @@ def _search(
         second += variants(c)
     run(second if limit is None else [])
     if gemm == "down":
-        ok = sorted((t, c) for c, t in tried.items() if isinstance(t, float))
+        ok = _ranked(tried)
         run([replace(c, reduce="atomic") for _, c in ok[:3]] if limit is None else [])
-    ok = sorted((t, c) for c, t in tried.items() if isinstance(t, float))
+    ok = _ranked(tried)
     best_t, best = ok[0]
     summary = {
         _short(c): (round(t, 2) if isinstance(t, float) else t) for c, t in tried.items()
@@ -391,7 +408,9 @@ def _search(
 
 def _short(c: GemmConfig) -> str:
     s = f"m{c.block_m}n{c.block_n}k{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
-    return s + ("T" if c.swap_ab else "") + ("A" if c.reduce == "atomic" else "")
+    return s + ("T" if c.swap_ab else "") + ("A" if c.reduce == "atomic" else "") + (
+        "M" if c.tma else ""
+    )
 
 
 def tune_point(

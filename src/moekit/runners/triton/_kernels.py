@@ -184,27 +184,36 @@ def _align_scatter_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+# Row modes (constexpr ROWS): how a program's row block maps to rows of the inputs/outputs.
+ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
+
+
 @triton.jit
-def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped program order: GROUP_M row blocks share each weight tile while it is in L2."""
-    width = GROUP_M * num_pid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m, pid_n
+def _zero_fill(ptr, numel, pid, num_programs, ZBLOCK: tl.constexpr):
+    """Grid-stride zeroing of ptr[0:numel] (the atomic down GEMM's output, zeroed by the
+    gate_up launch before it so that no separate memset runs)."""
+    for start in range(pid * ZBLOCK, numel, num_programs * ZBLOCK):
+        offs = start + tl.arange(0, ZBLOCK)
+        tl.store(ptr + offs, tl.zeros([ZBLOCK], dtype=ptr.dtype.element_ty), mask=offs < numel)
 
 
 @triton.jit
 def _load_w_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight tile [BLOCK_K, BLOCK_N] (rows along the reduction). The hook for a future
-    dequantizing weight format: load packed values and scales here, return the dot dtype."""
+    """Weight tile [BLOCK_K, rows] through pointers (K along dim 0). With `_desc_w_tile`, the
+    hook for a future dequantizing weight format: load packed values and scales here and
+    return the tile in the dot dtype."""
     if EVEN_K:
         tile = tl.load(ptrs)
     else:
         tile = tl.load(ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
     return tile
+
+
+@triton.jit
+def _desc_w_tile(desc, row0, k0):
+    """Weight tile [BLOCK_K, rows] through a TMA descriptor of block [rows, BLOCK_K]
+    (out-of-bounds rows and columns read as zero)."""
+    return tl.trans(desc.load([row0, k0]))
 
 
 @triton.jit
@@ -219,7 +228,7 @@ def _load_a_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += a @ b, with acc kept transposed ([BN, BM]) when SWAP_AB: small row blocks then
+    """acc += a @ b, with acc kept transposed ([N, BM]) when SWAP_AB: small row blocks then
     sit in the MMA's N slot and the weight tile in its M slot."""
     if SWAP_AB:
         acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=DOT_PRECISION)
@@ -229,26 +238,56 @@ def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _zeros_acc(BLOCK_M: tl.constexpr, COLS: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = tl.zeros([COLS, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _unswap(acc, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped program order: GROUP_M row blocks share each weight tile while it is in L2."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _tile_rows(
     pid_m,
-    sorted_ids_ptr,
+    row_map_ptr,
     block_expert_ptr,
     counts_ptr,
     num_pairs,
     top_k,
+    num_experts,
     capacity,
     blocks_per_expert,
     align_m,
     BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """Rows of row block pid_m. Returns (expert, row_ok [BM], pair [BM], token [BM],
-    slot [BM], first_ok): standard format: slot = row of the sorted (padded) order, pair / token
-    of each row (token 0 on padding rows); masked format: slot = e * capacity + local row
-    (local row 0 where not row_ok, so loads stay in bounds; pair, token unused).
-    Only rows with row_ok are stored. first_ok is False when the block has no row to compute."""
+    """Rows of row block pid_m. Returns (expert, row_ok [BM], pair [BM], token [BM], slot [BM]
+    int64, slot0, first_ok). Only rows with row_ok are stored; loads use in-bounds rows.
+    ROWS_SORTED: row_map = sorted pair ids of the alignment; slot = row of the sorted order.
+    ROWS_MASKED: slot = e * capacity + local row (local 0 where not row_ok); pair, token unused.
+    ROWS_DIRECT: one pair per block (row 0): row_map = expert id of each pair; slot = pair.
+    slot0: the block's first slot (its row in h for TMA loads). first_ok: the block has work."""
     offs = tl.arange(0, BLOCK_M)
-    if MASKED:
+    if ROWS == 1:
         expert = pid_m // blocks_per_expert
         local0 = (pid_m % blocks_per_expert) * BLOCK_M
         count = tl.minimum(tl.load(counts_ptr + expert), capacity)
@@ -257,34 +296,53 @@ def _tile_rows(
         slot = expert.to(tl.int64) * capacity + tl.where(row_ok, local, 0)
         pair = slot.to(tl.int32)
         token = pair
+        slot0 = expert * capacity + local0
         first_ok = local0 < count
+    elif ROWS == 2:
+        e = tl.load(row_map_ptr + pid_m)
+        first_ok = (e >= 0) & (e < num_experts)
+        expert = tl.where(first_ok, e, 0)
+        row_ok = (offs == 0) & first_ok
+        pair = tl.zeros([BLOCK_M], dtype=tl.int32) + pid_m
+        token = pair // top_k
+        slot = pair.to(tl.int64)
+        slot0 = pid_m
     else:
         row0 = pid_m * BLOCK_M
-        pair = tl.load(sorted_ids_ptr + row0 + offs)
+        pair = tl.load(row_map_ptr + row0 + offs)
         row_ok = pair < num_pairs
         token = tl.where(row_ok, pair // top_k, 0)
         expert = tl.load(block_expert_ptr + row0 // align_m)
         slot = (row0 + offs).to(tl.int64)
-        first_ok = tl.load(sorted_ids_ptr + row0) < num_pairs
-    return expert, row_ok, pair, token, slot, first_ok
+        slot0 = row0
+        first_ok = tl.load(row_map_ptr + row0) < num_pairs
+    return expert, row_ok, pair, token, slot, slot0, first_ok
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity", "blocks_per_expert", "num_pid_m"])
+@triton.jit(
+    do_not_specialize=[
+        "num_pairs", "capacity", "blocks_per_expert", "num_pid_m", "zero_numel",
+    ]
+)  # fmt: skip
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     b_ptr,
     h_ptr,
-    sorted_ids_ptr,
+    zero_ptr,
+    row_map_ptr,
     block_expert_ptr,
     num_rows_ptr,
     counts_ptr,
     num_pairs,
     top_k,
+    num_experts,
     capacity,
     blocks_per_expert,
     align_m,
     num_pid_m,
+    zero_numel,
     N,
     K,
     stride_xm,
@@ -292,13 +350,14 @@ def _gate_up_kernel(
     stride_wn,
     stride_be,
     stride_hm,
-    gate_step,
-    up_offset,
     alpha,
     limit,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MASKED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ROWS: tl.constexpr,
+    ZERO_OUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -307,65 +366,87 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b) for n < N = I.
+    """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
-    x [rows, K=H]; w13 [E, 2I, H] with gate row n*gate_step and up row n*gate_step + up_offset
-    (1, I: gate rows then up rows; 2, 1: interleaved); h [slots, I] in x's dtype. Standard
-    format: row = token of the pair, slot = its row in the sorted order (padding rows are not
-    stored: the down GEMM's output rows depend only on their own h row, and are masked too).
-    Masked format: row = slot = e * capacity + local row.
+    x [rows, K=H]; w13 [E, 2I, H]: gate rows n and up rows I + n, or (INTERLEAVED) gate 2n and
+    up 2n + 1; w_desc: TMA descriptor of w13 viewed [E * 2I, H] with block [BLOCK_N, BLOCK_K]
+    ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [slots, I] in x's dtype. The input row
+    is the pair's token (sorted / direct rows) or the slot (masked rows). Padding rows are not
+    stored: each output row of the down GEMM depends only on its own h row, and is masked too.
+    ZERO_OUT: also zero zero_ptr[0:zero_numel] (the atomic down GEMM's output).
     """
     pid = tl.program_id(0)
+    if ZERO_OUT:
+        _zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    if not MASKED:
+    if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-    expert, row_ok, pair, token, slot, first_ok = _tile_rows(
-        pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, capacity,
-        blocks_per_expert, align_m, BLOCK_M, MASKED,
+    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, BLOCK_M, ROWS,
     )  # fmt: skip
     if not first_ok:
         return
-    if MASKED:
+    if ROWS == 1:
         a_rows = slot
     else:
         a_rows = token.to(tl.int64)
 
+    n0 = pid_n * BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
-    n_raw = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = n_raw % N  # wrapped columns load real rows; their results are masked at the store
-    g_rows = offs_n * gate_step
-    u_rows = g_rows + up_offset
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    u_ptrs = w_base + u_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-
-    if SWAP_AB:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
+    if INTERLEAVED:
+        # one tile of 2 * BLOCK_N rows alternating gate / up
+        rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
+        for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - ki * BLOCK_K
+            a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if USE_TMA:
+                b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+            else:
+                b = _load_w_tile(w_ptrs, k_left, EVEN_K, BLOCK_K)
+                w_ptrs += BLOCK_K
+            acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+            a_ptrs += BLOCK_K
+        acc = _unswap(acc, SWAP_AB)
+        if HAS_BIAS:
+            b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
+            acc += bias.to(tl.float32)[None, :]
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for ki in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - ki * BLOCK_K
-        a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-        bg = _load_w_tile(g_ptrs, k_left, EVEN_K, BLOCK_K)
-        bu = _load_w_tile(u_ptrs, k_left, EVEN_K, BLOCK_K)
-        acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
-        acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+        n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
+        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - ki * BLOCK_K
+            a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if USE_TMA:
+                bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+            else:
+                bg = _load_w_tile(g_ptrs, k_left, EVEN_K, BLOCK_K)
+                bu = _load_w_tile(u_ptrs, k_left, EVEN_K, BLOCK_K)
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+            acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
+            acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
+            a_ptrs += BLOCK_K
+        acc_g = _unswap(acc_g, SWAP_AB)
+        acc_u = _unswap(acc_u, SWAP_AB)
+        if HAS_BIAS:
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
+            acc_u += tl.load(b_base + N + n_rows).to(tl.float32)[None, :]
 
-    if HAS_BIAS:
-        b_base = b_ptr + expert.to(tl.int64) * stride_be
-        acc_g += tl.load(b_base + g_rows).to(tl.float32)[None, :]
-        acc_u += tl.load(b_base + u_rows).to(tl.float32)[None, :]
     if ACT == 0:  # silu(gate) * up
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     elif ACT == 1:  # gelu(gate) * up, exact erf form
@@ -375,23 +456,27 @@ def _gate_up_kernel(
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         act = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
 
-    h_ptrs = h_ptr + slot[:, None] * stride_hm + n_raw[None, :]
-    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (n_raw[None, :] < N))
+    n_out = n0 + tl.arange(0, BLOCK_N)
+    h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
+    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (n_out[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "blocks_per_expert", "num_pid_m"])
 def _down_kernel(
     h_ptr,
+    h_desc,
     w_ptr,
+    w_desc,
     b_ptr,
     out_ptr,
     topk_weights_ptr,
-    sorted_ids_ptr,
+    row_map_ptr,
     block_expert_ptr,
     num_rows_ptr,
     counts_ptr,
     num_pairs,
     top_k,
+    num_experts,
     capacity,
     blocks_per_expert,
     align_m,
@@ -404,8 +489,9 @@ def _down_kernel(
     stride_be,
     stride_om,
     HAS_BIAS: tl.constexpr,
-    MASKED: tl.constexpr,
+    ROWS: tl.constexpr,
     ATOMIC: tl.constexpr,
+    USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -416,47 +502,50 @@ def _down_kernel(
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
-    Standard format: y is multiplied by the pair's routing weight and either stored at out[pair]
-    (out [P, H], summed over K later) or, with ATOMIC, added into out[token] (out [T, H],
-    zeroed before). Masked format: stored unweighted at out[slot] (out [E * capacity, H]).
+    Sorted / direct rows: y is multiplied by the pair's routing weight and either stored at
+    out[pair] (out [P, H], summed over K later) or, with ATOMIC, added into out[token]
+    (out [T, H], zeroed before). Masked rows: stored unweighted at out[slot] (out [E*C, H]).
+    USE_TMA: h_desc (h [slots, I], block [BLOCK_M, BLOCK_K]) and w_desc (w2 viewed [E * H, I],
+    block [BLOCK_N, BLOCK_K]) replace the pointer loads.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    if not MASKED:
+    if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-    expert, row_ok, pair, token, slot, first_ok = _tile_rows(
-        pid_m, sorted_ids_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, capacity,
-        blocks_per_expert, align_m, BLOCK_M, MASKED,
+    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, BLOCK_M, ROWS,
     )  # fmt: skip
     if not first_ok:
         return
 
+    n0 = pid_n * BLOCK_N
+    offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
-    n_raw = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = n_raw % N
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
     a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
-    b_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None])  # fmt: skip
+    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     for ki in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - ki * BLOCK_K
-        a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-        b = _load_w_tile(b_ptrs, k_left, EVEN_K, BLOCK_K)
+        if USE_TMA:
+            a = h_desc.load([slot0, ki * BLOCK_K])
+            b = _desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
+        else:
+            a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            b = _load_w_tile(b_ptrs, k_left, EVEN_K, BLOCK_K)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
         acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc = tl.trans(acc)
+    acc = _unswap(acc, SWAP_AB)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)[None, :]
-    mask = row_ok[:, None] & (n_raw[None, :] < N)
-    if MASKED:
+    n_out = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (n_out[None, :] < N)
+    if ROWS == 1:
         out_rows = slot
     else:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
@@ -464,7 +553,7 @@ def _down_kernel(
             out_rows = token.to(tl.int64)
         else:
             out_rows = pair.to(tl.int64)
-    out_ptrs = out_ptr + out_rows[:, None] * stride_om + n_raw[None, :]
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + n_out[None, :]
     val = acc.to(out_ptr.dtype.element_ty)
     if ATOMIC:
         tl.atomic_add(out_ptrs, val, mask=mask, sem="relaxed")

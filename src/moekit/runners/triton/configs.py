@@ -38,7 +38,9 @@ class GemmConfig:
     block_k: reduction step; group_m: row blocks that share a weight tile in program order;
     swap_ab: compute the transposed tile (weights in the MMA's M slot; for small block_m);
     reduce (down only): 'kernel' stores each pair's row and sums over K in a second kernel,
-    'atomic' adds rows into the zeroed output with atomics.
+    'atomic' adds rows into the output (zeroed by the gate_up launch) with atomics;
+    tma: load weight tiles (and, in down, the h tiles) through TMA descriptors (where strides
+    allow; pointer loads otherwise).
     """
 
     block_m: int = 64
@@ -49,6 +51,7 @@ class GemmConfig:
     num_stages: int = 3
     swap_ab: bool = False
     reduce: str = "kernel"
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -76,6 +79,18 @@ class GemmConfig:
                 f"GemmConfig: unknown keys {sorted(unknown)}; allowed: {', '.join(sorted(allowed))}"
             )
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Choices above the GEMM configs. direct_max_tokens: batches of at most this many tokens
+    skip the alignment (one pair per row block; weights of an expert picked twice are read
+    twice)."""
+
+    direct_max_tokens: int = 1
+
+
+PIPELINE = PipelineConfig()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ reads a device value on the host, so every op can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -16,7 +18,7 @@ from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
 from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.align import AlignOutput, align_block_size
-from moekit.runners.triton.configs import GemmConfig, default_config, get_config
+from moekit.runners.triton.configs import PIPELINE, GemmConfig, default_config, get_config
 
 _ACT_CODES = {"silu": k.ACT_SILU, "gelu": k.ACT_GELU, "swiglu_oai": k.ACT_SWIGLU_OAI}
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -53,8 +55,9 @@ def _check_weights(x: torch.Tensor, w: ExpertWeights) -> None:
         raise ValueError(f"x has hidden size {x.shape[-1]} but w13 is {list(w.w13.shape)}")
 
 
-def _gemm_meta(cfg: GemmConfig, k_dim: int) -> dict:
+def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
     return dict(
+        USE_TMA=use_tma,
         EVEN_K=k_dim % cfg.block_k == 0,
         SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m,
@@ -72,72 +75,119 @@ def _launch(kernel, grid, args, meta, warmup: bool):
     return kernel[grid](*args, **meta)
 
 
-class _Rows:
-    """Row-block description shared by both GEMMs: the alignment (standard format) or the
-    (counts, capacity) of the masked format."""
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides and a unit last stride."""
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        if any((st * es) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
 
-    def __init__(self, align: AlignOutput | None, counts=None, capacity=0, num_experts=0):
-        self.align, self.counts, self.capacity, self.num_experts = (
-            align,
-            counts,
-            capacity,
-            num_experts,
-        )
+
+def _desc(t2d: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t2d, block)
+
+
+class Rows:
+    """How the GEMMs' row blocks map to rows (see `_kernels._tile_rows`):
+    Rows.sorted(align) for the standard format, Rows.direct(ids) for one pair per block (tiny
+    batches: no alignment), Rows.masked(counts, capacity, E) for the masked format."""
+
+    def __init__(self, mode, align=None, ids=None, counts=None, capacity=0, num_experts=0):
+        self.mode, self.align, self.ids, self.counts = mode, align, ids, counts
+        self.capacity, self.num_experts = capacity, num_experts
+
+    @classmethod
+    def sorted(cls, align: AlignOutput, num_experts: int) -> "Rows":
+        return cls(k.ROWS_SORTED, align=align, num_experts=num_experts)
+
+    @classmethod
+    def direct(cls, ids_P: torch.Tensor, num_experts: int) -> "Rows":
+        return cls(k.ROWS_DIRECT, ids=ids_P, num_experts=num_experts)
+
+    @classmethod
+    def masked(cls, counts_E: torch.Tensor, capacity: int, num_experts: int) -> "Rows":
+        return cls(k.ROWS_MASKED, counts=counts_E, capacity=capacity, num_experts=num_experts)
+
+    def slots(self) -> int:
+        """Rows of the intermediate h."""
+        if self.mode == k.ROWS_SORTED:
+            return self.align.max_rows
+        if self.mode == k.ROWS_DIRECT:
+            return self.ids.numel()
+        return self.capacity * self.num_experts
 
     def args(self, block_m: int, top_k: int) -> tuple:
-        """(sorted_ids, block_expert, num_rows, counts, num_pairs, top_k, capacity,
+        """(row_map, block_expert, num_rows, counts, num_pairs, top_k, num_experts, capacity,
         blocks_per_expert, align_m, num_pid_m)"""
-        a = self.align
-        if a is not None:
+        E = self.num_experts
+        if self.mode == k.ROWS_SORTED:
+            a = self.align
             if a.block_m % block_m:
                 raise ValueError(
                     f"GEMM block_m {block_m} must divide the alignment block {a.block_m}"
                 )
-            num_pid_m = a.max_rows // block_m
-            dummy = a.num_rows
-            return (a.sorted_ids, a.block_expert, a.num_rows, dummy, a.num_pairs, top_k,
-                    0, 1, a.block_m, num_pid_m)  # fmt: skip
+            return (a.sorted_ids, a.block_expert, a.num_rows, a.num_rows, a.num_pairs, top_k,
+                    E, 0, 1, a.block_m, a.max_rows // block_m)  # fmt: skip
+        if self.mode == k.ROWS_DIRECT:
+            ids, P = self.ids, self.ids.numel()
+            return (ids, ids, ids, ids, P, top_k, E, 0, 1, 1, P)
         bpe = triton.cdiv(self.capacity, block_m)
         c = self.counts
-        return (c, c, c, c, 0, 1, self.capacity, bpe, block_m, bpe * self.num_experts)
+        return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
 
 def gate_up(
     x: torch.Tensor,
-    rows: _Rows,
+    rows: Rows,
     w: ExpertWeights,
     act: ActivationSpec,
     cfg: GemmConfig,
     top_k: int,
     out: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
     warmup: bool = False,
 ) -> torch.Tensor:
-    """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block (slots: alignment rows, or
-    E * capacity for the masked format); x is [T, H] or [E * capacity, H]."""
+    """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
+    rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
+    atomic down GEMM's output)."""
     I, H = w.intermediate_size, w.hidden_size
-    slots = rows.align.max_rows if rows.align is not None else rows.capacity * rows.num_experts
+    E = w.num_experts
     if out is None:
-        out = torch.empty(slots, I, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows.slots(), I, dtype=x.dtype, device=x.device)
     if act.name not in _ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(_ACT_CODES)}")
-    gate_step, up_offset = (2, 1) if act.interleaved else (1, I)
     row_args = rows.args(cfg.block_m, top_k)
-    num_pid_m = row_args[-1]
-    grid = (num_pid_m * triton.cdiv(I, cfg.block_n),)
+    grid = (row_args[-1] * triton.cdiv(I, cfg.block_n),)
     if grid[0] == 0:
+        if zero is not None:
+            zero.zero_()
         return out
+    use_tma = cfg.tma and _tma_ok(w.w13) and w.w13.is_contiguous()
+    w_desc = None
+    if use_tma:
+        rows_per_tile = 2 * cfg.block_n if act.interleaved else cfg.block_n
+        w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, cfg.block_k])
     b13 = w.b13 if w.b13 is not None else w.w13
+    zero_t = zero if zero is not None else out
     args = (
-        x, w.w13, b13, out, *row_args, I, H,
+        x, w.w13, w_desc, b13, out, zero_t, *row_args,
+        zero.numel() if zero is not None else 0, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
-        gate_step, up_offset, float(act.alpha), float(act.limit),
+        float(act.alpha), float(act.limit),
     )  # fmt: skip
     meta = dict(
         ACT=_ACT_CODES[act.name],
         HAS_BIAS=w.b13 is not None,
-        MASKED=rows.align is None,
+        INTERLEAVED=act.interleaved,
+        ROWS=rows.mode,
+        ZERO_OUT=zero is not None,
         DOT_PRECISION=_precision(x),
-        **_gemm_meta(cfg, H),
+        **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
@@ -145,7 +195,7 @@ def gate_up(
 
 def down(
     h: torch.Tensor,
-    rows: _Rows,
+    rows: Rows,
     w: ExpertWeights,
     cfg: GemmConfig,
     out: torch.Tensor,
@@ -153,28 +203,33 @@ def down(
     top_k: int = 1,
     warmup: bool = False,
 ) -> torch.Tensor:
-    """out = h @ w2[e].T + b2[e] per row block. Standard format: times the pair's weight, into
-    out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
-    ('atomic'). Masked format: unweighted into out [E * capacity, H]."""
+    """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
+    into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
+    ('atomic'). Masked rows: unweighted into out [E * capacity, H]."""
     I, H = w.intermediate_size, w.hidden_size
-    masked = rows.align is None
+    E = w.num_experts
+    masked = rows.mode == k.ROWS_MASKED
     row_args = rows.args(cfg.block_m, top_k)
-    num_pid_m = row_args[-1]
-    grid = (num_pid_m * triton.cdiv(H, cfg.block_n),)
+    grid = (row_args[-1] * triton.cdiv(H, cfg.block_n),)
     if grid[0] == 0:
         return out
+    use_tma = cfg.tma and _tma_ok(w.w2, h) and w.w2.is_contiguous()
+    h_desc = w_desc = None
+    if use_tma:
+        h_desc = _desc(h, [cfg.block_m, cfg.block_k])
+        w_desc = _desc(w.w2.view(E * H, I), [cfg.block_n, cfg.block_k])
     b2 = w.b2 if w.b2 is not None else w.w2
     tw = topk_weights if topk_weights is not None else out
     args = (
-        h, w.w2, b2, out, tw, *row_args, H, I,
+        h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
         h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=w.b2 is not None,
-        MASKED=masked,
+        ROWS=rows.mode,
         ATOMIC=(not masked) and cfg.reduce == "atomic",
         DOT_PRECISION=_precision(h),
-        **_gemm_meta(cfg, I),
+        **_gemm_meta(cfg, I, use_tma),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
     return out
@@ -229,12 +284,17 @@ def fused_moe(
     ids = ids.contiguous()
     weights = topk.weights.float().contiguous()
     cfg1, cfg2 = configs or configs_for(T, K, w, x_TH.dtype, x_TH.device)
-    align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
-    rows = _Rows(align)
-    h = gate_up(x_TH, rows, w, act, cfg1, K)
+    if T <= PIPELINE.direct_max_tokens:
+        cfg1, cfg2 = replace(cfg1, block_m=16), replace(cfg2, block_m=16)
+        rows = Rows.direct(ids.view(-1), w.num_experts)
+    else:
+        align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
+        rows = Rows.sorted(align, w.num_experts)
     if cfg2.reduce == "atomic":
-        out = torch.zeros(T, H, dtype=x_TH.dtype, device=x_TH.device)
+        out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
+        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out)
         return down(h, rows, w, cfg2, out, weights, K)
+    h = gate_up(x_TH, rows, w, act, cfg1, K)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
     down(h, rows, w, cfg2, y, weights, K)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
@@ -271,7 +331,7 @@ def fused_moe_masked(
         x = x.contiguous()
     counts = counts_E.to(device=x.device, dtype=torch.int32).contiguous()
     cfg1, cfg2 = configs or masked_configs(C, w)
-    rows = _Rows(None, counts, C, E)
+    rows = Rows.masked(counts, C, E)
     h = gate_up(x, rows, w, act, cfg1, 1)
     down(h, rows, w, cfg2, out.view(E * C, H))
     return out
