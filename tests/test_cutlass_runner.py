@@ -437,3 +437,17 @@ def test_gpu_fp8_rowwise(params, T):
     out = CutlassRunner().run(StandardDispatchOutput(x, topk), wq, act_of(case)).out
     ref = TorchRunner().run(StandardDispatchOutput(x, topk), wq, act_of(case)).out
     assert rel_err(out, ref) <= FP8_VS_REFERENCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [16, 20])
+def test_gpu_fp8_masked(C):
+    E, K, H, I = PRESET_SHAPES["deepseek-v3-ep8"]
+    case = Case("fp8-masked", E=E, K=K, H=H, I=I)
+    x = torch.randn(E, C, H, device="cuda").to(torch.bfloat16)
+    counts = torch.randint(0, C + 1, (E,), device="cuda", dtype=torch.int32)
+    wq = fp8_weights(case, dict(weight_scale="channel"), "cuda")
+    out = CutlassRunner().run(MaskedDispatchOutput(x, counts), wq, act_of(case)).out
+    ref = TorchRunner().run(MaskedDispatchOutput(x, counts), wq, act_of(case)).out
+    valid = torch.arange(C, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
+    assert rel_err(out[valid], ref[valid]) <= FP8_VS_REFERENCE

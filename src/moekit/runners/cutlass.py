@@ -386,7 +386,12 @@ class CutlassRunner(Runner):
             return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
         tri = self._kernels_on(x_ECH)
         dev = x_ECH.device
-        # one group of C rows per expert (2d x 3d with offsets (e + 1) * C)
+        # one group of Cp rows per expert (2d x 3d with offsets (e + 1) * Cp), Cp = C rounded up
+        # to the row alignment of the standard path (zero rows appended when C is not aligned)
+        Cp = -(-C // FP8_ALIGN) * FP8_ALIGN
+        if Cp != C:
+            x_ECH = F.pad(x_ECH, (0, 0, 0, Cp - C))
+        C_out, C = C, Cp
         ends = (torch.arange(1, E + 1, device=dev, dtype=torch.int32) * C).contiguous()
         slot = torch.arange(C, device=dev).unsqueeze(0)
         expert = torch.arange(E, device=dev, dtype=torch.int32).unsqueeze(1)
@@ -406,7 +411,7 @@ class CutlassRunner(Runner):
         y = scaled_grouped_mm(q, s, w.w2, _channel_scales(w.w2_scale, E, H), ends, x_ECH.dtype)
         if w.b2 is not None:
             y = (y.float() + w.b2.float()[expert_rows.long()]).to(x_ECH.dtype)
-        return y.view(E, C, H)
+        return y.view(E, C, H)[:, :C_out].contiguous()
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
