@@ -75,7 +75,10 @@ def pairs_reference(x, topk, q: ExpertWeights, act: ActivationSpec):
         elif spec.act_scheme == "dynamic_tensor":
             scale = tensor_scale(x if which == 1 else v, spec.act_dtype)
         group = spec.act_group_size or 128
-        return fake_quantize_act(v, spec.act_scheme, spec.act_dtype, scale=scale, group_size=group).double()
+        return fake_quantize_act(
+            v, spec.act_scheme, spec.act_dtype, scale=scale, group_size=group,
+            out_dtype=torch.float64,
+        )
 
     xp = fq(x[t_idx], 1)
     h = torch.einsum("ph,pih->pi", xp, w.w13[e_idx])

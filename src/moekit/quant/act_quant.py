@@ -113,11 +113,12 @@ def fake_quantize_act(
     *,
     scale: torch.Tensor | None = None,
     group_size: int = 128,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype: the activations a w8a8 kernel actually multiplies
-    (used by the reference runner)."""
+    """dequantize(quantize(x)) in `out_dtype` (default x's dtype): the activations a w8a8
+    kernel actually multiplies (used by the reference runner, in float32)."""
     q, s = quantize_act_ref(x, scheme, dtype, scale=scale, group_size=group_size)
-    return dequantize_act(q, s, scheme, group_size=group_size).to(x.dtype)
+    return dequantize_act(q, s, scheme, group_size=group_size).to(out_dtype or x.dtype)
 
 
 def quantize_act(

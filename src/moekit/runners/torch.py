@@ -4,12 +4,16 @@ Every faster runner is tested against it. Matmuls run in the input dtype (fp32 a
 the activation in float32, and the sum over the top-k experts in float32, as a fused kernel
 does. `moe_reference_fp64` is the independent float64 twin used by the tests.
 
-Quantized weight formats: the weights are dequantized first (`ExpertWeights.dequantized`, to the
-activation dtype), then the same math. For the w8a8 formats the inputs of both GEMMs are also
-quantized and dequantized with the format's activation scheme (`ActQuant`), so the result is
-what a w8a8 kernel computes up to its accumulation order: x [T, H] before the first GEMM, the
-activated intermediate [T*K, I] before the second; 'dynamic_tensor' takes one scale over all of
-x and one over all valid intermediate rows, 'static_tensor' the expert's a13_scale / a2_scale.
+Quantized weight formats: the weights are dequantized first (`ExpertWeights.dequantized`), then
+the same math. Weight-only formats dequantize to the activation dtype, as a w4a16 / w8a16 kernel
+does before its bf16/fp16 MMA. The w8a8 formats compute what a w8a8 kernel computes up to its
+accumulation order: the inputs of both GEMMs are quantized and dequantized with the format's
+activation scheme (`ActQuant`), and the GEMMs run in float32 on the float32 dequantized weights
+and activations (an fp8 x fp8 or int8 x int8 product is exact in float32); the first GEMM's
+output and the activated intermediate are rounded to the activation dtype, like the kernels'
+intermediate buffers. x [T, H] is quantized before the first GEMM, the intermediate [T*K, I]
+before the second; 'dynamic_tensor' takes one scale over all of x and one over all valid
+intermediate rows, 'static_tensor' the expert's a13_scale / a2_scale.
 """
 
 from __future__ import annotations
@@ -55,13 +59,19 @@ def activate(h13: torch.Tensor, act: ActivationSpec) -> torch.Tensor:
 
 
 def expert_up(
-    x_NH: torch.Tensor, w13_2IH: torch.Tensor, b13_2I: torch.Tensor | None, act: ActivationSpec
+    x_NH: torch.Tensor,
+    w13_2IH: torch.Tensor,
+    b13_2I: torch.Tensor | None,
+    act: ActivationSpec,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """First GEMM + activation: [..., N, H] -> [..., N, I] in x's dtype."""
-    h = torch.matmul(x_NH, w13_2IH.transpose(-1, -2)).float()
+    """First GEMM + activation: [..., N, H] -> [..., N, I] in `dtype` (default x's dtype); the
+    GEMM's output is rounded to `dtype` before the bias and the activation."""
+    dtype = dtype or x_NH.dtype
+    h = torch.matmul(x_NH, w13_2IH.transpose(-1, -2)).to(dtype).float()
     if b13_2I is not None:
         h = h + b13_2I.float().unsqueeze(-2)
-    return activate(h, act).to(x_NH.dtype)
+    return activate(h, act).to(dtype)
 
 
 def expert_down(a_NI: torch.Tensor, w2_HI: torch.Tensor, b2_H: torch.Tensor | None) -> torch.Tensor:
@@ -110,14 +120,20 @@ class ActQuant:
     def apply(
         self, x: torch.Tensor, gemm: int, expert: int | None, call_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [..., K] of one expert (`expert`) or of all experts ([E, C, K], expert None)."""
+        """x [..., K] of one expert (`expert`) or of all experts ([E, C, K], expert None) ->
+        the float32 values the kernel multiplies."""
         scale = call_scale
         if self.spec.act_scheme == "static_tensor":
             static = self.a13_scale if gemm == 1 else self.a2_scale
             scale = static[expert] if expert is not None else static.view(-1, 1, 1)
         group = self.spec.act_group_size or 128
         return fake_quantize_act(
-            x, self.spec.act_scheme, self.spec.act_dtype, scale=scale, group_size=group
+            x,
+            self.spec.act_scheme,
+            self.spec.act_dtype,
+            scale=scale,
+            group_size=group,
+            out_dtype=torch.float32,
         )
 
 
@@ -133,7 +149,7 @@ def run_standard(
     aq: ActQuant | None = None,
 ) -> torch.Tensor:
     """out [T, H] in x's dtype = sum_k weight_k * expert_{id_k}(x); ids of -1 contribute 0.
-    w unquantized; `aq` fake-quantizes the GEMM inputs (w8a8 formats)."""
+    w unquantized; `aq` fake-quantizes the GEMM inputs (w8a8 formats; w is then float32)."""
     T, H = x_TH.shape
     out = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
     flat_ids = topk.ids.reshape(-1).long()
@@ -150,7 +166,8 @@ def run_standard(
         start += n
         tokens = pairs // topk.top_k
         x = x_TH[tokens] if aq is None else aq.apply(x_TH[tokens], 1, e, s1)
-        work.append((e, pairs, tokens, expert_up(x, w.w13[e], _bias(w.b13, e), act)))
+        a = expert_up(x, w.w13[e], _bias(w.b13, e), act, x_TH.dtype)
+        work.append((e, pairs, tokens, a))
     s2 = aq.call_scale(torch.cat([a for *_, a in work])) if aq and work else None
     for e, pairs, tokens, a in work:
         if aq is not None:
@@ -174,7 +191,7 @@ def run_masked(
         y = expert_ffn(x_ECH, w.w13, w.w2, w.b13, w.b2, act)
     else:
         x = aq.apply(x_ECH, 1, None, aq.call_scale(x_ECH[valid]))
-        a = expert_up(x, w.w13, w.b13, act)
+        a = expert_up(x, w.w13, w.b13, act, x_ECH.dtype)
         y = expert_down(aq.apply(a, 2, None, aq.call_scale(a[valid])), w.w2, w.b2)
     # where, not a product: padding rows may hold garbage (NaN * 0 is NaN)
     return torch.where(valid.unsqueeze(-1), y, 0.0).to(x_ECH.dtype)
@@ -198,8 +215,8 @@ class TorchRunner(Runner):
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
     ) -> RunnerOutput:
         self.check(dispatch_out, weights, act)
-        aq = ActQuant.of(weights)
-        weights = weights.dequantized(dispatch_out.x.dtype)
+        aq = ActQuant.of(weights)  # w8a8: float32 GEMMs on fake-quantized inputs
+        weights = weights.dequantized(torch.float32 if aq else dispatch_out.x.dtype)
         if isinstance(dispatch_out, MaskedDispatchOutput):
             x, counts = dispatch_out.x, dispatch_out.counts
             return MaskedRunnerOutput(run_masked(x, counts, weights, act, aq))
