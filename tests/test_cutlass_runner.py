@@ -282,9 +282,10 @@ def test_caps_and_availability():
 
 # ---------------------------------------------------------------------------- fp8 (rowwise)
 
-# fp8 e4m3 keeps 3 mantissa bits: against the reference runner (the same quantization of weights
-# and activations, bf16 matmuls) the accumulation and rounding order differ by a few percent.
-FP8_VS_REFERENCE = 6e-2
+# Against the reference runner (the same fp8 quantization of weights and activations, float32
+# matmuls, bf16 intermediate) only the accumulation order and rare rounding flips of the
+# intermediate's fp8 quantization differ: about 0.3% seen on CPU.
+FP8_VS_REFERENCE = 2e-2
 FP8_VS_FP64 = 1e-1  # the fp64 reference does not quantize the activations
 
 FP8_SPECS = [

@@ -18,8 +18,9 @@ from tests.helpers import TOLERANCE, rel_err
 
 pytestmark = pytest.mark.gpu
 
-# fp8 e4m3 weights and activations vs the reference runner's fake quantization (bf16 matmuls)
-FP8_VS_REFERENCE = 6e-2
+# fp8 vs the reference runner's fake quantization (float32 matmuls, bf16 intermediate): see
+# tests/test_cutlass_runner.py (about 0.3% seen for the same quantization on CPU)
+FP8_VS_REFERENCE = 2e-2
 
 SHAPES = {  # per-rank E, K, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),

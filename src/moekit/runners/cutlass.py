@@ -188,7 +188,7 @@ def _weights_key(w: ExpertWeights, act: ActivationSpec) -> tuple:
 
 @register
 class CutlassRunner(Runner):
-    """`torch._grouped_mm` (CUTLASS, SM90+) for both GEMMs; Triton permute-free activation and
+    """`torch._grouped_mm` (CUTLASS, SM90+) for both GEMMs; device-side grouping, Triton activation and
     weighted top-k reduce around them; standard and masked formats; biases; CUDA-graph safe."""
 
     name = "cutlass"
