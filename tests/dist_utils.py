@@ -1,5 +1,5 @@
-"""Multi-process test groups: R spawned workers joined by torch.distributed (gloo on CPU, NCCL
-on GPUs), started once and reused by many test cases (gloo start-up is the slow part).
+"""Multi-process test groups: R workers joined by torch.distributed (gloo on CPU, forked; NCCL on
+GPUs, spawned), started once and reused by many test cases (process start-up is the slow part).
 
     pool = get_pool(4)                  # cached per (world size, backend) in this process
     results = pool.run(case_fn, spec)   # case_fn(spec) on every rank; list of returns by rank
@@ -48,7 +48,10 @@ class DistPool:
     """`world` spawned ranks in one process group; see the module docstring."""
 
     def __init__(self, world: int, backend: str = "gloo") -> None:
-        ctx = mp.get_context("spawn")
+        # fork is fast (no re-import of torch per rank) and safe for CPU-only gloo workers;
+        # CUDA needs spawn. MOEKIT_TEST_MP overrides.
+        method = os.environ.get("MOEKIT_TEST_MP") or ("spawn" if backend == "nccl" else "fork")
+        ctx = mp.get_context(method)
         fd, self.init_file = tempfile.mkstemp(prefix="moekit_dist_")
         os.close(fd)
         os.unlink(self.init_file)  # the file store creates it
