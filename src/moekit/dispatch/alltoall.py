@@ -19,7 +19,10 @@ low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturabl
   masked, x [E, R * C, H] + counts [E] (the worst case: every token of every rank picks the same
   local expert, as DeepEP low-latency sizes it), rows ordered by source rank, then token. The
   runner returns unweighted outputs; combine applies the top-k weights on the expert side, sends
-  one row per (source token, rank) back, and sums them.
+  one row per (source token, rank) back, and sums them. The layout metadata is built by two
+  fused Triton kernels on CUDA (`moekit.dispatch.layout`), so dispatch is a handful of kernels
+  and one collective; combine is two gathers and one collective. The ids of one token must be
+  distinct (as top-k gives them): the per-expert capacity counts each token once.
   A batch over capacity (T > C) is never truncated: it raises `CapacityError` before any
   communication. Every rank of the group must stay within C (the raise happens only on the
   ranks over it; the others would wait in the collective), so bound decode batches or use auto.
