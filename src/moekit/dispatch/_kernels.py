@@ -120,7 +120,7 @@ def _ll_recv_plan_kernel(
     dest = e * RC + position, counts[e] = how many. Program 0 also marks unused pairs
     (dest = E * RC) and copies the weights out contiguously."""
     e = tl.program_id(0)
-    count = 0
+    count = e * 0  # an int32 tensor: the loop-carried type stays the same
     for start in range(0, N, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         m = idx < N
