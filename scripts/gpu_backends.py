@@ -3,7 +3,8 @@
   python3 scripts/gpu_backends.py smoke   --work DIR
       DeepGEMM: import, version, M alignment, first (JIT) and second call times of its bf16 and
       fp8 grouped GEMMs, and their error against torch.
-  python3 scripts/gpu_backends.py sweep   --work DIR --jobs "J1;J2" --batch-sizes 1,4,.. --deadline EPOCH
+  python3 scripts/gpu_backends.py sweep   --work DIR --jobs "J1;J2" --batch-sizes 1,4,..
+                                          --deadline EPOCH
       Per job ("qwen3-30b-a3b --tp-size 2 --quantization fp8_w8a8 ..."): time every backend over
       the batch sizes (moekit.select_tune: CUDA-graph replay, correctness vs the reference) and
       write the selection table into $MOEKIT_CONFIG_DIR/select; then time `auto` (which now reads

@@ -91,7 +91,8 @@ def test_detect_matches_what_is_installed():
     """On this machine: deep_gemm / flashinfer are importable only if installed; the runners'
     availability follows detect()."""
     plat = detect()
-    for dist, backend in (("sgl-deep-gemm", "deep_gemm"), ("flashinfer-python", "flashinfer_cutlass")):
+    pairs = (("sgl-deep-gemm", "deep_gemm"), ("flashinfer-python", "flashinfer_cutlass"))
+    for dist, backend in pairs:
         if not plat.has(dist):
             assert not registry.availability(backend, plat)
             assert dist in registry.availability(backend, plat).reason or not plat.is_cuda

@@ -115,7 +115,10 @@ class SelectionTable:
     def nearest(self, num_tokens: int) -> Point:
         """The measured point nearest to `num_tokens` in log scale (ties: the smaller batch)."""
         x = math.log(max(num_tokens, 1))
-        return min(self.points, key=lambda p: (abs(math.log(max(p.num_tokens, 1)) - x), p.num_tokens))
+        def distance(p: Point) -> tuple[float, int]:
+            return abs(math.log(max(p.num_tokens, 1)) - x), p.num_tokens
+
+        return min(self.points, key=distance)
 
     def crossovers(self) -> list[tuple[int, str]]:
         """[(T, winner)] at each measured T where the fastest backend changes (the first point

@@ -152,7 +152,9 @@ def run_cli(args) -> int:
     try:
         sizes = tuple(int(s) for s in args.batch_sizes.split(",") if s.strip())
     except ValueError:
-        raise ConfigError(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+        raise ConfigError(
+            f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}"
+        )
     spec = sweep_spec(
         args.model,
         tp_size=args.tp_size,

@@ -53,7 +53,7 @@ def weighted_reduce_torch(
     hidden: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """out [T, hidden] = sum_k weights[t, k] * (y[row[t, k], :hidden] + b2[expert]) for rows >= 0."""
+    """out [T, hidden] = sum_k weights[t, k] * (y[row[t, k], :hidden] + b2[expert]), rows >= 0."""
     T, K = row_TK.shape
     if T == 0:
         return torch.zeros(0, hidden, dtype=out_dtype, device=y_MH.device)
@@ -112,7 +112,8 @@ if HAS_TRITON:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             out = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-        tl.store(a_ptr + m.to(tl.int64) * stride_a + cols, out.to(a_ptr.dtype.element_ty), mask=mask)
+        out_row = a_ptr + m.to(tl.int64) * stride_a
+        tl.store(out_row + cols, out.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _weighted_reduce_kernel(
@@ -144,7 +145,8 @@ if HAS_TRITON:
                 e = tl.maximum(tl.load(expert_ptr + safe), 0).to(tl.int64)
                 y += tl.load(b_ptr + e * stride_b + cols, mask=cmask & ok, other=0.0).to(tl.float32)
             acc += tl.where(ok, w, 0.0) * y
-        tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        out_row = out_ptr + t.to(tl.int64) * stride_o
+        tl.store(out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def _block(n: int, cap: int = 1024) -> int:
@@ -239,6 +241,8 @@ def activation(h_MN, expert_M, b13_EN, act, *, use_triton: bool):
     return fn(h_MN, expert_M, b13_EN, act)
 
 
-def weighted_reduce(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype, *, use_triton: bool):
+def weighted_reduce(
+    y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype, *, use_triton: bool
+):
     fn = weighted_reduce_triton if use_triton else weighted_reduce_torch
     return fn(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype)

@@ -188,8 +188,9 @@ def _weights_key(w: ExpertWeights, act: ActivationSpec) -> tuple:
 
 @register
 class CutlassRunner(Runner):
-    """`torch._grouped_mm` (CUTLASS, SM90+) for both GEMMs; device-side grouping, Triton activation and
-    weighted top-k reduce around them; standard and masked formats; biases; CUDA-graph safe."""
+    """`torch._grouped_mm` (CUTLASS, SM90+) for both GEMMs; device-side grouping, Triton
+    activation and weighted top-k reduce around them; standard and masked formats; biases;
+    bf16 and fp8 (rowwise); CUDA-graph safe."""
 
     name = "cutlass"
     caps = RunnerCaps(
@@ -372,7 +373,9 @@ class CutlassRunner(Runner):
         rows = group_rows(topk.ids, w.num_experts, align=FP8_ALIGN)
         valid = rows.expert_M >= 0
         x_rows = x_TH[rows.token_M]
-        y = self._fp8_expert_pass(x_rows, rows.ends_E, rows.expert_M, valid, w, act, tri, x_all=x_TH)
+        y = self._fp8_expert_pass(
+            x_rows, rows.ends_E, rows.expert_M, valid, w, act, tri, x_all=x_TH
+        )
         return kernels.weighted_reduce(
             y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype, use_triton=tri
         )
@@ -381,7 +384,9 @@ class CutlassRunner(Runner):
         self._check_fp8(x_ECH, w)
         E, C, H = x_ECH.shape
         if E != w.num_experts:
-            raise RunnerError(f"runner 'cutlass': masked x has {E} experts, weights {w.num_experts}")
+            raise RunnerError(
+                f"runner 'cutlass': masked x has {E} experts, weights {w.num_experts}"
+            )
         if E * C == 0:
             return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
         tri = self._kernels_on(x_ECH)

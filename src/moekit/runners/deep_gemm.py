@@ -128,7 +128,8 @@ class DeepGemmRunner(Runner):
             )
         if not platform.has(LIBRARY):
             return Availability(
-                False, f"needs {LIBRARY} (import deep_gemm), which is not importable ({INSTALL_HINT})"
+                False,
+                f"needs {LIBRARY} (import deep_gemm), which is not importable ({INSTALL_HINT})",
             )
         return Availability(True)
 
@@ -221,7 +222,9 @@ class DeepGemmRunner(Runner):
         fp8 = self._check(x_ECH, w)
         E, C, H = x_ECH.shape
         if E != w.num_experts:
-            raise RunnerError(f"runner 'deep_gemm': masked x has {E} experts, weights {w.num_experts}")
+            raise RunnerError(
+                f"runner 'deep_gemm': masked x has {E} experts, weights {w.num_experts}"
+            )
         if E * C == 0:
             return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
         counts = counts_E.to(torch.int32).contiguous()
@@ -230,7 +233,9 @@ class DeepGemmRunner(Runner):
         slot = torch.arange(C, device=x_ECH.device).unsqueeze(0)
         expert = torch.arange(E, device=x_ECH.device, dtype=torch.int32).unsqueeze(1)
         expert_M = torch.where(slot < counts.unsqueeze(1), expert, -1).reshape(-1)
-        a = kernels.activation(h.view(E * C, -1), expert_M, w.b13, act, use_triton=kernels.HAS_TRITON)
+        a = kernels.activation(
+            h.view(E * C, -1), expert_M, w.b13, act, use_triton=kernels.HAS_TRITON
+        )
         y = self._gemm_masked(a.view(E, C, -1), w.w2, w.w2_scale, counts, expected_m, fp8)
         if w.b2 is not None:
             y = (y.float() + w.b2.float().unsqueeze(1)).to(x_ECH.dtype)

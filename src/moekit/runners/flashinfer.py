@@ -127,7 +127,9 @@ class FlashInferCutlassRunner(Runner):
         if not platform.is_cuda:
             return Availability(False, "needs a CUDA GPU (SM90+); no CUDA GPU")
         if platform.sm() < 90:
-            return Availability(False, f"needs SM90+ (Hopper or newer); this GPU is SM{platform.sm()}")
+            return Availability(
+                False, f"needs SM90+ (Hopper or newer); this GPU is SM{platform.sm()}"
+            )
         if not platform.has(LIBRARY):
             return Availability(False, f"needs {LIBRARY}, which is not installed ({INSTALL_HINT})")
         return Availability(True)
