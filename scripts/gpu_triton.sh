@@ -8,6 +8,7 @@
 #   (default env,tests,bench,tune,final). Environment:
 #   TUNE_MODELS  space-separated model@tp@ep (default: the four issue shapes)
 #   DEADLINE_S   seconds after start when tuning stops taking new batch sizes (default 480)
+#   TUNE_FORCE   comma list of batch sizes to re-tune even if already in the tables
 #   TEST_TIMEOUT_S  limit of the pytest stage (default 240)
 set -u
 cd "$(dirname "$0")/.."
@@ -55,6 +56,7 @@ start = float(os.environ["START_S"])
 deadline = start + float(os.environ["DEADLINE_S"])
 out = Path(os.environ.get("OUT", "/tmp/gpu_triton_out"))
 models = [m.split("@") for m in os.environ["TUNE_MODELS"].split()]
+force = {int(t) for t in os.environ.get("TUNE_FORCE", "").split(",") if t.strip()}
 shapes = [shape_for(m, int(tp), int(ep)) for m, tp, ep in models]
 results_path = out / "results.json"
 results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -96,7 +98,7 @@ if "tune" in stages:
                 print(f"deadline: stop tuning before {s.label} T={T}")
                 break
             try:
-                rep = tune(s, [T], out_dir=cfg_dir, progress=False, ceilings=ceil,
+                rep = tune(s, [T], out_dir=cfg_dir, progress=False, ceilings=ceil, force=T in force,
                            note=f"scripts/gpu_triton.sh {s.label}")
             except Exception:
                 traceback.print_exc()

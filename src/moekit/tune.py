@@ -123,26 +123,29 @@ def _fits(gemm: str, c: GemmConfig, n: int, k: int, elem: int) -> bool:
 
 
 def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int = 2):
-    """Round 1: tile shapes for the regime of `rows_per_expert` (mean rows per used expert)."""
+    """Round 1: tile shapes for the regime of `rows_per_expert` (mean rows per used expert),
+    with and without TMA, 8 warps where the accumulators need them."""
     m = rows_per_expert
     if m <= 12:  # weight-bandwidth bound: 16-row blocks, long K steps
-        groups = [((16,), (32, 64, 128), (128, 256), (False, True), 4, 4)]
+        groups = [((16,), (16, 32, 64, 128), (128, 256), (False, True), 4)]
     elif m <= 48:
-        groups = [((16, 32), (64, 128), (128,), (False, True), 4, 4),
-                  ((64,), (64, 128), (64,), (False,), 4, 4)]  # fmt: skip
+        groups = [((16, 32), (64, 128), (128,), (False, True), 4),
+                  ((64,), (64, 128), (64,), (False,), 4)]  # fmt: skip
     elif m <= 384:
-        groups = [((64, 128), (64, 128), (64, 128), (False,), 4, 3)]
-    else:  # MMA bound
-        groups = [((64, 128), (64, 128, 256), (64,), (False,), 8, 3)]
+        groups = [((32, 64, 128), (64, 128), (64, 128), (False,), 3)]
+    else:  # MMA / L2 bound: the largest tiles the registers allow
+        groups = [((64, 128, 256), (64, 128, 256), (64,), (False,), 3)]
     group = 1 if m <= 12 else 8
     out = []
-    for bms, bns, bks, swaps, warps, stages in groups:
+    for bms, bns, bks, swaps, stages in groups:
         for bm in bms:
             for bn in bns:
                 for bk in bks:
                     for swap in swaps:
-                        if gemm == "gate_up" and bm * bn > 128 * 128:
-                            continue  # two accumulators of bm x bn
+                        cols = 2 * bn if gemm == "gate_up" else bn
+                        if bm * cols > 256 * 128:
+                            continue  # accumulators over 128 registers a thread at 8 warps
+                        warps = 8 if bm * cols > 64 * 128 else 4
                         for tma in (False, True):
                             c = GemmConfig(bm, bn, bk, group, warps, stages, swap, tma=tma)
                             c = _clamp(gemm, c, n, k)
