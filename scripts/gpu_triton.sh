@@ -4,8 +4,8 @@
 # src/moekit/configs/triton). Everything lands under $OUT (at most 8 files come back):
 #   log.txt  pytest.txt  results.json  configs.tgz (the tuned tables)
 #
-# Usage: scripts/gpu_triton.sh [STAGES]   STAGES: comma list of env,tests,bench,tune,final,zipf
-#   (default env,tests,bench,tune,final). Environment:
+# Usage: scripts/gpu_triton.sh [STAGES]   STAGES: comma list of env,tests,bench,tune,align,final,zipf
+#   (default env,tests,bench,tune,final; also: align). Environment:
 #   TUNE_MODELS  space-separated model@tp@ep (default: the four issue shapes)
 #   DEADLINE_S   seconds after start when tuning stops taking new batch sizes (default 480)
 #   TUNE_FORCE   comma list of batch sizes to re-tune even if already in the tables
@@ -108,6 +108,20 @@ if "tune" in stages:
         with tarfile.open(out / "configs.tgz", "w:gz") as tar:
             for p in sorted(cfg_dir.glob("*.json")):
                 tar.add(p, arcname=p.name)
+
+if "align" in stages:
+    from moekit.bench import time_ms
+    from moekit.runners.triton.align import align_block_size
+    from moekit.tune import uniform_topk
+    for s in shapes:
+        line = []
+        for T in BATCH_SIZES:
+            ids = uniform_topk(T, s.num_experts, s.top_k, "cuda").ids
+            us = time_ms(lambda: align_block_size(ids, s.num_experts, 64), "cuda") * 1e3
+            line.append(f"{T}:{us:.1f}")
+            results.setdefault("align_us", {}).setdefault(s.label, {})[T] = us
+        print(f"align (BM=64) {s.label}: " + " ".join(line))
+    save()
 
 if "final" in stages:
     bench("final")

@@ -19,7 +19,7 @@ from moekit.runners.triton.align import (  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small chunks so that the 3-kernel path (P > single_max) runs in the interpreter quickly.
-SMALL_CHUNKS = AlignTuning(single_max=32, chunk=32)
+SMALL_CHUNKS = AlignTuning(single_max=32, min_chunk=16, max_chunks=4)
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ CASES = [
     Case("bm64", 21, 4, 5, 64, masked=0.1),
     Case("chunked", 23, 3, 6, 16, masked=0.15, tuning=SMALL_CHUNKS),
     Case("chunked-one-expert", 40, 2, 5, 32, one_expert=True, tuning=SMALL_CHUNKS),
+    # 10 chunks, scanned 8 at a time (E = 600: [8, 1024] tiles)
+    Case("chunked-many-experts", 100, 3, 600, 16, masked=0.1,
+         tuning=AlignTuning(single_max=32, min_chunk=16, max_chunks=16)),  # fmt: skip
 ]
 
 
@@ -129,7 +132,10 @@ def test_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,K,E,BM", [(1, 8, 128, 16), (300, 8, 128, 64), (16384, 8, 32, 128)])
+@pytest.mark.parametrize(
+    "T,K,E,BM", [(1, 8, 128, 16), (64, 8, 128, 16), (300, 8, 128, 64), (8192, 8, 256, 64),
+                 (16384, 8, 32, 128)],
+)  # fmt: skip
 def test_align_gpu_large(T, K, E, BM):
     ids = torch.rand(T, E, device="cuda").topk(K, dim=1).indices.to(torch.int32)
     ids[torch.rand(T, K, device="cuda") < 0.05] = -1

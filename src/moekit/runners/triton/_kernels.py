@@ -53,19 +53,15 @@ def _sort_chunk(ids_ptr, start, P, E, CHUNK: tl.constexpr, EP: tl.constexpr):
 def _write_layout(
     cnt,
     sorted_ids_ptr,
-    block_expert_ptr,
     num_rows_ptr,
     P,
-    E,
-    max_blocks,
     BLOCK_M: tl.constexpr,
     EP: tl.constexpr,
     PAD_STEP: tl.constexpr,
-    BLOCKS_STEP: tl.constexpr,
 ):
-    """From the per-expert counts cnt [EP] (0 past E): write the padded row total, the padding
-    sentinels (value P) at the end of each expert's segment and the expert of every block
-    (-1 past the last used block). Returns the first padded row of each expert [EP]."""
+    """From the per-expert counts cnt [EP] (0 past E): write the padded row total and the
+    padding sentinels (value P) at the end of each expert's segment. Returns the first and
+    the end padded row of each expert ([EP] each)."""
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -81,13 +77,21 @@ def _write_layout(
             sentinel,
             mask=col[None, :] < fill_len[:, None],
         )
-    # expert of each block = number of experts whose padded segment ends at or before it
-    for b0 in range(0, max_blocks, BLOCKS_STEP):
+    return pad_start, pad_end
+
+
+@triton.jit
+def _write_block_experts(
+    block_expert_ptr, pad_end, E, b_begin, b_end,
+    BLOCK_M: tl.constexpr, BLOCKS_STEP: tl.constexpr,
+):  # fmt: skip
+    """block_expert[b] for b in [b_begin, b_end): the number of experts whose padded segment
+    ends at or before the block's first row (-1 past the last used block)."""
+    for b0 in range(b_begin, b_end, BLOCKS_STEP):
         b = b0 + tl.arange(0, BLOCKS_STEP)
         before = (pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32)
         e = tl.sum(before, 1)
-        tl.store(block_expert_ptr + b, tl.where(e < E, e, -1), mask=b < max_blocks)
-    return pad_start
+        tl.store(block_expert_ptr + b, tl.where(e < E, e, -1), mask=b < b_end)
 
 
 @triton.jit
@@ -108,10 +112,10 @@ def _align_small_kernel(
     """One program does the whole alignment (P <= CHUNK)."""
     sorted_e, sorted_pair, rank, hist = _sort_chunk(ids_ptr, 0, P, E, CHUNK, EP)
     cnt = tl.where(tl.arange(0, EP) < E, hist, 0)
-    pad_start = _write_layout(
-        cnt, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, P, E, max_blocks,
-        BLOCK_M, EP, PAD_STEP, BLOCKS_STEP,
-    )  # fmt: skip
+    pad_start, pad_end = _write_layout(
+        cnt, sorted_ids_ptr, num_rows_ptr, P, BLOCK_M, EP, PAD_STEP
+    )
+    _write_block_experts(block_expert_ptr, pad_end, E, 0, max_blocks, BLOCK_M, BLOCKS_STEP)
     dest = tl.gather(pad_start, sorted_e, 0) + rank
     tl.store(sorted_ids_ptr + dest, sorted_pair, mask=sorted_e < E)
 
@@ -135,41 +139,50 @@ def _align_chunk_kernel(
 def _align_scan_kernel(
     hist_ptr,
     base_ptr,
+    pad_end_ptr,
     sorted_ids_ptr,
-    block_expert_ptr,
     num_rows_ptr,
     num_chunks,
     P,
     E,
-    max_blocks,
     BLOCK_M: tl.constexpr,
     EP: tl.constexpr,
     PAD_STEP: tl.constexpr,
-    BLOCKS_STEP: tl.constexpr,
+    CB: tl.constexpr,
 ):
-    """Pass 2 of 3 (one program): totals per expert, the padded layout, and base[c, e] = the
-    row where chunk c's pairs of expert e start."""
+    """Pass 2 of 3 (one program): totals per expert, the padded layout (pad_end [EP] stored for
+    pass 3), and base[c, e] = the row where chunk c's pairs of expert e start. Chunks are
+    read CB at a time as [CB, EP] tiles."""
     ee = tl.arange(0, EP)
+    cc = tl.arange(0, CB)
     cnt = tl.zeros([EP], dtype=tl.int32)
-    for c in range(num_chunks):
-        cnt += tl.load(hist_ptr + c * EP + ee)
+    for c0 in range(0, num_chunks, CB):
+        m = (c0 + cc)[:, None] < num_chunks
+        tile = tl.load(hist_ptr + (c0 + cc)[:, None] * EP + ee[None, :], mask=m, other=0)
+        cnt += tl.sum(tile, 0)
     cnt = tl.where(ee < E, cnt, 0)
-    pad_start = _write_layout(
-        cnt, sorted_ids_ptr, block_expert_ptr, num_rows_ptr, P, E, max_blocks,
-        BLOCK_M, EP, PAD_STEP, BLOCKS_STEP,
-    )  # fmt: skip
+    pad_start, pad_end = _write_layout(
+        cnt, sorted_ids_ptr, num_rows_ptr, P, BLOCK_M, EP, PAD_STEP
+    )
+    tl.store(pad_end_ptr + ee, pad_end)
     running = pad_start
-    for c in range(num_chunks):
-        tl.store(base_ptr + c * EP + ee, running)
-        running += tl.load(hist_ptr + c * EP + ee)
+    for c0 in range(0, num_chunks, CB):
+        m = (c0 + cc)[:, None] < num_chunks
+        offs = (c0 + cc)[:, None] * EP + ee[None, :]
+        tile = tl.load(hist_ptr + offs, mask=m, other=0)
+        incl = tl.cumsum(tile, 0)
+        tl.store(base_ptr + offs, running[None, :] + incl - tile, mask=m)
+        running += tl.sum(tile, 0)
 
 
 @triton.jit
 def _align_scatter_kernel(
-    expert_ptr, pair_ptr, rank_ptr, base_ptr, sorted_ids_ptr, E,
-    CHUNK: tl.constexpr, EP: tl.constexpr,
+    expert_ptr, pair_ptr, rank_ptr, base_ptr, pad_end_ptr, sorted_ids_ptr, block_expert_ptr,
+    E, max_blocks, blocks_per_program,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EP: tl.constexpr, BLOCKS_STEP: tl.constexpr,
 ):  # fmt: skip
-    """Pass 3 of 3: each sorted pair goes to base[c, expert] + rank."""
+    """Pass 3 of 3: each sorted pair goes to base[c, expert] + rank; program c also writes the
+    expert of its share of the blocks."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(expert_ptr + offs)
@@ -177,6 +190,10 @@ def _align_scatter_kernel(
     base = tl.load(base_ptr + c * EP + e, mask=ok, other=0)
     rank = tl.load(rank_ptr + offs)
     tl.store(sorted_ids_ptr + base + rank, tl.load(pair_ptr + offs), mask=ok)
+    pad_end = tl.load(pad_end_ptr + tl.arange(0, EP))
+    b_begin = c * blocks_per_program
+    b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
+    _write_block_experts(block_expert_ptr, pad_end, E, b_begin, b_end, BLOCK_M, BLOCKS_STEP)
 
 
 # ----------------------------------------------------------------------------------------------

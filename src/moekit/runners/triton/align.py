@@ -19,10 +19,15 @@ import torch
 
 @dataclass(frozen=True)
 class AlignTuning:
-    """single_max: largest P done by one program; chunk: pairs per program above that."""
+    """single_max: largest P done by one program; above it, P is cut into at most max_chunks
+    chunks of at least min_chunk pairs (powers of two), sorted by one program each."""
 
-    single_max: int = 2048
-    chunk: int = 2048
+    single_max: int = 256
+    min_chunk: int = 256
+    max_chunks: int = 64
+
+    def chunk(self, num_pairs: int) -> int:
+        return max(self.min_chunk, _next_pow2(-(-num_pairs // self.max_chunks)))
 
 
 ALIGN_TUNING = AlignTuning()
@@ -98,20 +103,17 @@ def align_block_size(
     if P == 0:
         return out
     EP = _next_pow2(E + 1)
-    layout = dict(
-        BLOCK_M=block_m,
-        EP=EP,
-        PAD_STEP=min(block_m, 16),
-        BLOCKS_STEP=max(16, min(128, 4096 // EP)),
-    )
+    pad_step = min(block_m, 16)
+    blocks_step = max(16, min(128, 4096 // EP))
     if P <= tuning.single_max:
         chunk = _next_pow2(max(P, 16))
         k._align_small_kernel[(1,)](
             ids, out.sorted_ids, out.block_expert, out.num_rows, P, E, out.max_blocks,
-            CHUNK=chunk, num_warps=4 if chunk <= 512 else 8, **layout,
+            BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step, BLOCKS_STEP=blocks_step,
+            num_warps=4 if chunk <= 512 else 8,
         )  # fmt: skip
         return out
-    chunk = tuning.chunk
+    chunk = tuning.chunk(P)
     C = triton.cdiv(P, chunk)
     dev = ids.device
     expert = torch.empty(C * chunk, dtype=torch.int32, device=dev)
@@ -119,16 +121,20 @@ def align_block_size(
     rank = torch.empty_like(expert)
     hist = torch.empty(C * EP, dtype=torch.int32, device=dev)
     base = torch.empty_like(hist)
+    pad_end = torch.empty(EP, dtype=torch.int32, device=dev)
+    warps = 4 if chunk <= 512 else 8
     k._align_chunk_kernel[(C,)](
-        ids, expert, pair, rank, hist, P, E, CHUNK=chunk, EP=EP, num_warps=8
+        ids, expert, pair, rank, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps
     )
     k._align_scan_kernel[(1,)](
-        hist, base, out.sorted_ids, out.block_expert, out.num_rows, C, P, E, out.max_blocks,
-        num_warps=4, **layout,
+        hist, base, pad_end, out.sorted_ids, out.num_rows, C, P, E,
+        BLOCK_M=block_m, EP=EP, PAD_STEP=pad_step, CB=max(1, min(64, 8192 // EP)), num_warps=8,
     )  # fmt: skip
     k._align_scatter_kernel[(C,)](
-        expert, pair, rank, base, out.sorted_ids, E, CHUNK=chunk, EP=EP, num_warps=8
-    )
+        expert, pair, rank, base, pad_end, out.sorted_ids, out.block_expert, E,
+        out.max_blocks, triton.cdiv(out.max_blocks, C),
+        BLOCK_M=block_m, CHUNK=chunk, EP=EP, BLOCKS_STEP=blocks_step, num_warps=warps,
+    )  # fmt: skip
     return out
 
 
