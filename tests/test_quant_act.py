@@ -21,6 +21,8 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+# Kernel tests run on the GPU where there is one, else in the Triton CPU interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_token_group_reference_by_hand():
@@ -44,8 +46,8 @@ def test_int8_rounds_half_to_even():
     assert s.tolist() == [[1.0]]
     assert q.tolist() == [[127, 2, 4, -2, 0, 2, -126]]
     if HAS_TRITON:
-        qk, sk = quantize_act(x, "token", torch.int8)
-        assert torch.equal(qk, q) and torch.equal(sk, s)
+        qk, sk = quantize_act(x.to(DEV), "token", torch.int8)
+        assert torch.equal(qk.cpu(), q) and torch.equal(sk.cpu(), s)
 
 
 def test_tensor_schemes_reference():
@@ -92,7 +94,7 @@ def _scale_for(scheme, x, qdtype):
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("T, H", [(0, 256), (1, 256), (9, 200), (5, 7)])
 def test_kernel_matches_reference(scheme, qdtype, xdtype, T, H):
-    x = _inputs(T, H, xdtype)
+    x = _inputs(T, H, xdtype).to(DEV)
     scale = _scale_for(scheme, x, qdtype)
     q_ref, s_ref = quantize_act_ref(x, scheme, qdtype, scale=scale)
     if qdtype == torch.int8:
@@ -105,6 +107,9 @@ def test_kernel_matches_reference(scheme, qdtype, xdtype, T, H):
         q = pre.to(FP8)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         assert (pre.abs() <= 448).all()
+        if DEV == "cuda":  # the GPU's own fp8 cast
+            q, s = quantize_act(x, scheme, qdtype, scale=scale)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert s.dtype == torch.float32 and s.shape == s_ref.shape
     assert torch.equal(s, s_ref)
 
@@ -119,7 +124,7 @@ def test_kernel_fp8_output_on_grid_values(scheme):
     codes |= torch.randint(0, 2, (T, H), dtype=torch.uint8) << 7
     grid = codes.view(FP8).float()
     grid[:, ::128] = 448.0
-    x = grid * 2.0 ** torch.randint(-4, 5, (T, 1)).float()
+    x = (grid * 2.0 ** torch.randint(-4, 5, (T, 1)).float()).to(DEV)
     q, s = quantize_act(x, scheme, FP8)
     q_ref, s_ref = quantize_act_ref(x, scheme, FP8)
     assert q.dtype == FP8
@@ -128,7 +133,7 @@ def test_kernel_fp8_output_on_grid_values(scheme):
 
 @needs_triton
 def test_kernel_strided_input():
-    base = torch.randn(8, 512)
+    base = torch.randn(8, 512, device=DEV)
     x = base[:, 100:356]  # row stride 512, last dim contiguous
     q, s = quantize_act(x, "token_group", torch.int8)
     q_ref, s_ref = quantize_act_ref(x, "token_group", torch.int8)

@@ -54,11 +54,17 @@ def _check(x: torch.Tensor, scheme: str, dtype: torch.dtype, scale, group_size: 
     return ACT_DTYPES[dtype]
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t / c correctly rounded on every device, as the kernel's div_rn (CUDA would multiply by
+    the reciprocal of a Python scalar)."""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
+
+
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> torch.Tensor:
     """The 'dynamic_tensor' scale of x: [1] float32 = max(amax(|x|), eps) / qmax (eps if empty)."""
     qmax = ACT_DTYPES[dtype]
     amax = x.abs().amax().float().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
-    return amax.clamp_min(EPS) / qmax
+    return _div(amax.clamp_min(EPS), qmax)
 
 
 def _round_cast(y: torch.Tensor, dtype: torch.dtype, qmax: float) -> torch.Tensor:
@@ -88,7 +94,7 @@ def quantize_act_ref(
     g = max(H, 1) if scheme == "token" else group_size
     n = -(-H // g)  # groups per row (the last may be partial)
     xg = torch.nn.functional.pad(xf, (0, n * g - H)).reshape(*lead, n, g)
-    s = xg.abs().amax(dim=-1).clamp_min(EPS) / qmax  # [.., n]
+    s = _div(xg.abs().amax(dim=-1).clamp_min(EPS), qmax)  # [.., n]
     q = _round_cast(xg / s[..., None], dtype, qmax).reshape(*lead, n * g)[..., :H]
     if scheme == "token" and n == 0:  # H = 0: still one scale per row
         s = xf.new_full((*lead, 1), EPS / qmax)

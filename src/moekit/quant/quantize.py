@@ -65,9 +65,15 @@ class QuantizedTensor:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t / c correctly rounded on every device (CUDA turns a division by a Python scalar into a
+    multiplication by its reciprocal, one ulp off the CPU result)."""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
+
+
 def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """amax / qmax in float32, with 1 where that is 0 (a group of zeros)."""
-    s = amax.float() / qmax
+    s = _div(amax.float(), qmax)
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
@@ -151,14 +157,14 @@ def quantize(w: torch.Tensor, fmt: str | QuantSpec, **params) -> QuantizedTensor
         data = packing.pack_uint4(q.clamp(0, 15).reshape(*lead, N, K))
     elif isinstance(spec, MXFP4):
         wg = _groups(w, spec.group_size)
-        scale = packing.e8m0_encode(wg.abs().amax(dim=-1) / E2M1_MAX, rounding="up")
+        scale = packing.e8m0_encode(_div(wg.abs().amax(dim=-1), E2M1_MAX), rounding="up")
         s = packing.e8m0_decode(scale)
         data = packing.pack_uint4(packing.e2m1_encode(wg / s[..., None]).reshape(*lead, N, K))
     elif isinstance(spec, NVFP4):
         global_scale = _safe_scale(w.abs().amax(dim=(-2, -1)), E2M1_MAX * FP8_MAX)
         wg = _groups(w, spec.group_size)
         g = global_scale[..., None, None]
-        scale = _fp8(wg.abs().amax(dim=-1) / E2M1_MAX / g)
+        scale = _fp8(_div(wg.abs().amax(dim=-1), E2M1_MAX) / g)
         eff = scale.float() * g  # the multiplier dequantize will use
         safe = torch.where(eff > 0, eff, torch.ones_like(eff))[..., None]
         codes = packing.e2m1_encode(torch.where(eff[..., None] > 0, wg / safe, 0.0))
