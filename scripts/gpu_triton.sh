@@ -60,9 +60,14 @@ force = {int(t) for t in os.environ.get("TUNE_FORCE", "").split(",") if t.strip(
 shapes = [shape_for(m, int(tp), int(ep)) for m, tp, ep in models]
 results_path = out / "results.json"
 results = json.loads(results_path.read_text()) if results_path.exists() else {}
-ceil = measure_ceilings("cuda", torch.bfloat16)
+# ceilings: the best of three measurements after a warm-up (the highest rates give the lowest,
+# most demanding floor; single measurements varied by ~5% between calls)
+tries = [measure_ceilings("cuda", torch.bfloat16) for _ in range(4)][1:]
+ceil = max(tries, key=lambda c: c.matmul_flops_per_s)
+ceil = type(ceil)(max(c.copy_bytes_per_s for c in tries), ceil.matmul_flops_per_s, ceil.dtype)
 results["device"] = torch.cuda.get_device_name()
-results["ceilings"] = {"copy_TBps": ceil.copy_bytes_per_s / 1e12, "mm_TFLOPs": ceil.matmul_flops_per_s / 1e12}
+results["ceilings"] = {"copy_TBps": ceil.copy_bytes_per_s / 1e12, "mm_TFLOPs": ceil.matmul_flops_per_s / 1e12,
+                       "tries": [(c.copy_bytes_per_s / 1e12, c.matmul_flops_per_s / 1e12) for c in tries]}
 print(f"ceilings: copy {ceil.copy_bytes_per_s/1e12:.2f} TB/s, bf16 mm {ceil.matmul_flops_per_s/1e12:.0f} TFLOP/s")
 
 
@@ -125,12 +130,14 @@ if "align" in stages:
 
 if "final" in stages:
     bench("final")
+if "final2" in stages:  # a second sample of the same table (run-to-run spread)
+    bench("final2")
 if "zipf" in stages:
     bench("zipf", routing="zipf", sizes=(16, 256, 4096))
 
 # summary table
 print("\n== time / floor (CUDA-graph replay, uniform routing unless noted)")
-for tag in ("heuristic", "bench", "final", "zipf"):
+for tag in ("heuristic", "bench", "final", "final2", "zipf"):
     for label, rows in results.get(tag, {}).items():
         print(f"{tag:9} {label:24} " + " ".join(f"{r['T']}:{r['ratio']:.2f}" for r in rows))
 print(f"total {time.time() - start:.0f}s")

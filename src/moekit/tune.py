@@ -300,12 +300,12 @@ class _Point:
         return self._aligns[block_m]
 
 
-def _time_us(fn, device, R: int) -> float:
+def _time_us(fn, device, R: int, warmup: int = 2, samples: int = 7) -> float:
     from moekit.bench import time_ms
 
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu:
-        ms = time_ms(fn, device, cuda_graph=True, warmup=2, samples=7)
+        ms = time_ms(fn, device, cuda_graph=True, warmup=warmup, samples=samples)
     else:  # CPU (Triton interpreter): one warm-up call, one timed call
         ms = time_ms(fn, device, cuda_graph=False, warmup=1, samples=1)
     return ms * 1e3 / R
@@ -622,7 +622,7 @@ def measure(
                 ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
 
         row = {"T": T, "routing": routing, "gate_up": _short(cfgs[0]), "down": _short(cfgs[1])}
-        row["layer_us"] = _time_us(layer, device, p.R)
+        row["layer_us"] = _time_us(layer, device, p.R, warmup=10, samples=15)
         floors = [moe_cost(t.ids, shape.num_experts, shape.hidden, shape.intermediate,
                            act_bytes=dt.itemsize).floor_s(ceilings) * 1e6 for t in p.topks]  # fmt: skip
         row["floor_us"] = sum(floors) / len(floors)
