@@ -192,7 +192,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         w = q.data.to(f) * q.scale.to(f)[..., None]
     elif isinstance(spec, Int4W4A16):
         v = _groups(packing.unpack_uint4(q.data).to(f), spec.group_size)
-        z = q.zero.to(f) if q.zero is not None else torch.full((), 8.0, dtype=f)
+        dev = q.data.device
+        z = q.zero.to(f) if q.zero is not None else torch.full((), 8.0, dtype=f, device=dev)
         w = ((v - z[..., None]) * q.scale.to(f)[..., None]).reshape(*lead, N, K)
     elif isinstance(spec, (MXFP4, NVFP4)):
         v = _groups(packing.e2m1_decode(packing.unpack_uint4(q.data)).to(f), spec.group_size)
