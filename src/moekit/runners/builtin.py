@@ -5,3 +5,4 @@ from moekit.runners import cutlass  # noqa: F401
 from moekit.runners import triton  # noqa: F401
 from moekit.runners import flashinfer  # noqa: F401
 from moekit.runners import deep_gemm  # noqa: F401
+from moekit.runners import triton_kernel  # noqa: F401

@@ -1,0 +1,91 @@
+"""The `triton_kernel` runner: a persistent Triton MoE aimed at large batches.
+
+Design (not a re-tuned `triton`): the (token, k) pairs are counting-sorted by expert on device
+with no padded alignment buffer (`routing.py`: per-expert offsets, and the work tiles
+enumerated from the per-expert counts, their number kept on device); two persistent grouped
+GEMMs (grid = SMs) loop over (tile, column block) work items: gate_up gathers the tokens' rows
+of x in its operand load and applies the activation in its epilogue; down applies the routing
+weight and scatters each row back to its pair in its epilogue; a deterministic kernel sums the
+K rows of each token (`ops.py` says why not atomics). Configs are data (`configs.py`).
+
+Supports: the standard dispatch format (not masked), unquantized weights, activations silu /
+gelu / swiglu_oai, biases, interleaved gate/up, float16 / bfloat16 (and float32), on CUDA
+(compute capability >= 8.0) and CUDA graphs; on CPU only in the Triton interpreter
+(TRITON_INTERPRET=1 set before import; float32 / float16, as bfloat16 is wrong there).
+Importing this module needs no Triton (the runner then reports itself unavailable).
+"""
+
+from __future__ import annotations
+
+import os
+
+from moekit.config import ACTIVATIONS
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.registry import register
+from moekit.stages import STANDARD, DispatchOutput, RunnerOutput, StandardRunnerOutput
+
+MIN_CAPABILITY = (8, 0)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@register
+class TritonKernelRunner(Runner):
+    """Persistent fused MoE in Triton for large batches: standard format, every activation,
+    biases, interleaved, CUDA graphs (see the module docstring)."""
+
+    name = "triton_kernel"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD}),
+        weight_formats=frozenset({"unquantized"}),
+        activations=frozenset(ACTIVATIONS),
+        devices=frozenset({"cuda", "cpu"} if _interpret() else {"cuda"}),
+        cuda_graph=True,
+    )
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        if not platform.has("triton"):
+            return Availability(False, "needs the triton package (pip install triton)")
+        if platform.is_cuda:
+            if platform.capability is not None and platform.capability < MIN_CAPABILITY:
+                return Availability(
+                    False,
+                    f"needs a CUDA GPU of compute capability >= 8.0, found {platform.capability}",
+                )
+            return Availability(True)
+        if _interpret():
+            return Availability(True, "CPU through the Triton interpreter (TRITON_INTERPRET=1)")
+        return Availability(
+            False, "needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+        )
+
+    @classmethod
+    def unsupported(
+        cls, fmt: str, weight_format: str, activation: str, dtype: str, device: str, bias: bool
+    ) -> str | None:
+        problem = super().unsupported(fmt, weight_format, activation, dtype, device, bias)
+        if problem is None and device == "cpu" and dtype == "bfloat16":
+            return (
+                f"runner {cls.name!r} does not support dtype 'bfloat16' on cpu (the Triton "
+                "interpreter computes it wrongly); on cpu it supports: float16, float32"
+            )
+        return problem
+
+    def run(
+        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
+    ) -> RunnerOutput:
+        self.check(dispatch_out, weights, act)
+        from moekit.runners.triton_kernel import ops
+
+        try:
+            return StandardRunnerOutput(ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act))
+        except ValueError as err:
+            raise RunnerError(str(err)) from err
+
+
+__all__ = ["TritonKernelRunner"]

@@ -1,0 +1,343 @@
+"""Triton kernels of the `triton_kernel` runner (private: wrappers in `routing.py` and `ops.py`).
+
+Vocabulary: T tokens, K top-k, P = T*K (token, k) pairs with pair index p = t*K + k, E local
+experts, H hidden, I intermediate, BM rows of one work tile (all of one expert).
+
+Routing (a stable counting sort of the pairs by expert, no padding):
+  _chunk_hist_kernel   one program per chunk of CHUNK pairs: histogram over experts (+ a bucket
+                       E for masked ids) -> hist [NC, EP]
+  _scan_tiles_kernel   one program: per-chunk bases (prefix over chunks), per-expert counts and
+                       offsets, and the list of work tiles (expert, first row, rows) of BM rows
+  _scatter_kernel      one program per chunk: sorted_pairs[offsets[e] + base[c, e] + rank] = p
+Grouped GEMMs, persistent (a fixed grid loops over (tile, column block) work items whose number
+is read on device):
+  _gate_up_kernel      h[row] = act(x[token(row)] @ w13[e].T + b13[e]); the token gather is the
+                       A-operand load, the activation the epilogue; h in sorted row order
+  _down_kernel         y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]); the scatter
+                       back to pair order is the epilogue's store (then a sum over K per token)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moekit.runners.triton._kernels import _sort_chunk, _tile_coords
+
+# ----------------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["P"])
+def _chunk_hist_kernel(ids_ptr, hist_ptr, P, E, CHUNK: tl.constexpr, EP: tl.constexpr):
+    """hist[c, :] = histogram of the experts of pairs [c*CHUNK, (c+1)*CHUNK); masked ids
+    (-1 or >= E) and lanes past P count in bucket E."""
+    c = tl.program_id(0)
+    pair = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + pair, mask=pair < P, other=-1)
+    e = tl.where((e >= 0) & (e < E), e, E)
+    hist = tl.histogram(e, EP)
+    tl.store(hist_ptr + c * EP + tl.arange(0, EP), hist)
+
+
+@triton.jit(do_not_specialize=["P", "num_chunks", "max_tiles"])
+def _scan_tiles_kernel(
+    hist_ptr,
+    base_ptr,
+    counts_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row0_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    P,
+    E,
+    num_chunks,
+    max_tiles,
+    BLOCK_M: tl.constexpr,
+    EP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program. base[c, e] = pairs of expert e in chunks before c; counts[e] (e < E);
+    offsets[e] = first sorted row of expert e for e <= E (offsets[E] = valid pairs; masked
+    pairs follow them); work tiles: expert e gets cdiv(counts[e], BM) tiles in expert order,
+    tile j covering rows [offsets[e] + j*BM, + tile_rows). Tiles past num_tiles get expert -1
+    and 0 rows."""
+    cols = tl.arange(0, EP)
+    running = tl.zeros([EP], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        ok = (c < num_chunks)[:, None]
+        h = tl.load(hist_ptr + c[:, None] * EP + cols[None, :], mask=ok, other=0)
+        before = tl.cumsum(h, 0) - h + running[None, :]
+        tl.store(base_ptr + c[:, None] * EP + cols[None, :], before, mask=ok)
+        running += tl.sum(h, 0)
+    counts = tl.where(cols < E, running, 0)
+    tl.store(counts_ptr + cols, counts, mask=cols < E)
+    offsets = tl.cumsum(counts, 0) - counts  # offsets[E] = sum of counts (valid pairs)
+    tl.store(offsets_ptr + cols, offsets, mask=cols <= E)
+
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    num_tiles = tl.sum(tiles, 0)
+    tl.store(num_tiles_ptr, num_tiles)
+    # experts >= E own no tile: their end never counts below a tile index
+    end_key = tl.where(cols < E, tile_end, 2147483647)
+    for t0 in range(0, max_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        expert = tl.sum((end_key[None, :] <= t[:, None]).to(tl.int32), 1)
+        onehot = cols[None, :] == expert[:, None]
+        first = tl.sum(tl.where(onehot, (offsets - tile_start * BLOCK_M)[None, :], 0), 1)
+        cnt = tl.sum(tl.where(onehot, counts[None, :], 0), 1)
+        seg0 = tl.sum(tl.where(onehot, offsets[None, :], 0), 1)
+        row0 = first + t * BLOCK_M
+        rows = tl.minimum(seg0 + cnt - row0, BLOCK_M)
+        live = t < num_tiles
+        in_range = t < max_tiles
+        tl.store(tile_expert_ptr + t, tl.where(live, expert, -1), mask=in_range)
+        tl.store(tile_row0_ptr + t, tl.where(live, row0, 0), mask=in_range)
+        tl.store(tile_rows_ptr + t, tl.where(live, rows, 0), mask=in_range)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _scatter_kernel(
+    ids_ptr, base_ptr, offsets_ptr, sorted_pairs_ptr, P, E, CHUNK: tl.constexpr, EP: tl.constexpr
+):
+    """sorted_pairs[offsets[e] + base[c, e] + rank] = pair, for the pairs of chunk c (rank:
+    position among the chunk's pairs of expert e, in pair order: a stable sort). Masked pairs
+    (bucket E) land after the valid ones, so sorted_pairs is a permutation of [0, P)."""
+    c = tl.program_id(0)
+    sorted_e, sorted_pair, rank, _ = _sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
+    dest = tl.load(offsets_ptr + sorted_e) + tl.load(base_ptr + c * EP + sorted_e) + rank
+    tl.store(sorted_pairs_ptr + dest, sorted_pair, mask=sorted_pair < P)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMMs (persistent)
+# ----------------------------------------------------------------------------------------------
+
+# Activation codes (constexpr ACT).
+ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2
+
+
+@triton.jit
+def _activate(g, u, alpha, limit, ACT: tl.constexpr):
+    """float32 gate g, up u -> act(g) * u (silu, exact-erf gelu, or the clamped swiglu_oai)."""
+    if ACT == 0:
+        out = g / (1.0 + tl.exp(-g)) * u
+    elif ACT == 1:
+        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    return out
+
+
+@triton.jit
+def _work_tile(
+    w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M: tl.constexpr
+):
+    """Work item w -> (expert, first sorted row, valid rows, column block)."""
+    tile, pid_n = _tile_coords(w, num_tiles, num_n, GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    row0 = tl.load(tile_row0_ptr + tile)
+    nrows = tl.load(tile_rows_ptr + tile)
+    return expert, row0, nrows, pid_n
+
+
+@triton.jit
+def _w_tile(w_ptrs, w_desc, row, k0, k_left, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+            BLOCK_K: tl.constexpr):  # fmt: skip
+    """Weight tile [BLOCK_K, rows] at (row, k0): TMA (out-of-bounds reads zero) or pointers."""
+    if USE_TMA:
+        b = tl.trans(w_desc.load([row, k0]))
+    elif EVEN_K:
+        b = tl.load(w_ptrs)
+    else:
+        b = tl.load(w_ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
+    return b
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    w_desc,
+    b_ptr,
+    h_ptr,
+    sorted_pairs_ptr,
+    tile_expert_ptr,
+    tile_row0_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    top_k,
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_hm,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """h[row, n] = act(x[token] @ w13[e, gate(n)] + b, x[token] @ w13[e, up(n)] + b), n < N = I,
+    for each sorted row (token = sorted_pairs[row] // top_k). x [T, K=H], w13 [E, 2I, H]: gate
+    rows n and up rows I + n, or (INTERLEAVED) 2n and 2n + 1; w_desc: w13 viewed [E * 2I, H]
+    with block [BLOCK_N, BLOCK_K] ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [P, I]."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0)):
+        expert, row0, nrows, pid_n = _work_tile(
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+        )
+        row_ok = offs_m < nrows
+        rows = row0 + offs_m
+        pair = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        token = (pair // top_k).to(tl.int64)
+        a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+        n0 = pid_n * BLOCK_N
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        e_row = expert * (2 * N)
+        if INTERLEAVED:
+            wrows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+            w_ptrs = w_base + wrows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            for ki in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - ki * BLOCK_K
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = _w_tile(w_ptrs, w_desc, e_row + 2 * n0, ki * BLOCK_K, k_left, USE_TMA,
+                            EVEN_K, BLOCK_K)  # fmt: skip
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            if HAS_BIAS:
+                b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+                bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows,
+                               mask=b_rows < 2 * N, other=0.0)  # fmt: skip
+                acc += bias.to(tl.float32)[None, :]
+            acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        else:
+            n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
+            g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            u_ptrs = g_ptrs + N * stride_wn
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for ki in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - ki * BLOCK_K
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                bg = _w_tile(g_ptrs, w_desc, e_row + n0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
+                             BLOCK_K)  # fmt: skip
+                bu = _w_tile(u_ptrs, w_desc, e_row + N + n0, ki * BLOCK_K, k_left, USE_TMA,
+                             EVEN_K, BLOCK_K)  # fmt: skip
+                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+            if HAS_BIAS:
+                b_base = b_ptr + expert.to(tl.int64) * stride_be
+                acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
+                acc_u += tl.load(b_base + N + n_rows).to(tl.float32)[None, :]
+        act = _activate(acc_g, acc_u, alpha, limit, ACT)
+        n_out = n0 + tl.arange(0, BLOCK_N)
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n_out[None, :]
+        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (n_out[None, :] < N))  # fmt: skip
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    h_desc,
+    w_ptr,
+    w_desc,
+    b_ptr,
+    y_ptr,
+    topk_weights_ptr,
+    sorted_pairs_ptr,
+    tile_expert_ptr,
+    tile_row0_ptr,
+    tile_rows_ptr,
+    num_tiles_ptr,
+    N,
+    K,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """y[pair, n] = weight[pair] * (h[row] @ w2[e, n] + b2[e, n]) for each sorted row
+    (pair = sorted_pairs[row]), N = H columns, K = I. h [P, I] in sorted row order (rows of a
+    tile are contiguous: h_desc, block [BLOCK_M, BLOCK_K], reads them by TMA; rows past the
+    tile's end are read but not stored). w_desc: w2 viewed [E * H, I], block [BLOCK_N,
+    BLOCK_K]. y [P, H]: rows of masked pairs are not written."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0)):
+        expert, row0, nrows, pid_n = _work_tile(
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+        )
+        row_ok = offs_m < nrows
+        rows = row0 + offs_m
+        n0 = pid_n * BLOCK_N
+        offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
+        a_ptrs = h_ptr + tl.where(row_ok, rows, row0).to(tl.int64)[:, None] * stride_hm \
+            + offs_k[None, :]  # fmt: skip
+        b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None])  # fmt: skip
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - ki * BLOCK_K
+            if USE_TMA:
+                a = h_desc.load([row0, ki * BLOCK_K])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = _w_tile(b_ptrs, w_desc, expert * N + n0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
+                        BLOCK_K)  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)[None, :]
+        pair = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        n_out = n0 + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + n_out[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (n_out[None, :] < N))  # fmt: skip

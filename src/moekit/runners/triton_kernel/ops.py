@@ -1,0 +1,164 @@
+"""Allocating wrappers of the `triton_kernel` runner: shapes, grids and launches.
+
+  fused_moe(x [T, H], topk, weights, act) -> [T, H], weighted and summed over K
+and its pieces `gate_up` and `down` (persistent grouped GEMMs over the work tiles of a
+`Routing`). Buffers are sized for the worst case (P = T*K rows) and the number of work tiles is
+read on device, so a call never syncs with the host and can be captured in a CUDA graph.
+
+The sum over K is a separate deterministic kernel (`triton.ops.sum_topk`, shared with the
+`triton` runner) over the weighted per-pair rows y [P, H] that the down GEMM scatters: a fixed
+summation order makes results bit-reproducible (graph replay equals eager) at the cost of
+writing and reading y once (2 * P * H * 2 bytes, about 10% of the layer at large T), where
+atomics into [T, H] would add in a varying order in bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.router import TopKOutput
+from moekit.runners.triton.ops import sum_topk
+from moekit.runners.triton_kernel import _kernels as k
+from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_for
+from moekit.runners.triton_kernel.routing import Routing, route
+
+ACT_CODES = {"silu": k.ACT_SILU, "gelu": k.ACT_GELU, "swiglu_oai": k.ACT_SWIGLU_OAI}
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_inputs(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -> None:
+    """ValueError naming the option and the allowed values for anything this runner cannot run."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"dtype: {x.dtype} is not supported; allowed: float16, bfloat16, float32")
+    if w.format != "unquantized":
+        raise ValueError(f"weight format {w.format!r}: the triton_kernel runner supports: unquantized")
+    if act.name not in ACT_CODES:
+        raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
+    for name in ("w13", "w2", "b13", "b2"):
+        t = getattr(w, name)
+        if t is None:
+            continue
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(
+                f"{name} must match x in dtype and device ({x.dtype}, {x.device}), "
+                f"got {t.dtype}, {t.device}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if w.hidden_size != x.shape[-1]:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but w13 is {list(w.w13.shape)}")
+
+
+def _precision(t: torch.Tensor):
+    # float32 inputs: exact products (the default tf32 would lose ~3 decimal digits)
+    return "ieee" if t.dtype == torch.float32 else None
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need contiguous tensors with 16-byte aligned bases and row strides."""
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return False
+        if any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _desc(t2d: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t2d, block)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int) -> int:
+    """Persistent grid size: SMs * programs_per_sm (ROUTING.cpu_programs in the interpreter),
+    at most the worst-case number of work items, at least 1."""
+    if device.type == "cuda":
+        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n *= cfg.programs_per_sm
+    else:
+        n = ROUTING.cpu_programs
+    return max(1, min(n, work_bound))
+
+
+def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
+            cfg: KernelConfig, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """h [P, I] in sorted row order: h[row] = act(x[token(row)] @ w13[e].T + b13[e]); rows past
+    the valid pairs are left unwritten."""
+    E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
+    t = cfg.gate_up
+    if out is None:
+        out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
+    grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n)),)
+    rows_per_tile = 2 * t.block_n if act.interleaved else t.block_n
+    use_tma = cfg.tma and rows_per_tile <= 256 and _tma_ok(w.w13)
+    w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, t.block_k]) if use_tma else None
+    b13 = w.b13 if w.b13 is not None else w.w13
+    k._gate_up_kernel[grid](
+        x, w.w13, w_desc, b13, out, r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
+        r.num_tiles, top_k, I, H,
+        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
+        float(act.alpha), float(act.limit),
+        ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
+        USE_TMA=use_tma, EVEN_K=H % t.block_k == 0, DOT_PRECISION=_precision(x),
+        BLOCK_M=cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=cfg.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
+         topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """y [P, H] by pair: y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]); rows of masked
+    pairs are left unwritten. topk_weights: [P] float32."""
+    E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
+    t = cfg.down
+    if out is None:
+        out = torch.empty(r.num_pairs, H, dtype=h.dtype, device=h.device)
+    grid = (num_programs(h.device, cfg, r.max_tiles * triton.cdiv(H, t.block_n)),)
+    use_tma = cfg.tma and _tma_ok(w.w2, h)
+    h_desc = w_desc = None
+    if use_tma:
+        h_desc = _desc(h, [cfg.block_m, t.block_k])
+        w_desc = _desc(w.w2.view(E * H, I), [t.block_n, t.block_k])
+    b2 = w.b2 if w.b2 is not None else w.w2
+    k._down_kernel[grid](
+        h, h_desc, w.w2, w_desc, b2, out, topk_weights, r.sorted_pairs, r.tile_expert,
+        r.tile_row0, r.tile_rows, r.num_tiles, H, I,
+        h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
+        HAS_BIAS=w.b2 is not None, USE_TMA=use_tma, EVEN_K=I % t.block_k == 0,
+        DOT_PRECISION=_precision(h), BLOCK_M=cfg.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, GROUP_M=cfg.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
+              config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
+    contribute 0. `config` overrides the heuristic (`configs.config_for`)."""
+    check_inputs(x_TH, w, act)
+    T, H = x_TH.shape
+    K = topk.top_k
+    if T == 0 or K == 0:
+        return x_TH.new_zeros(T, H)
+    if x_TH.stride(-1) != 1:
+        x_TH = x_TH.contiguous()
+    ids = topk.ids if topk.ids.dtype == torch.int32 else topk.ids.to(torch.int32)
+    ids = ids.contiguous()
+    weights = topk.weights.float().contiguous()
+    E, I = w.num_experts, w.intermediate_size
+    cfg = config or config_for(T, K, E, H, I, act.interleaved)
+    r = route(ids, E, cfg.block_m)
+    h = gate_up(x_TH, r, w, act, cfg, K)
+    y = down(h, r, w, cfg, weights.view(-1))
+    return sum_topk(y, ids, E, torch.empty_like(x_TH))

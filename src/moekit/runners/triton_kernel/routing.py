@@ -1,0 +1,135 @@
+"""Routing metadata of the `triton_kernel` runner: the (token, k) pairs counting-sorted by
+expert, and the list of work tiles, without padding.
+
+For ids [T, K] (P = T*K pairs, pair p = t*K + k) and E local experts:
+  sorted_pairs [P] int32  a stable sort of the pairs by expert: rows [offsets[e], offsets[e] +
+                          counts[e]) hold expert e's pairs in increasing pair order; the masked
+                          pairs (id -1 or >= E) follow from offsets[E] on, so it is a
+                          permutation of [0, P)
+  counts [E], offsets [E + 1] int32
+  tile_expert / tile_row0 / tile_rows [max_tiles] int32: work tile j of BM rows covers sorted
+                          rows [tile_row0, tile_row0 + tile_rows) of expert tile_expert; tiles
+                          at or past num_tiles have expert -1 and 0 rows
+  num_tiles [1] int32     on device: never read on the host, so the whole thing is CUDA-graph
+                          safe; every shape depends on (P, E, BM) only.
+max_tiles = P // BM + min(E, P) bounds the tiles of any routing (each expert adds at most one
+partial tile). `route` runs three Triton kernels; `route_torch` is the reference twin and gives
+identical tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moekit.runners.triton_kernel.configs import ROUTING
+
+
+@dataclass(frozen=True)
+class Routing:
+    """See the module docstring. block_m: rows per tile; num_pairs: P."""
+
+    sorted_pairs: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row0: torch.Tensor
+    tile_rows: torch.Tensor
+    num_tiles: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tile_expert.numel()
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case number of work tiles over every routing of num_pairs pairs."""
+    return num_pairs // block_m + min(num_experts, num_pairs)
+
+
+def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if ids_TK.dim() != 2:
+        raise ValueError(f"topk ids must be [T, K], got shape {list(ids_TK.shape)}")
+    if ids_TK.dtype != torch.int32:
+        raise ValueError(f"topk ids must be int32, got {ids_TK.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+
+
+def _alloc(P: int, E: int, block_m: int, device) -> Routing:
+    n = max_tiles(P, E, block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    return Routing(
+        sorted_pairs=torch.empty(P, **i32),
+        counts=torch.empty(E, **i32),
+        offsets=torch.empty(E + 1, **i32),
+        tile_expert=torch.empty(n, **i32),
+        tile_row0=torch.empty(n, **i32),
+        tile_rows=torch.empty(n, **i32),
+        num_tiles=torch.empty(1, **i32),
+        block_m=block_m,
+        num_pairs=P,
+    )
+
+
+def route(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """The routing metadata (module docstring) of ids [T, K] int32, on ids' device."""
+    _check(ids_TK, num_experts, block_m)
+    ids = ids_TK.contiguous()
+    P, E = ids.numel(), num_experts
+    r = _alloc(P, E, block_m, ids.device)
+    if P == 0:
+        r.counts.zero_(), r.offsets.zero_(), r.num_tiles.zero_()
+        r.tile_expert.fill_(-1), r.tile_row0.zero_(), r.tile_rows.zero_()
+        return r
+    from moekit.runners.triton_kernel import _kernels as k
+
+    EP = triton.next_power_of_2(E + 1)
+    chunk = max(16, min(ROUTING.chunk, triton.next_power_of_2(P)))
+    nc = triton.cdiv(P, chunk)
+    hist = torch.empty(nc, EP, dtype=torch.int32, device=ids.device)
+    base = torch.empty_like(hist)
+    warps = ROUTING.num_warps
+    k._chunk_hist_kernel[(nc,)](ids, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps)
+    block_c = max(1, min(triton.next_power_of_2(nc), ROUTING.scan_elems // EP))
+    block_t = max(16, min(triton.next_power_of_2(r.max_tiles), ROUTING.scan_elems // EP))
+    k._scan_tiles_kernel[(1,)](
+        hist, base, r.counts, r.offsets, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
+        P, E, nc, r.max_tiles,
+        BLOCK_M=block_m, EP=EP, BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
+    )  # fmt: skip
+    k._scatter_kernel[(nc,)](
+        ids, base, r.offsets, r.sorted_pairs, P, E, CHUNK=chunk, EP=EP, num_warps=warps
+    )
+    return r
+
+
+def route_torch(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """Reference twin of `route` in plain PyTorch (reads counts on the host)."""
+    _check(ids_TK, num_experts, block_m)
+    flat = ids_TK.reshape(-1).long()
+    P, E = flat.numel(), num_experts
+    r = _alloc(P, E, block_m, ids_TK.device)
+    valid = (flat >= 0) & (flat < E)
+    key = torch.where(valid, flat, E)
+    r.sorted_pairs.copy_(torch.argsort(key, stable=True).to(torch.int32))
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    r.counts.copy_(counts.to(torch.int32))
+    offsets = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    r.offsets.copy_(offsets.to(torch.int32))
+    r.tile_expert.fill_(-1), r.tile_row0.zero_(), r.tile_rows.zero_()
+    j = 0
+    for e, (n, start) in enumerate(zip(counts.tolist(), offsets.tolist())):
+        for row0 in range(start, start + n, block_m):
+            r.tile_expert[j], r.tile_row0[j] = e, row0
+            r.tile_rows[j] = min(block_m, start + n - row0)
+            j += 1
+    r.num_tiles.fill_(j)
+    return r
