@@ -8,9 +8,11 @@ pair against the torch reference, time the whole layer and its roofline floor, a
 tables. Results are written after each batch size, so an interrupted run resumes where it
 stopped (batch sizes already in the output files are skipped unless `force`).
 
-The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab) at a schedule typical of
-the regime, then warps / stages / group_m for the two best tiles; for `down` the reduction
-'atomic' is tried on the three best.
+The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
+a schedule typical of the regime, then warps / stages / group_m for the two best tiles; for
+`down` the reduction 'atomic' is tried on the three best. Kernels are compiled in parallel
+threads before they are timed. `measure` times the runner as shipped (the configs it looks up)
+against the floor, with uniform or Zipf-skewed routing.
 """
 
 from __future__ import annotations
