@@ -136,7 +136,8 @@ def test_masked_matches_reference(act, bias, dtype):
 def test_masked_empty_capacity():
     w = make_weights(2, 32, 16, torch.float32, False)
     x = torch.randn(2, 0, 32, device=DEVICE)
-    out = ops.fused_moe_masked(x, torch.zeros(2, dtype=torch.int32, device=DEVICE), w, ActivationSpec())
+    counts = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out = ops.fused_moe_masked(x, counts, w, ActivationSpec())
     assert out.shape == (2, 0, 32)
 
 

@@ -487,7 +487,9 @@ def table_keys(shape: TuneShape, device) -> dict[str, TableKey]:
     keys = {}
     for gemm in tcfg.GEMMS:
         n, k = tcfg.gemm_shape(gemm, shape.hidden, shape.intermediate)
-        keys[gemm] = TableKey(gemm, shape.num_experts, n, k, shape.dtype, dev, tcfg.triton_version())
+        keys[gemm] = TableKey(
+            gemm, shape.num_experts, n, k, shape.dtype, dev, tcfg.triton_version()
+        )
     return keys
 
 
@@ -625,8 +627,11 @@ def measure(
 
         row = {"T": T, "routing": routing, "gate_up": _short(cfgs[0]), "down": _short(cfgs[1])}
         row["layer_us"] = _time_us(layer, device, p.R, warmup=10, samples=15)
-        floors = [moe_cost(t.ids, shape.num_experts, shape.hidden, shape.intermediate,
-                           act_bytes=dt.itemsize).floor_s(ceilings) * 1e6 for t in p.topks]  # fmt: skip
+        E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+        floors = [
+            moe_cost(t.ids, E, H, I, act_bytes=dt.itemsize).floor_s(ceilings) * 1e6
+            for t in p.topks
+        ]
         row["floor_us"] = sum(floors) / len(floors)
         row["ratio"] = row["layer_us"] / row["floor_us"]
         if breakdown:
