@@ -7,8 +7,9 @@ Routing (a stable counting sort of the pairs by expert, no padding):
   _chunk_hist_kernel   one program per chunk of CHUNK pairs: histogram over experts (+ a bucket
                        E for masked ids) -> hist [NC, EP]
   _scan_tiles_kernel   one program: per-chunk bases (prefix over chunks), per-expert counts and
-                       offsets, and the list of work tiles (expert, first row, rows) of BM rows
-  _scatter_kernel      one program per chunk: sorted_pairs[offsets[e] + base[c, e] + rank] = p
+                       offsets, the number of work tiles
+  _scatter_kernel      one program per chunk: sorted_pairs[offsets[e] + base[c, e] + rank] = p,
+                       and a slice of the work tile list (expert, first row, rows) of BM rows
 Grouped GEMMs, persistent (a fixed grid loops over (tile, column block) work items whose number
 is read on device):
   _gate_up_kernel      h[row] = act(x[token(row)] @ w13[e].T + b13[e]); the token gather is the
@@ -41,30 +42,23 @@ def _chunk_hist_kernel(ids_ptr, hist_ptr, P, E, CHUNK: tl.constexpr, EP: tl.cons
     tl.store(hist_ptr + c * EP + tl.arange(0, EP), hist)
 
 
-@triton.jit(do_not_specialize=["P", "num_chunks", "max_tiles"])
+@triton.jit(do_not_specialize=["P", "num_chunks"])
 def _scan_tiles_kernel(
     hist_ptr,
     base_ptr,
     counts_ptr,
     offsets_ptr,
-    tile_expert_ptr,
-    tile_row0_ptr,
-    tile_rows_ptr,
     num_tiles_ptr,
     P,
     E,
     num_chunks,
-    max_tiles,
     BLOCK_M: tl.constexpr,
     EP: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    BLOCK_T: tl.constexpr,
 ):
     """One program. base[c, e] = pairs of expert e in chunks before c; counts[e] (e < E);
     offsets[e] = first sorted row of expert e for e <= E (offsets[E] = valid pairs; masked
-    pairs follow them); work tiles: expert e gets cdiv(counts[e], BM) tiles in expert order,
-    tile j covering rows [offsets[e] + j*BM, + tile_rows). Tiles past num_tiles get expert -1
-    and 0 rows."""
+    pairs follow them); num_tiles = sum of cdiv(counts[e], BM)."""
     cols = tl.arange(0, EP)
     running = tl.zeros([EP], dtype=tl.int32)
     for c0 in range(0, num_chunks, BLOCK_C):
@@ -79,37 +73,55 @@ def _scan_tiles_kernel(
     offsets = tl.cumsum(counts, 0) - counts  # offsets[E] = sum of counts (valid pairs)
     tl.store(offsets_ptr + cols, offsets, mask=cols <= E)
 
+    tl.store(num_tiles_ptr, tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0))
+
+
+@triton.jit
+def _write_tiles(
+    counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo, t_hi, E,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Work tiles t in [t_lo, t_hi): expert e owns cdiv(counts[e], BM) tiles, in expert order;
+    tile j of e covers sorted rows [offsets[e] + j*BM, + rows). Past the last tile: expert -1,
+    0 rows."""
+    cols = tl.arange(0, EP)
+    counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
+    offsets = tl.load(offsets_ptr + cols, mask=cols < E, other=0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     tile_start = tile_end - tiles
     num_tiles = tl.sum(tiles, 0)
-    tl.store(num_tiles_ptr, num_tiles)
     # experts >= E own no tile: their end never counts below a tile index
     end_key = tl.where(cols < E, tile_end, 2147483647)
-    for t0 in range(0, max_tiles, BLOCK_T):
+    for t0 in range(t_lo, t_hi, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         expert = tl.sum((end_key[None, :] <= t[:, None]).to(tl.int32), 1)
         onehot = cols[None, :] == expert[:, None]
         first = tl.sum(tl.where(onehot, (offsets - tile_start * BLOCK_M)[None, :], 0), 1)
-        cnt = tl.sum(tl.where(onehot, counts[None, :], 0), 1)
-        seg0 = tl.sum(tl.where(onehot, offsets[None, :], 0), 1)
+        seg_end = tl.sum(tl.where(onehot, (offsets + counts)[None, :], 0), 1)
         row0 = first + t * BLOCK_M
-        rows = tl.minimum(seg0 + cnt - row0, BLOCK_M)
+        rows = tl.minimum(seg_end - row0, BLOCK_M)
         live = t < num_tiles
-        in_range = t < max_tiles
+        in_range = t < t_hi
         tl.store(tile_expert_ptr + t, tl.where(live, expert, -1), mask=in_range)
         tl.store(tile_row0_ptr + t, tl.where(live, row0, 0), mask=in_range)
         tl.store(tile_rows_ptr + t, tl.where(live, rows, 0), mask=in_range)
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit(do_not_specialize=["P", "tiles_per_program", "max_tiles"])
 def _scatter_kernel(
-    ids_ptr, base_ptr, offsets_ptr, sorted_pairs_ptr, P, E, CHUNK: tl.constexpr, EP: tl.constexpr
-):
+    ids_ptr, base_ptr, counts_ptr, offsets_ptr, sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr,
+    tile_rows_ptr, P, E, tiles_per_program, max_tiles, CHUNK: tl.constexpr, EP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
     """sorted_pairs[offsets[e] + base[c, e] + rank] = pair, for the pairs of chunk c (rank:
     position among the chunk's pairs of expert e, in pair order: a stable sort). Masked pairs
-    (bucket E) land after the valid ones, so sorted_pairs is a permutation of [0, P)."""
+    (bucket E) land after the valid ones, so sorted_pairs is a permutation of [0, P). Program
+    c also writes work tiles [c, c + 1) * tiles_per_program (`_write_tiles`)."""
     c = tl.program_id(0)
+    t_lo = c * tiles_per_program
+    _write_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo,
+                 tl.minimum(t_lo + tiles_per_program, max_tiles), E, BLOCK_M, EP, BLOCK_T)  # fmt: skip
     sorted_e, sorted_pair, rank, _ = _sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
     dest = tl.load(offsets_ptr + sorted_e) + tl.load(base_ptr + c * EP + sorted_e) + rank
     tl.store(sorted_pairs_ptr + dest, sorted_pair, mask=sorted_pair < P)

@@ -13,7 +13,8 @@ For ids [T, K] (P = T*K pairs, pair p = t*K + k) and E local experts:
   num_tiles [1] int32     on device: never read on the host, so the whole thing is CUDA-graph
                           safe; every shape depends on (P, E, BM) only.
 max_tiles = P // BM + min(E, P) bounds the tiles of any routing (each expert adds at most one
-partial tile). `route` runs three Triton kernels; `route_torch` is the reference twin and gives
+partial tile). `route` runs three Triton kernels (histogram per chunk, one-program scan, scatter + tile
+list per chunk); `route_torch` is the reference twin and gives
 identical tensors.
 """
 
@@ -98,15 +99,17 @@ def route(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     warps = ROUTING.num_warps
     k._chunk_hist_kernel[(nc,)](ids, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps)
     block_c = max(1, min(triton.next_power_of_2(nc), ROUTING.scan_elems // EP))
-    block_t = max(16, min(triton.next_power_of_2(r.max_tiles), ROUTING.scan_elems // EP))
     k._scan_tiles_kernel[(1,)](
-        hist, base, r.counts, r.offsets, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
-        P, E, nc, r.max_tiles,
-        BLOCK_M=block_m, EP=EP, BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
+        hist, base, r.counts, r.offsets, r.num_tiles, P, E, nc,
+        BLOCK_M=block_m, EP=EP, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
+    per_program = triton.cdiv(r.max_tiles, nc)
+    block_t = max(16, min(triton.next_power_of_2(per_program), ROUTING.scan_elems // EP))
     k._scatter_kernel[(nc,)](
-        ids, base, r.offsets, r.sorted_pairs, P, E, CHUNK=chunk, EP=EP, num_warps=warps
-    )
+        ids, base, r.counts, r.offsets, r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
+        P, E, per_program, r.max_tiles,
+        CHUNK=chunk, EP=EP, BLOCK_M=block_m, BLOCK_T=block_t, num_warps=warps,
+    )  # fmt: skip
     return r
 
 
