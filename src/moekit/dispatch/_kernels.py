@@ -154,3 +154,105 @@ def launch_ll_recv_plan(recv_ids, recv_w, dest, counts, w_out, E):
         recv_ids, recv_w, dest, counts, w_out, RC * K, RC, E, recv_ids.stride(0),
         K=K, BLOCK=1024, num_warps=4,
     )
+
+
+@triton.jit
+def _normal_plan_kernel(
+    ids_ptr, table_ptr, copies_ptr, slot_ptr, pos_ptr, counts_ptr, offsets_ptr,
+    T, L, W, E,
+    R: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+):
+    """Program r, over all tokens in blocks of BT: pos[t, r] = the rank-r position (0, 1, ...,
+    in token order) of token t among the tokens with an expert on rank r, -1 if none;
+    counts[r] = how many; offsets[r] = sum of counts[q] for q < r (each token counted once per
+    rank it hits). Program 0 also writes slot[t, k] (physical slot, -1 where masked)."""
+    r = tl.program_id(0)
+    count = r * 0  # int32 tensors: the loop-carried types stay the same
+    below = r * 0
+    kk = tl.arange(0, BK)
+    k = kk[None, :]
+    earlier = kk[None, :, None] < kk[None, None, :]  # [1, k', k]: k' before k
+    for start in range(0, T, BT):
+        tv = start + tl.arange(0, BT)
+        t = tv[:, None]
+        mask = (t < T) & (k < K)
+        ids = tl.load(ids_ptr + t.to(tl.int64) * K + k, mask=mask, other=-1).to(tl.int64)
+        row = tl.where(ids < 0, L, ids)
+        if SPREAD:
+            copies = tl.load(copies_ptr + row, mask=mask, other=1)
+            choice = t % copies
+        else:
+            choice = tl.zeros([BT, BK], dtype=tl.int64)
+        slot = tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
+        if r == 0:
+            tl.store(slot_ptr + t.to(tl.int64) * K + k, slot.to(tl.int32), mask=mask)
+        rk = tl.where(mask & (slot >= 0), slot // E, -1)  # [BT, BK] rank of each pair
+        hit = tl.max((rk == r).to(tl.int32), axis=1)  # [BT]
+        pos = tl.cumsum(hit, axis=0) - 1 + count
+        tl.store(pos_ptr + tv.to(tl.int64) * R + r, tl.where(hit > 0, pos, -1), mask=tv < T)
+        count += tl.sum(hit, axis=0)
+        # distinct ranks below r per token: pairs whose rank no earlier pair of the token has
+        same = rk[:, :, None] == rk[:, None, :]  # [BT, k', k]
+        dup = tl.max((same & earlier).to(tl.int32), axis=1)  # [BT, k]
+        first = (rk >= 0) & (rk < r) & (dup == 0)
+        below += tl.sum(tl.sum(first.to(tl.int32), axis=1), axis=0)
+    tl.store(counts_ptr + r, count.to(tl.int64))
+    tl.store(offsets_ptr + r, below.to(tl.int64))
+
+
+@triton.jit
+def _pack_rows_kernel(
+    src_ptr, slot_ptr, w_ptr, pos_ptr, offsets_ptr, rows_ptr, out_ptr, ids_out_ptr, w_out_ptr,
+    NW, E, stride_src, stride_out, stride_meta, meta_off,
+    R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (t, h) copies words [h*BLOCK, (h+1)*BLOCK) of payload row t to send row
+    offsets[r] + pos[t, r] for every rank r the token hits; program (t, 0) also writes those
+    rows' metadata (local ids on rank r, -1 elsewhere; weights, 0 elsewhere) and
+    rows[t, r] = the send row (-1 where the token does not go to r)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = h * BLOCK + tl.arange(0, BLOCK)
+    m = offs < NW
+    v = tl.load(src_ptr + t * stride_src + offs, mask=m)
+    kk = tl.arange(0, BK)
+    km = kk < K
+    slot = tl.load(slot_ptr + t * K + kk, mask=km, other=-1)
+    w = tl.load(w_ptr + t * K + kk, mask=km, other=0.0)
+    for r in tl.static_range(R):
+        p = tl.load(pos_ptr + t * R + r)
+        ok = p >= 0
+        d = tl.load(offsets_ptr + r) + p.to(tl.int64)
+        tl.store(out_ptr + d * stride_out + offs, v, mask=m & ok)
+        if h == 0:
+            here = (slot >= r * E) & (slot < r * E + E)
+            meta = d * stride_meta + meta_off + kk
+            tl.store(ids_out_ptr + meta, tl.where(here, slot - r * E, -1).to(tl.int32),
+                     mask=km & ok)
+            tl.store(w_out_ptr + meta + K, tl.where(here, w, 0.0), mask=km & ok)
+            tl.store(rows_ptr + t * R + r, tl.where(ok, d, -1))
+
+
+def launch_normal_plan(ids, table, copies, spread, slot, pos, counts, offsets, E, R):
+    T, K = ids.shape
+    L, W = table.shape[0] - 1, table.shape[1]
+    BK = max(2, triton.next_power_of_2(K))
+    BT = max(16, min(256, 2048 // BK))
+    _normal_plan_kernel[(R,)](
+        ids, table, copies, slot, pos, counts, offsets, T, L, W, E,
+        R=R, K=K, BT=BT, BK=BK, SPREAD=spread, num_warps=4,
+    )
+
+
+def launch_pack_rows(src_words, slot, weights, pos, offsets, rows, out_words, out_i32, out_f32,
+                     meta_off, E):
+    T, NW = src_words.shape
+    R = pos.shape[1]
+    K = slot.shape[1]
+    block = max(16, min(2048, triton.next_power_of_2(max(NW, 1))))
+    grid = (T, triton.cdiv(max(NW, 1), block))
+    _pack_rows_kernel[grid](
+        src_words, slot, weights, pos, offsets, rows, out_words, out_i32, out_f32,
+        NW, E, src_words.stride(0), out_words.stride(0), out_i32.stride(0), meta_off,
+        R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BLOCK=block, num_warps=4,
+    )

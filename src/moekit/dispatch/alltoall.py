@@ -6,10 +6,12 @@ Each rank dispatches its own tokens (x [T, H], topk with logical ids) to the EP 
 their experts and gets the results back in combine. R = EP ranks, E = experts per rank (local
 slots), K = top-k, C = --max-dispatch-tokens-per-rank.
 
-normal (prefill, throughput; variable sizes, host synchronisation):
-  1. the per-destination token counts are exchanged (all_to_all_single of R counts);
-  2. each token is sent once per destination rank (not once per expert), with its local expert
-     ids there (-1 for experts elsewhere) and its top-k weights;
+normal (prefill, throughput; variable sizes, one host synchronisation):
+  1. a device plan numbers the tokens per destination rank; the per-destination counts are
+     exchanged (all_to_all_single of R counts) while one kernel packs the send buffer;
+  2. each token is sent once per destination rank (not once per expert), in ONE
+     all_to_all_single of packed rows: payload, its local expert ids there (-1 for experts
+     elsewhere) and its top-k weights (RowLayout); the split sizes are the one host read;
   3. the runner gets the standard format: received rows [N, H] ordered by source rank, then
      token, with local ids; it applies the weights and sums over its local experts;
   4. combine sends each row's partial sum back and adds a token's partials (float32 sum).
@@ -37,6 +39,7 @@ fp8_dispatch: the token rows travel as float8_e4m3fn with one float32 scale per 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +47,8 @@ import torch.distributed as dist
 
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
-from moekit.dispatch.layout import recv_plan, send_plan
-from moekit.dispatch.rows import gather_reduce, positions, scatter_rows
+from moekit.dispatch.layout import normal_plan, pack_rows, recv_plan, send_plan
+from moekit.dispatch.rows import gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
 from moekit.placement import ExpertPlacement
@@ -157,13 +160,52 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class Phases:
+    """Per-phase timing of normal-mode dispatch / combine (for benchmarks): `begin()` at the
+    start of a call, `mark(name)` at the end of each phase; CUDA events on the current stream
+    (host clock on CPU). A phase that ends in a host read (count_sync) also holds the wait for
+    the work queued before it. `durations()` -> {name: [ms, ...]} (synchronises)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pairs: list[tuple[str, object, object]] = []
+        self._last = None
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        self._last = self._now()
+
+    def mark(self, name: str) -> None:
+        now = self._now()
+        self._pairs.append((name, self._last, now))
+        self._last = now
+
+    def reset(self) -> None:
+        self._pairs.clear()
+
+    def durations(self) -> dict[str, list[float]]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, list[float]] = {}
+        for name, a, b in self._pairs:
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            out.setdefault(name, []).append(ms)
+        return out
+
+
 @dataclass(frozen=True)
 class NormalHandle:
     """Metadata for the return trip of a normal-mode dispatch.
 
     send_splits / recv_splits: rows sent to / received from each rank; rows_TR [T, R] int64:
-    where the partial result of (token, rank) lands in the combine's receive buffer (n_send
-    where the token has no expert on that rank)."""
+    where the partial result of (token, rank) lands in the combine's receive buffer (-1 where
+    the token has no expert on that rank)."""
 
     num_tokens: int
     send_splits: list[int]
@@ -229,6 +271,7 @@ class AllToAllDispatcher(Dispatcher):
         self.capacity = max_dispatch_tokens_per_rank
         self.fp8 = fp8_dispatch
         self.impl = impl
+        self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -282,63 +325,48 @@ class AllToAllDispatcher(Dispatcher):
             return self.combine_normal(runner_out.out, handle)
         raise TypeError(f"combine: not a dispatch of this dispatcher (handle {type(handle)})")
 
-    # ---- shared ----------------------------------------------------------------------------
-
-    def _route(self, topk: TopKOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> slot [T, K] int64 (-1 masked), hit [T, R] bool (token has an expert on rank r)."""
-        slot = self.slots.physical(topk.ids)
-        rank = torch.where(slot >= 0, slot // self.num_local, -1)
-        ranks = torch.arange(self.ep_size, device=slot.device)
-        hit = (rank.unsqueeze(1) == ranks.view(1, -1, 1)).any(dim=-1)
-        return slot, hit
-
-    def _local(self, slot_NK, rank_N, weights_NK):
-        """Slots of tokens headed to rank_N -> (local ids int32, weights float32), -1 / 0 for
-        experts not on that rank."""
-        E = self.num_local
-        start = (rank_N * E).unsqueeze(1)
-        here = (slot_NK >= start) & (slot_NK < start + E)
-        ids = torch.where(here, slot_NK - start, -1).to(torch.int32)
-        return ids, torch.where(here, weights_NK.float(), 0.0)
-
     # ---- normal ----------------------------------------------------------------------------
 
     def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
+        """One send buffer [<= T*R, row_bytes] uint8 holds every (token, destination rank) row:
+        payload then local ids and weights (RowLayout with top_k). Device plan + one packing
+        kernel, the counts exchange and ONE host read of the split sizes, one all_to_all_single.
+        The returned x is a strided view of the receive buffer (rows row_bytes apart) for bf16 /
+        fp16 / fp32 dispatch; fp8 dispatch dequantizes into a new tensor."""
         T, H = x_TH.shape
-        K, R = topk.ids.shape[1], self.ep_size
-        slot, hit = self._route(topk)
-        send_counts = hit.sum(dim=0)  # [R] int64
+        K, R, E = topk.ids.shape[1], self.ep_size, self.num_local
+        ph = self.phases
+        if ph is not None:
+            ph.begin()
+        layout = RowLayout(H, x_TH.dtype, K, self.fp8)
+        slot, pos, send_counts, offsets = normal_plan(topk.ids, self.slots, R, E, self.impl)
         recv_counts = torch.empty_like(send_counts)
         work = _all_to_all(recv_counts, send_counts, self.group, async_op=True)
-        send_splits = send_counts.tolist()  # waits for local work only; the exchange runs on
-        n_send = sum(send_splits)
-
-        # while the counts travel: the rows to send, ordered by destination rank, then token
-        pair = positions(hit.t().reshape(-1), n_send)  # r * T + t
-        tok, rank = pair % max(T, 1), pair // max(T, 1)
-        ids, weights = self._local(slot.index_select(0, tok), rank,
-                                   topk.weights.index_select(0, tok))
-        meta = torch.cat([ids, weights.view(torch.int32)], dim=1)  # [n_send, 2K]
-        layout = RowLayout(H, x_TH.dtype, 0, self.fp8)
-        payload = layout.pack_tokens(x_TH)
-        send_x = payload.index_select(0, tok)
+        if ph is not None:
+            ph.mark("plan")
+        # while the counts travel: pack the rows (upper bound T*R rows; the a2a sends a prefix)
+        send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
+        rows_TR = pack_rows(layout.pack_tokens(x_TH), slot, topk.weights, pos, offsets, E, send,
+                            layout.payload_bytes, self.impl)
+        if ph is not None:
+            ph.mark("gather")
         if work is not None:
             work.wait()
-        recv_splits = recv_counts.tolist()  # the host synchronisation on the exchange
-        n_recv = sum(recv_splits)
-
-        recv_meta = meta.new_empty(n_recv, 2 * K)
-        _all_to_all(recv_meta, meta, self.group, recv_splits, send_splits)
-        recv_x = payload.new_empty(n_recv, payload.shape[1])
-        _all_to_all(recv_x, send_x, self.group, recv_splits, send_splits)
-        recv_x = layout.unpack_tokens(recv_x)
-
-        pos = hit.long().cumsum(dim=0) - 1
-        offset = (send_counts.cumsum(0) - send_counts).unsqueeze(0)
-        rows_TR = torch.where(hit, offset + pos, n_send)
+        splits = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
+        send_splits, recv_splits = splits[:R], splits[R:]
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        if ph is not None:
+            ph.mark("count_sync")
+        recv = torch.empty(n_recv, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
+        _all_to_all(recv, send[:n_send], self.group, recv_splits, send_splits)
+        if ph is not None:
+            ph.mark("payload_a2a")
+        recv_x = layout.unpack_tokens(layout.payload_view(recv))
+        ids, weights = layout.meta_views(recv)
+        local = TopKOutput(weights.contiguous(), ids.contiguous())
+        if ph is not None:
+            ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype)
-        local = TopKOutput(recv_meta[:, K:].contiguous().view(torch.float32),
-                           recv_meta[:, :K].contiguous())
         return StandardDispatchOutput(recv_x, local, handle)
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
@@ -347,10 +375,18 @@ class AllToAllDispatcher(Dispatcher):
         if out_NH.shape[0] != n_recv:
             raise ValueError(f"combine: runner output has {out_NH.shape[0]} rows, dispatched "
                              f"{n_recv}")
+        ph = self.phases
+        if ph is not None:
+            ph.begin()
         back = out_NH.new_empty(n_send, out_NH.shape[1])
         _all_to_all(back, out_NH.contiguous(), self.group, handle.send_splits,
                     handle.recv_splits)
-        return gather_reduce(back, handle.rows_TR, None, handle.dtype, self.impl)
+        if ph is not None:
+            ph.mark("combine_a2a")
+        out = gather_reduce(back, handle.rows_TR, None, handle.dtype, self.impl)
+        if ph is not None:
+            ph.mark("combine_reduce")
+        return out
 
     # ---- low latency -----------------------------------------------------------------------
 

@@ -1,7 +1,14 @@
-"""The fixed layout of low-latency dispatch: where each token goes in the send buffer, and where
-each received (row, k) pair goes in the masked expert buffer. Fixed shapes, no host
-synchronisation. Each plan is one Triton kernel on CUDA, with a PyTorch twin (`*_torch`) used
-on CPU and as the reference in tests.
+"""Send-buffer layouts of the all-to-all dispatcher. Each plan / pack is one Triton kernel on
+CUDA, with a PyTorch twin (`*_torch`) used on CPU and as the reference in tests.
+
+Normal mode (variable sizes): `normal_plan` numbers, per destination rank, the tokens that have
+an expert there (send row = offsets[r] + pos[t, r]: rank blocks back to back, tokens in order);
+`pack_rows` writes each token's payload once per destination rank into the packed send buffer,
+with the row's metadata (local ids there, weights) in the same row, so that one
+all_to_all_single moves everything. Neither synchronises with the host.
+
+Low latency (fixed shapes): where each token goes in the send buffer, and where each received
+(row, k) pair goes in the masked expert buffer; no host synchronisation.
 
 R ranks, E local experts per rank, C = capacity (tokens per rank), RC = R * C rows per buffer.
 Send buffer block r (rows r*C .. r*C + C-1) holds, in token order, the tokens that have an
@@ -85,3 +92,103 @@ def recv_plan(recv_ids, recv_w, E: int, impl: str = "auto"):
     w_out = torch.empty(RC, K, dtype=torch.float32, device=dev)
     launch_ll_recv_plan(recv_ids, recv_w, dest, counts, w_out, E)
     return dest, counts, w_out
+
+
+# ---- normal mode -----------------------------------------------------------------------------
+
+
+def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int):
+    """ids_TK [T, K] logical (-1 masked) -> (slot [T, K] physical, -1 masked; pos [T, R] int32:
+    the position of token t among the tokens with an expert on rank r, -1 if none;
+    counts [R] int64; offsets [R] int64 = exclusive cumsum of counts)."""
+    slot = slots.physical(ids_TK)
+    rank = torch.where(slot >= 0, slot // E, -1)
+    here = rank.unsqueeze(1) == torch.arange(R, device=slot.device).view(1, R, 1)
+    hit = here.any(dim=-1)  # [T, R]
+    counts = hit.sum(dim=0)
+    pos = torch.where(hit, hit.long().cumsum(dim=0) - 1, -1).to(torch.int32)
+    return slot, pos, counts, counts.cumsum(0) - counts
+
+
+def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, impl: str = "auto"):
+    """See `normal_plan_torch` (slot comes back int32 from the kernel)."""
+    if not _use_triton(ids_TK, impl) or ids_TK.shape[0] == 0 or ids_TK.shape[1] == 0:
+        return normal_plan_torch(ids_TK, slots, R, E)
+    from moekit.dispatch._kernels import launch_normal_plan
+
+    T, K = ids_TK.shape
+    dev = ids_TK.device
+    table, copies = slots._on(dev)
+    slot = torch.empty(T, K, dtype=torch.int32, device=dev)
+    pos = torch.empty(T, R, dtype=torch.int32, device=dev)
+    counts = torch.empty(R, dtype=torch.int64, device=dev)
+    offsets = torch.empty(R, dtype=torch.int64, device=dev)
+    launch_normal_plan(ids_TK.to(torch.int32).contiguous(), table, copies,
+                       slots.redundant and slots.spread, slot, pos, counts, offsets, E, R)
+    return slot, pos, counts, offsets
+
+
+def _local_meta(slot_TK, weights_TK, R: int, E: int):
+    """-> (local ids [T, R, K] int32, -1 off rank r; weights [T, R, K] float32, 0 off rank r)."""
+    start = (torch.arange(R, device=slot_TK.device) * E).view(1, R, 1)
+    s = slot_TK.long().unsqueeze(1)
+    here = (s >= start) & (s < start + E)
+    ids = torch.where(here, s - start, -1).to(torch.int32)
+    return ids, torch.where(here, weights_TK.float().unsqueeze(1), 0.0)
+
+
+def pack_rows_torch(payload_TP, slot_TK, weights_TK, pos_TR, offsets_R, E: int, out,
+                    meta_off: int) -> torch.Tensor:
+    """Write token t's payload row (payload_TP [T, P] bytes of any dtype, contiguous rows) and
+    its metadata into out [N, row_bytes] uint8 at row offsets[r] + pos[t, r] for each rank r
+    it hits: bytes [0, P) the payload, then K int32 local ids on r (-1 for experts elsewhere)
+    at byte meta_off, then K float32 weights (0 elsewhere). Returns rows_TR [T, R] int64, the
+    send row of (token, rank) or -1. Rows not named stay unwritten."""
+    T, R = pos_TR.shape
+    K = slot_TK.shape[1]
+    rows_TR = torch.where(pos_TR >= 0, offsets_R.view(1, R) + pos_TR.long(), -1)
+    if T == 0 or out.shape[0] == 0:
+        return rows_TR
+    t_idx, r_idx = (rows_TR >= 0).nonzero(as_tuple=True)
+    dest = rows_TR[t_idx, r_idx]
+    src = payload_TP.contiguous().view(torch.uint8).view(T, -1)
+    out[dest, : src.shape[1]] = src[t_idx]
+    ids, w = _local_meta(slot_TK, weights_TK, R, E)
+    out[dest, meta_off : meta_off + 4 * K] = ids[t_idx, r_idx].view(torch.uint8)
+    out[dest, meta_off + 4 * K : meta_off + 8 * K] = w[t_idx, r_idx].view(torch.uint8)
+    return rows_TR
+
+
+def _word_dtype(t: torch.Tensor, nbytes: int) -> torch.dtype:
+    """The widest of int32 / int16 / uint8 that divides the row bytes, row stride and base."""
+    for dt in (torch.int32, torch.int16):
+        n = dt.itemsize
+        if nbytes % n == 0 and (t.stride(0) * t.element_size()) % n == 0 and t.data_ptr() % n == 0:
+            return dt
+    return torch.uint8
+
+
+def pack_rows(payload_TP, slot_TK, weights_TK, pos_TR, offsets_R, E: int, out, meta_off: int,
+              impl: str = "auto") -> torch.Tensor:
+    """See `pack_rows_torch`; payload rows may be strided (last dim contiguous)."""
+    if not _use_triton(payload_TP, impl):
+        return pack_rows_torch(payload_TP, slot_TK, weights_TK, pos_TR, offsets_R, E, out,
+                               meta_off)
+    from moekit.dispatch._kernels import launch_pack_rows
+
+    T, R = pos_TR.shape
+    rows_TR = torch.empty(T, R, dtype=torch.int64, device=pos_TR.device)
+    if T == 0:
+        return rows_TR
+    if payload_TP.stride(-1) != 1:
+        payload_TP = payload_TP.contiguous()
+    nbytes = payload_TP.shape[1] * payload_TP.element_size()
+    wd = _word_dtype(payload_TP, nbytes)
+    src = payload_TP.view(torch.uint8)
+    if wd != torch.uint8:
+        src = src.view(wd)
+    out_w = out.view(wd)
+    launch_pack_rows(src, slot_TK.contiguous(), weights_TK.float().contiguous(),
+                     pos_TR.contiguous(), offsets_R.contiguous(), rows_TR, out_w,
+                     out.view(torch.int32), out.view(torch.float32), meta_off // 4, E)
+    return rows_TR
