@@ -267,6 +267,23 @@ def test_row_kernels_and_plans_on_gpu_bf16():
     ref = recv_plan_torch(got[0][1], got[0][2], 64)
     for x, y in zip(got[0][:3] + ref, got[1]):
         assert torch.equal(x, y)
+    # normal mode: device plan + packing kernel against the twins at the deepseek-v3 row size
+    from moekit.dispatch.alltoall import RowLayout
+    from moekit.dispatch.layout import normal_plan, normal_plan_torch, pack_rows, pack_rows_torch
+
+    _, (topk,) = ep_inputs(1, (700,), E_logical, K, 4, "masked")
+    topk = TopKOutput(topk.weights.to(dev), topk.ids.to(dev))
+    x = torch.randn(700, 7168, device=dev).to(torch.bfloat16)
+    plans = [normal_plan_torch(topk.ids, slots, R, 64), normal_plan(topk.ids, slots, R, 64)]
+    for p, q in zip(*plans):
+        assert torch.equal(p.long(), q.long())
+    layout = RowLayout(7168, torch.bfloat16, K)
+    bufs = [torch.zeros(700 * R, layout.row_bytes, dtype=torch.uint8, device=dev)
+            for _ in range(2)]
+    slot, pos, _, offsets = plans[1]
+    r_t = pack_rows_torch(x, slot, topk.weights, pos, offsets, 64, bufs[0], layout.payload_bytes)
+    r_k = pack_rows(x, slot, topk.weights, pos, offsets, 64, bufs[1], layout.payload_bytes)
+    assert torch.equal(r_t, r_k) and torch.equal(bufs[0], bufs[1])
 
 
 @pytest.mark.gpu
