@@ -577,6 +577,9 @@ def test_ep_bench_runs_on_gloo(tmp_path):
     assert [r["rank"] for r in n["per_rank"]] == [0, 1]
     assert all(r["rows_sent"] > 0 and r["dispatch_combine_ms"] > 0 for r in n["per_rank"])
     assert n["aggregate"]["ratio_of_max"] > 0 and "meets_target" in n["aggregate"]
+    phases = n["aggregate"]["phases_ms_max"]
+    assert set(phases) == {"plan", "gather", "count_sync", "payload_a2a", "unpack", "combine_a2a",
+                           "combine_reduce"} and all(v >= 0 for v in phases.values())
     ll = doc["low_latency"]["aggregate"]
     assert ll["dispatch_ms_max"] > 0 and ll["combine_ms_max"] > 0
     layer = doc["layer"]["aggregate"]
