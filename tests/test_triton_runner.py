@@ -146,16 +146,16 @@ def test_registered_and_caps():
     caps = TritonRunner.caps
     assert caps.cuda_graph and caps.formats == {"standard", "masked"}
     assert caps.activations == {"silu", "gelu", "swiglu_oai"}
-    assert caps.weight_formats == {"unquantized"}
+    assert caps.weight_formats == set(ops.SUPPORTED_FORMATS)  # quantized: test_triton_quant.py
 
 
 def test_refuses_what_it_cannot_run():
     why = TritonRunner.unsupported("standard", "unquantized", "silu", "bfloat16", "cpu", False)
     assert why and "float16" in why and "interpreter" in why
-    why = TritonRunner.unsupported("standard", "fp8_w8a8", "silu", "float16", "cuda", False)
+    why = TritonRunner.unsupported("standard", "int2_w2a16", "silu", "float16", "cuda", False)
     assert why and "unquantized" in why
     w = make_weights(2, 32, 16, torch.float32, False)
-    w.format = "int8_w8a8"
+    w.format = "int2_w2a16"
     x = torch.randn(3, 32, device=DEVICE)
     with pytest.raises(RunnerError, match="weight format"):
         TritonRunner().run(StandardDispatchOutput(x, make_topk(3, 1, 2)), w, ActivationSpec())

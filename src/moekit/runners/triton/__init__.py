@@ -6,6 +6,11 @@ times the routing weight (`down`), and the K rows of each token are summed (a sm
 atomics in the down GEMM, as the config says). Masked format: the same GEMMs on the fixed
 [E, C, H] layout, unweighted. Block sizes come from tuned JSON tables (`configs.py`).
 
+Quantized weights (see `ops.WeightQuant`): fp8_w8a8 (block-wise [128, 128] / per-channel /
+per-tensor weight scales with token-group / token / dynamic per-tensor activations; not the
+'static_tensor' scheme) and int8_w8a8 on the fp8 / int8 tensor cores; int8_w8a16, int4_w4a16,
+mxfp4 and nvfp4 dequantized in the weight-tile load before a bf16/fp16 dot.
+
 Importing this module needs no Triton (the runner then reports itself unavailable); the kernels
 are imported on first use. On CPU it runs in the Triton interpreter when TRITON_INTERPRET=1 is
 set before import (float32 / float16: bfloat16 is wrong in the interpreter).
@@ -31,6 +36,11 @@ from moekit.stages import (
 )
 
 MIN_CAPABILITY = (8, 0)
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada / Hopper and newer
+# Kept equal to ops.SUPPORTED_FORMATS (ops imports Triton; this module must not).
+WEIGHT_FORMATS = (
+    "unquantized", "fp8_w8a8", "int8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4", "nvfp4",
+)  # fmt: skip
 
 
 def _interpret() -> bool:
@@ -44,7 +54,7 @@ class TritonRunner(Runner):
     name = "triton"
     caps = RunnerCaps(
         formats=frozenset({STANDARD, MASKED}),
-        weight_formats=frozenset({"unquantized"}),
+        weight_formats=frozenset(WEIGHT_FORMATS),
         activations=frozenset(ACTIVATIONS),
         devices=frozenset({"cuda", "cpu"} if _interpret() else {"cuda"}),
         cuda_graph=True,
@@ -78,6 +88,37 @@ class TritonRunner(Runner):
                 "interpreter computes it wrongly); on cpu it supports: float16, float32"
             )
         return problem
+
+    @classmethod
+    def workload_problem(cls, work) -> str | None:
+        """Quantization parameters the kernels do not support (used by moekit.select)."""
+        spec = getattr(work, "weight_spec", None)
+        if spec is not None and spec.act_scheme == "static_tensor":
+            return (
+                f"runner 'triton' does not support {spec.describe()}: the 'static_tensor' "
+                "activation scheme (per-expert calibrated scales) is not implemented; use "
+                "'dynamic_tensor', 'token' or 'token_group'"
+            )
+        return None
+
+    def check(self, dispatch_out, weights, act):
+        super().check(dispatch_out, weights, act)
+        if weights.is_quantized and weights.spec.act_scheme == "static_tensor":
+            raise RunnerError(
+                f"runner 'triton' does not support {weights.spec.describe()}: the "
+                "'static_tensor' activation scheme (per-expert calibrated scales) is not "
+                "implemented; use 'dynamic_tensor', 'token' or 'token_group'"
+            )
+        x = dispatch_out.x
+        if weights.format == "fp8_w8a8" and x.is_cuda:
+            import torch
+
+            cap = torch.cuda.get_device_capability(x.device)
+            if cap < FP8_MIN_CAPABILITY:
+                raise RunnerError(
+                    f"runner 'triton' with fp8_w8a8 needs fp8 tensor cores (compute "
+                    f"capability >= 8.9), found {cap}"
+                )
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec

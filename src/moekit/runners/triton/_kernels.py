@@ -11,8 +11,12 @@ Three groups of kernels:
     the routing weight, then either a store per pair or an atomic add per token);
   * sum over the K experts of each token (`_sum_topk_kernel`), when the down GEMM stored pairs.
 
-The GEMM main loops load the weight tiles through `_load_w_tile`, the one place a quantized
-weight format would dequantize.
+The GEMM main loops load the weight tiles through `_w_tile`, the one place a quantized weight
+format is dequantized (constexpr QUANT): weight-only formats (int8_w8a16, int4_w4a16, mxfp4,
+nvfp4) unpack and scale the tile to the activation dtype in registers before a bf16/fp16 dot;
+the w8a8 formats (fp8, int8) multiply the stored values directly (fp8 / int8 tensor-core dot on
+pre-quantized activations) and apply the activation x weight scales per K step (block-wise /
+token-group scales) or once in the epilogue (per-tensor / per-row scales).
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ import triton.language as tl
 
 # Activation codes (constexpr ACT).
 ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2
+
+# Weight formats (constexpr QUANT): how weight tiles are stored and turned into dot operands.
+Q_NONE, Q_W8A8, Q_W8A16, Q_INT4, Q_MXFP4, Q_NVFP4 = 0, 1, 2, 3, 4, 5
+# Scale granularity of the w8a8 formats (constexpr WSCALE for weights, ASCALE for activations):
+# one value (per expert / per call), one per row (weight row n / activation row), or one per
+# row (block of WROWS weight rows) and group of GROUP columns of K.
+S_TENSOR, S_ROW, S_GROUP = 0, 1, 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,14 +227,134 @@ def _zero_fill(ptr, numel, pid, num_programs, ZBLOCK: tl.constexpr):
 
 @triton.jit
 def _load_w_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight tile [BLOCK_K, rows] through pointers (K along dim 0). With `_desc_w_tile`, the
-    hook for a future dequantizing weight format: load packed values and scales here and
-    return the tile in the dot dtype."""
+    """Weight tile [BLOCK_K, rows] through pointers (K along dim 0), as stored."""
     if EVEN_K:
         tile = tl.load(ptrs)
     else:
         tile = tl.load(ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
     return tile
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """uint8 e2m1 codes 0..15 -> float32 (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives), built from
+    the bits: exponent e = bits 2..1, mantissa m = bit 0, sign = bit 3."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((c >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_to_f32(code):
+    """uint8 e8m0 codes -> float32 2 ** (code - 127) (code 0: the subnormal 2 ** -127)."""
+    c = code.to(tl.int32)
+    bits = tl.where(c == 0, 0x00400000, c << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w_tile(
+    ptrs, s_base, z_base, gscale, k0, k_left, n_groups,
+    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    SG: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Weight tile [BLOCK_K, rows] (K along dim 0) as a dot operand, from pointers `ptrs` to the
+    stored data at column k0 ([BLOCK_K, rows]; packed formats: [BLOCK_K / 2, rows] bytes).
+
+    Q_NONE / Q_W8A8: the stored values. Q_W8A16: int8 * scale[n]. Packed formats: the two
+    nibbles of each byte are elements 2j (low) and 2j + 1 (high) along K, then per group of
+    GROUP columns: int4 (q - zero) * scale (zero 8 when symmetric), mxfp4 e2m1 * 2^(e8m0 - 127),
+    nvfp4 e2m1 * (e4m3 scale * global scale gscale). s_base / z_base [rows]: pointers to the
+    first group's scale / zero point of each row (groups along K are contiguous); SG scale
+    groups per tile. Dequantized in float32 (as `moekit.quant.dequantize`), then cast to
+    DOT_DTYPE: bit-identical to the reference's dequantized weights."""
+    if QUANT == 0 or QUANT == 1:
+        w = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+    elif QUANT == 2:
+        q = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+        w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
+    else:
+        PK: tl.constexpr = BLOCK_K // 2
+        ROWS: tl.constexpr = ptrs.shape[1]
+        GS: tl.constexpr = BLOCK_K // SG
+        if EVEN_K:
+            q = tl.load(ptrs)
+        else:
+            q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
+        v = tl.reshape(tl.permute(tl.join(q & 15, q >> 4), (0, 2, 1)), [BLOCK_K, ROWS])
+        gi = k0 // GROUP + tl.arange(0, SG)
+        s_mask = gi[:, None] < n_groups
+        s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
+        if QUANT == 3:
+            s = s.to(tl.float32)
+            vf = tl.reshape(v.to(tl.float32), [SG, GS, ROWS])
+            if HAS_ZERO:
+                z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0)
+                vf = vf - z.to(tl.float32)[:, None, :]
+            else:
+                vf = vf - 8.0
+        else:
+            if QUANT == 4:
+                s = _e8m0_to_f32(s)
+            else:
+                s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
+            vf = tl.reshape(_e2m1_to_f32(v), [SG, GS, ROWS])
+        w = tl.reshape(vf * s[:, None, :], [BLOCK_K, ROWS]).to(DOT_DTYPE)
+    return w
+
+
+@triton.jit
+def _w8a8_step(
+    a, b, acc, a_s_base, w_s_base, kg,
+    ASCALE: tl.constexpr, WSCALE: tl.constexpr, INT_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+):  # fmt: skip
+    """One K step of a w8a8 GEMM: acc (float32, [BM, cols] or transposed when SWAP_AB) +=
+    a @ b, times the activation scale [BM] x weight scale [cols] of K group kg where either is
+    per group (scales that do not change along K are applied in the epilogue, `_w8a8_scale`).
+    fp8 operands accumulate in the MMA; int8 ones in int32 per step (exact)."""
+    STEP: tl.constexpr = ASCALE == 2 or WSCALE == 2
+    if (not STEP) and (not INT_DOT):
+        acc = _mma(a, b, acc, SWAP_AB, None)
+    else:
+        if SWAP_AB:
+            if INT_DOT:
+                part = tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.int32).to(tl.float32)
+            else:
+                part = tl.dot(tl.trans(b), tl.trans(a))
+        else:
+            if INT_DOT:
+                part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+            else:
+                part = tl.dot(a, b)
+        if STEP:
+            if ASCALE == 2:
+                a_s = tl.load(a_s_base + kg)
+            else:
+                a_s = tl.full(a_s_base.shape, 1.0, tl.float32)
+            if WSCALE == 2:
+                w_s = tl.load(w_s_base + kg)
+            else:
+                w_s = tl.full(w_s_base.shape, 1.0, tl.float32)
+            if SWAP_AB:
+                part = part * (w_s[:, None] * a_s[None, :])
+            else:
+                part = part * (a_s[:, None] * w_s[None, :])
+        acc += part
+    return acc
+
+
+@triton.jit
+def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.constexpr):
+    """Epilogue of a w8a8 GEMM: acc [BM, cols] times the scales that do not change along K
+    (activation per tensor / row: a_s_base [BM]; weight per tensor / row: w_s_base [cols])."""
+    if ASCALE != 2:
+        acc = acc * tl.load(a_s_base)[:, None]
+    if WSCALE != 2:
+        acc = acc * tl.load(w_s_base)[None, :]
+    return acc
 
 
 @triton.jit
@@ -369,11 +500,27 @@ def _gate_up_kernel(
     stride_hm,
     alpha,
     limit,
+    ws_ptr,
+    wz_ptr,
+    wg_ptr,
+    xs_ptr,
+    stride_wse,
+    stride_wsn,
+    stride_xs,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     ROWS: tl.constexpr,
     ZERO_OUT: tl.constexpr,
+    QUANT: tl.constexpr,
+    ASCALE: tl.constexpr,
+    WSCALE: tl.constexpr,
+    WROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SG: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    PACK: tl.constexpr,
+    INT_DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -391,6 +538,10 @@ def _gate_up_kernel(
     is the pair's token (sorted / direct rows) or the slot (masked rows). Padding rows are not
     stored: each output row of the down GEMM depends only on its own h row, and is masked too.
     ZERO_OUT: also zero zero_ptr[0:zero_numel] (the atomic down GEMM's output).
+    Quantized weights (QUANT != Q_NONE, see `_w_tile`): ws/wz/wg: weight scales, zero points,
+    global scales ([E, ...], strides stride_wse / stride_wsn per expert / per scale row, K
+    groups contiguous; WROWS weight rows share a scale row); w8a8: x holds the quantized
+    activations and xs their scales (row stride stride_xs; 0 for one value per call).
     """
     pid = tl.program_id(0)
     if ZERO_OUT:
@@ -413,13 +564,26 @@ def _gate_up_kernel(
 
     n0 = pid_n * BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
+    offs_wk = tl.arange(0, BLOCK_K // PACK)
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
+    # quantized formats: scale / zero-point row pointers, activation scales, global scale
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
+    a_s_base = xs_ptr + a_rows * stride_xs
+    n_groups = K // GROUP
+    if QUANT == 5:
+        gscale = tl.load(wg_ptr + expert)
+    else:
+        gscale = 1.0
+    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if INTERLEAVED:
         # one tile of 2 * BLOCK_N rows alternating gate / up
         rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
-        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
+        s_base = ws_e + (rows // WROWS) * stride_wsn
+        z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - ki * BLOCK_K
@@ -427,11 +591,19 @@ def _gate_up_kernel(
             if USE_TMA:
                 b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
             else:
-                b = _load_w_tile(w_ptrs, k_left, EVEN_K, BLOCK_K)
-                w_ptrs += BLOCK_K
-            acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+                b = _w_tile(w_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
+                            QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                w_ptrs += BLOCK_K // PACK
+            if QUANT == 1:
+                kg = ki * BLOCK_K // GROUP
+                acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT,
+                                 SWAP_AB)  # fmt: skip
+            else:
+                acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
             a_ptrs += BLOCK_K
         acc = _unswap(acc, SWAP_AB)
+        if QUANT == 1:
+            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
         if HAS_BIAS:
             b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
             bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
@@ -439,8 +611,12 @@ def _gate_up_kernel(
         acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
-        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
         u_ptrs = g_ptrs + N * stride_wn
+        sg_base = ws_e + (n_rows // WROWS) * stride_wsn
+        su_base = ws_e + ((N + n_rows) // WROWS) * stride_wsn
+        zg_base = wz_e + n_rows * stride_wsn
+        zu_base = wz_e + (N + n_rows) * stride_wsn
         acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
@@ -450,15 +626,27 @@ def _gate_up_kernel(
                 bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
                 bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
             else:
-                bg = _load_w_tile(g_ptrs, k_left, EVEN_K, BLOCK_K)
-                bu = _load_w_tile(u_ptrs, k_left, EVEN_K, BLOCK_K)
-                g_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
-            acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
-            acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
+                bg = _w_tile(g_ptrs, sg_base, zg_base, gscale, ki * BLOCK_K, k_left, n_groups,
+                             QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                bu = _w_tile(u_ptrs, su_base, zu_base, gscale, ki * BLOCK_K, k_left, n_groups,
+                             QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                g_ptrs += BLOCK_K // PACK
+                u_ptrs += BLOCK_K // PACK
+            if QUANT == 1:
+                kg = ki * BLOCK_K // GROUP
+                acc_g = _w8a8_step(a, bg, acc_g, a_s_base, sg_base, kg, ASCALE, WSCALE, INT_DOT,
+                                   SWAP_AB)  # fmt: skip
+                acc_u = _w8a8_step(a, bu, acc_u, a_s_base, su_base, kg, ASCALE, WSCALE, INT_DOT,
+                                   SWAP_AB)  # fmt: skip
+            else:
+                acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
+                acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
             a_ptrs += BLOCK_K
         acc_g = _unswap(acc_g, SWAP_AB)
         acc_u = _unswap(acc_u, SWAP_AB)
+        if QUANT == 1:
+            acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
+            acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
         if HAS_BIAS:
             b_base = b_ptr + expert.to(tl.int64) * stride_be
             acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
@@ -505,9 +693,26 @@ def _down_kernel(
     stride_wn,
     stride_be,
     stride_om,
+    ws_ptr,
+    wz_ptr,
+    wg_ptr,
+    xs_ptr,
+    stride_wse,
+    stride_wsn,
+    stride_xs,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     ATOMIC: tl.constexpr,
+    QUANT: tl.constexpr,
+    ASCALE: tl.constexpr,
+    WSCALE: tl.constexpr,
+    WROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SG: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    PACK: tl.constexpr,
+    INT_DOT: tl.constexpr,
+
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -523,7 +728,8 @@ def _down_kernel(
     out[pair] (out [P, H], summed over K later) or, with ATOMIC, added into out[token]
     (out [T, H], zeroed before). Masked rows: stored unweighted at out[slot] (out [E*C, H]).
     USE_TMA: h_desc (h [slots, I], block [BLOCK_M, BLOCK_K]) and w_desc (w2 viewed [E * H, I],
-    block [BLOCK_N, BLOCK_K]) replace the pointer loads.
+    block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
+    (w8a8: h holds the quantized intermediate, xs its scales).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -541,9 +747,20 @@ def _down_kernel(
     n0 = pid_n * BLOCK_N
     offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
+    offs_wk = tl.arange(0, BLOCK_K // PACK)
     a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None])  # fmt: skip
+              + offs_wk[:, None])  # fmt: skip
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    s_base = ws_e + (offs_n // WROWS) * stride_wsn
+    z_base = wz_ptr + expert.to(tl.int64) * stride_wse + offs_n * stride_wsn
+    a_s_base = xs_ptr + slot * stride_xs
+    n_groups = K // GROUP
+    if QUANT == 5:
+        gscale = tl.load(wg_ptr + expert)
+    else:
+        gscale = 1.0
+    DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     for ki in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - ki * BLOCK_K
@@ -552,11 +769,18 @@ def _down_kernel(
             b = _desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            b = _load_w_tile(b_ptrs, k_left, EVEN_K, BLOCK_K)
+            b = _w_tile(b_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
+                        QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+            b_ptrs += BLOCK_K // PACK
+        if QUANT == 1:
+            kg = ki * BLOCK_K // GROUP
+            acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+        else:
+            acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
     acc = _unswap(acc, SWAP_AB)
+    if QUANT == 1:
+        acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)[None, :]

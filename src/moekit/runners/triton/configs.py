@@ -1,13 +1,15 @@
 """Kernel configs of the `triton` runner as data: tuned JSON tables and a heuristic default.
 
 One table per GEMM and weight shape, keyed by (gemm, E, N, K, dtype, device name, Triton
-version), with a config per batch size T inside; the batch size nearest to the call's T (in
+version, weight format with its block / group shape: `quant_tag`), with a config per batch size
+T inside; the batch size nearest to the call's T (in
 log2 distance) wins. GEMM names and shapes:
   gate_up: x [*, H] @ w13[e].T -> N = 2I, K = H
   down:    h [*, I] @ w2[e].T  -> N = H,  K = I
 Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
 `moekit/configs/triton`, a table tuned with this Triton version before one tuned with
-another, then the heuristic `default_config`. Which one is used is logged once per shape.
+another, then the heuristic `default_config`. A quantized format without a table of its own
+takes the unquantized config of the same shape (tuned or default) through `adapt_config`. Which one is used is logged once per shape.
 File format (written by `moekit tune`):
   {"key": {...}, "configs": {"<T>": {GemmConfig fields}}, "meta": {...}}
 """
@@ -19,7 +21,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from moekit import envs
@@ -104,10 +106,12 @@ class TableKey:
     dtype: str
     device: str
     triton: str
+    quant: str = "unquantized"
 
     def filename(self) -> str:
+        quant = "" if self.quant == "unquantized" else f",quant={self.quant}"
         return (
-            f"{self.gemm},E={self.num_experts},N={self.n},K={self.k},dtype={self.dtype},"
+            f"{self.gemm},E={self.num_experts},N={self.n},K={self.k},dtype={self.dtype}{quant},"
             f"device={_slug(self.device)},triton={self.triton}.json"
         )
 
@@ -258,6 +262,35 @@ def default_config(gemm: str, rows_per_expert: float, n: int, k: int) -> GemmCon
     )
 
 
+def quant_tag(spec) -> str:
+    """The weight-format part of a table key: 'unquantized' (spec None), e.g.
+    'fp8_w8a8-block128x128-token_group', 'fp8_w8a8-channel-token', 'int8_w8a8',
+    'int4_w4a16-g128-sym', 'mxfp4'."""
+    if spec is None:
+        return "unquantized"
+    name = spec.name
+    if name == "fp8_w8a8":
+        ws = spec.weight_scale
+        if ws == "block":
+            ws += "x".join(map(str, spec.block_shape))
+        return f"{name}-{ws}-{spec.act_scheme}"
+    if name == "int4_w4a16":
+        return f"{name}-g{spec.group_size}-{'sym' if spec.symmetric else 'asym'}"
+    return name
+
+
+def adapt_config(cfg: GemmConfig, quant: str) -> GemmConfig:
+    """An unquantized config turned into a starting point for weight format `quant` (a
+    `quant_tag`): w8a8 formats read half the bytes per element, so twice the K step (at most
+    256; the runner caps it at the scale group for group-wise scales); weight-only formats keep
+    the tile (the dequantized tile is what the registers hold) and load through pointers."""
+    if quant == "unquantized":
+        return cfg
+    if quant.startswith(("fp8_w8a8", "int8_w8a8")):
+        return replace(cfg, block_k=min(2 * cfg.block_k, 256))
+    return replace(cfg, tma=False)
+
+
 def get_config(
     gemm: str,
     num_tokens: int,
@@ -267,15 +300,26 @@ def get_config(
     intermediate: int,
     dtype: str,
     device: str,
+    quant: str = "unquantized",
 ) -> GemmConfig:
-    """The config for one GEMM of a call with `num_tokens` tokens (tuned table, else default)."""
+    """The config for one GEMM of a call with `num_tokens` tokens (tuned table, else default)
+    for weight format `quant` (a `quant_tag`)."""
     n, k = gemm_shape(gemm, hidden, intermediate)
-    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version())
+    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
     table = find_table(key)
-    what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} on {device}"
+    what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
     if table is not None:
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}")
         return table.pick(num_tokens)
+    if quant != "unquantized":
+        log_once(
+            logging.INFO,
+            f"{what}: no tuned config file ({key.filename()}); using the unquantized config "
+            "adapted to the format (`moekit tune --quantization` makes one)",
+        )
+        base = get_config(gemm, num_tokens, top_k, num_experts, hidden, intermediate, dtype,
+                          device)  # fmt: skip
+        return adapt_config(base, quant)
     log_once(
         logging.INFO,
         f"{what}: no tuned config file ({key.filename()}); using heuristic defaults "

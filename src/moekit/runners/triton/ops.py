@@ -5,6 +5,12 @@ Public ops (T tokens, K top-k, E local experts, H hidden, I intermediate):
   fused_moe_masked(x [E, C, H], counts [E], ...) -> [E, C, H], unweighted
 and the pieces `gate_up`, `down`, `sum_topk` that `moekit tune` times one by one. Nothing here
 reads a device value on the host, so every op can be captured in a CUDA graph.
+
+Quantized weights (`ExpertWeights.format`, see `moekit.quant.spec`): `WeightQuant` describes how
+the kernels read them. Weight-only formats (int8_w8a16, int4_w4a16, mxfp4, nvfp4) are
+dequantized in the weight-tile load. The w8a8 formats (fp8_w8a8, int8_w8a8) quantize each GEMM's
+input with the format's activation scheme first (`moekit.quant.quantize_act`: x before gate_up,
+the intermediate h before down) and multiply fp8 / int8 operands on the tensor cores.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
 from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.align import AlignOutput, align_block_size
-from moekit.runners.triton.configs import PIPELINE, GemmConfig, default_config, get_config
+from moekit.runners.triton.configs import (
+    PIPELINE,
+    GemmConfig,
+    adapt_config,
+    default_config,
+    get_config,
+    quant_tag,
+)
 
 _ACT_CODES = {"silu": k.ACT_SILU, "gelu": k.ACT_GELU, "swiglu_oai": k.ACT_SWIGLU_OAI}
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -35,16 +48,141 @@ def _precision(t: torch.Tensor):
     return "ieee" if t.dtype == torch.float32 else None
 
 
-def _check_weights(x: torch.Tensor, w: ExpertWeights) -> None:
-    if w.format != "unquantized":
-        raise ValueError(
-            f"weight format {w.format!r}: the triton runner supports: unquantized"
+# Weight formats the kernels read (ExpertWeights.format).
+SUPPORTED_FORMATS = (
+    "unquantized", "fp8_w8a8", "int8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4", "nvfp4",
+)  # fmt: skip
+_SCALE_KIND = {"tensor": k.S_TENSOR, "channel": k.S_ROW, "block": k.S_GROUP,
+               "dynamic_tensor": k.S_TENSOR, "token": k.S_ROW, "token_group": k.S_GROUP}  # fmt: skip
+
+
+def spec_problem(spec) -> str | None:
+    """None if the triton runner reads weights of QuantSpec `spec` (None: unquantized), else
+    why not."""
+    if spec is None:
+        return None
+    if spec.name not in SUPPORTED_FORMATS:
+        return (
+            f"weight format {spec.name!r}: the triton runner supports: "
+            + ", ".join(SUPPORTED_FORMATS)
         )
+    if spec.act_scheme == "static_tensor":
+        return (
+            f"{spec.describe()}: the triton runner does not support the 'static_tensor' "
+            "activation scheme (per-expert calibrated scales); use 'dynamic_tensor', 'token' or "
+            "'token_group'"
+        )
+    return None
+
+
+class WeightQuant:
+    """How the kernels read one quantized weight (w13 or w2) of ExpertWeights `w`: the scale
+    tensors and the constexprs of `_kernels._w_tile` / `_w8a8_step`."""
+
+    def __init__(self, w: ExpertWeights, which: str):
+        spec = w.spec
+        self.spec, self.which = spec, which
+        data = getattr(w, which)
+        self.quant = {
+            "fp8_w8a8": k.Q_W8A8, "int8_w8a8": k.Q_W8A8, "int8_w8a16": k.Q_W8A16,
+            "int4_w4a16": k.Q_INT4, "mxfp4": k.Q_MXFP4, "nvfp4": k.Q_NVFP4,
+        }[spec.name]  # fmt: skip
+        scale = getattr(w, which + "_scale")
+        zero = getattr(w, which + "_zero")
+        gs = getattr(w, which + "_global_scale")
+        for name, t in ((which + "_scale", scale), (which + "_zero", zero),
+                        (which + "_global_scale", gs)):  # fmt: skip
+            if t is not None and (t.device != data.device or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous tensor on {data.device}")
+        self.scale, self.zero, self.gscale = scale, zero, gs
+        E = data.shape[0]
+        self.stride_se = scale.numel() // E if E else 0
+        self.wscale = self.ascale = k.S_TENSOR
+        self.wrows, self.group, self.pack, self.int_dot = 1, 128, spec.pack_factor, False
+        if self.quant == k.Q_W8A8:
+            ws = getattr(spec, "weight_scale", "channel")
+            self.wscale, self.ascale = _SCALE_KIND[ws], _SCALE_KIND[spec.act_scheme]
+            self.int_dot = spec.name == "int8_w8a8"
+            if ws == "block":
+                self.wrows, self.group = spec.block_shape
+                self.stride_sn = scale.shape[-1]
+            else:
+                self.stride_sn = 0 if ws == "tensor" else 1
+            if self.ascale == k.S_GROUP:
+                self.group = spec.act_group_size
+        elif self.quant == k.Q_W8A16:
+            self.stride_sn = 1
+        else:
+            self.group = spec.group_size
+            self.stride_sn = scale.shape[-1]
+
+    def clamp(self, cfg: GemmConfig) -> GemmConfig:
+        """The config with block_k fitting the format: w8a8 with per-group scales take one
+        scale group per K step (block_k <= group); every w8a8 dot needs block_k >= 32."""
+        bk = cfg.block_k
+        if self.quant == k.Q_W8A8:
+            if k.S_GROUP in (self.wscale, self.ascale):
+                bk = min(bk, self.group)
+            bk = max(bk, 32)
+        if self.quant in (k.Q_INT4, k.Q_MXFP4, k.Q_NVFP4):
+            bk = max(bk, 32)  # packed bytes: at least 16 per row and step
+        return cfg if bk == cfg.block_k else replace(cfg, block_k=bk)
+
+    def args(self, data: torch.Tensor) -> tuple:
+        """(ws, wz, wg, stride_wse, stride_wsn) kernel arguments (unused ones point at data)."""
+        ws = self.scale
+        if ws.dtype == torch.float8_e4m3fn:  # nvfp4: read as bytes (masked loads fill 0)
+            ws = ws.view(torch.uint8)
+        wz = self.zero if self.zero is not None else ws
+        wg = self.gscale if self.gscale is not None else ws
+        return ws, wz, wg, self.stride_se, self.stride_sn
+
+    def meta(self, block_k: int) -> dict:
+        sg = max(1, block_k // self.group) if self.quant >= k.Q_INT4 else 1
+        return dict(
+            QUANT=self.quant, ASCALE=self.ascale, WSCALE=self.wscale, WROWS=self.wrows,
+            GROUP=self.group, SG=sg, HAS_ZERO=self.zero is not None, PACK=self.pack,
+            INT_DOT=self.int_dot,
+        )  # fmt: skip
+
+
+_NO_QUANT_META = dict(QUANT=k.Q_NONE, ASCALE=0, WSCALE=0, WROWS=1, GROUP=128, SG=1,
+                      HAS_ZERO=False, PACK=1, INT_DOT=False)  # fmt: skip
+
+
+def quantize_input(
+    x: torch.Tensor, spec, valid_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A w8a8 GEMM's input x [rows, K] -> (q [rows, K] fp8 / int8, scales float32 [rows, groups]
+    | [rows, 1] | [1]) with the spec's activation scheme. 'dynamic_tensor' takes its one scale
+    over the rows where `valid_rows` (bool [rows]) is set (all rows when None). On CPU (the
+    Triton interpreter casts to fp8 wrongly) fp8 uses the reference quantizer, bit-identical
+    to the kernel on a GPU."""
+    from moekit.quant.act_quant import quantize_act, quantize_act_ref, tensor_scale
+
+    scheme, dtype = spec.act_scheme, spec.act_dtype
+    scale = None
+    if scheme == "dynamic_tensor":
+        src = x if valid_rows is None else torch.where(valid_rows[:, None], x, 0)
+        scale = tensor_scale(src, dtype)
+    group = spec.act_group_size or 128
+    if x.device.type == "cpu" and dtype == torch.float8_e4m3fn:
+        q, s = quantize_act_ref(x, scheme, dtype, scale=scale, group_size=group)
+    else:
+        q, s = quantize_act(x, scheme, dtype, scale=scale, group_size=group)
+    return q, s.reshape(1) if scheme == "dynamic_tensor" else s
+
+
+def _check_weights(x: torch.Tensor, w: ExpertWeights) -> None:
+    problem = spec_problem(w.spec)
+    if problem:
+        raise ValueError(problem)
     for name in ("w13", "w2", "b13", "b2"):
         t = getattr(w, name)
         if t is None:
             continue
-        if t.dtype != x.dtype or t.device != x.device:
+        quantized = w.is_quantized and name in ("w13", "w2")
+        if t.device != x.device or (t.dtype != x.dtype and not quantized):
             raise ValueError(
                 f"{name} must match x in dtype and device ({x.dtype}, {x.device}), "
                 f"got {t.dtype}, {t.device}"
@@ -113,6 +251,14 @@ class Rows:
     def masked(cls, counts_E: torch.Tensor, capacity: int, num_experts: int) -> "Rows":
         return cls(k.ROWS_MASKED, counts=counts_E, capacity=capacity, num_experts=num_experts)
 
+    def valid_rows(self) -> torch.Tensor | None:
+        """Masked rows: bool [E * capacity], True for rows below their expert's count (the
+        rows of x that hold tokens); None for the other modes (every row of x is a token)."""
+        if self.mode != k.ROWS_MASKED:
+            return None
+        local = torch.arange(self.capacity, device=self.counts.device)
+        return (local[None, :] < self.counts[:, None]).reshape(-1)
+
     def slots(self) -> int:
         """Rows of the intermediate h."""
         if self.mode == k.ROWS_SORTED:
@@ -141,6 +287,21 @@ class Rows:
         return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
 
+def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
+    """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
+    packed / weight-only formats load through pointers (dequantized in registers)."""
+    return cfg.tma and (wq is None or wq.quant == k.Q_W8A8)
+
+
+def _quant_args(wq: "WeightQuant | None", data: torch.Tensor, xs: torch.Tensor) -> tuple:
+    """(ws, wz, wg, xs, stride_wse, stride_wsn, stride_xs) kernel arguments."""
+    if wq is None:
+        return data, data, data, xs, 0, 0, 0
+    ws, wz, wg, se, sn = wq.args(data)
+    stride_xs = xs.stride(0) if wq.quant == k.Q_W8A8 and xs.dim() == 2 else 0
+    return ws, wz, wg, xs, se, sn, stride_xs
+
+
 def gate_up(
     x: torch.Tensor,
     rows: Rows,
@@ -154,11 +315,18 @@ def gate_up(
 ) -> torch.Tensor:
     """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
-    atomic down GEMM's output)."""
+    atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
+    dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
+    rows the GEMM leaves unwritten)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
+    wq = WeightQuant(w, "w13") if w.is_quantized else None
+    if wq is not None:
+        cfg = wq.clamp(cfg)
     if out is None:
-        out = torch.empty(rows.slots(), I, dtype=x.dtype, device=x.device)
+        dyn = wq is not None and wq.quant == k.Q_W8A8 and wq.ascale == k.S_TENSOR
+        alloc = torch.zeros if dyn else torch.empty
+        out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
     if act.name not in _ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(_ACT_CODES)}")
     row_args = rows.args(cfg.block_m, top_k)
@@ -167,7 +335,10 @@ def gate_up(
         if zero is not None:
             zero.zero_()
         return out
-    use_tma = cfg.tma and _tma_ok(w.w13) and w.w13.is_contiguous()
+    xs = x
+    if wq is not None and wq.quant == k.Q_W8A8:
+        x, xs = quantize_input(x, w.spec, rows.valid_rows())
+    use_tma = _use_tma(cfg, wq) and _tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
     if use_tma:
         rows_per_tile = 2 * cfg.block_n if act.interleaved else cfg.block_n
@@ -178,7 +349,7 @@ def gate_up(
         x, w.w13, w_desc, b13, out, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
-        float(act.alpha), float(act.limit),
+        float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
     )  # fmt: skip
     meta = dict(
         ACT=_ACT_CODES[act.name],
@@ -186,7 +357,8 @@ def gate_up(
         INTERLEAVED=act.interleaved,
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
-        DOT_PRECISION=_precision(x),
+        DOT_PRECISION=_precision(out),
+        **(wq.meta(cfg.block_k) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
@@ -209,11 +381,18 @@ def down(
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
+    wq = WeightQuant(w, "w2") if w.is_quantized else None
+    if wq is not None:
+        cfg = wq.clamp(cfg)
     row_args = rows.args(cfg.block_m, top_k)
     grid = (row_args[-1] * triton.cdiv(H, cfg.block_n),)
     if grid[0] == 0:
         return out
-    use_tma = cfg.tma and _tma_ok(w.w2, h) and w.w2.is_contiguous()
+    hs = h
+    dot_dtype = h.dtype
+    if wq is not None and wq.quant == k.Q_W8A8:
+        h, hs = quantize_input(h, w.spec)  # unwritten rows of h are zeros for dynamic_tensor
+    use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
     if use_tma:
         h_desc = _desc(h, [cfg.block_m, cfg.block_k])
@@ -223,12 +402,14 @@ def down(
     args = (
         h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
         h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
+        *_quant_args(wq, w.w2, hs),
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=w.b2 is not None,
         ROWS=rows.mode,
         ATOMIC=(not masked) and cfg.reduce == "atomic",
-        DOT_PRECISION=_precision(h),
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
+        **(wq.meta(cfg.block_k) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
@@ -257,9 +438,10 @@ def configs_for(
     dev = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
     name = _TL_DTYPES[dtype]
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+    quant = quant_tag(w.spec)
     return (
-        get_config("gate_up", num_tokens, top_k, E, H, I, name, dev),
-        get_config("down", num_tokens, top_k, E, H, I, name, dev),
+        get_config("gate_up", num_tokens, top_k, E, H, I, name, dev, quant),
+        get_config("down", num_tokens, top_k, E, H, I, name, dev, quant),
     )
 
 
@@ -303,9 +485,10 @@ def fused_moe(
 def masked_configs(capacity: int, w: ExpertWeights) -> tuple[GemmConfig, GemmConfig]:
     """Heuristic configs for the masked format: capacity is the row count per expert."""
     H, I = w.hidden_size, w.intermediate_size
+    quant = quant_tag(w.spec)
     return (
-        default_config("gate_up", capacity, 2 * I, H),
-        default_config("down", capacity, H, I),
+        adapt_config(default_config("gate_up", capacity, 2 * I, H), quant),
+        adapt_config(default_config("down", capacity, H, I), quant),
     )
 
 

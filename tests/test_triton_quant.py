@@ -1,0 +1,327 @@
+"""Quantized weight formats in the triton runner against the torch reference runner.
+
+CPU: the Triton interpreter with float16 activations on small shapes, every implemented format
+(fp8 too: an fp8 x fp8 tl.dot and fp8 -> float32 loads are exact in the interpreter; only its
+cast *to* fp8 is wrong, so on CPU the runner quantizes fp8 activations with the reference
+quantizer, bit-identical to the Triton one on a GPU). GPU (marked): bfloat16 on the preset
+shapes.
+
+Bounds (relative norm error against the torch runner on the same quantized weights): the
+weight-only formats dequantize to exactly the reference's weights, so only the accumulation
+order and the reference's rounding of the first GEMM's output differ (fp16: `TOLERANCE`);
+the w8a8 formats also quantize the intermediate, where such a one-ulp difference can move a
+value to the neighbouring fp8 / int8 step (measured up to 0.0045 in fp16): W8A8_TOL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers import TOLERANCE, rel_err  # noqa: E402
+
+from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
+from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts  # noqa: E402
+from moekit.router import TopKOutput  # noqa: E402
+from moekit.runners.base import RunnerError  # noqa: E402
+from moekit.runners.torch import TorchRunner  # noqa: E402
+from moekit.runners.triton import TritonRunner, configs, ops  # noqa: E402
+from moekit.runners.triton.configs import GemmConfig  # noqa: E402
+from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+W8A8_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+# name: (spec, H, I) - shapes chosen to hit partial fp8 blocks, several int4 groups per K step
+FORMATS = {
+    "int8_w8a16": (make_spec("int8_w8a16"), 64, 48),
+    "int4-g32-sym": (Int4W4A16(32, True), 96, 64),
+    "int4-g64-asym": (Int4W4A16(64, False, torch.float16), 128, 64),
+    "int4-g128-sym": (Int4W4A16(128, True, torch.float32), 128, 128),
+    "mxfp4": (make_spec("mxfp4"), 64, 64),
+    "nvfp4": (make_spec("nvfp4"), 64, 32),
+    "fp8-block": (Fp8W8A8("block"), 192, 160),
+    "fp8-channel": (Fp8W8A8("channel"), 64, 48),
+    "fp8-tensor": (Fp8W8A8("tensor"), 64, 48),
+    "fp8-block-token": (Fp8W8A8("block", activation_scheme="token"), 128, 64),
+    "int8_w8a8": (make_spec("int8_w8a8"), 64, 48),
+}
+
+
+def tol(spec, dtype=DTYPE) -> float:
+    return TOLERANCE[dtype] if spec.weight_only else W8A8_TOL[dtype]
+
+
+def make_experts(spec, E, H, I, bias=False, device=DEVICE, dtype=DTYPE) -> ExpertWeights:
+    w13 = (torch.rand(E, 2 * I, H, device=device) * 2 - 1) / H**0.5
+    w2 = (torch.rand(E, H, I, device=device) * 2 - 1) / I**0.5
+    b13 = b2 = None
+    if bias:
+        b13 = (torch.randn(E, 2 * I, device=device) * 0.1).to(dtype)
+        b2 = (torch.randn(E, H, device=device) * 0.1).to(dtype)
+    return quantize_experts(ExpertWeights(w13, w2, b13, b2), spec)
+
+
+def make_topk(T, K, E, masked=0.0, device=DEVICE) -> TopKOutput:
+    ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].to(torch.int32)
+    if masked:
+        ids[torch.rand(T, K, device=device) < masked] = -1
+    weights = torch.rand(T, K, device=device) + 0.1
+    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
+
+
+def run_both(x, topk, w, act, configs=None):
+    d = StandardDispatchOutput(x, topk)
+    ref = TorchRunner().run(d, w, act).out
+    if configs is None:
+        out = TritonRunner().run(d, w, act).out
+    else:
+        out = ops.fused_moe(x, topk, w, act, configs=configs)
+    return out, ref
+
+
+@pytest.mark.parametrize("T", [0, 1, 9])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_formats_vs_torch(fmt, T):
+    spec, H, I = FORMATS[fmt]
+    E, K = 5, 2
+    w = make_experts(spec, E, H, I)
+    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
+    topk = make_topk(T, K, E, masked=0.2 if T > 1 else 0.0)
+    out, ref = run_both(x, topk, w, ActivationSpec())
+    assert out.shape == (T, H) and out.dtype == DTYPE
+    if T:
+        assert rel_err(out, ref) < tol(spec), (fmt, T, rel_err(out, ref))
+
+
+@dataclass(frozen=True)
+class Variant:
+    fmt: str
+    configs: tuple[GemmConfig, GemmConfig]
+    act: ActivationSpec = ActivationSpec()
+    bias: bool = False
+    T: int = 12
+
+
+OAI = ActivationSpec("swiglu_oai", interleaved=True)
+VARIANTS = {
+    # several int4 groups per K step (SG = 2), K not a multiple of block_k, swapped MMA, atomics
+    "int4-g32-swap-atomic": Variant(
+        "int4-g32-sym", (GemmConfig(16, 32, 64, swap_ab=True), GemmConfig(16, 32, 64, reduce="atomic"))
+    ),
+    "int4-asym-oai-bias": Variant("int4-g64-asym", (GemmConfig(32, 16, 32), GemmConfig(16, 64, 128)), OAI, True),
+    "mxfp4-oai-bias-swap": Variant(
+        "mxfp4", (GemmConfig(16, 16, 64, swap_ab=True), GemmConfig(16, 16, 32, swap_ab=True)), OAI, True
+    ),
+    "nvfp4-bk16": Variant("nvfp4", (GemmConfig(16, 16, 16), GemmConfig(16, 16, 16))),
+    # block_k above the scale group is capped to it; small K steps inside one block
+    "fp8-block-bk256-swap": Variant(
+        "fp8-block", (GemmConfig(16, 32, 256, swap_ab=True), GemmConfig(32, 32, 32, reduce="atomic"))
+    ),
+    "fp8-block-oai-bias": Variant("fp8-block", (GemmConfig(16, 64, 64), GemmConfig(16, 16, 128)), OAI, True),
+    "fp8-tensor-atomic": Variant("fp8-tensor", (GemmConfig(16, 16, 32), GemmConfig(16, 32, 32, reduce="atomic"))),
+    "int8-w8a8-swap": Variant(
+        "int8_w8a8", (GemmConfig(16, 16, 32, swap_ab=True), GemmConfig(16, 16, 64, swap_ab=True))
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_config_variants(name):
+    v = VARIANTS[name]
+    spec, H, I = FORMATS[v.fmt]
+    E, K = 4, 2
+    w = make_experts(spec, E, H, I, bias=v.bias)
+    x = torch.randn(v.T, H, device=DEVICE, dtype=DTYPE)
+    topk = make_topk(v.T, K, E, masked=0.1)
+    out, ref = run_both(x, topk, w, v.act, v.configs)
+    assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8"])
+def test_masked_format(fmt):
+    spec, H, I = FORMATS[fmt]
+    E, C = 3, 6
+    w = make_experts(spec, E, H, I)
+    x = torch.randn(E, C, H, device=DEVICE, dtype=DTYPE)
+    x[0, 4:] = 1e4  # padding rows (count 4) must not enter the 'dynamic_tensor' scale
+    counts = torch.tensor([4, 0, 6], dtype=torch.int32, device=DEVICE)
+    d = MaskedDispatchOutput(x, counts)
+    out = TritonRunner().run(d, w, ActivationSpec()).out
+    ref = TorchRunner().run(d, w, ActivationSpec()).out
+    valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
+    assert rel_err(out[valid], ref[valid]) < tol(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and capabilities
+# ---------------------------------------------------------------------------------------------
+
+
+def test_static_tensor_refused():
+    spec = Fp8W8A8("tensor", activation_scheme="static_tensor")
+    E, H, I = 2, 32, 32
+    w13 = torch.randn(E, 2 * I, H, device=DEVICE)
+    w2 = torch.randn(E, H, I, device=DEVICE)
+    w = quantize_experts(ExpertWeights(w13, w2), spec, a13_scale=0.01, a2_scale=0.01)
+    x = torch.randn(3, H, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(RunnerError, match="static_tensor"):
+        TritonRunner().run(StandardDispatchOutput(x, make_topk(3, 1, E)), w, ActivationSpec())
+
+    class Work:
+        weight_spec = spec
+
+    assert "static_tensor" in TritonRunner.workload_problem(Work())
+    Work.weight_spec = Fp8W8A8("block")
+    assert TritonRunner.workload_problem(Work()) is None
+
+
+def test_caps_list_every_format():
+    assert TritonRunner.caps.weight_formats == frozenset(ops.SUPPORTED_FORMATS)
+    assert TritonRunner.unsupported("standard", "int4_w4a16", "silu", "float16", DEVICE, False) is None
+    msg = TritonRunner.unsupported("standard", "int2", "silu", "float16", DEVICE, False)
+    assert "int2" in msg and "mxfp4" in msg
+
+
+def test_bad_scale_tensors():
+    spec, H, I = FORMATS["int4-g32-sym"]
+    w = make_experts(spec, 2, H, I)
+    x = torch.randn(3, H, device=DEVICE, dtype=DTYPE)
+    topk = make_topk(3, 1, 2)
+    # a non-contiguous scale of the right shape and dtype
+    w.w13_scale = w.w13_scale.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(RunnerError, match="w13_scale must be a contiguous"):
+        TritonRunner().run(StandardDispatchOutput(x, topk), w, ActivationSpec())
+    # a scale of the wrong shape (one group short) is caught by ExpertWeights
+    with pytest.raises(ValueError, match="w13_scale"):
+        ExpertWeights(
+            w.w13, w.w2, format="int4_w4a16", spec=spec,
+            w13_scale=w.w13_scale[..., :-1].contiguous(), w2_scale=w.w2_scale,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="group_size 64 must divide"):
+        quantize_experts(ExpertWeights(torch.randn(2, 64, 96), torch.randn(2, 96, 32)),
+                         Int4W4A16(64, True))  # fmt: skip
+    with pytest.raises(Exception, match="group_size"):
+        Int4W4A16(48, True)
+
+
+def test_quantized_weights_on_other_device_refused():
+    if not ON_GPU:
+        pytest.skip("needs a second device type")
+    spec, H, I = FORMATS["mxfp4"]
+    w = make_experts(spec, 2, H, I, device="cpu")
+    x = torch.randn(3, H, device="cuda", dtype=DTYPE)
+    with pytest.raises(RunnerError, match="device"):
+        TritonRunner().run(StandardDispatchOutput(x, make_topk(3, 1, 2)), w, ActivationSpec())
+
+
+# ---------------------------------------------------------------------------------------------
+# Config keys
+# ---------------------------------------------------------------------------------------------
+
+
+def test_quant_tags_and_keys():
+    assert configs.quant_tag(None) == "unquantized"
+    assert configs.quant_tag(Fp8W8A8("block")) == "fp8_w8a8-block128x128-token_group"
+    assert configs.quant_tag(Fp8W8A8("channel")) == "fp8_w8a8-channel-token"
+    assert configs.quant_tag(Int4W4A16(64, False)) == "int4_w4a16-g64-asym"
+    assert configs.quant_tag(make_spec("nvfp4")) == "nvfp4"
+    k0 = configs.TableKey("down", 8, 64, 32, "bfloat16", "dev", "3.6.0")
+    k1 = replace(k0, quant="mxfp4")
+    assert ",quant=" not in k0.filename()  # unquantized file names unchanged
+    assert ",quant=mxfp4," in k1.filename() and k1.filename() != k0.filename()
+
+
+def test_quant_config_fallback_and_clamp():
+    base = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev")
+    fp8 = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev",
+                             "fp8_w8a8-block128x128-token_group")  # fmt: skip
+    int4 = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev", "int4_w4a16-g32-sym")
+    assert fp8.block_k == min(2 * base.block_k, 256)
+    assert int4.block_m == base.block_m and not int4.tma
+    spec, H, I = FORMATS["fp8-block"]
+    wq = ops.WeightQuant(make_experts(spec, 2, H, I), "w13")
+    assert wq.clamp(GemmConfig(block_k=256)).block_k == 128  # one scale group per K step
+    assert wq.clamp(GemmConfig(block_k=16)).block_k == 32  # fp8 dot K >= 32
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 on the preset shapes
+# ---------------------------------------------------------------------------------------------
+
+PRESET_SHAPES = [
+    ("qwen3-30b-a3b", 1, 1),
+    ("deepseek-v3", 8, 8),
+    ("mixtral-8x7b", 2, 1),
+    ("gpt-oss-120b", 1, 1),
+]
+GPU_FORMATS = {
+    "fp8-block": Fp8W8A8("block"),
+    "fp8-channel": Fp8W8A8("channel"),
+    "fp8-tensor": Fp8W8A8("tensor"),
+    "int8_w8a8": make_spec("int8_w8a8"),
+    "int8_w8a16": make_spec("int8_w8a16"),
+    "int4-g128-sym": Int4W4A16(128, True),
+    "int4-g32-asym": Int4W4A16(32, False),
+    "mxfp4": make_spec("mxfp4"),
+    "nvfp4": make_spec("nvfp4"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
+@pytest.mark.parametrize("model,tp,ep", PRESET_SHAPES, ids=lambda v: str(v))
+def test_presets_bf16_gpu(model, tp, ep, fmt):
+    """Every format on the preset shapes in bf16 (gpt-oss H = 2880: fp8 blocks of the last
+    K block are partial, 64 wide; int4 group 128 does not divide it and is skipped)."""
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for(model, tp, ep)
+    spec = GPU_FORMATS[fmt]
+    group = getattr(spec, "group_size", 1)
+    if shape.hidden % group or shape.intermediate % group:
+        pytest.skip(f"{spec.describe()}: group {group} does not divide H={shape.hidden} / I={shape.intermediate}")
+    torch.manual_seed(0)
+    w = quantize_experts(random_weights(shape, "cuda"), spec)
+    for T in (1, 16, 300):
+        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.02 if T > 1 else 0.0, device="cuda")
+        out, ref = run_both(x, topk, w, shape.act)
+        err = rel_err(out, ref)
+        assert err < tol(spec, torch.bfloat16), (model, fmt, T, err)
+    E, C = shape.num_experts, 8
+    xm = torch.randn(E, C, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    counts = torch.randint(0, C + 1, (E,), dtype=torch.int32, device="cuda")
+    d = MaskedDispatchOutput(xm, counts)
+    out = TritonRunner().run(d, w, shape.act).out
+    ref = TorchRunner().run(d, w, shape.act).out
+    valid = torch.arange(C, device="cuda")[None, :] < counts[:, None]
+    assert rel_err(out[valid], ref[valid]) < tol(spec, torch.bfloat16), (model, fmt, "masked")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4-g128-sym", "mxfp4", "fp8-tensor"])
+def test_cuda_graph_gpu(fmt):
+    """A quantized call replays in a CUDA graph (activation quantization included)."""
+    spec = GPU_FORMATS[fmt]
+    E, K, H, I, T = 8, 2, 256, 256, 33
+    w = make_experts(spec, E, H, I, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    topk = make_topk(T, K, E, device="cuda")
+    act = ActivationSpec()
+    ops.fused_moe(x, topk, w, act)  # compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.fused_moe(x, topk, w, act)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = TorchRunner().run(StandardDispatchOutput(x, topk), w, act).out
+    assert rel_err(out, ref) < tol(spec, torch.bfloat16)
