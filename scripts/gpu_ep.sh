@@ -90,9 +90,9 @@ step "bench low_latency fp8" 90 "${BENCH[@]}" --parts low_latency --fp8 \
         echo "--- $(basename "$f")"
         "$PY" - "$f" <<'PYEOF' || true
 import json, sys
-from moekit.bench_ep import _summary
+from moekit.bench_ep import summary
 doc = json.load(open(sys.argv[1]))
-print(_summary(doc))
+print(summary(doc))
 PYEOF
     done
 } | tee "$OUT/summary.txt" | tee -a "$LOG"

@@ -291,7 +291,8 @@ def bench_layer(args, state_ep, state_tp, dev) -> dict:
     return {"per_rank": per_rank, "aggregate": agg}
 
 
-def _summary(doc: dict) -> str:
+def summary(doc: dict) -> str:
+    """The human-readable lines of one EP benchmark JSON document."""
     lines = [f"EP benchmark: {doc['world_size']} ranks, {doc['device_name']}, {doc['shape']}"]
     n = doc.get("normal", {}).get("aggregate")
     if n:
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
         if rank == 0:
             _write(doc, out_path)
     if rank == 0:
-        print(_summary(doc), flush=True)
+        print(summary(doc), flush=True)
         print(f"[bench_ep] wrote {out_path}", flush=True)
     return doc
 

@@ -325,9 +325,32 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
     return "\n".join(lines)
 
 
+EP_SCHEMA = "moekit.bench_ep/1"
+
+
+def render_ep_md(results_dir: Path, root: Path) -> str:
+    """The expert-parallel section: every `python -m moekit.bench_ep` JSON in results_dir."""
+    from moekit.bench_ep import summary  # imports torch.distributed; only needed here
+
+    lines = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("schema") != EP_SCHEMA:
+            continue
+        if not lines:
+            lines += ["## Expert parallelism (`python -m moekit.bench_ep` under torchrun)", ""]
+        rel = path.relative_to(root) if path.is_relative_to(root) else path
+        lines += [f"[{rel.as_posix()}]({rel.as_posix()}) · {doc['timestamp']} · "
+                  f"fp8 dispatch: {doc['args'].get('fp8')}", "", "```", summary(doc), "```", ""]
+    return "\n".join(lines)
+
+
 def update_benchmarks_md(root: Path) -> Path:
     """Regenerate root/BENCHMARKS.md from root/benchmarks/results/."""
     results = newest_per_key(load_results(root / RESULTS_DIR))
     path = root / BENCHMARKS_MD
-    path.write_text(render_benchmarks_md(results, root))
+    path.write_text(render_benchmarks_md(results, root) + "\n" + render_ep_md(root / RESULTS_DIR, root))
     return path
