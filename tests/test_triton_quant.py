@@ -325,3 +325,20 @@ def test_cuda_graph_gpu(fmt):
     torch.cuda.synchronize()
     ref = TorchRunner().run(StandardDispatchOutput(x, topk), w, act).out
     assert rel_err(out, ref) < tol(spec, torch.bfloat16)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU interpreter run")
+def test_tiny_tune_quantized(tmp_path):
+    """`moekit tune --quantization`: tables keyed by the format, found by the runner's lookup."""
+    from moekit.bench import Ceilings
+    from moekit.tune import TuneShape, tune
+
+    shape = TuneShape(4, 2, 64, 32, "float16", ActivationSpec("silu"), False, "tiny")
+    ceilings = Ceilings(1e10, 1e11, "float16")
+    report = tune(shape, [3], out_dir=tmp_path, device="cpu", progress=False, limit=1,
+                  ceilings=ceilings, quantization="mxfp4")  # fmt: skip
+    assert report.results[0].rel_err < TOLERANCE[torch.float16]
+    for path in report.paths.values():
+        assert ",quant=mxfp4," in path.name and path.is_file()
+    key = configs.TableKey("down", 4, 64, 32, "float16", "cpu", configs.triton_version(), "mxfp4")
+    assert key.filename() == report.paths["down"].name

@@ -421,10 +421,12 @@ def _short(c: GemmConfig) -> str:
 def tune_point(
     shape, w, T, device, ceilings, advance=lambda n: None, seed=0, limit=None
 ) -> PointResult:
-    """Tune both GEMMs for batch size T; returns the result (configs + timings)."""
+    """Tune both GEMMs for batch size T; returns the result (configs + timings). `w` may be
+    quantized (`tune(..., quantization=...)`): the floor then counts its packed bytes."""
     from moekit.bench import moe_cost
-    from moekit.runners.torch import run_standard
+    from moekit.runners.torch import TorchRunner
     from moekit.runners.triton import ops
+    from moekit.stages import StandardDispatchOutput
 
     p = _Point(shape, w, T, device, seed)
     E, H, I, K = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k
@@ -452,7 +454,7 @@ def tune_point(
     )  # fmt: skip
 
     cfgs = (best1, best2)
-    ref = run_standard(p.x, p.topks[0], w, shape.act).double()
+    ref = TorchRunner().run(StandardDispatchOutput(p.x, p.topks[0]), w, shape.act).out.double()
     got = ops.fused_moe(p.x, p.topks[0], w, shape.act, configs=cfgs).double()
     err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     if not err < 3e-2:
@@ -463,8 +465,12 @@ def tune_point(
             ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
 
     layer_us = _time_us(layer, device, p.R)
+    per_expert = _weight_bytes_per_expert(w)
     floors = [
-        moe_cost(t.ids, E, H, I, act_bytes=elem).floor_s(ceilings) * 1e6 for t in p.topks
+        moe_cost(t.ids, E, H, I, act_bytes=elem, weight_bytes_per_expert=per_expert).floor_s(
+            ceilings
+        ) * 1e6
+        for t in p.topks
     ]
     return PointResult(
         T, best1, best2, t1, t2, layer_us, sum(floors) / len(floors), err,
@@ -477,19 +483,29 @@ def tune_point(
 # ---------------------------------------------------------------------------------------------
 
 
+def _weight_bytes_per_expert(w: ExpertWeights) -> float:
+    """Bytes of w13 + w2 and their scales / zero points / global scales, per expert."""
+    names = ("w13", "w2", "w13_scale", "w2_scale", "w13_zero", "w2_zero", "w13_global_scale",
+             "w2_global_scale")  # fmt: skip
+    ts = [getattr(w, n) for n in names if getattr(w, n, None) is not None]
+    return sum(t.numel() * t.element_size() for t in ts) / w.num_experts
+
+
 def device_name(device) -> str:
     device = torch.device(device)
     return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
-def table_keys(shape: TuneShape, device) -> dict[str, TableKey]:
+def table_keys(shape: TuneShape, device, spec=None) -> dict[str, TableKey]:
+    """The two tables' keys; `spec` (QuantSpec or None) puts the weight format in them."""
     dev = device_name(device)
     keys = {}
     for gemm in tcfg.GEMMS:
         n, k = tcfg.gemm_shape(gemm, shape.hidden, shape.intermediate)
         keys[gemm] = TableKey(
-            gemm, shape.num_experts, n, k, shape.dtype, dev, tcfg.triton_version()
-        )
+            gemm, shape.num_experts, n, k, shape.dtype, dev, tcfg.triton_version(),
+            tcfg.quant_tag(spec),
+        )  # fmt: skip
     return keys
 
 
@@ -529,13 +545,17 @@ def tune(
     note: str = "",
     limit: int | None = None,
     ceilings=None,
+    quantization=None,
 ) -> TuneReport:
     """Tune `shape` for `batch_sizes` on `device`; write/extend the two tables in `out_dir`
     (default: the user config directory). Returns what was done. `limit` (tests): try only
     the first `limit` tile candidates per GEMM, in one round; `ceilings` (tests): skip
-    measuring the device's ceilings."""
+    measuring the device's ceilings. `quantization`: a weight format name or QuantSpec (None /
+    'unquantized': bf16 weights); its tables are keyed by the format (`configs.quant_tag`)."""
     from moekit.bench import measure_ceilings
+    from moekit.quant import make_spec, quantize_experts
 
+    spec = make_spec(quantization)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("moekit tune needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)")
@@ -543,7 +563,7 @@ def tune(
         if not isinstance(b, int) or b < 1:
             raise ConfigError(f"--batch-sizes must be positive integers, got {b!r}")
     out_dir = Path(out_dir) if out_dir is not None else tcfg.user_dir()
-    keys = table_keys(shape, device)
+    keys = table_keys(shape, device, spec)
     paths = {g: out_dir / key.filename() for g, key in keys.items()}
     todo = pending_batch_sizes(paths, batch_sizes, force)
     skipped = [b for b in batch_sizes if b not in todo]
@@ -554,6 +574,8 @@ def tune(
     dt = DTYPES[shape.dtype]
     ceilings = ceilings or measure_ceilings(device, dt)
     w = random_weights(shape, device)
+    if spec is not None:
+        w = quantize_experts(w, spec)
     tables = {g: _existing(p) for g, p in paths.items()}
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

@@ -42,7 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--select", action="store_true", help="instead: time every runner backend "
                    "and write the selection table `auto` uses (moekit.select_tune; --out-dir "
                    "default $MOEKIT_CONFIG_DIR/select)")
-    p.add_argument("--quantization", default="unquantized", help="weight format (--select)")
+    p.add_argument("--quantization", default="unquantized",
+                   help="weight format of the experts (default parameters of the format)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -75,7 +76,8 @@ def run(args) -> int:
             force=args.force,
             progress=not args.no_progress,
             note=f"moekit tune --model {args.model} --tp-size {args.tp_size} --ep-size "
-            f"{args.ep_size} --dtype {args.dtype}",
+            f"{args.ep_size} --dtype {args.dtype} --quantization {args.quantization}",
+            quantization=args.quantization,
         )
     except RuntimeError as err:
         print(f"moekit tune: failed: {err}", file=sys.stderr)
