@@ -166,7 +166,8 @@ def test_auto_default_preference_switches_at_threshold(fakes):
     assert small.backend == "triton"
     assert "no selection table" in small.reason and "none measured for" in small.reason
     large = select_runner(shaped(512), cfg, H100, tables=NO_TABLES)
-    assert large.backend == "triton_kernel" and "T >= 512" in large.reason
+    assert large.backend == "triton" and "T >= 512" in large.reason
+    assert "deep_gemm > cutlass" in large.reason and "cutlass > deep_gemm" in small.reason
 
 
 def test_auto_skips_unusable_and_says_why(fakes):
@@ -344,7 +345,8 @@ def test_auto_never_picks_sm100_only_backends(platform, T):
     assert d.backend not in SM100_ONLY
 
 
-def test_real_rules_for_impossible_choices():
+def test_real_rules_for_impossible_choices(monkeypatch):
+    monkeypatch.setenv("MOEKIT_ENABLE_DEEP_GEMM", "1")  # check the shape rules behind it
     gptoss = workload_for(preset("gpt-oss-120b"), 16)
     assert "multiples of 128" in why_not("deep_gemm", gptoss, H100)
     assert "sgl-deep-gemm" in why_not("deep_gemm", shaped(1), H100_NO_DG)

@@ -46,10 +46,13 @@ AUTO_PREFERENCE = {
     ),
     "cpu": ("torch",),
 }
+# Measured on an H100 (commit da3797f, BENCHMARKS.md): at T=4096 `triton` beat `triton_kernel`
+# (qwen3-30b-a3b 0.84 vs 0.95 ms, gpt-oss-120b 2.98 vs 4.16 ms), so it leads here too until a
+# selection table measured on the GPU says otherwise.
 AUTO_PREFERENCE_LARGE = {
     "cuda": (
-        "triton_kernel",
         "triton",
+        "triton_kernel",
         "deep_gemm",
         "cutlass",
         "flashinfer_cutlass",
