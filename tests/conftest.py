@@ -22,6 +22,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _free_gpu_memory(request):
+    """GPU tests on preset shapes allocate gigabytes: release them before the next test."""
+    yield
+    if HAS_CUDA and "gpu" in request.keywords:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def _seed(request):
     """A different seed per test (fresh random inputs), reproducible from the test's name."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

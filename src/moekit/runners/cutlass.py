@@ -54,7 +54,9 @@ from moekit.stages import (
 
 # Row stride alignment the CUTLASS grouped GEMM needs, in bytes.
 STRIDE_ALIGN_BYTES = 16
-_MAX_CACHED_PADDINGS = 64
+# Padded weight copies kept per runner instance (one layer owns one instance, so one is enough;
+# more would keep a second copy of many layers' weights alive, and freed weights with them).
+_MAX_CACHED_PADDINGS = 1
 # fp8 (rowwise) path: supported spec parameters; rows per expert group and H / I alignment.
 FP8_WEIGHT_SCALES = ("channel", "tensor")
 FP8_ACT_SCHEMES = ("token", "dynamic_tensor", "static_tensor")
