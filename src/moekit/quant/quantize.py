@@ -125,6 +125,25 @@ def quantize(w: torch.Tensor, fmt: str | QuantSpec, **params) -> QuantizedTensor
     spec.check_k(N, K)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("quantize: the weight has NaN or inf values")
+    if not lead:
+        return _quantize_matrix(w, spec)
+    # Every scale is per matrix or finer, so one matrix (expert) at a time gives the same result
+    # with a fraction of the float32 temporaries (gigabytes for a whole preset layer).
+    parts = [_quantize_matrix(m, spec) for m in w.reshape(-1, N, K)]
+
+    def stacked(name: str) -> torch.Tensor | None:
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.stack(ts).reshape(*lead, *ts[0].shape)
+
+    return QuantizedTensor(
+        stacked("data"), stacked("scale"), spec, (*lead, N, K), stacked("zero"),
+        stacked("global_scale"),
+    )
+
+
+def _quantize_matrix(w: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
+    """quantize() of one matrix w [N, K]."""
+    *lead, N, K = w.shape
     w = w.float()
     zero = global_scale = None
     if isinstance(spec, Fp8W8A8):
