@@ -348,9 +348,45 @@ def render_ep_md(results_dir: Path, root: Path) -> str:
     return "\n".join(lines)
 
 
+def render_script_md(results_dir: Path, root: Path) -> str:
+    """Sections for the GPU scripts' JSON (scripts/gpu_triton_kernel.py: `triton_kernel` against
+    `triton`; scripts/gpu_triton_quant.py: quantized against bf16, with the issue's targets)."""
+    lines = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        rel = (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
+        points = doc.get("points") or []
+        if points and "triton_kernel_ms" in points[0]:
+            lines += [f"## `triton_kernel` against `triton` ({doc.get('device')}, "
+                      "scripts/gpu_triton_kernel.py)", "", f"[{rel}]({rel}) · time / floor", "",
+                      "| shape | T | triton | triton_kernel | speed-up of triton_kernel |",
+                      "|---|---:|---|---|---|"]
+            lines += [f"| {p['model']} | {p['T']} | {p['triton_over_floor']:.2f}x | "
+                      f"{p['triton_kernel_over_floor']:.2f}x | {p['speedup']:.2f} |" for p in points]
+            lines.append("")
+        elif isinstance(doc.get("summary"), list) and "targets" in doc:
+            lines += [f"## Quantized `triton` against bf16 `triton` ({doc.get('device')}, "
+                      "scripts/gpu_triton_quant.py)", "", f"[{rel}]({rel})", "",
+                      "| what | measured | target | met |", "|---|---:|---|---|"]
+            lines += [f"| {r['what']} | {r['value']} | {r['target']} | "
+                      f"{'yes' if r['met'] else 'no'} |" for r in doc["summary"]]
+            lines.append("")
+    return "\n".join(lines)
+
+
 def update_benchmarks_md(root: Path) -> Path:
     """Regenerate root/BENCHMARKS.md from root/benchmarks/results/."""
     results = newest_per_key(load_results(root / RESULTS_DIR))
     path = root / BENCHMARKS_MD
-    path.write_text(render_benchmarks_md(results, root) + "\n" + render_ep_md(root / RESULTS_DIR, root))
+    sections = (
+        render_benchmarks_md(results, root),
+        render_script_md(root / RESULTS_DIR, root),
+        render_ep_md(root / RESULTS_DIR, root),
+    )
+    path.write_text("\n".join(sections))
     return path
