@@ -17,6 +17,8 @@
 #   GPU_CHECK_BENCH="m1 args;m2 args"   bench runs, ';'-separated `moekit bench` arguments
 #   GPU_CHECK_BATCH_SIZES=1,16,256,4096
 #   GPU_CHECK_BENCH_TIMEOUT=120   seconds per bench run at most
+#   GPU_CHECK_BENCH_RESERVE=200   seconds the tests leave for the bench runs
+#   GPU_CHECK_WORKERS=2           pytest-xdist processes for the GPU tests
 #   GPU_CHECK_REST_TESTS=1        also run the non-GPU tests, with the GPU hidden (as on CI: the
 #                                 Triton kernels of those tests run interpreted on CPU tensors,
 #                                 which needs numpy < 2.4). Off by default: CI runs them.
@@ -42,7 +44,10 @@ BATCH_SIZES=${GPU_CHECK_BATCH_SIZES:-1,16,256,4096}
 BENCH=${GPU_CHECK_BENCH:-"--model qwen3-30b-a3b;--model mixtral-8x7b --tp-size 2;--model deepseek-v3 --tp-size 8 --ep-size 8"}
 DEADLINE=${GPU_CHECK_DEADLINE:-560}
 BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-120}
-BENCH_RESERVE=200 # seconds the tests leave for the bench runs
+BENCH_RESERVE=${GPU_CHECK_BENCH_RESERVE:-200} # seconds the tests leave for the bench runs
+# GPU tests in parallel processes on the one GPU (compiles are CPU-bound); 2 keeps the preset
+# shapes (tens of GB each) within an 80 GB card.
+GPU_WORKERS=${GPU_CHECK_WORKERS:-2}
 START=$(date +%s)
 declare -a STEPS=()
 
@@ -82,8 +87,8 @@ try_step() {
     fi
     step "$name" timeout "$secs" "$@"
 }
-try_step "tests: gpu-marked" "$(left "$BENCH_RESERVE")" "${PYTEST[@]}" -m "gpu or multigpu" \
-    --junitxml="$OUT/junit_gpu.xml" tests
+try_step "tests: gpu-marked" "$(left "$BENCH_RESERVE")" "${PYTEST[@]}" -n "$GPU_WORKERS" \
+    -m "gpu or multigpu" --junitxml="$OUT/junit_gpu.xml" tests
 if [ "$REST_TESTS" = "1" ]; then
     NPROC=$(nproc 2>/dev/null || echo 4)
     WORKERS=$((NPROC > 8 ? 8 : NPROC))
