@@ -18,12 +18,10 @@ set before import (float32 / float16: bfloat16 is wrong in the interpreter).
 
 from __future__ import annotations
 
-import os
-
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
-from moekit.hardware import Availability, Platform
-from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners._triton_base import TritonRunnerBase, triton_devices
+from moekit.runners.base import RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.stages import (
     MASKED,
@@ -35,7 +33,6 @@ from moekit.stages import (
     StandardRunnerOutput,
 )
 
-MIN_CAPABILITY = (8, 0)
 FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada / Hopper and newer
 # Kept equal to ops.SUPPORTED_FORMATS (ops imports Triton; this module must not).
 WEIGHT_FORMATS = (
@@ -43,12 +40,8 @@ WEIGHT_FORMATS = (
 )  # fmt: skip
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @register
-class TritonRunner(Runner):
+class TritonRunner(TritonRunnerBase):
     """Fused MoE in Triton: both dispatch formats, every activation, biases, CUDA graphs."""
 
     name = "triton"
@@ -56,38 +49,9 @@ class TritonRunner(Runner):
         formats=frozenset({STANDARD, MASKED}),
         weight_formats=frozenset(WEIGHT_FORMATS),
         activations=frozenset(ACTIVATIONS),
-        devices=frozenset({"cuda", "cpu"} if _interpret() else {"cuda"}),
+        devices=triton_devices(),
         cuda_graph=True,
     )
-
-    @classmethod
-    def availability(cls, platform: Platform) -> Availability:
-        if not platform.has("triton"):
-            return Availability(False, "needs the triton package (pip install triton)")
-        if platform.is_cuda:
-            if platform.capability is not None and platform.capability < MIN_CAPABILITY:
-                return Availability(
-                    False,
-                    f"needs a CUDA GPU of compute capability >= 8.0, found {platform.capability}",
-                )
-            return Availability(True)
-        if _interpret():
-            return Availability(True, "CPU through the Triton interpreter (TRITON_INTERPRET=1)")
-        return Availability(
-            False, "needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
-        )
-
-    @classmethod
-    def unsupported(
-        cls, fmt: str, weight_format: str, activation: str, dtype: str, device: str, bias: bool
-    ) -> str | None:
-        problem = super().unsupported(fmt, weight_format, activation, dtype, device, bias)
-        if problem is None and device == "cpu" and dtype == "bfloat16":
-            return (
-                "runner 'triton' does not support dtype 'bfloat16' on cpu (the Triton "
-                "interpreter computes it wrongly); on cpu it supports: float16, float32"
-            )
-        return problem
 
     @classmethod
     def workload_problem(cls, work) -> str | None:

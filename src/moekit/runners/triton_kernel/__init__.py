@@ -17,24 +17,16 @@ Importing this module needs no Triton (the runner then reports itself unavailabl
 
 from __future__ import annotations
 
-import os
-
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
-from moekit.hardware import Availability, Platform
-from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners._triton_base import TritonRunnerBase, triton_devices
+from moekit.runners.base import RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.stages import STANDARD, DispatchOutput, RunnerOutput, StandardRunnerOutput
 
-MIN_CAPABILITY = (8, 0)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 @register
-class TritonKernelRunner(Runner):
+class TritonKernelRunner(TritonRunnerBase):
     """Persistent fused MoE in Triton for large batches: standard format, every activation,
     biases, interleaved, CUDA graphs (see the module docstring)."""
 
@@ -43,38 +35,9 @@ class TritonKernelRunner(Runner):
         formats=frozenset({STANDARD}),
         weight_formats=frozenset({"unquantized"}),
         activations=frozenset(ACTIVATIONS),
-        devices=frozenset({"cuda", "cpu"} if _interpret() else {"cuda"}),
+        devices=triton_devices(),
         cuda_graph=True,
     )
-
-    @classmethod
-    def availability(cls, platform: Platform) -> Availability:
-        if not platform.has("triton"):
-            return Availability(False, "needs the triton package (pip install triton)")
-        if platform.is_cuda:
-            if platform.capability is not None and platform.capability < MIN_CAPABILITY:
-                return Availability(
-                    False,
-                    f"needs a CUDA GPU of compute capability >= 8.0, found {platform.capability}",
-                )
-            return Availability(True)
-        if _interpret():
-            return Availability(True, "CPU through the Triton interpreter (TRITON_INTERPRET=1)")
-        return Availability(
-            False, "needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
-        )
-
-    @classmethod
-    def unsupported(
-        cls, fmt: str, weight_format: str, activation: str, dtype: str, device: str, bias: bool
-    ) -> str | None:
-        problem = super().unsupported(fmt, weight_format, activation, dtype, device, bias)
-        if problem is None and device == "cpu" and dtype == "bfloat16":
-            return (
-                f"runner {cls.name!r} does not support dtype 'bfloat16' on cpu (the Triton "
-                "interpreter computes it wrongly); on cpu it supports: float16, float32"
-            )
-        return problem
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
