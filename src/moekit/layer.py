@@ -48,7 +48,8 @@ class RunnerCache:
         return self._runners[name]
 
 
-def _workload(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) -> Workload:
+def workload_of(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) -> Workload:
+    """What the runner must do for this dispatch output: the input of `moekit.select`."""
     x = d.x
     tokens = x.shape[0] if isinstance(d, StandardDispatchOutput) else x.shape[0] * x.shape[1]
     return Workload(
@@ -72,7 +73,7 @@ def run_experts(
     d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec, runners: RunnerCache
 ):
     """Pick the runner for this call and run it."""
-    return runners.runner(_workload(d, weights, act)).run(d, weights, act)
+    return runners.runner(workload_of(d, weights, act)).run(d, weights, act)
 
 
 class MoE(nn.Module):

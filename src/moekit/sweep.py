@@ -27,7 +27,7 @@ from moekit.bench import Ceilings, Cost, ceilings_for_format, moe_cost, time_ms
 from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.experts import ExpertWeights
 from moekit.layer import MoE, RunnerCache
-from moekit.layer import _workload as layer_workload  # the layer's own workload rule
+from moekit.layer import workload_of
 from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.select import Workload, select_runner, why_not
@@ -237,7 +237,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def workload(module: MoE, x_TH: torch.Tensor, topk: TopKOutput) -> Workload:
     """The runner workload of `module.forward_topk(x_TH, topk)`, exactly as the layer computes
     it to pick its runner (so `auto` decisions here are the layer's)."""
-    return layer_workload(module.dispatcher.dispatch(x_TH, topk), module.expert_weights, module.act)
+    return workload_of(module.dispatcher.dispatch(x_TH, topk), module.expert_weights, module.act)
 
 
 def split_backends(
