@@ -121,10 +121,13 @@ def main() -> int:
     out_path = out_dir / "triton_kernel_bench.json"
     import triton
 
+    from moekit.report import git_commit
+
     result = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "commit": git_commit()[0],
         "points": [],
         "variants": [],
         "skipped": [],

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from moekit.bench import measure_ceilings, moe_cost, time_ms
+from moekit.report import git_commit
 from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts
 from moekit.runners.torch import TorchRunner
 from moekit.runners.triton import ops
@@ -80,6 +81,7 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(dev) if on_gpu else "cpu (interpreter smoke test)",
         "torch": torch.__version__,
+        "commit": git_commit()[0],
         "copy_TBps": round(bw / 1e12, 3),
         "targets": TARGETS,
         "points": [],
