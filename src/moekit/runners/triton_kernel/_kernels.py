@@ -353,27 +353,3 @@ def _down_kernel(
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + n_out[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (n_out[None, :] < N))  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------
-# Sum over K (deterministic: a fixed order per token)
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=["T"])
-def _sum_k_kernel(y_ptr, ids_ptr, out_ptr, T, H, top_k, E, BLOCK_T: tl.constexpr,
-                  BLOCK_H: tl.constexpr):  # fmt: skip
-    """out[t] = sum over k = 0..K-1 (in order) of y[t*K + k] where ids[t, k] is in [0, E) (the
-    other rows were never written); float32 sum. y [P, H], out [T, H], row stride H."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_ok, h_ok = t < T, h < H
-    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    for k in range(0, top_k):
-        pair = t.to(tl.int64) * top_k + k
-        e = tl.load(ids_ptr + pair, mask=t_ok, other=-1)
-        ok = (e >= 0) & (e < E)
-        acc += tl.load(y_ptr + pair[:, None] * H + h[None, :], mask=ok[:, None] & h_ok[None, :],
-                       other=0.0).to(tl.float32)  # fmt: skip
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & h_ok[None, :])  # fmt: skip

@@ -5,7 +5,7 @@ and its pieces `gate_up` and `down` (persistent grouped GEMMs over the work tile
 `Routing`). Buffers are sized for the worst case (P = T*K rows) and the number of work tiles is
 read on device, so a call never syncs with the host and can be captured in a CUDA graph.
 
-The sum over K is a separate deterministic kernel (`sum_k`) over the weighted per-pair rows y [P, H] that the down GEMM scatters: a fixed
+The sum over K is a separate deterministic kernel (`sum_topk`, shared with the `triton` runner) over the weighted per-pair rows y [P, H] that the down GEMM scatters: a fixed
 summation order makes results bit-reproducible (graph replay equals eager) at the cost of
 writing and reading y once (2 * P * H * 2 bytes, about 10% of the layer at large T), where
 atomics into [T, H] would add in a varying order in bf16.
@@ -20,6 +20,7 @@ import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
+from moekit.runners.triton.ops import sum_topk  # the same deterministic in-order sum over K
 from moekit.runners.triton_kernel import _kernels as k
 from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_for
 from moekit.runners.triton_kernel.routing import Routing, route
@@ -140,20 +141,6 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
     return out
 
 
-def sum_k(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: torch.Tensor):
-    """out [T, H] = sum over k, in order, of the rows y [T*K, H] whose id is in [0, E)."""
-    T, K = ids_TK.shape
-    H = y_PH.shape[1]
-    if T == 0:
-        return out
-    block_h = min(1024, triton.next_power_of_2(H))
-    block_t = max(1, 2048 // block_h)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
-    k._sum_k_kernel[grid](y_PH, ids_TK, out, T, H, K, num_experts, BLOCK_T=block_t,
-                          BLOCK_H=block_h, num_warps=4)  # fmt: skip
-    return out
-
-
 def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
               config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
@@ -173,4 +160,4 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
     r = route(ids, E, cfg.block_m)
     h = gate_up(x_TH, r, w, act, cfg, K)
     y = down(h, r, w, cfg, weights.view(-1))
-    return sum_k(y, ids, E, torch.empty_like(x_TH))
+    return sum_topk(y, ids, E, torch.empty_like(x_TH))
