@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform
-from moekit.stages import DispatchOutput, RunnerOutput
+from moekit.stages import (
+    DispatchOutput,
+    MaskedDispatchOutput,
+    MaskedRunnerOutput,
+    RunnerOutput,
+    StandardRunnerOutput,
+)
 
 
 class RunnerError(ValueError):
@@ -76,9 +82,19 @@ class Runner(ABC):
         if problem:
             raise RunnerError(problem)
 
-    @abstractmethod
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
     ) -> RunnerOutput:
         """Standard format -> StandardRunnerOutput [T, H] (weighted, summed over K);
-        masked format -> MaskedRunnerOutput [E, C, H] (unweighted)."""
+        masked format -> MaskedRunnerOutput [E, C, H] (unweighted).
+
+        By default: check, then `run_standard(x, topk, weights, act)` or
+        `run_masked(x, counts, weights, act)`, which a runner defines for the formats it
+        declares; a runner with more to do around them overrides `run` itself."""
+        self.check(dispatch_out, weights, act)
+        if isinstance(dispatch_out, MaskedDispatchOutput):
+            out = self.run_masked(dispatch_out.x, dispatch_out.counts, weights, act)
+            return MaskedRunnerOutput(out)
+        return StandardRunnerOutput(
+            self.run_standard(dispatch_out.x, dispatch_out.topk, weights, act)
+        )

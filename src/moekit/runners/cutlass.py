@@ -45,11 +45,6 @@ from moekit.runners.registry import register
 from moekit.stages import (
     MASKED,
     STANDARD,
-    DispatchOutput,
-    MaskedDispatchOutput,
-    MaskedRunnerOutput,
-    RunnerOutput,
-    StandardRunnerOutput,
 )
 
 # Row stride alignment the CUTLASS grouped GEMM needs, in bytes.
@@ -419,13 +414,3 @@ class CutlassRunner(Runner):
         if w.b2 is not None:
             y = (y.float() + w.b2.float()[expert_rows.long()]).to(x_ECH.dtype)
         return y.view(E, C, H)[:, :C_out].contiguous()
-
-    def run(
-        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
-    ) -> RunnerOutput:
-        self.check(dispatch_out, weights, act)
-        if isinstance(dispatch_out, MaskedDispatchOutput):
-            out = self.run_masked(dispatch_out.x, dispatch_out.counts, weights, act)
-            return MaskedRunnerOutput(out)
-        out = self.run_standard(dispatch_out.x, dispatch_out.topk, weights, act)
-        return StandardRunnerOutput(out)

@@ -37,11 +37,6 @@ from moekit.runners.registry import register
 from moekit.stages import (
     MASKED,
     STANDARD,
-    DispatchOutput,
-    MaskedDispatchOutput,
-    MaskedRunnerOutput,
-    RunnerOutput,
-    StandardRunnerOutput,
 )
 
 LIBRARY = "sgl-deep-gemm"
@@ -253,13 +248,3 @@ class DeepGemmRunner(Runner):
         if w.b2 is not None:
             y = (y.float() + w.b2.float().unsqueeze(1)).to(x_ECH.dtype)
         return y
-
-    def run(
-        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
-    ) -> RunnerOutput:
-        self.check(dispatch_out, weights, act)
-        if isinstance(dispatch_out, MaskedDispatchOutput):
-            out = self.run_masked(dispatch_out.x, dispatch_out.counts, weights, act)
-            return MaskedRunnerOutput(out)
-        out = self.run_standard(dispatch_out.x, dispatch_out.topk, weights, act)
-        return StandardRunnerOutput(out)
