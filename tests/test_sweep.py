@@ -265,6 +265,7 @@ def test_plot_written(tmp_path):
 def test_git_commit_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEKIT_GIT_COMMIT", "abc123")
     assert report.git_commit(Path(tmp_path)) == ("abc123", None)
+    assert report.git_commit() == ("abc123", None)  # set: wins over the checkout's HEAD
     monkeypatch.delenv("MOEKIT_GIT_COMMIT")
     assert report.git_commit(Path(tmp_path))[0] == "unknown"
     root = report.repo_root()

@@ -31,7 +31,8 @@ MOEKIT_DISABLE_TRITON = EnvVar(
 MOEKIT_GIT_COMMIT = EnvVar(
     "MOEKIT_GIT_COMMIT",
     "",
-    "git commit that `moekit bench` records when the tree has no .git (e.g. a copy on a GPU box)",
+    "git commit that results record instead of asking git (a copy of the tree on a GPU box, with or "
+    "without .git)",
 )
 MOEKIT_ENABLE_DEEP_GEMM = EnvVar(
     "MOEKIT_ENABLE_DEEP_GEMM",

@@ -35,8 +35,12 @@ def repo_root() -> Path | None:
 
 
 def git_commit(root: Path | None = None) -> tuple[str, bool | None]:
-    """(commit of HEAD, whether the tree has uncommitted changes). Without git or a checkout:
-    MOEKIT_GIT_COMMIT if set (for copies of a tree without .git), else 'unknown'."""
+    """(commit, whether the tree has uncommitted changes). MOEKIT_GIT_COMMIT wins when set (a
+    copy of a tree run inside another checkout, or one without .git: git would name the wrong
+    commit); else HEAD of the checkout; else 'unknown'."""
+    pinned = envs.MOEKIT_GIT_COMMIT.get()
+    if pinned:
+        return pinned, None
     root = root or repo_root()
     if root is not None:
         try:
@@ -52,7 +56,7 @@ def git_commit(root: Path | None = None) -> tuple[str, bool | None]:
                 return head.stdout.strip(), dirty
         except (OSError, subprocess.SubprocessError):
             pass
-    return envs.MOEKIT_GIT_COMMIT.get() or "unknown", None
+    return "unknown", None
 
 
 def metadata(argv: list[str] | None = None, plat: hardware.Platform | None = None) -> dict:
