@@ -7,13 +7,16 @@ their experts and gets the results back in combine. R = EP ranks, E = experts pe
 slots), K = top-k, C = --max-dispatch-tokens-per-rank.
 
 normal (prefill, throughput; variable sizes, one host synchronisation):
-  1. a device plan numbers the tokens per destination rank; the per-destination counts are
-     exchanged (all_to_all_single of R counts) while one kernel packs the send buffer;
-  2. each token is sent once per destination rank (not once per expert), in ONE
-     all_to_all_single of packed rows: payload, its local expert ids there (-1 for experts
-     elsewhere) and its top-k weights (RowLayout); the split sizes are the one host read;
-  3. the runner gets the standard format: received rows [N, H] ordered by source rank, then
-     token, with local ids; it applies the weights and sums over its local experts;
+  1. one plan kernel numbers the tokens per destination rank; the per-destination counts are
+     exchanged (all_to_all_single of R counts) and copied to the host on a side stream while
+     one kernel packs the send buffers;
+  2. each token is sent once per destination rank (not once per expert): its payload row (H
+     values of x's dtype, exactly what a raw all-to-all of the tokens moves; fp8: the fp8 row
+     and its scales) in one all_to_all_single, its local expert ids there (-1 for experts
+     elsewhere) and top-k weights in a second, small one (2K int32 per row); the split sizes
+     are the one host read;
+  3. the runner gets the standard format: received rows [N, H] (contiguous) ordered by source
+     rank, then token, with local ids; it applies the weights and sums over its local experts;
   4. combine sends each row's partial sum back and adds a token's partials (float32 sum).
 
 low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturable):
@@ -199,6 +202,34 @@ class Phases:
         return out
 
 
+class _CountsReader:
+    """Reads counts [2R] int64 (sent | received, the received half filled by the exchange
+    `work`) to the host. On CUDA the copy runs on a side stream that waits only for the
+    exchange, so work queued after this on the current stream (the packing kernel) goes on
+    while the host waits; elsewhere it waits for the exchange and reads."""
+
+    def __init__(self, counts: torch.Tensor, work, side) -> None:
+        self.counts, self.work, self.event, self.host = counts, work, None, None
+        if side is None:
+            return
+        side.wait_stream(torch.cuda.current_stream(counts.device))  # the plan wrote counts
+        self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            if work is not None:
+                work.wait()  # the side stream waits for the exchange
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(side)
+
+    def result(self) -> list[int]:
+        if self.event is None:
+            if self.work is not None:
+                self.work.wait()
+            return self.counts.tolist()
+        self.event.synchronize()
+        return self.host.tolist()
+
+
 @dataclass(frozen=True)
 class NormalHandle:
     """Metadata for the return trip of a normal-mode dispatch.
@@ -272,6 +303,8 @@ class AllToAllDispatcher(Dispatcher):
         self.fp8 = fp8_dispatch
         self.impl = impl
         self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
+        self._tickets: dict = {}  # device -> the normal plan kernel's counter
+        self._streams: dict = {}  # device -> side stream that reads the exchanged counts
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -328,46 +361,67 @@ class AllToAllDispatcher(Dispatcher):
     # ---- normal ----------------------------------------------------------------------------
 
     def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
-        """One send buffer [<= T*R, row_bytes] uint8 holds every (token, destination rank) row:
-        payload then local ids and weights (RowLayout with top_k). Device plan + one packing
-        kernel, the counts exchange and ONE host read of the split sizes, one all_to_all_single.
-        The returned x is a strided view of the receive buffer (rows row_bytes apart) for bf16 /
-        fp16 / fp32 dispatch; fp8 dispatch dequantizes into a new tensor."""
+        """Two send buffers: the payload rows [<= T*R, H] (x's dtype; fp8: uint8 rows of
+        RowLayout.payload_bytes) and their metadata [<= T*R, 2K] int32 (local ids, weight
+        bits), one row per (token, destination rank). One plan kernel, the counts exchange
+        (read on a side stream while the packing kernel runs: the one host synchronisation),
+        then two all_to_all_single (metadata, payload). The returned x is contiguous."""
         T, H = x_TH.shape
         K, R, E = topk.ids.shape[1], self.ep_size, self.num_local
+        dev = x_TH.device
         ph = self.phases
         if ph is not None:
             ph.begin()
-        layout = RowLayout(H, x_TH.dtype, K, self.fp8)
-        slot, pos, send_counts, offsets = normal_plan(topk.ids, self.slots, R, E, self.impl)
-        recv_counts = torch.empty_like(send_counts)
-        work = _all_to_all(recv_counts, send_counts, self.group, async_op=True)
+        layout = RowLayout(H, x_TH.dtype, 0, self.fp8)
+        counts = torch.empty(2 * R, dtype=torch.int64, device=dev)  # [sent to | received from]
+        plan = normal_plan(topk.ids, self.slots, R, E, self.impl, counts_out=counts[:R],
+                           ticket=self._ticket(dev))
+        work = _all_to_all(counts[R:], counts[:R], self.group, async_op=True)
+        reader = _CountsReader(counts, work, self._side_stream(dev))
         if ph is not None:
             ph.mark("plan")
-        # while the counts travel: pack the rows (upper bound T*R rows; the a2a sends a prefix)
-        send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
-        rows_TR = pack_rows(layout.pack_tokens(x_TH), slot, topk.weights, pos, offsets, E, send,
-                            layout.payload_bytes, self.impl)
+        # while the counts travel: pack (upper bound T*R rows; the a2a sends a prefix)
+        payload = layout.pack_tokens(x_TH)
+        send_x = payload.new_empty(T * R, payload.shape[1])
+        send_meta = torch.empty(T * R, 2 * K, dtype=torch.int32, device=dev)
+        rows_TR = pack_rows(payload, plan, topk.weights, E, send_x, send_meta, self.impl)
         if ph is not None:
             ph.mark("gather")
-        if work is not None:
-            work.wait()
-        splits = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
+        splits = reader.result()  # the one host synchronisation
         send_splits, recv_splits = splits[:R], splits[R:]
         n_send, n_recv = sum(send_splits), sum(recv_splits)
         if ph is not None:
             ph.mark("count_sync")
-        recv = torch.empty(n_recv, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
-        _all_to_all(recv, send[:n_send], self.group, recv_splits, send_splits)
+        recv_meta = torch.empty(n_recv, 2 * K, dtype=torch.int32, device=dev)
+        recv_x = payload.new_empty(n_recv, payload.shape[1])
+        _all_to_all(recv_meta, send_meta[:n_send], self.group, recv_splits, send_splits)
+        _all_to_all(recv_x, send_x[:n_send], self.group, recv_splits, send_splits)
         if ph is not None:
             ph.mark("payload_a2a")
-        recv_x = layout.unpack_tokens(layout.payload_view(recv))
-        ids, weights = layout.meta_views(recv)
-        local = TopKOutput(weights.contiguous(), ids.contiguous())
+        x_recv = layout.unpack_tokens(recv_x)
+        local = TopKOutput(recv_meta[:, K:].contiguous().view(torch.float32),
+                           recv_meta[:, :K].contiguous())
         if ph is not None:
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype)
-        return StandardDispatchOutput(recv_x, local, handle)
+        return StandardDispatchOutput(x_recv, local, handle)
+
+    def _ticket(self, device: torch.device) -> torch.Tensor | None:
+        """The plan kernel's zeroed counter on `device` (kept zeroed by the kernel)."""
+        if device.type != "cuda":
+            return None
+        t = self._tickets.get(device)
+        if t is None:
+            t = self._tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return t
+
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device)
+        return s
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens."""
