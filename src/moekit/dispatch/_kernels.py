@@ -190,8 +190,11 @@ def _normal_plan_kernel(
     tl.store(local_ptr + tv.to(tl.int64)[:, None] * R + rr[None, :], tl.where(hit > 0, loc, -1),
              mask=out_mask)
     tl.store(bcount_ptr + b * R + rr, tl.sum(hit, axis=0), mask=rr < R)
+    # every thread's stores of this program before the (one-thread) release of the ticket
+    tl.debug_barrier()
     done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if done == NB - 1:  # every block count is written: finish the prefix sums
+        tl.debug_barrier()
         total = tl.zeros([RP], dtype=tl.int64)
         for c0 in range(0, NB, CB):
             cb = c0 + tl.arange(0, CB)
