@@ -43,6 +43,37 @@ def _scatter_rows_kernel(
         tl.store(out_ptr + safe * stride_out + offs, v, mask=hmask & ok)
 
 
+@triton.jit
+def _dequant_scatter_kernel(
+    src_ptr, scale_ptr, dest_ptr, out_ptr, M, H, stride_src, stride_scale, stride_out,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[dest[n, k]] = fp8 row n (bytes at src) * its group scales (float32 words at
+    scale_ptr), in out's dtype, for the k with 0 <= dest[n, k] < M."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    q = tl.load(src_ptr + n * stride_src + offs, mask=hmask, other=0)
+    s = tl.load(scale_ptr + n * stride_scale + offs // GROUP, mask=hmask, other=0.0)
+    v = (q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(out_ptr.dtype.element_ty)
+    for k in range(K):
+        d = tl.load(dest_ptr + n * K + k).to(tl.int64)
+        ok = (d >= 0) & (d < M)
+        safe = tl.where(ok, d, 0)
+        tl.store(out_ptr + safe * stride_out + offs, v, mask=hmask & ok)
+
+
+def launch_dequant_scatter(src_u8, scale_f32, dest, out, group):
+    N, K = dest.shape
+    H = out.shape[1]
+    block = max(group, min(2048, triton.next_power_of_2(max(H, 1))))
+    grid = (N, triton.cdiv(H, block))
+    _dequant_scatter_kernel[grid](
+        src_u8, scale_f32, dest, out, out.shape[0], H, src_u8.stride(0), scale_f32.stride(0),
+        out.stride(0), K=K, GROUP=group, BLOCK_H=block, num_warps=4,
+    )
+
+
 def _block(H: int) -> int:
     return max(16, min(1024, triton.next_power_of_2(max(H, 1))))
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
 from moekit.dispatch.layout import normal_plan, pack_rows, recv_plan, send_plan
-from moekit.dispatch.rows import gather_reduce, scatter_rows
+from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
 from moekit.placement import ExpertPlacement
@@ -135,6 +135,25 @@ class RowLayout:
         q = payload[:, : self.hidden].contiguous().view(torch.float8_e4m3fn)
         s = payload[:, _align(self.hidden, 4) :].contiguous().view(torch.float32)
         return dequantize_act(q, s, "token_group", group_size=FP8_GROUP).to(self.dtype)
+
+    def unpack_scatter(self, payload: torch.Tensor, dest_NK: torch.Tensor, num_rows: int,
+                       impl: str = "auto") -> torch.Tensor:
+        """out [num_rows, H] in dtype with out[dest[n, k]] = unpacked payload row n (rows nobody
+        writes are undefined). fp8 with Triton: one kernel dequantizes from the (strided)
+        payload rows straight into their destinations; otherwise unpack, then scatter_rows."""
+        if not (self.fp8 and _use_triton(payload, impl)):
+            return scatter_rows(self.unpack_tokens(payload), dest_NK, num_rows, impl)
+        from moekit.dispatch._kernels import launch_dequant_scatter
+
+        out = torch.empty(num_rows, self.hidden, dtype=self.dtype, device=payload.device)
+        if payload.shape[0] == 0 or num_rows == 0 or self.hidden == 0:
+            return out
+        if payload.stride(1) != 1 or payload.stride(0) % 4 or payload.data_ptr() % 4:
+            raise ValueError("unpack_scatter: fp8 payload rows must be 4-byte aligned")
+        words = payload.view(torch.float32)  # [N, payload_bytes / 4]
+        scales = words[:, _align(self.hidden, 4) // 4:]
+        launch_dequant_scatter(payload, scales, dest_NK.contiguous(), out, FP8_GROUP)
+        return out
 
 
 def _quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,8 +489,8 @@ class AllToAllDispatcher(Dispatcher):
         # receiver: (row, k) pairs -> masked rows of their expert, in (source rank, row, k) order
         recv_ids, recv_w = layout.meta_views(recv)
         dest, counts, weights = recv_plan(recv_ids, recv_w, E, self.impl)
-        x_rows = layout.unpack_tokens(layout.payload_view(recv))
-        x_masked = scatter_rows(x_rows, dest, E * RC, self.impl).view(E, RC, H)
+        x_masked = layout.unpack_scatter(layout.payload_view(recv), dest, E * RC,
+                                         self.impl).view(E, RC, H)
         handle = LowLatencyHandle(T, dest, weights, rows_TR, x_TH.dtype)
         return MaskedDispatchOutput(x_masked, counts, handle)
 
