@@ -185,13 +185,16 @@ def _capturing(device: torch.device) -> bool:
 class Phases:
     """Per-phase timing of normal-mode dispatch / combine (for benchmarks): `begin()` at the
     start of a call, `mark(name)` at the end of each phase; CUDA events on the current stream
-    (host clock on CPU). A phase that ends in a host read (count_sync) also holds the wait for
-    the work queued before it. `durations()` -> {name: [ms, ...]} (synchronises)."""
+    (host clock on CPU), and the host clock alongside (when the host got there: on an idle GPU
+    the events follow the host). A phase that ends in a host read (count_sync) also holds the
+    wait for the work queued before it. `durations()` -> {name: [ms, ...]} (synchronises);
+    `host_durations()` -> the same from the host clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._pairs: list[tuple[str, object, object]] = []
+        self._pairs: list[tuple[str, object, object, float, float]] = []
         self._last = None
+        self._last_host = 0.0
 
     def _now(self):
         if self.cuda:
@@ -202,11 +205,13 @@ class Phases:
 
     def begin(self) -> None:
         self._last = self._now()
+        self._last_host = time.perf_counter()
 
     def mark(self, name: str) -> None:
         now = self._now()
-        self._pairs.append((name, self._last, now))
-        self._last = now
+        host = time.perf_counter()
+        self._pairs.append((name, self._last, now, self._last_host, host))
+        self._last, self._last_host = now, host
 
     def reset(self) -> None:
         self._pairs.clear()
@@ -215,9 +220,15 @@ class Phases:
         if self.cuda:
             torch.cuda.synchronize()
         out: dict[str, list[float]] = {}
-        for name, a, b in self._pairs:
+        for name, a, b, _, _ in self._pairs:
             ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
             out.setdefault(name, []).append(ms)
+        return out
+
+    def host_durations(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for name, _, _, a, b in self._pairs:
+            out.setdefault(name, []).append((b - a) * 1e3)
         return out
 
 
@@ -225,20 +236,20 @@ class _CountsReader:
     """Reads counts [2R] int64 (sent | received, the received half filled by the exchange
     `work`) to the host. On CUDA the copy runs on a side stream that waits only for the
     exchange, so work queued after this on the current stream (the packing kernel) goes on
-    while the host waits; elsewhere it waits for the exchange and reads."""
+    while the host waits; elsewhere it waits for the exchange and reads. side: (stream, pinned
+    host buffer [2R] int64, event), reused call after call (each call reads before the next)."""
 
     def __init__(self, counts: torch.Tensor, work, side) -> None:
         self.counts, self.work, self.event, self.host = counts, work, None, None
         if side is None:
             return
-        side.wait_stream(torch.cuda.current_stream(counts.device))  # the plan wrote counts
-        self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-        with torch.cuda.stream(side):
+        stream, self.host, self.event = side
+        stream.wait_stream(torch.cuda.current_stream(counts.device))  # the plan wrote counts
+        with torch.cuda.stream(stream):
             if work is not None:
                 work.wait()  # the side stream waits for the exchange
             self.host.copy_(counts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(side)
+            self.event.record(stream)
 
     def result(self) -> list[int]:
         if self.event is None:
@@ -323,7 +334,7 @@ class AllToAllDispatcher(Dispatcher):
         self.impl = impl
         self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
         self._tickets: dict = {}  # device -> the normal plan kernel's counter
-        self._streams: dict = {}  # device -> side stream that reads the exchanged counts
+        self._streams: dict = {}  # device -> (side stream, pinned buffer, event): counts reader
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -384,7 +395,7 @@ class AllToAllDispatcher(Dispatcher):
         RowLayout.payload_bytes) and their metadata [<= T*R, 2K] int32 (local ids, weight
         bits), one row per (token, destination rank). One plan kernel, the counts exchange
         (read on a side stream while the packing kernel runs: the one host synchronisation),
-        then two all_to_all_single (metadata, payload). The returned x is contiguous."""
+        then two all_to_all_single (payload, then metadata). The returned x is contiguous."""
         T, H = x_TH.shape
         K, R, E = topk.ids.shape[1], self.ep_size, self.num_local
         dev = x_TH.device
@@ -413,8 +424,9 @@ class AllToAllDispatcher(Dispatcher):
             ph.mark("count_sync")
         recv_meta = torch.empty(n_recv, 2 * K, dtype=torch.int32, device=dev)
         recv_x = payload.new_empty(n_recv, payload.shape[1])
-        _all_to_all(recv_meta, send_meta[:n_send], self.group, recv_splits, send_splits)
+        # the payload first: the metadata's launch then overlaps the payload's transfer
         _all_to_all(recv_x, send_x[:n_send], self.group, recv_splits, send_splits)
+        _all_to_all(recv_meta, send_meta[:n_send], self.group, recv_splits, send_splits)
         if ph is not None:
             ph.mark("payload_a2a")
         x_recv = layout.unpack_tokens(recv_x)
@@ -435,11 +447,17 @@ class AllToAllDispatcher(Dispatcher):
         return t
 
     def _side_stream(self, device: torch.device):
+        """(side stream, pinned [2R] int64 host buffer, event) for reading the counts on
+        `device`; None off CUDA."""
         if device.type != "cuda":
             return None
         s = self._streams.get(device)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device)
+            s = self._streams[device] = (
+                torch.cuda.Stream(device),
+                torch.empty(2 * self.ep_size, dtype=torch.int64, pin_memory=True),
+                torch.cuda.Event(),
+            )
         return s
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
