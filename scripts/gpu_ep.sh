@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Expert parallelism on the GPU machine, in one call: the multi-GPU and GPU tests of the EP code
-# (NCCL, CUDA graphs) and the EP benchmark (python -m moekit.bench_ep under torchrun).
+# (NCCL, CUDA graphs), the EP benchmark (python -m moekit.bench_ep under torchrun: normal,
+# layer, low_latency, low_latency fp8) and, when a DeepEP sdist was carried, the DeepEP build
+# attempt (scripts/gpu_deepep_build.sh).
 # Meant for nvidia-h200-x4 (works on any machine with 2+ GPUs; the bench uses all of them).
 #
 # Usage (repo root):  OUT=/tmp/out bash scripts/gpu_ep.sh
@@ -11,7 +13,11 @@
 #   ep_bench.json          parts normal + layer (T = 4096 and 128 per rank, deepseek-v3 shape)
 #   ep_bench_ll.json       part low_latency (CUDA graphs), bf16 dispatch
 #   ep_bench_ll_fp8.json   part low_latency with fp8 dispatch
+#   deepep_build.log       the DeepEP build attempt (its one-line result goes in summary.txt)
 # Knobs (environment): GPU_EP_DEADLINE=560 (seconds for the whole script), GPU_EP_TESTS=1,
+#   GPU_EP_DEEPEP=auto (1: always try the DeepEP build, 0: never, auto: when .whl_deepep/ holds
+#   the sdist), GPU_EP_DEEPEP_LIMIT=120 (seconds for that build),
+#   GPU_EP_BENCH=normal,layer,ll,ll_fp8 (which benchmark parts run),
 #   GPU_EP_BENCH_ARGS (extra arguments for every bench run), GPU_EP_NPROC (default: all GPUs).
 # Exit status: 0 when every step passed, 1 otherwise.
 set -u -o pipefail
@@ -63,6 +69,18 @@ assert n >= 2, "the EP checks need 2+ GPUs"
 NPROC=${GPU_EP_NPROC:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 nvidia-smi topo -m >>"$LOG" 2>&1 || true
 
+DEEPEP=${GPU_EP_DEEPEP:-auto}
+if [ "$DEEPEP" = "auto" ]; then
+    ls .whl_deepep/deep_ep-*.tar.gz >/dev/null 2>&1 && DEEPEP=1 || DEEPEP=0
+fi
+if [ "$DEEPEP" = "1" ]; then
+    # a failed build is the expected evidence (see the log), not a failed step of this script
+    DEEPEP_BUILD_TIMEOUT=${GPU_EP_DEEPEP_LIMIT:-120} OUT="$OUT" PYTHON="$PY" \
+        timeout --kill-after=10 $((${GPU_EP_DEEPEP_LIMIT:-120} + 60)) \
+        bash scripts/gpu_deepep_build.sh >/dev/null 2>&1
+    log "deepep build: $(cat "$OUT/deepep_build.txt" 2>/dev/null || echo 'no result (timed out?)')"
+fi
+
 if [ "${GPU_EP_TESTS:-1}" = "1" ]; then
     step "pytest gpu+multigpu (EP)" 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
         --timeout=200 -m "gpu or multigpu" --junitxml="$OUT/ep_tests.xml" \
@@ -71,19 +89,31 @@ fi
 
 BENCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moekit.bench_ep)
 EXTRA=${GPU_EP_BENCH_ARGS:-}
+WANT=",${GPU_EP_BENCH:-normal,layer,ll,ll_fp8},"
+EAGER=""
+for p in normal layer; do
+    case $WANT in *",$p,"*) EAGER="$EAGER${EAGER:+,}$p" ;; esac
+done
 # eager parts first (normal mode, the layers); the CUDA-graph part runs on its own so that a
 # problem there cannot take the other numbers with it
-# shellcheck disable=SC2086
-step "bench normal + layer" 200 "${BENCH[@]}" --parts normal,layer --out "$OUT/ep_bench.json" $EXTRA
-# shellcheck disable=SC2086
-step "bench low_latency" 90 "${BENCH[@]}" --parts low_latency --out "$OUT/ep_bench_ll.json" $EXTRA
-# shellcheck disable=SC2086
-step "bench low_latency fp8" 90 "${BENCH[@]}" --parts low_latency --fp8 \
-    --out "$OUT/ep_bench_ll_fp8.json" $EXTRA
+if [ -n "$EAGER" ]; then
+    # shellcheck disable=SC2086
+    step "bench $EAGER" 200 "${BENCH[@]}" --parts "$EAGER" --out "$OUT/ep_bench.json" $EXTRA
+fi
+case $WANT in *",ll,"*)
+    # shellcheck disable=SC2086
+    step "bench low_latency" 90 "${BENCH[@]}" --parts low_latency --out "$OUT/ep_bench_ll.json" $EXTRA ;;
+esac
+case $WANT in *",ll_fp8,"*)
+    # shellcheck disable=SC2086
+    step "bench low_latency fp8" 90 "${BENCH[@]}" --parts low_latency --fp8 \
+        --out "$OUT/ep_bench_ll_fp8.json" $EXTRA ;;
+esac
 
 {
     echo "gpu_ep.sh: $(($(date +%s) - START)) s, $NPROC GPUs"
     printf '%s\n' "${STEPS[@]}"
+    [ -f "$OUT/deepep_build.txt" ] && echo "deepep build: $(cat "$OUT/deepep_build.txt")"
     for f in "$OUT"/ep_bench*.json; do
         [ -f "$f" ] || continue
         echo ""
@@ -97,6 +127,7 @@ PYEOF
     done
 } | tee "$OUT/summary.txt" | tee -a "$LOG"
 
+rm -f "$OUT/deepep_build.txt"  # folded into summary.txt (at most 8 files come back)
 for s in "${STEPS[@]}"; do
     case $s in FAIL*) exit 1 ;; esac
 done

@@ -115,7 +115,6 @@ def test_low_latency_plans_triton_match_torch(T, redundant):
 def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype):
     """Normal mode's device plan and packing kernel against their twins, and against a direct
     construction: each token once per destination rank, rank blocks back to back."""
-    from moekit.dispatch.alltoall import RowLayout
     from moekit.dispatch.layout import normal_plan, normal_plan_torch, pack_rows, pack_rows_torch
 
     R, E_logical, K, H = 3, 9, 3, 10
@@ -127,18 +126,23 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype):
         x = torch.randint(0, 255, (T, 7), dtype=torch.uint8)
     else:
         x = torch.randn(T, H + 4).to(dtype)[:, 2:H + 2]  # strided rows
+    ticket = torch.zeros(1, dtype=torch.int32)
     plans = [normal_plan_torch(topk.ids, slots, R, E),
-             normal_plan(topk.ids, slots, R, E, impl="triton")]
-    for a, b in zip(*plans):
-        assert torch.equal(a.long(), b.long())
-    slot, pos, counts, offsets = plans[0]
-    layout = RowLayout(x.shape[1], x.dtype, K)
-    meta = layout.payload_bytes
-    bufs = [torch.full((T * R, layout.row_bytes), 0xAB, dtype=torch.uint8) for _ in range(2)]
-    rows_t = pack_rows_torch(x, slot, topk.weights, pos, offsets, E, bufs[0], meta)
-    rows_k = pack_rows(x, plans[1][0], topk.weights, plans[1][1], plans[1][3], E, bufs[1],
-                       meta, impl="triton")
-    assert torch.equal(rows_t, rows_k) and torch.equal(bufs[0], bufs[1])
+             normal_plan(topk.ids, slots, R, E, impl="triton", ticket=ticket)]
+    assert plans[0].block == plans[1].block
+    for name in ("slot", "local", "base", "counts"):
+        assert torch.equal(getattr(plans[0], name).long(), getattr(plans[1], name).long()), name
+    assert ticket.item() == 0  # the kernel leaves its counter ready for the next launch
+    plan = plans[0]
+    counts = plan.counts
+    offsets = counts.cumsum(0) - counts
+    fill = 0x2B if dtype == torch.uint8 else 7.0
+    bufs = [torch.full((T * R, x.shape[1]), fill, dtype=dtype) for _ in range(2)]
+    metas = [torch.full((T * R, 2 * K), 0x2B, dtype=torch.int32) for _ in range(2)]
+    rows_t = pack_rows_torch(x, plan, topk.weights, E, bufs[0], metas[0])
+    rows_k = pack_rows(x, plans[1], topk.weights, E, bufs[1], metas[1], impl="triton")
+    assert torch.equal(rows_t, rows_k) and torch.equal(rows_t, plan.rows())
+    assert torch.equal(bufs[0], bufs[1]) and torch.equal(metas[0], metas[1])
     # direct construction
     phys = slots.physical(topk.ids)
     n = 0
@@ -149,16 +153,59 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype):
             if not here.any():
                 assert rows_t[t, r] == -1
                 continue
-            row = bufs[0][n]
             assert rows_t[t, r] == n
-            assert torch.equal(layout.payload_view(row[None])[0, :x.shape[1]]
-                               if dtype != torch.uint8 else row[:7], x[t])
-            ids, w = layout.meta_views(row[None])
-            assert ids[0].tolist() == torch.where(here, phys[t] - r * E, -1).tolist()
-            assert torch.equal(w[0], torch.where(here, topk.weights[t].float(), 0.0))
+            assert torch.equal(bufs[0][n], x[t])
+            ids, w = metas[0][n, :K], metas[0][n, K:].view(torch.float32)
+            assert ids.tolist() == torch.where(here, phys[t] - r * E, -1).tolist()
+            assert torch.equal(w, torch.where(here, topk.weights[t].float(), 0.0))
             n += 1
         assert counts[r] == n - offsets[r]
-    assert (bufs[0][n:] == 0xAB).all()  # rows past the sent ones untouched
+    assert torch.equal(bufs[0][n:], torch.full_like(bufs[0][n:], fill)) and (metas[0][n:] == 0x2B).all()
+
+
+def test_normal_plan_many_blocks_and_ranks(monkeypatch):
+    """The plan kernel's cross-block prefix (several chunks of blocks in its last program) and
+    a rank count that is not a power of two, against the twin."""
+    from moekit.dispatch import _kernels
+    from moekit.dispatch.layout import _plan_block, normal_plan, normal_plan_torch
+
+    monkeypatch.setattr(_kernels, "PLAN_PREFIX_TILE", 16)  # 2 blocks per chunk: 5 chunks
+    R, E_logical, K = 6, 24, 4
+    slots = SlotMap(ExpertPlacement.contiguous(E_logical, R), E_logical)
+    block = _plan_block(R, K)
+    T = block * 9 + 5
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(E_logical, generator=g)[:K] for _ in range(T)])
+    ids[::7, 1] = -1
+    ticket = torch.zeros(1, dtype=torch.int32)
+    a = normal_plan_torch(ids, slots, R, E_logical // R)
+    b = normal_plan(ids, slots, R, E_logical // R, impl="triton", ticket=ticket)
+    for name in ("slot", "local", "base", "counts"):
+        assert torch.equal(getattr(a, name).long(), getattr(b, name).long()), name
+    rows = a.rows()
+    sent = rows[rows >= 0]
+    assert sorted(sent.tolist()) == list(range(int(a.counts.sum())))  # a permutation, no gaps
+
+
+@pytest.mark.parametrize("dtype, H", [(torch.float32, 300), (torch.float16, 256)])
+def test_fp8_unpack_scatter_triton_matches_torch(dtype, H):
+    """Low-latency fp8 receive: the fused dequantize + scatter kernel against unpack, then
+    scatter_rows, on strided rows of a packed buffer (metadata after the payload)."""
+    from moekit.dispatch.alltoall import RowLayout
+
+    layout = RowLayout(H, dtype, top_k=2, fp8=True)
+    N, M = 9, 20
+    x = (torch.randn(N, H) * 3).to(dtype)
+    buf = torch.zeros(N, layout.row_bytes, dtype=torch.uint8)
+    layout.payload_view(buf).copy_(layout.pack_tokens(x))
+    dest = torch.tensor([[3, 17], [0, -1], [5, 20], [1, 2], [4, 6], [7, 8], [9, 10], [11, 12],
+                         [-1, 19]])
+    payload = layout.payload_view(buf)
+    ref = layout.unpack_scatter(payload, dest, M, impl="torch")
+    got = layout.unpack_scatter(payload, dest, M, impl="triton")
+    written = dest[(dest >= 0) & (dest < M)]
+    assert torch.equal(got[written], ref[written])
+    assert rel_err(got[written[:2]], x[[0, 0]]) < 0.07  # row 0 went to 3 and 17
 
 
 def test_slot_map_spreads_copies_like_the_reference():
@@ -268,22 +315,24 @@ def test_row_kernels_and_plans_on_gpu_bf16():
     for x, y in zip(got[0][:3] + ref, got[1]):
         assert torch.equal(x, y)
     # normal mode: device plan + packing kernel against the twins at the deepseek-v3 row size
-    from moekit.dispatch.alltoall import RowLayout
     from moekit.dispatch.layout import normal_plan, normal_plan_torch, pack_rows, pack_rows_torch
 
     _, (topk,) = ep_inputs(1, (700,), E_logical, K, 4, "masked")
     topk = TopKOutput(topk.weights.to(dev), topk.ids.to(dev))
     x = torch.randn(700, 7168, device=dev).to(torch.bfloat16)
-    plans = [normal_plan_torch(topk.ids, slots, R, 64), normal_plan(topk.ids, slots, R, 64)]
-    for p, q in zip(*plans):
-        assert torch.equal(p.long(), q.long())
-    layout = RowLayout(7168, torch.bfloat16, K)
-    bufs = [torch.zeros(700 * R, layout.row_bytes, dtype=torch.uint8, device=dev)
-            for _ in range(2)]
-    slot, pos, _, offsets = plans[1]
-    r_t = pack_rows_torch(x, slot, topk.weights, pos, offsets, 64, bufs[0], layout.payload_bytes)
-    r_k = pack_rows(x, slot, topk.weights, pos, offsets, 64, bufs[1], layout.payload_bytes)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    plans = [normal_plan_torch(topk.ids, slots, R, 64), normal_plan(topk.ids, slots, R, 64,
+                                                                    ticket=ticket)]
+    for _ in range(2):  # the ticket is reused: the second launch must see it zeroed
+        plans[1] = normal_plan(topk.ids, slots, R, 64, ticket=ticket)
+    for name in ("slot", "local", "base", "counts"):
+        assert torch.equal(getattr(plans[0], name).long(), getattr(plans[1], name).long()), name
+    bufs = [torch.zeros(700 * R, 7168, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    metas = [torch.zeros(700 * R, 2 * K, dtype=torch.int32, device=dev) for _ in range(2)]
+    r_t = pack_rows_torch(x, plans[0], topk.weights, 64, bufs[0], metas[0])
+    r_k = pack_rows(x, plans[1], topk.weights, 64, bufs[1], metas[1])
     assert torch.equal(r_t, r_k) and torch.equal(bufs[0], bufs[1])
+    assert torch.equal(metas[0], metas[1])
 
 
 @pytest.mark.gpu

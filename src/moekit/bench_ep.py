@@ -5,10 +5,15 @@ the `alltoall` dispatcher against raw all_to_all_single, and the EP layer agains
 
 Parts (--parts, comma-separated, in this order):
   normal       normal-mode dispatch + combine with T = --prefill-tokens per rank, against a raw
-               all_to_all_single of the same token rows (there and back, the same splits).
-               Target: ratio <= 1.25. Also a per-phase breakdown (CUDA events): plan,
-               gather (packing kernel), count_sync (counts exchange + the host read),
-               payload_a2a, unpack, combine_a2a, combine_reduce.
+               all_to_all_single round trip of the same payload: the dispatch's splits, rows of
+               H values in x's dtype, there and back (exactly the payload bytes the dispatcher
+               moves; its routing metadata, 2K int32 per row, and the counts exchange are extra
+               and count against it). The "runner" is the identity: combine sends the received
+               rows back. Target: ratio <= 1.25 (max over ranks of both). Also a per-phase
+               breakdown (CUDA events): plan, gather (packing kernel), count_sync (counts
+               exchange + the host read), payload_a2a (metadata + payload), unpack,
+               combine_a2a, combine_reduce; and raw one-way times of the two transport layouts
+               (metadata in each payload row vs a separate message).
   low_latency  low-latency dispatch and combine, each captured in its own CUDA graph (eager on
                CPU), T = --decode-tokens per rank = the capacity. Target: < 100 us each. Raw
                all_to_all_single of the same fixed buffers, also in graphs, for reference.
@@ -151,16 +156,31 @@ def bench_normal(args, state, dev) -> dict:
     probe = d.dispatch(x, topk)
     h = probe.handle
     send_rows, recv_rows = sum(h.send_splits), sum(h.recv_splits)
-    H = moe.hidden_size
+    H, K = moe.hidden_size, moe.top_k
     send = torch.randn(send_rows, H, device=dev).to(moe.torch_dtype)
     recv = torch.empty(recv_rows, H, device=dev, dtype=moe.torch_dtype)
+    g = state.ep_group
 
     def raw_trip():
-        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=state.ep_group)
-        dist.all_to_all_single(send, recv, h.send_splits, h.recv_splits, group=state.ep_group)
+        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=g)
+        dist.all_to_all_single(send, recv, h.send_splits, h.recv_splits, group=g)
 
     def raw_one_way():
-        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=state.ep_group)
+        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=g)
+
+    # the two ways to carry the routing metadata, one way, same splits
+    row_bytes = H * x.element_size() + 8 * K
+    packed_send = torch.zeros(send_rows, row_bytes, dtype=torch.uint8, device=dev)
+    packed_recv = torch.empty(recv_rows, row_bytes, dtype=torch.uint8, device=dev)
+    meta_send = torch.zeros(send_rows, 2 * K, dtype=torch.int32, device=dev)
+    meta_recv = torch.empty(recv_rows, 2 * K, dtype=torch.int32, device=dev)
+
+    def raw_packed_rows():
+        dist.all_to_all_single(packed_recv, packed_send, h.recv_splits, h.send_splits, group=g)
+
+    def raw_payload_plus_meta():  # in the dispatcher's order
+        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=g)
+        dist.all_to_all_single(meta_recv, meta_send, h.recv_splits, h.send_splits, group=g)
 
     it, wu = args.iters, args.warmup
     res = {
@@ -169,10 +189,13 @@ def bench_normal(args, state, dev) -> dict:
         "rows_sent": send_rows,
         "rows_received": recv_rows,
         "bytes_sent_one_way": send_rows * H * x.element_size(),
+        "meta_bytes_sent_one_way": send_rows * 8 * K,
         "dispatch_ms": time_eager(dispatch_only, dev, it, wu),
         "dispatch_combine_ms": time_eager(round_trip, dev, it, wu),
         "raw_one_way_ms": time_eager(raw_one_way, dev, it, wu),
         "raw_round_trip_ms": time_eager(raw_trip, dev, it, wu),
+        "raw_packed_rows_one_way_ms": time_eager(raw_packed_rows, dev, it, wu),
+        "raw_payload_plus_meta_one_way_ms": time_eager(raw_payload_plus_meta, dev, it, wu),
     }
     # per-phase breakdown (CUDA events on the current stream), round trips with identity runner
     phases = Phases(dev)
@@ -182,14 +205,18 @@ def bench_normal(args, state, dev) -> dict:
         round_trip()
     d.phases = None
     res["phases_ms"] = {k: statistics.median(v) for k, v in phases.durations().items()}
+    res["phases_host_ms"] = {k: statistics.median(v) for k, v in phases.host_durations().items()}
     res["combine_ms"] = res["dispatch_combine_ms"] - res["dispatch_ms"]
     res["ratio"] = res["dispatch_combine_ms"] / res["raw_round_trip_ms"]
     res["raw_GBps_per_rank"] = 2 * res["bytes_sent_one_way"] / res["raw_round_trip_ms"] / 1e6
     per_rank = _gather(res)
     agg = _aggregate(per_rank, ("dispatch_ms", "combine_ms", "dispatch_combine_ms",
-                                "raw_one_way_ms", "raw_round_trip_ms"))
+                                "raw_one_way_ms", "raw_round_trip_ms",
+                                "raw_packed_rows_one_way_ms", "raw_payload_plus_meta_one_way_ms"))
     agg["phases_ms_max"] = {k: max(r["phases_ms"].get(k, 0.0) for r in per_rank)
                             for k in per_rank[0]["phases_ms"]}
+    agg["phases_host_ms_max"] = {k: max(r["phases_host_ms"].get(k, 0.0) for r in per_rank)
+                                 for k in per_rank[0]["phases_host_ms"]}
     agg["ratio_of_max"] = agg["dispatch_combine_ms_max"] / agg["raw_round_trip_ms_max"]
     agg["target_ratio_max"] = TARGETS["normal_ratio_max"]
     agg["meets_target"] = agg["ratio_of_max"] <= TARGETS["normal_ratio_max"]
@@ -304,10 +331,19 @@ def summary(doc: dict) -> str:
         lines.append(
             f"normal  dispatch {n['dispatch_ms_max']:.3f} ms, combine {n['combine_ms_max']:.3f} "
             f"ms, raw one way {n['raw_one_way_ms_max']:.3f} ms")
+        if "raw_packed_rows_one_way_ms_max" in n:
+            lines.append(
+                f"normal  metadata transport, raw one way: in each row "
+                f"{n['raw_packed_rows_one_way_ms_max']:.3f} ms, separate message "
+                f"{n['raw_payload_plus_meta_one_way_ms_max']:.3f} ms")
         phases = n.get("phases_ms_max")
         if phases:
             lines.append("normal  phases (median, max over ranks, ms): " + ", ".join(
                 f"{k} {v:.3f}" for k, v in phases.items()))
+        host = n.get("phases_host_ms_max")
+        if host:
+            lines.append("normal  phases on the host clock (ms): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in host.items()))
     ll = doc.get("low_latency", {}).get("aggregate")
     if ll:
         lines.append(

@@ -43,6 +43,37 @@ def _scatter_rows_kernel(
         tl.store(out_ptr + safe * stride_out + offs, v, mask=hmask & ok)
 
 
+@triton.jit
+def _dequant_scatter_kernel(
+    src_ptr, scale_ptr, dest_ptr, out_ptr, M, H, stride_src, stride_scale, stride_out,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[dest[n, k]] = fp8 row n (bytes at src) * its group scales (float32 words at
+    scale_ptr), in out's dtype, for the k with 0 <= dest[n, k] < M."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    q = tl.load(src_ptr + n * stride_src + offs, mask=hmask, other=0)
+    s = tl.load(scale_ptr + n * stride_scale + offs // GROUP, mask=hmask, other=0.0)
+    v = (q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(out_ptr.dtype.element_ty)
+    for k in range(K):
+        d = tl.load(dest_ptr + n * K + k).to(tl.int64)
+        ok = (d >= 0) & (d < M)
+        safe = tl.where(ok, d, 0)
+        tl.store(out_ptr + safe * stride_out + offs, v, mask=hmask & ok)
+
+
+def launch_dequant_scatter(src_u8, scale_f32, dest, out, group):
+    N, K = dest.shape
+    H = out.shape[1]
+    block = max(group, min(2048, triton.next_power_of_2(max(H, 1))))
+    grid = (N, triton.cdiv(H, block))
+    _dequant_scatter_kernel[grid](
+        src_u8, scale_f32, dest, out, out.shape[0], H, src_u8.stride(0), scale_f32.stride(0),
+        out.stride(0), K=K, GROUP=group, BLOCK_H=block, num_warps=4,
+    )
+
+
 def _block(H: int) -> int:
     return max(16, min(1024, triton.next_power_of_2(max(H, 1))))
 
@@ -158,58 +189,74 @@ def launch_ll_recv_plan(recv_ids, recv_w, dest, counts, w_out, E):
 
 @triton.jit
 def _normal_plan_kernel(
-    ids_ptr, table_ptr, copies_ptr, slot_ptr, pos_ptr, counts_ptr, offsets_ptr,
-    T, L, W, E,
-    R: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+    ids_ptr, table_ptr, copies_ptr, slot_ptr, local_ptr, bcount_ptr, base_ptr, counts_ptr,
+    ticket_ptr, T, L, W, E, NB,
+    R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    CB: tl.constexpr, SPREAD: tl.constexpr,
 ):
-    """Program r, over all tokens in blocks of BT: pos[t, r] = the rank-r position (0, 1, ...,
-    in token order) of token t among the tokens with an expert on rank r, -1 if none;
-    counts[r] = how many; offsets[r] = sum of counts[q] for q < r (each token counted once per
-    rank it hits). Program 0 also writes slot[t, k] (physical slot, -1 where masked)."""
-    r = tl.program_id(0)
-    count = r * 0  # int32 tensors: the loop-carried types stay the same
-    below = r * 0
-    kk = tl.arange(0, BK)
-    k = kk[None, :]
-    earlier = kk[None, :, None] < kk[None, None, :]  # [1, k', k]: k' before k
-    for start in range(0, T, BT):
-        tv = start + tl.arange(0, BT)
-        t = tv[:, None]
-        mask = (t < T) & (k < K)
-        ids = tl.load(ids_ptr + t.to(tl.int64) * K + k, mask=mask, other=-1).to(tl.int64)
-        row = tl.where(ids < 0, L, ids)
-        if SPREAD:
-            copies = tl.load(copies_ptr + row, mask=mask, other=1)
-            choice = t % copies
-        else:
-            choice = tl.zeros([BT, BK], dtype=tl.int64)
-        slot = tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
-        if r == 0:
-            tl.store(slot_ptr + t.to(tl.int64) * K + k, slot.to(tl.int32), mask=mask)
-        rk = tl.where(mask & (slot >= 0), slot // E, -1)  # [BT, BK] rank of each pair
-        hit = tl.max((rk == r).to(tl.int32), axis=1)  # [BT]
-        pos = tl.cumsum(hit, axis=0) - 1 + count
-        tl.store(pos_ptr + tv.to(tl.int64) * R + r, tl.where(hit > 0, pos, -1), mask=tv < T)
-        count += tl.sum(hit, axis=0)
-        # distinct ranks below r per token: pairs whose rank no earlier pair of the token has
-        same = rk[:, :, None] == rk[:, None, :]  # [BT, k', k]
-        dup = tl.max((same & earlier).to(tl.int32), axis=1)  # [BT, k]
-        first = (rk >= 0) & (rk < r) & (dup == 0)
-        below += tl.sum(tl.sum(first.to(tl.int32), axis=1), axis=0)
-    tl.store(counts_ptr + r, count.to(tl.int64))
-    tl.store(offsets_ptr + r, below.to(tl.int64))
+    """Program b plans tokens [b*BT, (b+1)*BT): slot[t, k] (physical slot, -1 masked),
+    local[t, r] = position of t among the block's tokens with an expert on rank r (-1 if none),
+    bcount[b, r] = how many. The last program to finish (a ticket counter, left at 0 for the
+    next launch) turns the block counts into counts[r] and base[b, r] = sum over ranks q < r
+    of counts[q] + sum over blocks c < b of bcount[c, r]."""
+    b = tl.program_id(0)
+    tv = b * BT + tl.arange(0, BT)
+    t = tv[:, None]
+    k = tl.arange(0, BK)[None, :]
+    mask = (t < T) & (k < K)
+    ids = tl.load(ids_ptr + t.to(tl.int64) * K + k, mask=mask, other=-1).to(tl.int64)
+    row = tl.where(ids < 0, L, ids)
+    if SPREAD:
+        copies = tl.load(copies_ptr + row, mask=mask, other=1)
+        choice = t % copies
+    else:
+        choice = tl.zeros([BT, BK], dtype=tl.int64)
+    slot = tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
+    tl.store(slot_ptr + t.to(tl.int64) * K + k, slot.to(tl.int32), mask=mask)
+    rk = tl.where(mask & (slot >= 0), slot // E, -1)  # [BT, BK] rank of each pair
+    rr = tl.arange(0, RP)
+    hit = tl.max((rk[:, :, None] == rr[None, None, :]).to(tl.int32), axis=1)  # [BT, RP]
+    loc = tl.cumsum(hit, axis=0) - 1
+    out_mask = (tv < T)[:, None] & (rr < R)[None, :]
+    tl.store(local_ptr + tv.to(tl.int64)[:, None] * R + rr[None, :], tl.where(hit > 0, loc, -1),
+             mask=out_mask)
+    tl.store(bcount_ptr + b * R + rr, tl.sum(hit, axis=0), mask=rr < R)
+    # every thread's stores of this program before the (one-thread) release of the ticket
+    tl.debug_barrier()
+    done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if done == NB - 1:  # every block count is written: finish the prefix sums
+        tl.debug_barrier()
+        total = tl.zeros([RP], dtype=tl.int64)
+        for c0 in range(0, NB, CB):
+            cb = c0 + tl.arange(0, CB)
+            m2 = (cb < NB)[:, None] & (rr < R)[None, :]
+            c = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
+                        volatile=True)
+            total += tl.sum(c.to(tl.int64), axis=0)
+        offsets = tl.cumsum(total, axis=0) - total
+        tl.store(counts_ptr + rr, total, mask=rr < R)
+        carry = offsets
+        for c0 in range(0, NB, CB):
+            cb = c0 + tl.arange(0, CB)
+            m2 = (cb < NB)[:, None] & (rr < R)[None, :]
+            c = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
+                        volatile=True).to(tl.int64)
+            tl.store(base_ptr + cb[:, None] * R + rr[None, :],
+                     carry[None, :] + tl.cumsum(c, axis=0) - c, mask=m2)
+            carry += tl.sum(c, axis=0)
+        tl.store(ticket_ptr, 0)
 
 
 @triton.jit
 def _pack_rows_kernel(
-    src_ptr, slot_ptr, w_ptr, pos_ptr, offsets_ptr, rows_ptr, out_ptr, ids_out_ptr, w_out_ptr,
-    NW, E, stride_src, stride_out, stride_meta, meta_off,
-    R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr, slot_ptr, w_ptr, local_ptr, base_ptr, rows_ptr, out_ptr, meta_ptr,
+    NW, E, stride_src, stride_out,
+    R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (t, h) copies words [h*BLOCK, (h+1)*BLOCK) of payload row t to send row
-    offsets[r] + pos[t, r] for every rank r the token hits; program (t, 0) also writes those
-    rows' metadata (local ids on rank r, -1 elsewhere; weights, 0 elsewhere) and
-    rows[t, r] = the send row (-1 where the token does not go to r)."""
+    d = base[t // BT, r] + local[t, r] for every rank r the token hits; program (t, 0) also
+    writes meta[d] (K local ids on rank r, -1 elsewhere; then the K weights' bits, 0
+    elsewhere) and rows[t, r] = d (-1 where the token does not go to r)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = h * BLOCK + tl.arange(0, BLOCK)
@@ -219,40 +266,49 @@ def _pack_rows_kernel(
     km = kk < K
     slot = tl.load(slot_ptr + t * K + kk, mask=km, other=-1)
     w = tl.load(w_ptr + t * K + kk, mask=km, other=0.0)
+    b = t // BT
     for r in tl.static_range(R):
-        p = tl.load(pos_ptr + t * R + r)
+        p = tl.load(local_ptr + t * R + r)
         ok = p >= 0
-        d = tl.load(offsets_ptr + r) + p.to(tl.int64)
+        d = tl.load(base_ptr + b * R + r) + p.to(tl.int64)
         tl.store(out_ptr + d * stride_out + offs, v, mask=m & ok)
         if h == 0:
             here = (slot >= r * E) & (slot < r * E + E)
-            meta = d * stride_meta + meta_off + kk
-            tl.store(ids_out_ptr + meta, tl.where(here, slot - r * E, -1).to(tl.int32),
+            meta = d * (2 * K) + kk
+            tl.store(meta_ptr + meta, tl.where(here, slot - r * E, -1).to(tl.int32),
                      mask=km & ok)
-            tl.store(w_out_ptr + meta + K, tl.where(here, w, 0.0), mask=km & ok)
+            tl.store(meta_ptr + meta + K, tl.where(here, w, 0.0).to(tl.int32, bitcast=True),
+                     mask=km & ok)
             tl.store(rows_ptr + t * R + r, tl.where(ok, d, -1))
 
 
-def launch_normal_plan(ids, table, copies, spread, slot, pos, counts, offsets, E, R):
+PLAN_PREFIX_TILE = 4096  # elements of the [blocks, RP] tile the last plan program sums at once
+
+
+def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, counts, ticket,
+                       E, R, block):
     T, K = ids.shape
     L, W = table.shape[0] - 1, table.shape[1]
+    NB = bcount.shape[0]
+    RP = max(2, triton.next_power_of_2(R))
     BK = max(2, triton.next_power_of_2(K))
-    BT = max(16, min(256, 2048 // BK))
-    _normal_plan_kernel[(R,)](
-        ids, table, copies, slot, pos, counts, offsets, T, L, W, E,
-        R=R, K=K, BT=BT, BK=BK, SPREAD=spread, num_warps=4,
+    CB = max(2, min(1024, PLAN_PREFIX_TILE // RP))
+    _normal_plan_kernel[(NB,)](
+        ids, table, copies, slot, local, bcount, base, counts, ticket, T, L, W, E, NB,
+        R=R, RP=RP, K=K, BK=BK, BT=block, CB=CB, SPREAD=spread, num_warps=4,
     )
 
 
-def launch_pack_rows(src_words, slot, weights, pos, offsets, rows, out_words, out_i32, out_f32,
-                     meta_off, E):
+def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, meta, E, block):
     T, NW = src_words.shape
-    R = pos.shape[1]
+    R = local.shape[1]
     K = slot.shape[1]
-    block = max(16, min(2048, triton.next_power_of_2(max(NW, 1))))
-    grid = (T, triton.cdiv(max(NW, 1), block))
+    if meta.shape[1] != 2 * K or meta.stride(0) != 2 * K or meta.dtype.itemsize != 4:
+        raise ValueError(f"pack_rows: meta must be contiguous [N, {2 * K}] 4-byte words")
+    bw = max(16, min(2048, triton.next_power_of_2(max(NW, 1))))
+    grid = (T, triton.cdiv(max(NW, 1), bw))
     _pack_rows_kernel[grid](
-        src_words, slot, weights, pos, offsets, rows, out_words, out_i32, out_f32,
-        NW, E, src_words.stride(0), out_words.stride(0), out_i32.stride(0), meta_off,
-        R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BLOCK=block, num_warps=4,
+        src_words, slot, weights, local, base, rows, out_words, meta,
+        NW, E, src_words.stride(0), out_words.stride(0),
+        R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw, num_warps=4,
     )

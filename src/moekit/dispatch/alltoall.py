@@ -7,13 +7,16 @@ their experts and gets the results back in combine. R = EP ranks, E = experts pe
 slots), K = top-k, C = --max-dispatch-tokens-per-rank.
 
 normal (prefill, throughput; variable sizes, one host synchronisation):
-  1. a device plan numbers the tokens per destination rank; the per-destination counts are
-     exchanged (all_to_all_single of R counts) while one kernel packs the send buffer;
-  2. each token is sent once per destination rank (not once per expert), in ONE
-     all_to_all_single of packed rows: payload, its local expert ids there (-1 for experts
-     elsewhere) and its top-k weights (RowLayout); the split sizes are the one host read;
-  3. the runner gets the standard format: received rows [N, H] ordered by source rank, then
-     token, with local ids; it applies the weights and sums over its local experts;
+  1. one plan kernel numbers the tokens per destination rank; the per-destination counts are
+     exchanged (all_to_all_single of R counts) and copied to the host on a side stream while
+     one kernel packs the send buffers;
+  2. each token is sent once per destination rank (not once per expert): its payload row (H
+     values of x's dtype, exactly what a raw all-to-all of the tokens moves; fp8: the fp8 row
+     and its scales) in one all_to_all_single, its local expert ids there (-1 for experts
+     elsewhere) and top-k weights in a second, small one (2K int32 per row); the split sizes
+     are the one host read;
+  3. the runner gets the standard format: received rows [N, H] (contiguous) ordered by source
+     rank, then token, with local ids; it applies the weights and sums over its local experts;
   4. combine sends each row's partial sum back and adds a token's partials (float32 sum).
 
 low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturable):
@@ -48,7 +51,7 @@ import torch.distributed as dist
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
 from moekit.dispatch.layout import normal_plan, pack_rows, recv_plan, send_plan
-from moekit.dispatch.rows import gather_reduce, scatter_rows
+from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
 from moekit.placement import ExpertPlacement
@@ -133,6 +136,25 @@ class RowLayout:
         s = payload[:, _align(self.hidden, 4) :].contiguous().view(torch.float32)
         return dequantize_act(q, s, "token_group", group_size=FP8_GROUP).to(self.dtype)
 
+    def unpack_scatter(self, payload: torch.Tensor, dest_NK: torch.Tensor, num_rows: int,
+                       impl: str = "auto") -> torch.Tensor:
+        """out [num_rows, H] in dtype with out[dest[n, k]] = unpacked payload row n (rows nobody
+        writes are undefined). fp8 with Triton: one kernel dequantizes from the (strided)
+        payload rows straight into their destinations; otherwise unpack, then scatter_rows."""
+        if not (self.fp8 and _use_triton(payload, impl)):
+            return scatter_rows(self.unpack_tokens(payload), dest_NK, num_rows, impl)
+        from moekit.dispatch._kernels import launch_dequant_scatter
+
+        out = torch.empty(num_rows, self.hidden, dtype=self.dtype, device=payload.device)
+        if payload.shape[0] == 0 or num_rows == 0 or self.hidden == 0:
+            return out
+        if payload.stride(1) != 1 or payload.stride(0) % 4 or payload.data_ptr() % 4:
+            raise ValueError("unpack_scatter: fp8 payload rows must be 4-byte aligned")
+        words = payload.view(torch.float32)  # [N, payload_bytes / 4]
+        scales = words[:, _align(self.hidden, 4) // 4:]
+        launch_dequant_scatter(payload, scales, dest_NK.contiguous(), out, FP8_GROUP)
+        return out
+
 
 def _quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (q [T, H] float8_e4m3fn, scales [T, ceil(H/128)] float32)."""
@@ -163,13 +185,16 @@ def _capturing(device: torch.device) -> bool:
 class Phases:
     """Per-phase timing of normal-mode dispatch / combine (for benchmarks): `begin()` at the
     start of a call, `mark(name)` at the end of each phase; CUDA events on the current stream
-    (host clock on CPU). A phase that ends in a host read (count_sync) also holds the wait for
-    the work queued before it. `durations()` -> {name: [ms, ...]} (synchronises)."""
+    (host clock on CPU), and the host clock alongside (when the host got there: on an idle GPU
+    the events follow the host). A phase that ends in a host read (count_sync) also holds the
+    wait for the work queued before it. `durations()` -> {name: [ms, ...]} (synchronises);
+    `host_durations()` -> the same from the host clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._pairs: list[tuple[str, object, object]] = []
+        self._pairs: list[tuple[str, object, object, float, float]] = []
         self._last = None
+        self._last_host = 0.0
 
     def _now(self):
         if self.cuda:
@@ -180,11 +205,13 @@ class Phases:
 
     def begin(self) -> None:
         self._last = self._now()
+        self._last_host = time.perf_counter()
 
     def mark(self, name: str) -> None:
         now = self._now()
-        self._pairs.append((name, self._last, now))
-        self._last = now
+        host = time.perf_counter()
+        self._pairs.append((name, self._last, now, self._last_host, host))
+        self._last, self._last_host = now, host
 
     def reset(self) -> None:
         self._pairs.clear()
@@ -193,10 +220,44 @@ class Phases:
         if self.cuda:
             torch.cuda.synchronize()
         out: dict[str, list[float]] = {}
-        for name, a, b in self._pairs:
+        for name, a, b, _, _ in self._pairs:
             ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
             out.setdefault(name, []).append(ms)
         return out
+
+    def host_durations(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for name, _, _, a, b in self._pairs:
+            out.setdefault(name, []).append((b - a) * 1e3)
+        return out
+
+
+class _CountsReader:
+    """Reads counts [2R] int64 (sent | received, the received half filled by the exchange
+    `work`) to the host. On CUDA the copy runs on a side stream that waits only for the
+    exchange, so work queued after this on the current stream (the packing kernel) goes on
+    while the host waits; elsewhere it waits for the exchange and reads. side: (stream, pinned
+    host buffer [2R] int64, event), reused call after call (each call reads before the next)."""
+
+    def __init__(self, counts: torch.Tensor, work, side) -> None:
+        self.counts, self.work, self.event, self.host = counts, work, None, None
+        if side is None:
+            return
+        stream, self.host, self.event = side
+        stream.wait_stream(torch.cuda.current_stream(counts.device))  # the plan wrote counts
+        with torch.cuda.stream(stream):
+            if work is not None:
+                work.wait()  # the side stream waits for the exchange
+            self.host.copy_(counts, non_blocking=True)
+            self.event.record(stream)
+
+    def result(self) -> list[int]:
+        if self.event is None:
+            if self.work is not None:
+                self.work.wait()
+            return self.counts.tolist()
+        self.event.synchronize()
+        return self.host.tolist()
 
 
 @dataclass(frozen=True)
@@ -272,6 +333,8 @@ class AllToAllDispatcher(Dispatcher):
         self.fp8 = fp8_dispatch
         self.impl = impl
         self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
+        self._tickets: dict = {}  # device -> the normal plan kernel's counter
+        self._streams: dict = {}  # device -> (side stream, pinned buffer, event): counts reader
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -328,46 +391,74 @@ class AllToAllDispatcher(Dispatcher):
     # ---- normal ----------------------------------------------------------------------------
 
     def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
-        """One send buffer [<= T*R, row_bytes] uint8 holds every (token, destination rank) row:
-        payload then local ids and weights (RowLayout with top_k). Device plan + one packing
-        kernel, the counts exchange and ONE host read of the split sizes, one all_to_all_single.
-        The returned x is a strided view of the receive buffer (rows row_bytes apart) for bf16 /
-        fp16 / fp32 dispatch; fp8 dispatch dequantizes into a new tensor."""
+        """Two send buffers: the payload rows [<= T*R, H] (x's dtype; fp8: uint8 rows of
+        RowLayout.payload_bytes) and their metadata [<= T*R, 2K] int32 (local ids, weight
+        bits), one row per (token, destination rank). One plan kernel, the counts exchange
+        (read on a side stream while the packing kernel runs: the one host synchronisation),
+        then two all_to_all_single (payload, then metadata). The returned x is contiguous."""
         T, H = x_TH.shape
         K, R, E = topk.ids.shape[1], self.ep_size, self.num_local
+        dev = x_TH.device
         ph = self.phases
         if ph is not None:
             ph.begin()
-        layout = RowLayout(H, x_TH.dtype, K, self.fp8)
-        slot, pos, send_counts, offsets = normal_plan(topk.ids, self.slots, R, E, self.impl)
-        recv_counts = torch.empty_like(send_counts)
-        work = _all_to_all(recv_counts, send_counts, self.group, async_op=True)
+        layout = RowLayout(H, x_TH.dtype, 0, self.fp8)
+        counts = torch.empty(2 * R, dtype=torch.int64, device=dev)  # [sent to | received from]
+        plan = normal_plan(topk.ids, self.slots, R, E, self.impl, counts_out=counts[:R],
+                           ticket=self._ticket(dev))
+        work = _all_to_all(counts[R:], counts[:R], self.group, async_op=True)
+        reader = _CountsReader(counts, work, self._side_stream(dev))
         if ph is not None:
             ph.mark("plan")
-        # while the counts travel: pack the rows (upper bound T*R rows; the a2a sends a prefix)
-        send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
-        rows_TR = pack_rows(layout.pack_tokens(x_TH), slot, topk.weights, pos, offsets, E, send,
-                            layout.payload_bytes, self.impl)
+        # while the counts travel: pack (upper bound T*R rows; the a2a sends a prefix)
+        payload = layout.pack_tokens(x_TH)
+        send_x = payload.new_empty(T * R, payload.shape[1])
+        send_meta = torch.empty(T * R, 2 * K, dtype=torch.int32, device=dev)
+        rows_TR = pack_rows(payload, plan, topk.weights, E, send_x, send_meta, self.impl)
         if ph is not None:
             ph.mark("gather")
-        if work is not None:
-            work.wait()
-        splits = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
+        splits = reader.result()  # the one host synchronisation
         send_splits, recv_splits = splits[:R], splits[R:]
         n_send, n_recv = sum(send_splits), sum(recv_splits)
         if ph is not None:
             ph.mark("count_sync")
-        recv = torch.empty(n_recv, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
-        _all_to_all(recv, send[:n_send], self.group, recv_splits, send_splits)
+        recv_meta = torch.empty(n_recv, 2 * K, dtype=torch.int32, device=dev)
+        recv_x = payload.new_empty(n_recv, payload.shape[1])
+        # the payload first: the metadata's launch then overlaps the payload's transfer
+        _all_to_all(recv_x, send_x[:n_send], self.group, recv_splits, send_splits)
+        _all_to_all(recv_meta, send_meta[:n_send], self.group, recv_splits, send_splits)
         if ph is not None:
             ph.mark("payload_a2a")
-        recv_x = layout.unpack_tokens(layout.payload_view(recv))
-        ids, weights = layout.meta_views(recv)
-        local = TopKOutput(weights.contiguous(), ids.contiguous())
+        x_recv = layout.unpack_tokens(recv_x)
+        local = TopKOutput(recv_meta[:, K:].contiguous().view(torch.float32),
+                           recv_meta[:, :K].contiguous())
         if ph is not None:
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype)
-        return StandardDispatchOutput(recv_x, local, handle)
+        return StandardDispatchOutput(x_recv, local, handle)
+
+    def _ticket(self, device: torch.device) -> torch.Tensor | None:
+        """The plan kernel's zeroed counter on `device` (kept zeroed by the kernel)."""
+        if device.type != "cuda":
+            return None
+        t = self._tickets.get(device)
+        if t is None:
+            t = self._tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return t
+
+    def _side_stream(self, device: torch.device):
+        """(side stream, pinned [2R] int64 host buffer, event) for reading the counts on
+        `device`; None off CUDA."""
+        if device.type != "cuda":
+            return None
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = (
+                torch.cuda.Stream(device),
+                torch.empty(2 * self.ep_size, dtype=torch.int64, pin_memory=True),
+                torch.cuda.Event(),
+            )
+        return s
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens."""
@@ -416,8 +507,8 @@ class AllToAllDispatcher(Dispatcher):
         # receiver: (row, k) pairs -> masked rows of their expert, in (source rank, row, k) order
         recv_ids, recv_w = layout.meta_views(recv)
         dest, counts, weights = recv_plan(recv_ids, recv_w, E, self.impl)
-        x_rows = layout.unpack_tokens(layout.payload_view(recv))
-        x_masked = scatter_rows(x_rows, dest, E * RC, self.impl).view(E, RC, H)
+        x_masked = layout.unpack_scatter(layout.payload_view(recv), dest, E * RC,
+                                         self.impl).view(E, RC, H)
         handle = LowLatencyHandle(T, dest, weights, rows_TR, x_TH.dtype)
         return MaskedDispatchOutput(x_masked, counts, handle)
 

@@ -18,6 +18,8 @@ weights (0 there); rows past them hold ids -1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moekit.dispatch.rows import _use_triton
@@ -96,36 +98,113 @@ def recv_plan(recv_ids, recv_w, E: int, impl: str = "auto"):
 
 # ---- normal mode -----------------------------------------------------------------------------
 
+PLAN_BLOCK = 128  # tokens per plan block (the Triton plan kernel runs one program per block)
 
-def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int):
-    """ids_TK [T, K] logical (-1 masked) -> (slot [T, K] physical, -1 masked; pos [T, R] int32:
-    the position of token t among the tokens with an expert on rank r, -1 if none;
-    counts [R] int64; offsets [R] int64 = exclusive cumsum of counts)."""
+
+@dataclass(frozen=True)
+class NormalPlan:
+    """Where each (token, destination rank) goes in the packed send buffer; no host sync.
+
+    slot [T, K] int32: physical slot of each pair (-1 masked); local [T, R] int32: position of
+    token t among the tokens of its block of `block` tokens with an expert on rank r (-1 if
+    none); base [NB, R] int64: send row of block b's first token for rank r; counts [R] int64:
+    tokens sent to each rank. Send row of (t, r) = base[t // block, r] + local[t, r]: rank
+    blocks back to back, tokens in order."""
+
+    slot: torch.Tensor
+    local: torch.Tensor
+    base: torch.Tensor
+    counts: torch.Tensor
+    block: int
+
+    def rows(self) -> torch.Tensor:
+        """[T, R] int64: the send row of (token, rank), -1 where the token does not go."""
+        T = self.local.shape[0]
+        b = torch.arange(T, device=self.local.device) // self.block
+        return torch.where(self.local >= 0, self.base[b] + self.local.long(), -1)
+
+
+def _plan_block(R: int, K: int) -> int:
+    """Tokens per plan program: PLAN_BLOCK, less for wide [tokens, K, R] tiles."""
+    import math
+
+    rp = 1 << max(0, math.ceil(math.log2(max(R, 1))))
+    kp = 1 << max(1, math.ceil(math.log2(max(K, 1))))
+    return max(16, min(PLAN_BLOCK, 8192 // (rp * kp)))
+
+
+def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, counts_out=None,
+                      block: int | None = None) -> NormalPlan:
+    """ids_TK [T, K] logical (-1 masked) -> NormalPlan (see there). counts_out: an [R] int64
+    tensor to hold the counts (e.g. a view of the counts-exchange buffer)."""
+    T, K = ids_TK.shape
+    block = block or _plan_block(R, K)
+    dev = ids_TK.device
     slot = slots.physical(ids_TK)
     rank = torch.where(slot >= 0, slot // E, -1)
-    here = rank.unsqueeze(1) == torch.arange(R, device=slot.device).view(1, R, 1)
-    hit = here.any(dim=-1)  # [T, R]
-    counts = hit.sum(dim=0)
-    pos = torch.where(hit, hit.long().cumsum(dim=0) - 1, -1).to(torch.int32)
-    return slot, pos, counts, counts.cumsum(0) - counts
+    hit = (rank.unsqueeze(1) == torch.arange(R, device=dev).view(1, R, 1)).any(dim=-1)  # [T, R]
+    NB = -(-T // block)
+    padded = torch.zeros(NB * block, R, dtype=torch.int64, device=dev)
+    padded[:T] = hit.long()
+    per_block = padded.view(NB, block, R)
+    local = (per_block.cumsum(dim=1) - 1).view(NB * block, R)[:T]
+    local = torch.where(hit, local, -1).to(torch.int32)
+    bcount = per_block.sum(dim=1)  # [NB, R]
+    counts = bcount.sum(dim=0)
+    offsets = counts.cumsum(0) - counts
+    base = offsets.view(1, R) + bcount.cumsum(dim=0) - bcount
+    if counts_out is not None:
+        counts_out.copy_(counts)
+        counts = counts_out
+    return NormalPlan(slot.to(torch.int32), local, base, counts, block)
 
 
-def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, impl: str = "auto"):
-    """See `normal_plan_torch` (slot comes back int32 from the kernel)."""
-    if not _use_triton(ids_TK, impl) or ids_TK.shape[0] == 0 or ids_TK.shape[1] == 0:
-        return normal_plan_torch(ids_TK, slots, R, E)
+def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, impl: str = "auto", counts_out=None,
+                ticket=None) -> NormalPlan:
+    """See `normal_plan_torch`: one Triton kernel on CUDA (one program per block of tokens;
+    the last program to finish turns the block counts into counts and bases). ticket: a zeroed
+    int32 [1] tensor the kernel counts finished programs in (and leaves zeroed); reuse one per
+    stream, never on two streams at once (None: a fresh one)."""
+    T, K = ids_TK.shape
+    if not _use_triton(ids_TK, impl) or T == 0 or K == 0:
+        return normal_plan_torch(ids_TK, slots, R, E, counts_out)
     from moekit.dispatch._kernels import launch_normal_plan
 
-    T, K = ids_TK.shape
     dev = ids_TK.device
+    block = _plan_block(R, K)
+    NB = -(-T // block)
     table, copies = slots._on(dev)
     slot = torch.empty(T, K, dtype=torch.int32, device=dev)
-    pos = torch.empty(T, R, dtype=torch.int32, device=dev)
-    counts = torch.empty(R, dtype=torch.int64, device=dev)
-    offsets = torch.empty(R, dtype=torch.int64, device=dev)
-    launch_normal_plan(ids_TK.to(torch.int32).contiguous(), table, copies,
-                       slots.redundant and slots.spread, slot, pos, counts, offsets, E, R)
-    return slot, pos, counts, offsets
+    local = torch.empty(T, R, dtype=torch.int32, device=dev)
+    bcount = torch.empty(NB, R, dtype=torch.int32, device=dev)
+    base = torch.empty(NB, R, dtype=torch.int64, device=dev)
+    counts = counts_out if counts_out is not None else torch.empty(R, dtype=torch.int64,
+                                                                   device=dev)
+    if ticket is None:
+        ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    launch_normal_plan(ids_TK.contiguous(), table, copies, slots.redundant and slots.spread,
+                       slot, local, bcount, base, counts, ticket, E, R, block)
+    return NormalPlan(slot, local, base, counts, block)
+
+
+def pack_rows_torch(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta) -> torch.Tensor:
+    """Write token t's payload row (payload_TP [T, P], any dtype) to out [N, P] (same dtype) at
+    its send row for each rank r it hits (NormalPlan.rows), and that row's metadata to meta
+    [N, 2K] int32: K local ids on r (-1 for experts elsewhere), then the K float32 weights'
+    bits (0 elsewhere). Returns rows_TR [T, R] int64 (-1 where the token does not go to r).
+    Rows not named stay unwritten."""
+    rows_TR = plan.rows()
+    T, R = rows_TR.shape
+    K = plan.slot.shape[1]
+    if T == 0 or out.shape[0] == 0:
+        return rows_TR
+    t_idx, r_idx = (rows_TR >= 0).nonzero(as_tuple=True)
+    dest = rows_TR[t_idx, r_idx]
+    out[dest] = payload_TP[t_idx]
+    ids, w = _local_meta(plan.slot, weights_TK, R, E)
+    meta[dest, :K] = ids[t_idx, r_idx]
+    meta[dest, K:] = w[t_idx, r_idx].view(torch.int32)
+    return rows_TR
 
 
 def _local_meta(slot_TK, weights_TK, R: int, E: int):
@@ -137,28 +216,6 @@ def _local_meta(slot_TK, weights_TK, R: int, E: int):
     return ids, torch.where(here, weights_TK.float().unsqueeze(1), 0.0)
 
 
-def pack_rows_torch(payload_TP, slot_TK, weights_TK, pos_TR, offsets_R, E: int, out,
-                    meta_off: int) -> torch.Tensor:
-    """Write token t's payload row (payload_TP [T, P] bytes of any dtype, contiguous rows) and
-    its metadata into out [N, row_bytes] uint8 at row offsets[r] + pos[t, r] for each rank r
-    it hits: bytes [0, P) the payload, then K int32 local ids on r (-1 for experts elsewhere)
-    at byte meta_off, then K float32 weights (0 elsewhere). Returns rows_TR [T, R] int64, the
-    send row of (token, rank) or -1. Rows not named stay unwritten."""
-    T, R = pos_TR.shape
-    K = slot_TK.shape[1]
-    rows_TR = torch.where(pos_TR >= 0, offsets_R.view(1, R) + pos_TR.long(), -1)
-    if T == 0 or out.shape[0] == 0:
-        return rows_TR
-    t_idx, r_idx = (rows_TR >= 0).nonzero(as_tuple=True)
-    dest = rows_TR[t_idx, r_idx]
-    src = payload_TP.contiguous().view(torch.uint8).view(T, -1)
-    out[dest, : src.shape[1]] = src[t_idx]
-    ids, w = _local_meta(slot_TK, weights_TK, R, E)
-    out[dest, meta_off : meta_off + 4 * K] = ids[t_idx, r_idx].view(torch.uint8)
-    out[dest, meta_off + 4 * K : meta_off + 8 * K] = w[t_idx, r_idx].view(torch.uint8)
-    return rows_TR
-
-
 def _word_dtype(t: torch.Tensor, nbytes: int) -> torch.dtype:
     """The widest of int32 / int16 / uint8 that divides the row bytes, row stride and base."""
     for dt in (torch.int32, torch.int16):
@@ -168,27 +225,27 @@ def _word_dtype(t: torch.Tensor, nbytes: int) -> torch.dtype:
     return torch.uint8
 
 
-def pack_rows(payload_TP, slot_TK, weights_TK, pos_TR, offsets_R, E: int, out, meta_off: int,
+def pack_rows(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta,
               impl: str = "auto") -> torch.Tensor:
-    """See `pack_rows_torch`; payload rows may be strided (last dim contiguous)."""
+    """See `pack_rows_torch`; payload rows may be strided (last dim contiguous); out must have
+    contiguous rows."""
     if not _use_triton(payload_TP, impl):
-        return pack_rows_torch(payload_TP, slot_TK, weights_TK, pos_TR, offsets_R, E, out,
-                               meta_off)
+        return pack_rows_torch(payload_TP, plan, weights_TK, E, out, meta)
     from moekit.dispatch._kernels import launch_pack_rows
 
-    T, R = pos_TR.shape
-    rows_TR = torch.empty(T, R, dtype=torch.int64, device=pos_TR.device)
+    T, R = plan.local.shape
+    rows_TR = torch.empty(T, R, dtype=torch.int64, device=plan.local.device)
     if T == 0:
         return rows_TR
     if payload_TP.stride(-1) != 1:
         payload_TP = payload_TP.contiguous()
     nbytes = payload_TP.shape[1] * payload_TP.element_size()
     wd = _word_dtype(payload_TP, nbytes)
-    src = payload_TP.view(torch.uint8)
+    if wd != _word_dtype(out, nbytes):
+        wd = torch.uint8
+    src, dst = payload_TP.view(torch.uint8), out.view(torch.uint8)
     if wd != torch.uint8:
-        src = src.view(wd)
-    out_w = out.view(wd)
-    launch_pack_rows(src, slot_TK.contiguous(), weights_TK.float().contiguous(),
-                     pos_TR.contiguous(), offsets_R.contiguous(), rows_TR, out_w,
-                     out.view(torch.int32), out.view(torch.float32), meta_off // 4, E)
+        src, dst = src.view(wd), dst.view(wd)
+    launch_pack_rows(src, plan.slot, weights_TK.float().contiguous(), plan.local, plan.base,
+                     rows_TR, dst, meta, E, plan.block)
     return rows_TR

@@ -10,8 +10,13 @@ _DISPATCHERS: dict[str, type[Dispatcher]] = {}
 
 # Backends the engines know that moekit recognises but cannot run, with why.
 UNAVAILABLE_REASONS = {
-    "deepep": "DeepEP is not integrated in this version (needs the deep_ep library built "
-    "with NVSHMEM); use --moe-a2a-backend alltoall",
+    "deepep": "DeepEP is not integrated: the only DeepEP on PyPI (deep-ep 1.0.0) is an sdist "
+    "that cannot build: it lacks its own headers (deep_ep.hpp, kernels/api.cuh, configs.cuh, "
+    "buffer.cuh, launch.cuh, utils.cuh, exception.cuh, ibgda_device.cuh; nvcc stops at "
+    "'configs.cuh: No such file'), and it links a static libnvshmem.a and "
+    "nvshmem_bootstrap_uid.so, which the nvidia-nvshmem-cu13 3.4.5 pip package does not ship "
+    "(it has libnvshmem_host.so.3, libnvshmem_device.a, nvshmem_bootstrap_uid.so.3); "
+    "scripts/gpu_deepep_build.sh logs the attempt. Use --moe-a2a-backend alltoall",
     "mooncake": "needs the mooncake transfer engine and RDMA NICs; not integrated",
     "flashinfer": "FlashInfer's all-to-all needs flashinfer-python with MNNVL (GB200 "
     "NVLink domains); not integrated",
