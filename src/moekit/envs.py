@@ -33,16 +33,10 @@ MOEKIT_GIT_COMMIT = EnvVar(
     "",
     "git commit that `moekit bench` records when the tree has no .git (e.g. a copy on a GPU box)",
 )
-MOEKIT_ENABLE_DEEP_GEMM = EnvVar(
-    "MOEKIT_ENABLE_DEEP_GEMM",
-    "0",
-    "1: offer the deep_gemm runner although its calls failed on the H100 (for debugging it)",
-)
 
 ALL: tuple[EnvVar, ...] = (
     MOEKIT_LOG_LEVEL,
     MOEKIT_CONFIG_DIR,
     MOEKIT_DISABLE_TRITON,
     MOEKIT_GIT_COMMIT,
-    MOEKIT_ENABLE_DEEP_GEMM,
 )
