@@ -113,7 +113,9 @@ if wants env; then
         $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
         $PY -m moekit.cli.main env | tee "$WORK/env.txt"
     }
-    step env 60 envrun
+    export -f envrun
+    export PY WORK
+    step env 60 bash -c envrun # `timeout` runs programs, not shell functions
 fi
 
 if wants smoke; then
