@@ -179,7 +179,7 @@ def probe_installed() -> tuple[str | None, str | None]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
         r = subprocess.run([sys.executable, "-c", _PROBE_CHILD], env=env, capture_output=True,
-                           text=True, timeout=PROBE_TIMEOUT_S)
+                           text=True, timeout=PROBE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return None, f"the probe of the installed deep_gemm took over {PROBE_TIMEOUT_S} s"
     for line in r.stdout.splitlines():
