@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import math
 import shlex
 import sys
@@ -30,6 +32,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+
+MIN_JOB_S = 45  # a job needs about this long (more when Triton / DeepGEMM compile first)
 
 
 def parse_job(text: str) -> argparse.Namespace:
@@ -59,21 +64,71 @@ def gmean(xs: list[float]) -> float:
 # ---------------------------------------------------------------------------- smoke
 
 
+SKIP_EXCHANGE_PROBE = r"""
+import os, sys
+from moekit.runners import deep_gemm as rd
+print("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API=" + os.environ.get("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API", ""))
+print("  torch tensors through tvm-ffi's torch fallback:", rd._read_back("torch") or "read correctly")
+"""
+
+
+def header_fingerprint() -> None:
+    """The torch header lines that sgl-deep-gemm's binary cites in its own assertion strings
+    (TensorImpl.h:1338 and :1799): equal lines here suggest it was built against this torch."""
+    inc = Path(torch.__file__).parent / "include" / "c10" / "core" / "TensorImpl.h"
+    try:
+        lines = inc.read_text().splitlines()
+    except OSError as err:
+        print(f"torch headers: {err}")
+        return
+    for no, words in ((1338, "is_mkldnn()"), (1799, "extra_meta_ && extra_meta_->symbolic_shape")):
+        line = lines[no - 1].strip() if len(lines) >= no else "<none>"
+        print(f"  this torch's TensorImpl.h:{no} {'has' if words in line else 'LACKS'} "
+              f"'{words}' (the binary asserts it there): {line[:90]}")
+
+
 def smoke(work: Path) -> bool:
-    ok = True
+    """DeepGEMM on this GPU: versions, how this torch's tensors reach the binary (the probe of
+    moekit.runners.deep_gemm, and tvm-ffi's torch fallback in a subprocess), then, when a way
+    works, its four grouped GEMMs (bf16/fp8 x contiguous/masked) against torch."""
+    import os
+    import subprocess
+
     try:
         import deep_gemm
+        import tvm_ffi
     except Exception:  # noqa: BLE001
         print("deep_gemm: import failed:")
         traceback.print_exc(file=sys.stdout)
         return False
-    print(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} from {deep_gemm.__file__}")
+    print(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} from {deep_gemm.__file__}; "
+          f"tvm_ffi {getattr(tvm_ffi, '__version__', '?')}; torch {torch.__version__}; "
+          f"torch.Tensor.__dlpack_c_exchange_api__: "
+          f"{hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to run")
         return False
+    header_fingerprint()
+    from moekit.runners import deep_gemm as rd
+
+    t0 = time.perf_counter()
+    passing, problem = rd.probe_installed()  # in a child process
+    print(f"probe_installed ({time.perf_counter() - t0:.1f} s): passing={passing} "
+          f"problem={problem}")
+    env = dict(os.environ, TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API="1")
+    r = subprocess.run([sys.executable, "-c", SKIP_EXCHANGE_PROBE], env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+    print(f"(child exit {r.returncode}) " + r.stdout + r.stderr[-1500:])
+    for way in rd.PASSING:  # in this process (a crash here ends only this step)
+        print(f"  tensors handed over as {way}: {rd._read_back(way) or 'read correctly'}",
+              flush=True)
+    if problem is not None:
+        return False
+
     from moekit.quant.act_quant import quantize_act
     from moekit.quant.quantize import quantize
 
+    t = rd._converter(passing)
     align = deep_gemm.get_mk_alignment_for_contiguous_layout()
     print(f"M alignment of the contiguous layout: {align}")
     E, N, K, per = 4, 1536, 2048, align
@@ -83,16 +138,30 @@ def smoke(work: Path) -> bool:
     b = (torch.randn(E, N, K, device=dev) / K**0.5).to(torch.bfloat16)
     m_idx = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(per)
     ref = torch.cat([a[e * per:(e + 1) * per].float() @ b[e].float().T for e in range(E)])
-    for name in ("bf16", "fp8"):
+    qa = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=128)
+    qb = quantize(b, "fp8_w8a8")
+    counts = torch.tensor([per, per // 2, 1, 0], device=dev, dtype=torch.int32)
+    a3 = a.view(E, per, K)
+    ok = True
+    for name in ("bf16 contiguous", "fp8 contiguous", "bf16 masked", "fp8 masked"):
         try:
-            d = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-            if name == "bf16":
-                call = lambda: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_idx)  # noqa
+            masked = name.endswith("masked")
+            d = torch.zeros((E, per, N) if masked else (M, N), device=dev, dtype=torch.bfloat16)
+            if name == "bf16 contiguous":
+                call = lambda: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(  # noqa: E731
+                    t(a), t(b), t(d), t(m_idx))
+            elif name == "fp8 contiguous":
+                call = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
+                    (t(qa[0]), t(qa[1])), (t(qb.data), t(qb.scale)), t(d), t(m_idx),
+                    disable_ue8m0_cast=True)
+            elif name == "bf16 masked":
+                call = lambda: deep_gemm.m_grouped_bf16_gemm_nt_masked(  # noqa: E731
+                    t(a3), t(b), t(d), t(counts), per)
             else:
-                qa = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=128)
-                qb = quantize(b, "fp8_w8a8")
-                call = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(  # noqa
-                    qa, (qb.data, qb.scale), d, m_idx, disable_ue8m0_cast=True)
+                q3, s3 = qa[0].view(E, per, K), qa[1].view(E, per, -1)
+                call = lambda: deep_gemm.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
+                    (t(q3), t(s3)), (t(qb.data), t(qb.scale)), t(d), t(counts), per,
+                    disable_ue8m0_cast=True)
             times = []
             for _ in range(2):
                 torch.cuda.synchronize()
@@ -100,10 +169,16 @@ def smoke(work: Path) -> bool:
                 call()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            err = ((d.float() - ref).norm() / ref.norm()).item()
-            print(f"{name} m-grouped contiguous E={E} M={M} N={N} K={K}: first call "
-                  f"{times[0]:.2f} s (JIT), second {times[1] * 1e3:.3f} ms, rel err {err:.2e}")
-            ok &= err < (3e-2 if name == "fp8" else 1e-2)
+            if masked:
+                ref3 = ref.view(E, per, N)
+                valid = torch.arange(per, device=dev).unsqueeze(0) < counts.unsqueeze(1)
+                got, want = d[valid].float(), ref3[valid]
+            else:
+                got, want = d.float(), ref
+            err = ((got - want).norm() / want.norm()).item()
+            print(f"{name} E={E} M={M} N={N} K={K}: first call {times[0]:.2f} s (JIT), second "
+                  f"{times[1] * 1e3:.3f} ms, rel err {err:.2e}")
+            ok &= err < (3e-2 if name.startswith("fp8") else 1e-2)
         except Exception:  # noqa: BLE001
             ok = False
             print(f"{name}: failed:")
@@ -160,30 +235,78 @@ def auto_summary(records, title: str) -> list[str]:
     return lines
 
 
+def job_result(text: str, records, report, bench_path) -> dict:
+    """One job as plain data: per T every backend's ms and time/floor, the fastest, what auto
+    chose and auto / fastest; the geometric means of auto and of each single backend over the
+    batch sizes where all of them were timed."""
+    points: dict[int, dict] = {}
+    for r in records:
+        p = points.setdefault(r.T, {"T": r.T, "ms": {}, "over_floor": {}, "errors": {}})
+        if r.ms is None or r.suspicious:
+            p["errors"][r.backend] = r.error or f"wrong result, rel_err {r.rel_err}"
+            continue
+        p["ms"][r.backend] = r.ms
+        p["over_floor"][r.backend] = r.time_over_floor
+        if r.backend == "auto":
+            p["auto_chose"] = r.chosen
+    for p in points.values():
+        singles = {b: v for b, v in p["ms"].items() if b != "auto"}
+        if singles:
+            p["fastest"] = min(singles, key=singles.get)
+            if "auto" in p["ms"]:
+                p["auto_over_fastest"] = p["ms"]["auto"] / singles[p["fastest"]]
+    ts = [T for T in sorted(points) if "auto" in points[T]["ms"]]
+    names = {b for T in ts for b in points[T]["ms"] if b != "auto"}
+    geo = {b: gmean([points[T]["ms"][b] for T in ts]) for b in names
+           if all(b in points[T]["ms"] for T in ts)}
+    best = min(geo, key=geo.get) if geo else None
+    auto_geo = gmean([points[T]["ms"]["auto"] for T in ts]) if ts else None
+    return {
+        "job": text,
+        "table": str(report.path) if report.path else None,
+        "bench_json": str(bench_path),
+        "excluded": report.excluded,
+        "points": [points[T] for T in sorted(points)],
+        "geomean_ms": {"auto": auto_geo, **geo},
+        "best_single": best,
+        "auto_vs_best_single": (auto_geo / geo[best]) if best and auto_geo else None,
+        "auto_within_5pct": sum(points[T].get("auto_over_fastest", 9) <= 1.05 for T in ts),
+        "points_with_auto": len(ts),
+    }
+
+
 def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) -> bool:
     from moekit import select_table
     from moekit.report import metadata, result_dict, save
     from moekit.select_tune import sweep_spec, tune_select
-    from moekit.sweep import SweepResult, run_sweep
+    from moekit.sweep import SweepResult, all_backends, run_sweep
 
     ok = True
     todo = jobs_of(jobs)
     summary: list[str] = []
+    results: list[dict] = []
     for i, (text, job) in enumerate(todo):
         left = deadline - time.time() - 15
-        budget = left / (len(todo) - i)
-        if budget < 60:
+        # an even share of what is left, at least MIN_JOB_S (jobs usually end early, and the
+        # time they leave goes to the next ones)
+        budget = min(left, max(left / (len(todo) - i), MIN_JOB_S))
+        if budget < MIN_JOB_S:
             line = f"== {text}: NOT RUN, {left:.0f} s left (rerun with GPU_BACKENDS_JOBS='{text}')"
             print(line)
             summary.append(line)
             ok = False
             continue
-        print(f"\n=== sweep {text}: budget {budget:.0f} s", flush=True)
-        started = time.time()
+        print(f"\n=== sweep {text}: about {budget:.0f} s left for it", flush=True)
         try:
+            # every concrete backend but the reference `torch` (never the fastest on a GPU; it
+            # still computes every point's reference output). No per-point time budget: the
+            # sweep estimates a point's cost from its first call, which includes the Triton JIT
+            # compile, and skipped most triton points on the H100 (about 400 s "needed" for
+            # less than 1 s of work); the job deadline and the step's timeout bound the time.
             spec = sweep_spec(job.model, tp_size=job.tp_size, ep_size=job.ep_size, dtype=job.dtype,
                               quantization=job.quantization, batch_sizes=batch_sizes,
-                              routing=job.routing, time_budget_s=budget * 0.7)
+                              routing=job.routing, time_budget_s=None,
+                              backends=tuple(b for b in all_backends() if b != "torch"))
 
             def on_point(backend, T, rec):
                 if rec is not None:
@@ -200,8 +323,7 @@ def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) 
                 raise RuntimeError("no backend could be measured")
             print(f"  table {report.path}: fastest {report.table.crossovers()}")
             select_table.reload()
-            rest = max(budget - (time.time() - started), 20)
-            auto_spec = replace(spec, backends=("auto",), time_budget_s=rest * 0.9)
+            auto_spec = replace(spec, backends=("auto",))
             auto = run_sweep(auto_spec, ceilings=report.result.ceilings, on_point=on_point)
             merged = SweepResult(
                 spec=replace(spec, backends=spec.backends + ("auto",)),
@@ -222,6 +344,8 @@ def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) 
             lines = auto_summary(merged.records, text)
             print("\n".join(lines))
             summary.extend(lines)
+            results.append(job_result(text, merged.records, report, path))
+            write_results(work, summary, results)  # after every job: a timeout keeps the rest
         except Exception:  # noqa: BLE001
             ok = False
             print(f"sweep {text}: failed:")
@@ -231,8 +355,16 @@ def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) 
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    (work / "auto_summary.txt").write_text("\n".join(summary) + "\n")
+    write_results(work, summary, results)
     return ok
+
+
+def write_results(work: Path, summary: list[str], results: list[dict]) -> None:
+    (work / "auto_summary.txt").write_text("\n".join(summary) + "\n")
+    doc = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "git_commit": os.environ.get("MOEKIT_GIT_COMMIT"),
+           "command": "scripts/gpu_backends.sh (sweep step)", "jobs": results}
+    (work / "select_result.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------- explain

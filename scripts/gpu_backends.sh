@@ -4,13 +4,18 @@
 #
 # Steps (GPU_BACKENDS_STEPS, default all, in this order):
 #   env      nvidia-smi, torch/CUDA, `moekit env` (every backend with its availability reason)
-#   tests    pytest of the backend/selection test files, GPU-marked tests included
-#   smoke    DeepGEMM alone: import, JIT time of the first call, error vs torch
-#   sweep    per job: every backend timed over the batch sizes (CUDA-graph replay), the selection
-#            table written (moekit tune --select), then `auto` timed with it; bench JSON + PNG
+#   smoke    DeepGEMM alone: versions, whether its binary reads this torch's tensors (the runner's
+#            probe, both ways of handing them over, tvm-ffi's torch fallback), then its four
+#            grouped GEMMs (bf16/fp8 x contiguous/masked) against torch with JIT time
+#   tests    pytest of the deep_gemm / availability / selection tests, GPU-marked ones included
+#            (GPU_BACKENDS_TESTS to name other files)
+#   sweep    per job: every backend but `torch` timed over the batch sizes (CUDA-graph replay),
+#            the selection table written (moekit tune --select), then `auto` timed with it
 #   explain  what `auto` picks per job and batch size with the new tables, and why
-# Writes under $OUT (3 files come back):
+# Writes under $OUT (4 files come back):
 #   summary.txt            pass/FAIL per step, auto vs fastest per job and T
+#   select_result.json     per job and T: every backend's ms and time/floor, fastest, auto's choice
+#                          and auto/fastest; geomeans of auto and of every single backend
 #   gpu_backends.log       everything the steps printed
 #   gpu_backends.tar.gz    work/: junit_backends.xml, env.txt, explain.txt, auto_summary.txt,
 #                          config/select/*.json (the selection tables: copy them to
@@ -19,19 +24,16 @@
 #
 # Usage (repo root, on the device machine):  OUT=/tmp/out bash scripts/gpu_backends.sh
 # Knobs (environment):
-#   GPU_BACKENDS_DEADLINE=560    seconds the whole script may take (the device tool stops a command
+#   GPU_BACKENDS_DEADLINE=470    seconds the whole script may take (the device tool stops a command
 #                                at 600); the sweep gets what the other steps leave, split over jobs
-#   GPU_BACKENDS_STEPS="env tests smoke sweep explain"
-#   GPU_BACKENDS_JOBS="qwen3-30b-a3b;mixtral-8x7b --tp-size 2"  ';'-separated jobs:
+#   GPU_BACKENDS_STEPS="env smoke tests sweep explain"
+#   GPU_BACKENDS_JOBS="J1;J2"    ';'-separated jobs, default the four presets of the issue in bf16
+#                                (mixtral at TP2, deepseek-v3 at EP8) then qwen3 and deepseek-v3
+#                                in fp8 block-wise; a job is
 #                                preset [--tp-size N] [--ep-size N] [--quantization F] [--dtype D]
-#                                A job needs 1-2 minutes (more on the first DeepGEMM / Triton
-#                                compiles); jobs left without 60 s are reported NOT RUN. The four
-#                                shapes and fp8 of the issue in three calls, for example:
-#     1) GPU_BACKENDS_JOBS="qwen3-30b-a3b"                                  (all steps)
-#     2) GPU_BACKENDS_STEPS="sweep explain" GPU_BACKENDS_JOBS="mixtral-8x7b --tp-size 2;gpt-oss-120b;deepseek-v3 --tp-size 8 --ep-size 8"
-#     3) GPU_BACKENDS_STEPS="sweep explain" GPU_BACKENDS_JOBS="deepseek-v3 --tp-size 8 --ep-size 8 --quantization fp8_w8a8"
+#                                Jobs left without 45 s are reported NOT RUN.
 #   GPU_BACKENDS_BATCH_SIZES=1,4,16,64,256,1024,4096,16384
-#   GPU_BACKENDS_TEST_TIMEOUT=240  seconds for the tests step at most
+#   GPU_BACKENDS_TEST_TIMEOUT=150  seconds for the tests step at most
 # Exit status: 0 when every step passed, 1 otherwise.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -46,12 +48,12 @@ WORK=$(mktemp -d /tmp/moekit_gpu_backends.XXXXXX)/work
 mkdir -p "$WORK"
 export MOEKIT_CONFIG_DIR="$WORK/config" # the sweep's selection tables go here; auto reads them
 START=$(date +%s)
-DEADLINE=${GPU_BACKENDS_DEADLINE:-560}
+DEADLINE=${GPU_BACKENDS_DEADLINE:-470}
 END=$((START + DEADLINE))
-STEPS_TO_RUN=${GPU_BACKENDS_STEPS:-"env tests smoke sweep explain"}
-JOBS=${GPU_BACKENDS_JOBS:-"qwen3-30b-a3b;mixtral-8x7b --tp-size 2"}
+STEPS_TO_RUN=${GPU_BACKENDS_STEPS:-"env smoke tests sweep explain"}
+JOBS=${GPU_BACKENDS_JOBS:-"qwen3-30b-a3b;mixtral-8x7b --tp-size 2;deepseek-v3 --tp-size 8 --ep-size 8;gpt-oss-120b;qwen3-30b-a3b --quantization fp8_w8a8;deepseek-v3 --tp-size 8 --ep-size 8 --quantization fp8_w8a8"}
 BATCH_SIZES=${GPU_BACKENDS_BATCH_SIZES:-1,4,16,64,256,1024,4096,16384}
-TEST_TIMEOUT=${GPU_BACKENDS_TEST_TIMEOUT:-240}
+TEST_TIMEOUT=${GPU_BACKENDS_TEST_TIMEOUT:-150}
 EXPLAIN_RESERVE=25 # seconds kept for explain + packing after the sweep
 declare -a STEPS=()
 
@@ -66,6 +68,7 @@ finish() {
         echo
         cat "$WORK/auto_summary.txt" 2>/dev/null
     } >"$OUT/summary.txt"
+    cp "$WORK/select_result.json" "$OUT/" 2>/dev/null || true
     pack
 }
 trap finish EXIT
@@ -89,11 +92,12 @@ step() {
 
 # Carried wheels (sgl-deep-gemm, apache-tvm-ffi) into /tmp/site; the repo's src/ on the path.
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
+WHL=${GPU_BACKENDS_WHL_DIR:-.whl} # wheels carried to the device (the repo root's .whl/)
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
     if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >>"$LOG" 2>&1; then
-        export PYTHONPATH="/tmp/site:$PYTHONPATH"
-        STEPS+=("pass  install wheels: $(cd .whl && ls *.whl | tr '\n' ' ')")
+        --target /tmp/site "$WHL"/*.whl >>"$LOG" 2>&1; then
+        export PYTHONPATH="$PYTHONPATH:/tmp/site" # this tree's src/ first
+        STEPS+=("pass  install wheels: $(cd "$WHL" && ls *.whl | tr '\n' ' ')")
     else
         STEPS+=("FAIL  install wheels (see the log): deep_gemm will be unavailable")
     fi
@@ -109,7 +113,15 @@ if wants env; then
         $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
         $PY -m moekit.cli.main env | tee "$WORK/env.txt"
     }
-    step env 60 envrun
+    export -f envrun
+    export PY WORK
+    step env 60 bash -c envrun # `timeout` runs programs, not shell functions
+fi
+
+if wants smoke; then
+    t=$(left)
+    [ "$t" -gt 150 ] && t=150
+    step smoke "$t" $PY scripts/gpu_backends.py smoke --work "$WORK"
 fi
 
 if wants tests; then
@@ -117,14 +129,7 @@ if wants tests; then
     [ "$t" -gt "$TEST_TIMEOUT" ] && t=$TEST_TIMEOUT
     step tests "$t" $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs \
         --junitxml="$WORK/junit_backends.xml" \
-        tests/test_cutlass_runner.py tests/test_deep_gemm_runner.py \
-        tests/test_backends_availability.py tests/test_select.py tests/test_metrics.py
-fi
-
-if wants smoke; then
-    t=$(left)
-    [ "$t" -gt 120 ] && t=120
-    step smoke "$t" $PY scripts/gpu_backends.py smoke --work "$WORK"
+        ${GPU_BACKENDS_TESTS:-tests/test_deep_gemm_runner.py tests/test_backends_availability.py tests/test_select.py}
 fi
 
 if wants sweep; then

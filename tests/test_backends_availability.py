@@ -55,17 +55,43 @@ CASES = [
     "backend, platform, ok, words", CASES, ids=[f"{c[0]}-{c[1].device_name}" for c in CASES]
 )
 def test_availability(backend, platform, ok, words, monkeypatch):
-    monkeypatch.setenv("MOEKIT_ENABLE_DEEP_GEMM", "1")  # the rules behind the known failure
+    # the platform's rules alone: the probe of the binary installed here is tested below
+    monkeypatch.setattr(registry.runner_class("deep_gemm"), "probe", lambda: ("torch", None))
     avail = registry.availability(backend, platform)
     assert bool(avail) is ok, avail.reason
     for w in words:
         assert w in avail.reason
 
 
-def test_deep_gemm_is_withheld_with_the_failure_seen_on_the_h100():
+def test_deep_gemm_unavailable_when_its_binary_misreads_tensors(monkeypatch):
+    why = "the installed sgl-deep-gemm 0.2.2 binary misreads this torch 2.11's tensors: dim == 2"
+    monkeypatch.setattr(registry.runner_class("deep_gemm"), "probe", lambda: (None, why))
     avail = registry.availability("deep_gemm", H100_LIBS)
-    assert not avail and "dim == 2 or dim == 3" in avail.reason
-    assert "MOEKIT_ENABLE_DEEP_GEMM=1" in avail.reason
+    assert not avail and avail.reason == why
+    # the platform's rules come first: no GPU / no library says so, not the probe
+    assert "sgl-deep-gemm" in registry.availability("deep_gemm", H100).reason
+
+
+def test_deep_gemm_probe_has_nothing_to_probe_without_gpu_or_package():
+    from moekit.runners import deep_gemm
+
+    if torch.cuda.is_available() and detect().has("sgl-deep-gemm"):
+        pytest.skip("deep_gemm installed on a GPU here: the probe runs (GPU tests)")
+    assert deep_gemm.probe_installed() == (None, None)
+
+
+@pytest.mark.gpu
+def test_deep_gemm_probe_on_this_gpu():
+    """On a GPU with sgl-deep-gemm: the probe either finds a way of handing tensors over that the
+    binary reads correctly, or explains why none works; availability follows it."""
+    from moekit.runners import deep_gemm
+
+    if not torch.cuda.is_available() or not detect().has("sgl-deep-gemm"):
+        pytest.skip("needs a CUDA GPU and sgl-deep-gemm")
+    passing, problem = deep_gemm.probe_installed()
+    assert (passing in deep_gemm.PASSING) != (problem is not None), (passing, problem)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert bool(registry.availability("deep_gemm", detect())) == (problem is None)
 
 
 @pytest.mark.parametrize("platform", [CPU, A100, H100, H100_LIBS, B200, B200_FI, RTX5090],

@@ -346,7 +346,8 @@ def test_auto_never_picks_sm100_only_backends(platform, T):
 
 
 def test_real_rules_for_impossible_choices(monkeypatch):
-    monkeypatch.setenv("MOEKIT_ENABLE_DEEP_GEMM", "1")  # check the shape rules behind it
+    # the platform's rules, not the probe of the binary installed here
+    monkeypatch.setattr(registry.runner_class("deep_gemm"), "probe", lambda: ("torch", None))
     gptoss = workload_for(preset("gpt-oss-120b"), 16)
     assert "multiples of 128" in why_not("deep_gemm", gptoss, H100)
     assert "sgl-deep-gemm" in why_not("deep_gemm", shaped(1), H100_NO_DG)
@@ -499,3 +500,28 @@ def test_tune_cli_select_flag(tmp_path, monkeypatch, capsys):
     assert code == 0, out
     assert "wrote " in out and "fastest: T>=2: " in out
     assert len(list((tmp_path / "x").glob("*.json"))) == 1
+
+
+# ---------------------------------------------------------------------------- shipped tables
+
+
+def test_shipped_tables_are_keyed_like_their_presets_layers_and_drive_auto(fakes):
+    """Every table in moekit/configs/select loads, is keyed exactly as the workload of its
+    preset's layer (rank 0, its TP/EP) looks it up on that device, and makes `auto` pick the
+    fastest measured backend at the nearest measured batch size."""
+    shipped = select_table.load_dir(select_table.shipped_dir())
+    assert shipped, f"no selection tables in {select_table.shipped_dir()}"
+    for t in shipped:
+        meta = t.meta
+        par = ParallelConfig(tp_size=meta["tp_size"], ep_size=meta["ep_size"])
+        plat = Platform("cuda", t.key.device_name, (9, 0), 1,
+                        {k: v for k, v in t.libraries.items() if v is not None})
+        moe = preset(meta["preset"], weight_format=t.key.weight_format)
+        sizes = [p.num_tokens for p in t.points]
+        for T in sorted({*sizes, *(s * 2 + 1 for s in sizes)}):
+            work = workload_for(moe, T, parallel=par)
+            assert key_of(work, plat) == t.key, (t.source, meta)
+            d = select_runner(work, RunnerConfig("auto"), plat, tables=shipped)
+            point = t.nearest(T)
+            assert d.backend == point.ranking[0], (t.source, T, d.reason)
+            assert "same library versions" in d.reason

@@ -34,16 +34,10 @@ MOEKIT_GIT_COMMIT = EnvVar(
     "git commit that results record instead of asking git (a copy of the tree on a GPU box, with or "
     "without .git)",
 )
-MOEKIT_ENABLE_DEEP_GEMM = EnvVar(
-    "MOEKIT_ENABLE_DEEP_GEMM",
-    "0",
-    "1: offer the deep_gemm runner although its calls failed on the H100 (for debugging it)",
-)
 
 ALL: tuple[EnvVar, ...] = (
     MOEKIT_LOG_LEVEL,
     MOEKIT_CONFIG_DIR,
     MOEKIT_DISABLE_TRITON,
     MOEKIT_GIT_COMMIT,
-    MOEKIT_ENABLE_DEEP_GEMM,
 )

@@ -1,5 +1,7 @@
 """The `deep_gemm` runner: DeepGEMM's grouped GEMMs (optional extra `sgl-deep-gemm`, import name
-`deep_gemm`; version 0.2.2 with apache-tvm-ffi 0.1.11 loads under torch 2.11) on SM90.
+`deep_gemm`; version 0.2.2 with apache-tvm-ffi 0.1.11 imports under torch 2.11) on SM90. Whether
+the installed binary reads this torch's tensors is probed once (`probe_installed`); when it does
+not, the backend is unavailable with that reason.
 
 Weights: unquantized bfloat16 (DeepGEMM's bf16 kernels) or fp8_w8a8 with 128x128 block scales and
 per-token-group (1x128) activation scales (DeepSeek-V3's recipe; `moekit.quant.Fp8W8A8` with
@@ -24,8 +26,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from moekit import envs
 
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
@@ -92,13 +92,110 @@ def shape_problem(hidden: int | None, intermediate: int | None) -> str | None:
     return None
 
 
-# Seen on an H100 with sgl-deep-gemm 0.2.2 (commit da3797f, scripts/gpu_check.sh): every bf16
-# grouped GEMM call raised this, so the runner is withheld until it is fixed.
-KNOWN_FAILURE = (
-    "disabled: sgl-deep-gemm 0.2.2 rejected our grouped GEMM calls on an H100 "
-    "(\"Assertion error (layout.hpp:16): dim == 2 or dim == 3\"); set MOEKIT_ENABLE_DEEP_GEMM=1 "
-    "to try it anyway"
+# ---------------------------------------------------------------------------- binary probe
+#
+# sgl-deep-gemm 0.2.2 is a tvm-ffi module whose functions rebuild torch tensors inside the binary
+# (torch::from_blob, then t.dim() / t.stride() inlined from the torch headers it was built with).
+# On the H100 machines (torch 2.11) every GEMM call failed in DeepGEMM's first check of its
+# arguments ("Assertion error (utils/layout.hpp:16): dim == 2 or dim == 3") for plain 2-D/3-D
+# contiguous tensors: the binary misreads this torch's tensors. The probe below asks the binary to
+# read one known tensor (`preprocess_sf` reports the rank and shape it sees, no kernel, no JIT),
+# handing it over two ways: as the torch tensor itself (tvm-ffi converts it with torch's DLPack
+# exchange API) and as a standard `__dlpack__` capsule. The runner uses the first way that reads
+# correctly; when neither does, the backend is unavailable and says so.
+
+PROBE_SHAPE = (256, 4)
+PROBE_TIMEOUT_S = 300
+PASSING = ("torch", "dlpack")  # how tensors are handed to DeepGEMM, tried in this order
+
+
+def _to_dlpack(t: torch.Tensor):
+    """A tvm-ffi tensor sharing `t`'s memory, made from the standard DLPack capsule."""
+    import tvm_ffi
+
+    return tvm_ffi.from_dlpack(t.__dlpack__())
+
+
+def _converter(passing: str):
+    return (lambda t: t) if passing == "torch" else _to_dlpack
+
+
+def _read_back(passing: str) -> str | None:
+    """None when DeepGEMM reads a float32 CUDA tensor of PROBE_SHAPE correctly handed over
+    `passing`, else what went wrong."""
+    sf = torch.ones(PROBE_SHAPE, dtype=torch.float32, device="cuda")
+    try:
+        seen = [int(v) for v in _dg()._C.preprocess_sf(_converter(passing)(sf))]
+    except Exception as err:  # noqa: BLE001 - the binary's assertion is a plain RuntimeError
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+    # preprocess_sf returns (rank, groups, rows, columns, TMA-aligned rows)
+    if seen[:4] != [2, 1, *PROBE_SHAPE]:
+        return f"read a [{PROBE_SHAPE[0]}, {PROBE_SHAPE[1]}] float32 tensor as {seen}"
+    return None
+
+
+def probe_in_process() -> tuple[str | None, str | None]:
+    """(passing, problem) for the DeepGEMM importable here: the first way of handing tensors
+    over (PASSING) that its binary reads correctly, or (None, why not)."""
+    try:
+        dg = _dg()
+    except Exception as err:  # noqa: BLE001
+        return None, f"import deep_gemm failed: {type(err).__name__}: {err}"
+    if not hasattr(getattr(dg, "_C", None), "preprocess_sf"):
+        return PASSING[0], None  # another build: nothing to probe with, call it the usual way
+    problems = []
+    for passing in PASSING:
+        problem = _read_back(passing)
+        if problem is None:
+            return passing, None
+        problems.append(f"handed over as {passing}: {problem}")
+    return None, (
+        f"the installed sgl-deep-gemm {getattr(dg, '__version__', '?')} binary misreads this "
+        f"torch {torch.__version__}'s tensors (built against other torch headers?): "
+        + "; ".join(problems)
+        + "; it needs a sgl-deep-gemm built for this torch"
+    )
+
+
+_PROBE_CHILD = (
+    "import json; from moekit.runners.deep_gemm import probe_in_process as p; "
+    "print('MOEKIT_DEEP_GEMM_PROBE ' + json.dumps(p()))"
 )
+
+
+@functools.lru_cache(maxsize=None)
+def probe_installed() -> tuple[str | None, str | None]:
+    """probe_in_process() run once in a child process (a binary that misreads tensors may crash
+    instead of raising). (None, None) when there is nothing to probe here (no CUDA GPU in this
+    process or deep_gemm not importable): availability then follows the platform's rules."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("deep_gemm") is None:
+        return None, None
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE_CHILD], env=env, capture_output=True,
+                           text=True, timeout=PROBE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"the probe of the installed deep_gemm took over {PROBE_TIMEOUT_S} s"
+    for line in r.stdout.splitlines():
+        if line.startswith("MOEKIT_DEEP_GEMM_PROBE "):
+            passing, problem = json.loads(line.split(" ", 1)[1])
+            return passing, problem
+    tail = " ".join((r.stderr or r.stdout).strip().splitlines()[-3:])[-300:]
+    return None, f"the probe of the installed deep_gemm failed (exit {r.returncode}): {tail}"
+
+
+def _pass():
+    """The tensor converter for DeepGEMM calls (see probe_installed)."""
+    passing, problem = probe_installed()
+    if problem is not None:
+        raise RunnerError(f"runner 'deep_gemm': {problem}")
+    return _converter(passing or PASSING[0])
 
 
 @register
@@ -116,6 +213,9 @@ class DeepGemmRunner(Runner):
         bias=True,
         cuda_graph=True,
     )
+
+    # (passing, problem) of the installed binary; a class attribute so tests can inject it
+    probe = staticmethod(probe_installed)
 
     def __init__(self, *, expected_m: int | None = None) -> None:
         """expected_m: DeepGEMM's hint of the typical rows per expert in the masked layout
@@ -137,8 +237,9 @@ class DeepGemmRunner(Runner):
                 False,
                 f"needs {LIBRARY} (import deep_gemm), which is not importable ({INSTALL_HINT})",
             )
-        if not envs.MOEKIT_ENABLE_DEEP_GEMM.get_bool():
-            return Availability(False, KNOWN_FAILURE)
+        _, problem = cls.probe()
+        if problem is not None:
+            return Availability(False, problem)
         return Availability(True)
 
     @classmethod
@@ -180,30 +281,35 @@ class DeepGemmRunner(Runner):
         return quantize_act(a_MK, "token_group", torch.float8_e4m3fn, group_size=ACT_GROUP)
 
     def _gemm_contiguous(self, a, w, scale, m_indices, fp8: bool) -> torch.Tensor:
-        """a [M, K] x w [E, N, K]^T per m_indices -> [M, N] bf16."""
-        dg = _dg()
+        """a [M, K] bf16 x w [E, N, K]^T, row m with expert m_indices[m] (int32, -1 = padding)
+        -> [M, N] bf16. fp8: w float8_e4m3fn with float32 scales [E, N/128, K/128]; a is
+        quantized per token and 128 columns (float32 scales [M, K/128], which DeepGEMM turns into
+        its TMA-aligned MN-major layout itself on SM90)."""
+        dg, t = _dg(), _pass()
         d = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
         if fp8:
+            q, s = self._quant(a)
             dg.m_grouped_fp8_gemm_nt_contiguous(
-                self._quant(a), (w, scale), d, m_indices, disable_ue8m0_cast=True
+                (t(q), t(s)), (t(w), t(scale)), t(d), t(m_indices), disable_ue8m0_cast=True
             )
         else:
-            dg.m_grouped_bf16_gemm_nt_contiguous(a, w, d, m_indices)
+            dg.m_grouped_bf16_gemm_nt_contiguous(t(a), t(w), t(d), t(m_indices))
         return d
 
     def _gemm_masked(self, a, w, scale, counts, expected_m: int, fp8: bool) -> torch.Tensor:
-        """a [E, C, K] x w [E, N, K]^T, rows < counts -> [E, C, N] bf16."""
-        dg = _dg()
+        """a [E, C, K] bf16 x w [E, N, K]^T, rows < counts[e] (int32) -> [E, C, N] bf16 (rows
+        past the counts undefined)."""
+        dg, t = _dg(), _pass()
         E, C, K = a.shape
         d = torch.empty(E, C, w.shape[1], dtype=torch.bfloat16, device=a.device)
         if fp8:
             q, s = self._quant(a.reshape(E * C, K))
             dg.m_grouped_fp8_gemm_nt_masked(
-                (q.view(E, C, K), s.view(E, C, -1)), (w, scale), d, counts, expected_m,
-                disable_ue8m0_cast=True,
+                (t(q.view(E, C, K)), t(s.view(E, C, -1))), (t(w), t(scale)), t(d), t(counts),
+                expected_m, disable_ue8m0_cast=True,
             )
         else:
-            dg.m_grouped_bf16_gemm_nt_masked(a, w, d, counts, expected_m)
+            dg.m_grouped_bf16_gemm_nt_masked(t(a), t(w), t(d), t(counts), expected_m)
         return d
 
     # ------------------------------------------------------------------ formats
