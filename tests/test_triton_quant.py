@@ -243,7 +243,15 @@ def test_quant_config_fallback_and_clamp():
     fp8 = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev",
                              "fp8_w8a8-block128x128-token_group")  # fmt: skip
     int4 = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev", "int4_w4a16-g32-sym")
-    assert fp8.block_k == min(2 * base.block_k, 256)
+    # group scales: one group per K step, and half the accumulator area (partial products)
+    assert fp8.block_k == 128 and fp8.block_m * 2 * fp8.block_n <= 64 * 128 * fp8.num_warps // 4
+    fp8c = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev",
+                              "fp8_w8a8-channel-token")  # fmt: skip
+    assert fp8c.block_k == min(2 * base.block_k, 256)
+    big = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8)
+    tag = "fp8_w8a8-block128x128-token_group"
+    assert configs.adapt_config(big, tag, "gate_up").block_n == 64
+    assert configs.adapt_config(big, tag, "down").block_n == 128
     assert int4.block_m == base.block_m and not int4.tma
     spec, H, I = FORMATS["fp8-block"]
     wq = ops.WeightQuant(make_experts(spec, 2, H, I), "w13")

@@ -11,9 +11,9 @@ Three groups of kernels:
     the routing weight, then either a store per pair or an atomic add per token);
   * sum over the K experts of each token (`_sum_topk_kernel`), when the down GEMM stored pairs.
 
-The GEMM main loops load the weight tiles through `_w_tile`, the one place a quantized weight
-format is dequantized (constexpr QUANT): weight-only formats (int8_w8a16, int4_w4a16, mxfp4,
-nvfp4) unpack and scale the tile to the activation dtype in registers before a bf16/fp16 dot;
+The GEMM main loops read quantized weights in two places (constexpr QUANT): `_w_tile` for the
+unpacked formats and `_packed_mma` for the packed ones (int4_w4a16, mxfp4, nvfp4), which
+dequantize the tile to the activation dtype in registers before a bf16/fp16 dot;
 the w8a8 formats (fp8, int8) multiply the stored values directly (fp8 / int8 tensor-core dot on
 pre-quantized activations) and apply the activation x weight scales per K step (block-wise /
 token-group scales) or once in the epilogue (per-tensor / per-row scales).
@@ -236,74 +236,96 @@ def _load_w_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """uint8 e2m1 codes 0..15 -> float32 (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives), built from
-    the bits: exponent e = bits 2..1, mantissa m = bit 0, sign = bit 3."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = c & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
-    bits = bits | ((c >> 3) << 31)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_to_f32(code):
-    """uint8 e8m0 codes -> float32 2 ** (code - 127) (code 0: the subnormal 2 ** -127)."""
-    c = code.to(tl.int32)
-    bits = tl.where(c == 0, 0x00400000, c << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _w_tile(
-    ptrs, s_base, z_base, gscale, k0, k_left, n_groups,
-    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    SG: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Weight tile [BLOCK_K, rows] (K along dim 0) as a dot operand, from pointers `ptrs` to the
-    stored data at column k0 ([BLOCK_K, rows]; packed formats: [BLOCK_K / 2, rows] bytes).
-
-    Q_NONE / Q_W8A8: the stored values. Q_W8A16: int8 * scale[n]. Packed formats: the two
-    nibbles of each byte are elements 2j (low) and 2j + 1 (high) along K, then per group of
-    GROUP columns: int4 (q - zero) * scale (zero 8 when symmetric), mxfp4 e2m1 * 2^(e8m0 - 127),
-    nvfp4 e2m1 * (e4m3 scale * global scale gscale). s_base / z_base [rows]: pointers to the
-    first group's scale / zero point of each row (groups along K are contiguous); SG scale
-    groups per tile. Dequantized in float32 (as `moekit.quant.dequantize`), then cast to
-    DOT_DTYPE: bit-identical to the reference's dequantized weights."""
-    if QUANT == 0 or QUANT == 1:
-        w = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
-    elif QUANT == 2:
+    """Weight tile [BLOCK_K, rows] (K along dim 0) of an unpacked format as a dot operand, from
+    pointers `ptrs` to the stored data ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values;
+    Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
+    and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
+    if QUANT == 2:
         q = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
         w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
     else:
-        PK: tl.constexpr = BLOCK_K // 2
-        ROWS: tl.constexpr = ptrs.shape[1]
-        GS: tl.constexpr = BLOCK_K // SG
-        if EVEN_K:
-            q = tl.load(ptrs)
-        else:
-            q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
-        v = tl.reshape(tl.permute(tl.join(q & 15, q >> 4), (0, 2, 1)), [BLOCK_K, ROWS])
-        gi = k0 // GROUP + tl.arange(0, SG)
-        s_mask = gi[:, None] < n_groups
-        s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
-        if QUANT == 3:
-            s = s.to(tl.float32)
-            vf = tl.reshape(v.to(tl.float32), [SG, GS, ROWS])
-            if HAS_ZERO:
-                z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0)
-                vf = vf - z.to(tl.float32)[:, None, :]
-            else:
-                vf = vf - 8.0
-        else:
-            if QUANT == 4:
-                s = _e8m0_to_f32(s)
-            else:
-                s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
-            vf = tl.reshape(_e2m1_to_f32(v), [SG, GS, ROWS])
-        w = tl.reshape(vf * s[:, None, :], [BLOCK_K, ROWS]).to(DOT_DTYPE)
+        w = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
     return w
+
+
+@triton.jit
+def _dequant_nibbles(
+    c, s, z, QUANT: tl.constexpr, SG: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Nibble codes c [PK, rows] (int32 0..15: one nibble of each packed byte, so every element
+    along dim 0 is 2 K columns apart) -> weights [PK, rows] in DOT_DTYPE. s [SG, rows]: the
+    float32 multiplier of each scale group (the PK rows hold SG groups in order); z [SG, rows]
+    (int4 only): 8388608 + zero point, as float32.
+
+    int4: bitcast(0x4B000000 | c) is 2^23 + c exactly, so one subtraction gives c - zero.
+    e2m1 (sign bit 3, exponent bits 2..1, mantissa bit 0): the bits placed into a float16 at
+    exponent/mantissa bits 11..9 and sign bit 15 read as e2m1 * 2^-14 for every code (codes 0
+    and 1 land on float16 subnormals, which float16 arithmetic keeps), and * 2^14 in float16
+    is exact. The product with the scale is one float32 rounding, then one rounding to
+    DOT_DTYPE: bit-identical to `moekit.quant.dequantize` followed by the cast."""
+    PK: tl.constexpr = c.shape[0]
+    ROWS: tl.constexpr = c.shape[1]
+    if QUANT == 3:
+        v = (c | 0x4B000000).to(tl.float32, bitcast=True)
+        vf = tl.reshape(v, [SG, PK // SG, ROWS]) - z[:, None, :]
+    else:
+        bits = ((c & 7) << 9) | ((c & 8) << 12)
+        h = bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+        vf = tl.reshape(h.to(tl.float32), [SG, PK // SG, ROWS])
+    return tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
+
+
+@triton.jit
+def _packed_mma(
+    a, ptrs, s_base, z_base, gscale, k0, k_left, n_groups, acc,
+    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    SG: tl.constexpr, HAS_ZERO: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
+    nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows], column k0 of the logical weight).
+
+    Byte j of a row holds elements 2j (low nibble) and 2j + 1 (high nibble) along K. The dot
+    is a sum over K, so it is split by parity instead of interleaving the nibbles in registers:
+    a's even columns times the low nibbles plus a's odd columns times the high nibbles.
+    s_base / z_base [rows]: pointers to the first scale group / zero point of each row (groups
+    along K contiguous); SG scale groups of GROUP columns per step; gscale: nvfp4's global
+    scale. Scales: int4 (q - zero) * scale (zero 8 when symmetric), mxfp4 e2m1 *
+    2^(e8m0 - 127), nvfp4 e2m1 * (e4m3 scale * gscale)."""
+    PK: tl.constexpr = BLOCK_K // 2
+    BM: tl.constexpr = a.shape[0]
+    if EVEN_K:
+        q = tl.load(ptrs)
+    else:
+        q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
+    gi = k0 // GROUP + tl.arange(0, SG)
+    s_mask = gi[:, None] < n_groups
+    s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
+    z = s  # unused unless int4
+    if QUANT == 3:
+        s = s.to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0).to(tl.float32)
+            z = z + 8388608.0
+        else:
+            z = tl.full([SG, s.shape[1]], 8388616.0, tl.float32)
+    elif QUANT == 4:
+        c = s.to(tl.int32)
+        s = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
+    else:
+        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
+    q = q.to(tl.int32)
+    DOT_DTYPE: tl.constexpr = a.dtype
+    w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, DOT_DTYPE)
+    w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, DOT_DTYPE)
+    a_lo, a_hi = tl.split(tl.reshape(a, [BM, PK, 2]))
+    acc = _mma(a_lo, w_lo, acc, SWAP_AB, DOT_PRECISION)
+    acc = _mma(a_hi, w_hi, acc, SWAP_AB, DOT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -588,18 +610,23 @@ def _gate_up_kernel(
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if USE_TMA:
-                b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+            if PACK == 2:
+                acc = _packed_mma(a, w_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left,
+                                  n_groups, acc, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO,
+                                  SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
-                b = _w_tile(w_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                            QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                if USE_TMA:
+                    b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+                else:
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                if QUANT == 1:
+                    kg = ki * BLOCK_K // GROUP
+                    acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT,
+                                     SWAP_AB)  # fmt: skip
+                else:
+                    acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+            if not USE_TMA:
                 w_ptrs += BLOCK_K // PACK
-            if QUANT == 1:
-                kg = ki * BLOCK_K // GROUP
-                acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT,
-                                 SWAP_AB)  # fmt: skip
-            else:
-                acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
             a_ptrs += BLOCK_K
         acc = _unswap(acc, SWAP_AB)
         if QUANT == 1:
@@ -622,25 +649,32 @@ def _gate_up_kernel(
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if USE_TMA:
-                bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
-                bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+            if PACK == 2:
+                acc_g = _packed_mma(a, g_ptrs, sg_base, zg_base, gscale, ki * BLOCK_K, k_left,
+                                    n_groups, acc_g, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO,
+                                    SWAP_AB, DOT_PRECISION)  # fmt: skip
+                acc_u = _packed_mma(a, u_ptrs, su_base, zu_base, gscale, ki * BLOCK_K, k_left,
+                                    n_groups, acc_u, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO,
+                                    SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
-                bg = _w_tile(g_ptrs, sg_base, zg_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                             QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
-                bu = _w_tile(u_ptrs, su_base, zu_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                             QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                if USE_TMA:
+                    bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                    bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+                else:
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                if QUANT == 1:
+                    kg = ki * BLOCK_K // GROUP
+                    acc_g = _w8a8_step(a, bg, acc_g, a_s_base, sg_base, kg, ASCALE, WSCALE,
+                                       INT_DOT, SWAP_AB)  # fmt: skip
+                    acc_u = _w8a8_step(a, bu, acc_u, a_s_base, su_base, kg, ASCALE, WSCALE,
+                                       INT_DOT, SWAP_AB)  # fmt: skip
+                else:
+                    acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
+                    acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
+            if not USE_TMA:
                 g_ptrs += BLOCK_K // PACK
                 u_ptrs += BLOCK_K // PACK
-            if QUANT == 1:
-                kg = ki * BLOCK_K // GROUP
-                acc_g = _w8a8_step(a, bg, acc_g, a_s_base, sg_base, kg, ASCALE, WSCALE, INT_DOT,
-                                   SWAP_AB)  # fmt: skip
-                acc_u = _w8a8_step(a, bu, acc_u, a_s_base, su_base, kg, ASCALE, WSCALE, INT_DOT,
-                                   SWAP_AB)  # fmt: skip
-            else:
-                acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
-                acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
             a_ptrs += BLOCK_K
         acc_g = _unswap(acc_g, SWAP_AB)
         acc_u = _unswap(acc_u, SWAP_AB)
@@ -769,15 +803,20 @@ def _down_kernel(
             b = _desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            b = _w_tile(b_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                        QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K // PACK
-        if QUANT == 1:
+            if PACK == 1:
+                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+        if PACK == 2:
+            acc = _packed_mma(a, b_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
+                              acc, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, SWAP_AB,
+                              DOT_PRECISION)  # fmt: skip
+        elif QUANT == 1:
             kg = ki * BLOCK_K // GROUP
             acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT, SWAP_AB)
         else:
             acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+        if not USE_TMA:
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // PACK
     acc = _unswap(acc, SWAP_AB)
     if QUANT == 1:
         acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)

@@ -487,8 +487,8 @@ def masked_configs(capacity: int, w: ExpertWeights) -> tuple[GemmConfig, GemmCon
     H, I = w.hidden_size, w.intermediate_size
     quant = quant_tag(w.spec)
     return (
-        adapt_config(default_config("gate_up", capacity, 2 * I, H), quant),
-        adapt_config(default_config("down", capacity, H, I), quant),
+        adapt_config(default_config("gate_up", capacity, 2 * I, H), quant, "gate_up"),
+        adapt_config(default_config("down", capacity, H, I), quant, "down"),
     )
 
 
