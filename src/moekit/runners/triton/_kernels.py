@@ -280,44 +280,77 @@ def _dequant_nibbles(
 
 
 @triton.jit
+def _step_scales(
+    s_base, z_base, a_s_base, gscale, ki, K,
+    QUANT: tl.constexpr, ASCALE: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr,
+    SG: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The scales K step ki multiplies by, as float32; loaded one step ahead by the main loops
+    (a global load that the pipeliner leaves synchronous would stall every step).
+
+    Packed formats (int4_w4a16, mxfp4, nvfp4): (s [SG, rows], z [SG, rows]): s the weight
+    multiplier of each of the step's SG groups (int4 scale, mxfp4 2^(e8m0 - 127), nvfp4 e4m3 *
+    gscale); z (int4) 2^23 + zero point (8 when symmetric). s_base / z_base [rows]: pointers
+    to each row's first group (groups along K contiguous, K // GROUP of them).
+    w8a8 with a per-group scale (ASCALE or WSCALE == S_GROUP): (a_s [BM], w_s [rows]) of K
+    group ki * BLOCK_K // GROUP (1 for the one that is not per group). Otherwise (0, 0)."""
+    if QUANT >= 3:
+        gi = ki * BLOCK_K // GROUP + tl.arange(0, SG)
+        s_mask = gi[:, None] < K // GROUP
+        s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
+        if QUANT == 3:
+            s = s.to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0).to(tl.float32)
+                z = z + 8388608.0
+            else:
+                z = s * 0.0 + 8388616.0
+        elif QUANT == 4:
+            c = s.to(tl.int32)
+            s = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
+            z = s
+        else:
+            s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
+            z = s
+        r1, r2 = s, z
+    elif QUANT == 1 and (ASCALE == 2 or WSCALE == 2):
+        kg = ki * BLOCK_K // GROUP
+        ok = kg < tl.cdiv(K, GROUP)
+        if ASCALE == 2:
+            a_s = tl.load(a_s_base + kg, mask=ok, other=1.0)
+        else:
+            a_s = tl.full(a_s_base.shape, 1.0, tl.float32)
+        if WSCALE == 2:
+            w_s = tl.load(s_base + kg, mask=ok, other=1.0)
+        else:
+            w_s = tl.full(s_base.shape, 1.0, tl.float32)
+        r1, r2 = a_s, w_s
+    else:
+        r1, r2 = 0.0, 0.0
+    return r1, r2
+
+
+@triton.jit
 def _packed_mma(
-    a, ptrs, s_base, z_base, gscale, k0, k_left, n_groups, acc,
-    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    SG: tl.constexpr, HAS_ZERO: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    a, ptrs, s, z, k_left, acc,
+    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr,
+    SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
-    nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows], column k0 of the logical weight).
+    nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows]); s, z: this step's scales
+    (`_step_scales`).
 
     Byte j of a row holds elements 2j (low nibble) and 2j + 1 (high nibble) along K. The dot
     is a sum over K, so it is split by parity instead of interleaving the nibbles in registers:
     a's even columns times the low nibbles plus a's odd columns times the high nibbles.
-    s_base / z_base [rows]: pointers to the first scale group / zero point of each row (groups
-    along K contiguous); SG scale groups of GROUP columns per step; gscale: nvfp4's global
-    scale. Scales: int4 (q - zero) * scale (zero 8 when symmetric), mxfp4 e2m1 *
-    2^(e8m0 - 127), nvfp4 e2m1 * (e4m3 scale * gscale)."""
+    Weights: int4 (q - zero) * scale, mxfp4 e2m1 * 2^(e8m0 - 127), nvfp4 e2m1 * (e4m3 scale *
+    global scale)."""
     PK: tl.constexpr = BLOCK_K // 2
     BM: tl.constexpr = a.shape[0]
     if EVEN_K:
         q = tl.load(ptrs)
     else:
         q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
-    gi = k0 // GROUP + tl.arange(0, SG)
-    s_mask = gi[:, None] < n_groups
-    s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
-    z = s  # unused unless int4
-    if QUANT == 3:
-        s = s.to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0).to(tl.float32)
-            z = z + 8388608.0
-        else:
-            z = tl.full([SG, s.shape[1]], 8388616.0, tl.float32)
-    elif QUANT == 4:
-        c = s.to(tl.int32)
-        s = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
-    else:
-        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
     q = q.to(tl.int32)
     DOT_DTYPE: tl.constexpr = a.dtype
     w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, DOT_DTYPE)
@@ -330,13 +363,14 @@ def _packed_mma(
 
 @triton.jit
 def _w8a8_step(
-    a, b, acc, a_s_base, w_s_base, kg,
+    a, b, acc, a_s, w_s,
     ASCALE: tl.constexpr, WSCALE: tl.constexpr, INT_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """One K step of a w8a8 GEMM: acc (float32, [BM, cols] or transposed when SWAP_AB) +=
-    a @ b, times the activation scale [BM] x weight scale [cols] of K group kg where either is
-    per group (scales that do not change along K are applied in the epilogue, `_w8a8_scale`).
-    fp8 operands accumulate in the MMA; int8 ones in int32 per step (exact)."""
+    a @ b, times the activation scale a_s [BM] x weight scale w_s [cols] of the step's K group
+    where either is per group (`_step_scales`; scales that do not change along K are applied
+    in the epilogue, `_w8a8_scale`). fp8 operands accumulate in the MMA; int8 ones in int32
+    per step (exact)."""
     STEP: tl.constexpr = ASCALE == 2 or WSCALE == 2
     if (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
@@ -352,14 +386,6 @@ def _w8a8_step(
             else:
                 part = tl.dot(a, b)
         if STEP:
-            if ASCALE == 2:
-                a_s = tl.load(a_s_base + kg)
-            else:
-                a_s = tl.full(a_s_base.shape, 1.0, tl.float32)
-            if WSCALE == 2:
-                w_s = tl.load(w_s_base + kg)
-            else:
-                w_s = tl.full(w_s_base.shape, 1.0, tl.float32)
             if SWAP_AB:
                 part = part * (w_s[:, None] * a_s[None, :])
             else:
@@ -594,7 +620,6 @@ def _gate_up_kernel(
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
     a_s_base = xs_ptr + a_rows * stride_xs
-    n_groups = K // GROUP
     if QUANT == 5:
         gscale = tl.load(wg_ptr + expert)
     else:
@@ -607,12 +632,15 @@ def _gate_up_kernel(
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
+        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                                GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
-                acc = _packed_mma(a, w_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left,
-                                  n_groups, acc, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO,
+                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                                   SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
                 if USE_TMA:
@@ -620,14 +648,13 @@ def _gate_up_kernel(
                 else:
                     b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 if QUANT == 1:
-                    kg = ki * BLOCK_K // GROUP
-                    acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT,
-                                     SWAP_AB)  # fmt: skip
+                    acc = _w8a8_step(a, b, acc, sc1, sc2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
                 else:
                     acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
             if not USE_TMA:
                 w_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
+            sc1, sc2 = nx1, nx2
         acc = _unswap(acc, SWAP_AB)
         if QUANT == 1:
             acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
@@ -646,15 +673,21 @@ def _gate_up_kernel(
         zu_base = wz_e + (N + n_rows) * stride_wsn
         acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+            nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
-                acc_g = _packed_mma(a, g_ptrs, sg_base, zg_base, gscale, ki * BLOCK_K, k_left,
-                                    n_groups, acc_g, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO,
+                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K, SG,
                                     SWAP_AB, DOT_PRECISION)  # fmt: skip
-                acc_u = _packed_mma(a, u_ptrs, su_base, zu_base, gscale, ki * BLOCK_K, k_left,
-                                    n_groups, acc_u, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO,
+                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K, SG,
                                     SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
                 if USE_TMA:
@@ -664,11 +697,8 @@ def _gate_up_kernel(
                     bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                     bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 if QUANT == 1:
-                    kg = ki * BLOCK_K // GROUP
-                    acc_g = _w8a8_step(a, bg, acc_g, a_s_base, sg_base, kg, ASCALE, WSCALE,
-                                       INT_DOT, SWAP_AB)  # fmt: skip
-                    acc_u = _w8a8_step(a, bu, acc_u, a_s_base, su_base, kg, ASCALE, WSCALE,
-                                       INT_DOT, SWAP_AB)  # fmt: skip
+                    acc_g = _w8a8_step(a, bg, acc_g, g1, g2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                    acc_u = _w8a8_step(a, bu, acc_u, u1, u2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
                 else:
                     acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
                     acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
@@ -676,6 +706,7 @@ def _gate_up_kernel(
                 g_ptrs += BLOCK_K // PACK
                 u_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
+            g1, g2, u1, u2 = ng1, ng2, nu1, nu2
         acc_g = _unswap(acc_g, SWAP_AB)
         acc_u = _unswap(acc_u, SWAP_AB)
         if QUANT == 1:
@@ -789,14 +820,17 @@ def _down_kernel(
     s_base = ws_e + (offs_n // WROWS) * stride_wsn
     z_base = wz_ptr + expert.to(tl.int64) * stride_wse + offs_n * stride_wsn
     a_s_base = xs_ptr + slot * stride_xs
-    n_groups = K // GROUP
     if QUANT == 5:
         gscale = tl.load(wg_ptr + expert)
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                            GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
     for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
         k_left = K - ki * BLOCK_K
         if USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
@@ -806,17 +840,16 @@ def _down_kernel(
             if PACK == 1:
                 b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:
-            acc = _packed_mma(a, b_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                              acc, QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, SWAP_AB,
-                              DOT_PRECISION)  # fmt: skip
+            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
+                              SWAP_AB, DOT_PRECISION)  # fmt: skip
         elif QUANT == 1:
-            kg = ki * BLOCK_K // GROUP
-            acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+            acc = _w8a8_step(a, b, acc, sc1, sc2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
         else:
             acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
         if not USE_TMA:
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // PACK
+        sc1, sc2 = nx1, nx2
     acc = _unswap(acc, SWAP_AB)
     if QUANT == 1:
         acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
