@@ -335,6 +335,25 @@ def test_cuda_graph_gpu(fmt):
     assert rel_err(out, ref) < tol(spec, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,tp,ep", [("qwen3-30b-a3b", 1, 1), ("deepseek-v3", 8, 8)])
+def test_fused_act_quant_bit_identical_gpu(model, tp, ep, monkeypatch):
+    """T = 1 (direct rows): fp8 token-group activations quantized inside the GEMMs give the same
+    bits as the separate `quantize_act` kernels."""
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for(model, tp, ep)
+    torch.manual_seed(0)
+    w = quantize_experts(random_weights(shape, "cuda"), Fp8W8A8("block"))
+    x = torch.randn(1, shape.hidden, device="cuda", dtype=torch.bfloat16) * 3
+    topk = make_topk(1, shape.top_k, shape.num_experts, device="cuda")
+    cfgs = tuple(replace(c, block_k=128) for c in ops.configs_for(1, shape.top_k, w, x.dtype, x.device))
+    fused = ops.fused_moe(x, topk, w, shape.act, configs=cfgs)
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, fuse_act_quant=False))
+    separate = ops.fused_moe(x, topk, w, shape.act, configs=cfgs)
+    assert torch.equal(fused, separate)
+
+
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run")
 def test_tiny_tune_quantized(tmp_path):
     """`moekit tune --quantization`: tables keyed by the format, found by the runner's lookup."""

@@ -32,7 +32,10 @@ Q_NONE, Q_W8A8, Q_W8A16, Q_INT4, Q_MXFP4, Q_NVFP4 = 0, 1, 2, 3, 4, 5
 # Scale granularity of the w8a8 formats (constexpr WSCALE for weights, ASCALE for activations):
 # one value (per expert / per call), one per row (weight row n / activation row), or one per
 # row (block of WROWS weight rows) and group of GROUP columns of K.
-S_TENSOR, S_ROW, S_GROUP = 0, 1, 2
+# S_GROUP_FUSED (activations only): per group of GROUP = BLOCK_K columns, the group scale and the
+# fp8 values computed inside the GEMM from the bf16/fp16 input tile (`_quant_a_tile`), so that
+# no separate quantization kernel runs (tiny batches).
+S_TENSOR, S_ROW, S_GROUP, S_GROUP_FUSED = 0, 1, 2, 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +283,19 @@ def _dequant_nibbles(
 
 
 @triton.jit
+def _quant_a_tile(a):
+    """An activation tile a [BM, BLOCK_K] (one group of BLOCK_K columns per row) -> (fp8 e4m3
+    [BM, BLOCK_K], scale float32 [BM]), with the arithmetic of `moekit.quant.quantize_act`
+    'token_group' (bit-identical on a GPU): s = max(amax |a|, 1e-10) / 448, q = a / s clamped
+    to +-448 and rounded to e4m3."""
+    af = a.to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10), 448.0)
+    y = tl.div_rn(af, s[:, None])
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return y.to(tl.float8e4nv), s
+
+
+@triton.jit
 def _step_scales(
     s_base, z_base, a_s_base, gscale, ki, K,
     QUANT: tl.constexpr, ASCALE: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr,
@@ -313,7 +329,7 @@ def _step_scales(
             s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
             z = s
         r1, r2 = s, z
-    elif QUANT == 1 and (ASCALE == 2 or WSCALE == 2):
+    elif QUANT == 1 and (ASCALE >= 2 or WSCALE == 2):
         kg = ki * BLOCK_K // GROUP
         ok = kg < tl.cdiv(K, GROUP)
         if ASCALE == 2:
@@ -371,7 +387,7 @@ def _w8a8_step(
     where either is per group (`_step_scales`; scales that do not change along K are applied
     in the epilogue, `_w8a8_scale`). fp8 operands accumulate in the MMA; int8 ones in int32
     per step (exact)."""
-    STEP: tl.constexpr = ASCALE == 2 or WSCALE == 2
+    STEP: tl.constexpr = ASCALE >= 2 or WSCALE == 2
     if (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
     else:
@@ -398,7 +414,7 @@ def _w8a8_step(
 def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.constexpr):
     """Epilogue of a w8a8 GEMM: acc [BM, cols] times the scales that do not change along K
     (activation per tensor / row: a_s_base [BM]; weight per tensor / row: w_s_base [cols])."""
-    if ASCALE != 2:
+    if ASCALE < 2:
         acc = acc * tl.load(a_s_base)[:, None]
     if WSCALE != 2:
         acc = acc * tl.load(w_s_base)[None, :]
@@ -639,6 +655,8 @@ def _gate_up_kernel(
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if ASCALE == 3:
+                a, sc1 = _quant_a_tile(a)
             if PACK == 2:
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                                   SWAP_AB, DOT_PRECISION)  # fmt: skip
@@ -684,6 +702,9 @@ def _gate_up_kernel(
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if ASCALE == 3:
+                a, g1 = _quant_a_tile(a)
+                u1 = g1
             if PACK == 2:
                 acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K, SG,
                                     SWAP_AB, DOT_PRECISION)  # fmt: skip
@@ -839,6 +860,8 @@ def _down_kernel(
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 1:
                 b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+        if ASCALE == 3:
+            a, sc1 = _quant_a_tile(a)
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                               SWAP_AB, DOT_PRECISION)  # fmt: skip

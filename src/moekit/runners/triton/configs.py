@@ -88,9 +88,11 @@ class GemmConfig:
 class PipelineConfig:
     """Choices above the GEMM configs. direct_max_tokens: batches of at most this many tokens
     skip the alignment (one pair per row block; weights of an expert picked twice are read
-    twice)."""
+    twice). fuse_act_quant: with direct rows, fp8 per-token-group activations are quantized
+    inside the GEMMs (no separate quantization launches)."""
 
     direct_max_tokens: int = 1
+    fuse_act_quant: bool = True
 
 
 PIPELINE = PipelineConfig()
