@@ -257,29 +257,55 @@ def _w_tile(
 
 @triton.jit
 def _dequant_nibbles(
-    c, s, z, QUANT: tl.constexpr, SG: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    c, s, z, QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Nibble codes c [PK, rows] (int32 0..15: one nibble of each packed byte, so every element
     along dim 0 is 2 K columns apart) -> weights [PK, rows] in DOT_DTYPE. s [SG, rows]: the
     float32 multiplier of each scale group (the PK rows hold SG groups in order); z [SG, rows]
-    (int4 only): 8388608 + zero point, as float32.
+    (int4 only): the zero point (8 when symmetric), as float32. Every path is bit-identical to
+    `moekit.quant.dequantize` followed by the cast to DOT_DTYPE (one rounding of the exact
+    product value * scale):
 
-    int4: bitcast(0x4B000000 | c) is 2^23 + c exactly, so one subtraction gives c - zero.
-    e2m1 (sign bit 3, exponent bits 2..1, mantissa bit 0): the bits placed into a float16 at
-    exponent/mantissa bits 11..9 and sign bit 15 read as e2m1 * 2^-14 for every code (codes 0
-    and 1 land on float16 subnormals, which float16 arithmetic keeps), and * 2^14 in float16
-    is exact. The product with the scale is one float32 rounding, then one rounding to
-    DOT_DTYPE: bit-identical to `moekit.quant.dequantize` followed by the cast."""
+    float32 (HALF False): int4: bitcast(0x4B000000 | c) is 2^23 + c exactly, so one
+    subtraction of 2^23 + zero gives c - zero. e2m1 (sign bit 3, exponent bits 2..1, mantissa
+    bit 0): the bits placed into a float16 at bits 11..9 and sign bit 15 read as e2m1 * 2^-14
+    for every code (codes 0 and 1 land on float16 subnormals, which float16 arithmetic keeps),
+    and * 2^14 in float16 is exact. Then * s in float32, and one rounding to DOT_DTYPE.
+    HALF (16-bit arithmetic, fewer instructions; the caller picks it only where it is exact):
+    int4 with scales stored in DOT_DTYPE: c OR'ed into the mantissa of 128.0 (bfloat16) /
+    1024.0 (float16) reads as 128 + c / 1024 + c; minus (128 + zero) is c - zero exactly, and
+    one DOT_DTYPE product with the scale rounds once. mxfp4 in bfloat16: the e2m1 bits at
+    bfloat16 bits 8..6 and 15 read as e2m1 * 2^-126 (subnormal for codes 0, 1), * 2^126 is
+    exact, and * 2^(e8m0 - 127) is exact."""
     PK: tl.constexpr = c.shape[0]
     ROWS: tl.constexpr = c.shape[1]
     if QUANT == 3:
-        v = (c | 0x4B000000).to(tl.float32, bitcast=True)
-        vf = tl.reshape(v, [SG, PK // SG, ROWS]) - z[:, None, :]
+        if HALF:
+            if DOT_DTYPE == tl.bfloat16:
+                v = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                zb = (z + 128.0).to(tl.bfloat16)
+            else:
+                v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                zb = (z + 1024.0).to(tl.float16)
+            vh = tl.reshape(v, [SG, PK // SG, ROWS]) - zb[:, None, :]
+            w = tl.reshape(vh * s.to(DOT_DTYPE)[:, None, :], [PK, ROWS])
+        else:
+            v = (c | 0x4B000000).to(tl.float32, bitcast=True)
+            vf = tl.reshape(v, [SG, PK // SG, ROWS]) - (z + 8388608.0)[:, None, :]
+            w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
     else:
-        bits = ((c & 7) << 9) | ((c & 8) << 12)
-        h = bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
-        vf = tl.reshape(h.to(tl.float32), [SG, PK // SG, ROWS])
-    return tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
+        if HALF:
+            bits = ((c & 7) << 6) | ((c & 8) << 12)
+            v = bits.to(tl.int16).to(tl.bfloat16, bitcast=True) * 8.507059173023462e37
+            vh = tl.reshape(v, [SG, PK // SG, ROWS])
+            w = tl.reshape(vh * s.to(tl.bfloat16)[:, None, :], [PK, ROWS])
+        else:
+            bits = ((c & 7) << 9) | ((c & 8) << 12)
+            h = bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+            vf = tl.reshape(h.to(tl.float32), [SG, PK // SG, ROWS])
+            w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
+    return w
 
 
 @triton.jit
@@ -306,7 +332,7 @@ def _step_scales(
 
     Packed formats (int4_w4a16, mxfp4, nvfp4): (s [SG, rows], z [SG, rows]): s the weight
     multiplier of each of the step's SG groups (int4 scale, mxfp4 2^(e8m0 - 127), nvfp4 e4m3 *
-    gscale); z (int4) 2^23 + zero point (8 when symmetric). s_base / z_base [rows]: pointers
+    gscale); z (int4) the zero point (8 when symmetric). s_base / z_base [rows]: pointers
     to each row's first group (groups along K contiguous, K // GROUP of them).
     w8a8 with a per-group scale (ASCALE or WSCALE == S_GROUP): (a_s [BM], w_s [rows]) of K
     group ki * BLOCK_K // GROUP (1 for the one that is not per group). Otherwise (0, 0)."""
@@ -318,9 +344,8 @@ def _step_scales(
             s = s.to(tl.float32)
             if HAS_ZERO:
                 z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0).to(tl.float32)
-                z = z + 8388608.0
             else:
-                z = s * 0.0 + 8388616.0
+                z = s * 0.0 + 8.0
         elif QUANT == 4:
             c = s.to(tl.int32)
             s = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
@@ -350,7 +375,7 @@ def _step_scales(
 def _packed_mma(
     a, ptrs, s, z, k_left, acc,
     QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr,
-    SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HALF: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
     nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows]); s, z: this step's scales
@@ -369,8 +394,8 @@ def _packed_mma(
         q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
     q = q.to(tl.int32)
     DOT_DTYPE: tl.constexpr = a.dtype
-    w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, DOT_DTYPE)
-    w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, DOT_DTYPE)
+    w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, HALF, DOT_DTYPE)
+    w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, HALF, DOT_DTYPE)
     a_lo, a_hi = tl.split(tl.reshape(a, [BM, PK, 2]))
     acc = _mma(a_lo, w_lo, acc, SWAP_AB, DOT_PRECISION)
     acc = _mma(a_hi, w_hi, acc, SWAP_AB, DOT_PRECISION)
@@ -584,6 +609,7 @@ def _gate_up_kernel(
     SG: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr,
+    HALF: tl.constexpr,
     INT_DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -659,7 +685,7 @@ def _gate_up_kernel(
                 a, sc1 = _quant_a_tile(a)
             if PACK == 2:
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
-                                  SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                  HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
                 if USE_TMA:
                     b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
@@ -706,10 +732,10 @@ def _gate_up_kernel(
                 a, g1 = _quant_a_tile(a)
                 u1 = g1
             if PACK == 2:
-                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K, SG,
-                                    SWAP_AB, DOT_PRECISION)  # fmt: skip
-                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K, SG,
-                                    SWAP_AB, DOT_PRECISION)  # fmt: skip
+                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
                 if USE_TMA:
                     bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
@@ -797,6 +823,7 @@ def _down_kernel(
     SG: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr,
+    HALF: tl.constexpr,
     INT_DOT: tl.constexpr,
 
     USE_TMA: tl.constexpr,
@@ -863,7 +890,7 @@ def _down_kernel(
         if ASCALE == 3:
             a, sc1 = _quant_a_tile(a)
         if PACK == 2:
-            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
+            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
                               SWAP_AB, DOT_PRECISION)  # fmt: skip
         elif QUANT == 1:
             acc = _w8a8_step(a, b, acc, sc1, sc2, ASCALE, WSCALE, INT_DOT, SWAP_AB)

@@ -10,7 +10,8 @@ Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files s
 `moekit/configs/triton`, a table tuned with this Triton version before one tuned with
 another, then the heuristic `default_config`. A quantized format without a table of its own
 takes the unquantized config of the same shape (tuned or default) through `adapt_config`
-(also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its table was tuned for). Which one is used is logged once per shape.
+(also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its table was tuned for).
+Which one is used is logged once per shape.
 File format (written by `moekit tune`):
   {"key": {...}, "configs": {"<T>": {GemmConfig fields}}, "meta": {...}}
 """

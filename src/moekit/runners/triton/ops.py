@@ -137,18 +137,26 @@ class WeightQuant:
         wg = self.gscale if self.gscale is not None else ws
         return ws, wz, wg, self.stride_se, self.stride_sn
 
-    def meta(self, block_k: int, fused_act_quant: bool = False) -> dict:
+    def half_dequant(self, act_dtype: torch.dtype) -> bool:
+        """Whether `_kernels._dequant_nibbles` may dequantize in 16-bit arithmetic for
+        activations of `act_dtype` (exact there): int4 with scales stored in the activation
+        dtype (bf16 / fp16), mxfp4 with bf16 activations (power-of-two scales)."""
+        if self.quant == k.Q_INT4:
+            return act_dtype in (torch.bfloat16, torch.float16) and self.scale.dtype == act_dtype
+        return self.quant == k.Q_MXFP4 and act_dtype == torch.bfloat16
+
+    def meta(self, block_k: int, fused_act_quant: bool = False, act_dtype=None) -> dict:
         sg = max(1, block_k // self.group) if self.quant >= k.Q_INT4 else 1
         ascale = k.S_GROUP_FUSED if fused_act_quant else self.ascale
         return dict(
             QUANT=self.quant, ASCALE=ascale, WSCALE=self.wscale, WROWS=self.wrows,
             GROUP=self.group, SG=sg, HAS_ZERO=self.zero is not None, PACK=self.pack,
-            INT_DOT=self.int_dot,
+            HALF=self.half_dequant(act_dtype), INT_DOT=self.int_dot,
         )  # fmt: skip
 
 
 _NO_QUANT_META = dict(QUANT=k.Q_NONE, ASCALE=0, WSCALE=0, WROWS=1, GROUP=128, SG=1,
-                      HAS_ZERO=False, PACK=1, INT_DOT=False)  # fmt: skip
+                      HAS_ZERO=False, PACK=1, HALF=False, INT_DOT=False)  # fmt: skip
 
 
 def quantize_input(
@@ -379,7 +387,7 @@ def gate_up(
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         DOT_PRECISION=_precision(out),
-        **(wq.meta(cfg.block_k, fused) if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg.block_k, fused, out.dtype) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
@@ -431,7 +439,7 @@ def down(
         ROWS=rows.mode,
         ATOMIC=(not masked) and cfg.reduce == "atomic",
         DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
-        **(wq.meta(cfg.block_k, fused) if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg.block_k, fused, dot_dtype) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
