@@ -337,9 +337,12 @@ def test_cuda_graph_gpu(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,tp,ep", [("qwen3-30b-a3b", 1, 1), ("deepseek-v3", 8, 8)])
-def test_fused_act_quant_bit_identical_gpu(model, tp, ep, monkeypatch):
-    """T = 1 (direct rows): fp8 token-group activations quantized inside the GEMMs give the same
-    bits as the separate `quantize_act` kernels."""
+def test_fused_act_quant_gpu(model, tp, ep, monkeypatch):
+    """T = 1 (direct rows): fp8 token-group activations quantized inside the GEMMs
+    (`PIPELINE.fuse_act_quant`) against the separate `quantize_act` kernels. Same arithmetic,
+    but not bit-identical (seen on the H100: ~1% on a few outputs): the fp8 MMA takes its A
+    operand from registers instead of shared memory and may sum in another order, and one
+    bf16 ulp of h can move an element to the next fp8 step in the down GEMM."""
     from moekit.tune import random_weights, shape_for
 
     shape = shape_for(model, tp, ep)
@@ -348,10 +351,11 @@ def test_fused_act_quant_bit_identical_gpu(model, tp, ep, monkeypatch):
     x = torch.randn(1, shape.hidden, device="cuda", dtype=torch.bfloat16) * 3
     topk = make_topk(1, shape.top_k, shape.num_experts, device="cuda")
     cfgs = tuple(replace(c, block_k=128) for c in ops.configs_for(1, shape.top_k, w, x.dtype, x.device))
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, fuse_act_quant=True))
     fused = ops.fused_moe(x, topk, w, shape.act, configs=cfgs)
     monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, fuse_act_quant=False))
     separate = ops.fused_moe(x, topk, w, shape.act, configs=cfgs)
-    assert torch.equal(fused, separate)
+    assert rel_err(fused, separate) < W8A8_TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run")

@@ -325,10 +325,13 @@ def _quant_a_tile(a):
 def _step_scales(
     s_base, z_base, a_s_base, gscale, ki, K,
     QUANT: tl.constexpr, ASCALE: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr,
-    SG: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+    SG: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
-    """The scales K step ki multiplies by, as float32; loaded one step ahead by the main loops
-    (a global load that the pipeliner leaves synchronous would stall every step).
+    """The scales K step ki multiplies by, as float32. The main loops load the packed formats'
+    scales one step ahead (AHEAD: a global load the pipeliner leaves synchronous stalls every
+    step; measured: 4-bit decode faster), and the w8a8 ones in the step itself (AHEAD gives
+    (0, 0) for them: loading those ahead measured slower at T = 4096, 459 -> 563 us for the
+    qwen3 fp8 block-wise gate_up).
 
     Packed formats (int4_w4a16, mxfp4, nvfp4): (s [SG, rows], z [SG, rows]): s the weight
     multiplier of each of the step's SG groups (int4 scale, mxfp4 2^(e8m0 - 127), nvfp4 e4m3 *
@@ -354,7 +357,7 @@ def _step_scales(
             s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
             z = s
         r1, r2 = s, z
-    elif QUANT == 1 and (ASCALE >= 2 or WSCALE == 2):
+    elif QUANT == 1 and (ASCALE >= 2 or WSCALE == 2) and not AHEAD:
         kg = ki * BLOCK_K // GROUP
         ok = kg < tl.cdiv(K, GROUP)
         if ASCALE == 2:
@@ -675,14 +678,12 @@ def _gate_up_kernel(
         z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
         sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
-                                GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
             nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if ASCALE == 3:
-                a, sc1 = _quant_a_tile(a)
             if PACK == 2:
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                                   HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
@@ -692,7 +693,11 @@ def _gate_up_kernel(
                 else:
                     b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 if QUANT == 1:
-                    acc = _w8a8_step(a, b, acc, sc1, sc2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                    c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE,
+                                          WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
+                    if ASCALE == 3:
+                        a, c1 = _quant_a_tile(a)
+                    acc = _w8a8_step(a, b, acc, c1, c2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
                 else:
                     acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
             if not USE_TMA:
@@ -718,19 +723,16 @@ def _gate_up_kernel(
         acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
-                              GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
-                              GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
             ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if ASCALE == 3:
-                a, g1 = _quant_a_tile(a)
-                u1 = g1
             if PACK == 2:
                 acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
                                     SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
@@ -744,8 +746,17 @@ def _gate_up_kernel(
                     bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                     bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 if QUANT == 1:
-                    acc_g = _w8a8_step(a, bg, acc_g, g1, g2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
-                    acc_u = _w8a8_step(a, bu, acc_u, u1, u2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                    cg1, cg2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki, K, QUANT,
+                                            ASCALE, WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K,
+                                            False)  # fmt: skip
+                    cu1, cu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki, K, QUANT,
+                                            ASCALE, WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K,
+                                            False)  # fmt: skip
+                    if ASCALE == 3:
+                        a, cg1 = _quant_a_tile(a)
+                        cu1 = cg1
+                    acc_g = _w8a8_step(a, bg, acc_g, cg1, cg2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                    acc_u = _w8a8_step(a, bu, acc_u, cu1, cu2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
                 else:
                     acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
                     acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
@@ -875,10 +886,10 @@ def _down_kernel(
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
-                            GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                            GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
     for ki in range(0, tl.cdiv(K, BLOCK_K)):
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K)  # fmt: skip
+                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
         if USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
@@ -887,13 +898,15 @@ def _down_kernel(
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 1:
                 b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-        if ASCALE == 3:
-            a, sc1 = _quant_a_tile(a)
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
                               SWAP_AB, DOT_PRECISION)  # fmt: skip
         elif QUANT == 1:
-            acc = _w8a8_step(a, b, acc, sc1, sc2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+            c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE, WSCALE,
+                                  GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
+            if ASCALE == 3:
+                a, c1 = _quant_a_tile(a)
+            acc = _w8a8_step(a, b, acc, c1, c2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
         else:
             acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
         if not USE_TMA:
