@@ -15,6 +15,13 @@ Formats run in priority order and the script stops starting new ones after BUDGE
 (MOEKIT_QUANT_BUDGET_S), so it ends within about two minutes; what was measured is written.
 Without a GPU (smoke test of the script itself): TRITON_INTERPRET=1 on CPU, one tiny shape,
 float16, T = 1 and 16.
+
+    --profile   first: per-stage times (alignment, activation quantization, gate_up, down) of
+                fp8 block-wise at T = 4096 and of the 4-bit formats at T = 1 or 16, with the
+                configs the runner looks up ($OUT/triton_quant_profile.json)
+    --tune FMT:T1,T2;...   first: `moekit.tune.tune` for those formats and batch sizes on both
+                shapes into $MOEKIT_CONFIG_DIR/triton (stops starting new ones after
+                MOEKIT_TUNE_BUDGET_S seconds)
 """
 
 from __future__ import annotations
@@ -67,7 +74,101 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def profile(out_dir: Path) -> None:
+    """Per-stage CUDA-graph times of the runner's pieces with the configs it looks up."""
+    from moekit.runners.triton.align import align_block_size
+    from moekit.runners.triton.configs import PIPELINE
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    cases = [("fp8-block", 4096), ("int4-g128", 16), ("mxfp4", 1), ("nvfp4", 16)]
+    rows_out = []
+    for model, tp, ep in SHAPES:
+        shape = shape_for(model, tp, ep)
+        E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
+        torch.manual_seed(0)
+        w_bf16 = random_weights(shape, dev)
+        for fmt, T in cases:
+            spec = FORMATS[fmt]
+            wq = quantize_experts(w_bf16, spec)
+            gen = torch.Generator(device=dev).manual_seed(T)
+            x = torch.randn(T, H, device=dev, dtype=dtype, generator=gen)
+            tk = uniform_topk(T, E, K, dev, gen)
+            c1, c2 = ops.configs_for(T, K, wq, dtype, dev)
+            row = {"model": model, "format": fmt, "T": T, "gate_up": str(c1), "down": str(c2)}
+            try:
+                if T <= PIPELINE.direct_max_tokens:
+                    from dataclasses import replace
+
+                    c1, c2 = replace(c1, block_m=16), replace(c2, block_m=16)
+                    rows = ops.Rows.direct(tk.ids.view(-1), E)
+                else:
+                    bm = max(c1.block_m, c2.block_m)
+                    row["align_us"] = time_ms(lambda: align_block_size(tk.ids, E, bm), dev) * 1e3
+                    rows = ops.Rows.sorted(align_block_size(tk.ids, E, bm), E)
+                h = ops.gate_up(x, rows, wq, shape.act, c1, K)
+                out = torch.zeros(T, H, device=dev, dtype=dtype)
+                y = torch.empty(T * K, H, device=dev, dtype=dtype)
+                dst = out if c2.reduce == "atomic" else y
+                row["gate_up_us"] = time_ms(lambda: ops.gate_up(x, rows, wq, shape.act, c1, K, h),
+                                            dev) * 1e3  # fmt: skip
+                row["down_us"] = time_ms(lambda: ops.down(h, rows, wq, c2, dst, tk.weights, K),
+                                         dev) * 1e3  # fmt: skip
+                if not spec.weight_only:
+                    row["quant_x_us"] = time_ms(lambda: ops.quantize_input(x, spec), dev) * 1e3
+                    row["quant_h_us"] = time_ms(lambda: ops.quantize_input(h, spec), dev) * 1e3
+                row["layer_us"] = time_ms(lambda: ops.fused_moe(x, tk, wq, shape.act), dev) * 1e3
+                row["bf16_layer_us"] = time_ms(
+                    lambda: ops.fused_moe(x, tk, w_bf16, shape.act), dev) * 1e3  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - report and go on
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            rows_out.append(row)
+            print("profile", {k: (round(v, 1) if isinstance(v, float) else v)
+                              for k, v in row.items()}, flush=True)  # fmt: skip
+            del wq
+        del w_bf16
+        torch.cuda.empty_cache()
+    (out_dir / "triton_quant_profile.json").write_text(json.dumps(rows_out, indent=1) + "\n")
+
+
+def tune_tables(plan: str) -> None:
+    """`moekit.tune.tune` for 'FMT:T1,T2;FMT:...' on both shapes, within MOEKIT_TUNE_BUDGET_S."""
+    from moekit.tune import tune
+
+    budget = float(os.environ.get("MOEKIT_TUNE_BUDGET_S", "240"))
+    t0 = time.perf_counter()
+    for item in plan.split(";"):
+        fmt, sizes = item.split(":")
+        for model, tp, ep in SHAPES:
+            if time.perf_counter() - t0 > budget:
+                print(f"tune: budget spent, skip {model} {fmt}", flush=True)
+                continue
+            shape = shape_for(model, tp, ep)
+            t1 = time.perf_counter()
+            try:
+                rep = tune(shape, [int(b) for b in sizes.split(",")], progress=False,
+                           quantization=FORMATS[fmt],
+                           note=f"scripts/gpu_triton_quant.py --tune ({model} {fmt})")  # fmt: skip
+                for r in rep.results:
+                    print(f"tune {model} {fmt} T={r.num_tokens}: gate_up {r.gate_up} "
+                          f"{r.gate_up_us:.1f}us down {r.down} {r.down_us:.1f}us layer "
+                          f"{r.layer_us:.1f}us {r.ratio:.2f}x floor", flush=True)  # fmt: skip
+            except Exception as err:  # noqa: BLE001
+                print(f"tune {model} {fmt} FAILED: {type(err).__name__}: {err}", flush=True)
+            print(f"tune {model} {fmt}: {time.perf_counter() - t1:.0f}s", flush=True)
+
+
 def main() -> int:
+    t_start = time.perf_counter()
+    args = sys.argv[1:]
+    if "--profile" in args and torch.cuda.is_available():
+        profile(Path(os.environ.get("OUT", ".")))
+    if "--tune" in args and torch.cuda.is_available():
+        tune_tables(args[args.index("--tune") + 1])
+        from moekit.runners.triton import configs as tcfg
+
+        tcfg.clear_cache()
+    if "--no-measure" in args:
+        return 0
     t_start = time.perf_counter()
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if on_gpu else "cpu")

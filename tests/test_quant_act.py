@@ -132,6 +132,18 @@ def test_kernel_fp8_output_on_grid_values(scheme):
 
 
 @needs_triton
+@pytest.mark.parametrize("T", [513, 1100])
+def test_kernel_dynamic_tensor_many_rows(T):
+    """'dynamic_tensor' with more rows than partial-amax programs (several rows each): the scale
+    is the amax over every row, the maximum sitting in the last row."""
+    x = torch.randn(T, 24).to(DEV)
+    x[-1, 3] = -9.5
+    q_ref, s_ref = quantize_act_ref(x, "dynamic_tensor", torch.int8)
+    q, s = quantize_act(x, "dynamic_tensor", torch.int8)
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+
+
+@needs_triton
 def test_kernel_strided_input():
     base = torch.randn(8, 512, device=DEV)
     x = base[:, 100:356]  # row stride 512, last dim contiguous

@@ -243,7 +243,15 @@ def test_quant_config_fallback_and_clamp():
     fp8 = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev",
                              "fp8_w8a8-block128x128-token_group")  # fmt: skip
     int4 = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev", "int4_w4a16-g32-sym")
-    assert fp8.block_k == min(2 * base.block_k, 256)
+    # group scales: one group per K step, and half the accumulator area (partial products)
+    assert fp8.block_k == 128 and fp8.block_m * 2 * fp8.block_n <= 64 * 128 * fp8.num_warps // 4
+    fp8c = configs.get_config("gate_up", 64, 2, 8, 256, 128, "float16", "nodev",
+                              "fp8_w8a8-channel-token")  # fmt: skip
+    assert fp8c.block_k == min(2 * base.block_k, 256)
+    big = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8)
+    tag = "fp8_w8a8-block128x128-token_group"
+    assert configs.adapt_config(big, tag, "gate_up").block_n == 64
+    assert configs.adapt_config(big, tag, "down").block_n == 128
     assert int4.block_m == base.block_m and not int4.tma
     spec, H, I = FORMATS["fp8-block"]
     wq = ops.WeightQuant(make_experts(spec, 2, H, I), "w13")
@@ -325,6 +333,29 @@ def test_cuda_graph_gpu(fmt):
     torch.cuda.synchronize()
     ref = TorchRunner().run(StandardDispatchOutput(x, topk), w, act).out
     assert rel_err(out, ref) < tol(spec, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,tp,ep", [("qwen3-30b-a3b", 1, 1), ("deepseek-v3", 8, 8)])
+def test_fused_act_quant_gpu(model, tp, ep, monkeypatch):
+    """T = 1 (direct rows): fp8 token-group activations quantized inside the GEMMs
+    (`PIPELINE.fuse_act_quant`) against the separate `quantize_act` kernels. Same arithmetic,
+    but not bit-identical (seen on the H100: ~1% on a few outputs): the fp8 MMA takes its A
+    operand from registers instead of shared memory and may sum in another order, and one
+    bf16 ulp of h can move an element to the next fp8 step in the down GEMM."""
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for(model, tp, ep)
+    torch.manual_seed(0)
+    w = quantize_experts(random_weights(shape, "cuda"), Fp8W8A8("block"))
+    x = torch.randn(1, shape.hidden, device="cuda", dtype=torch.bfloat16) * 3
+    topk = make_topk(1, shape.top_k, shape.num_experts, device="cuda")
+    cfgs = tuple(replace(c, block_k=128) for c in ops.configs_for(1, shape.top_k, w, x.dtype, x.device))
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, fuse_act_quant=True))
+    fused = ops.fused_moe(x, topk, w, shape.act, configs=cfgs)
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, fuse_act_quant=False))
+    separate = ops.fused_moe(x, topk, w, shape.act, configs=cfgs)
+    assert rel_err(fused, separate) < W8A8_TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run")

@@ -124,10 +124,17 @@ def _fits(gemm: str, c: GemmConfig, n: int, k: int, elem: int) -> bool:
     return _smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == _clamp(gemm, c, n, k)
 
 
-def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int = 2):
+def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int = 2,
+                    quant: str = "unquantized"):
     """Round 1: tile shapes for the regime of `rows_per_expert` (mean rows per used expert),
-    with and without TMA, 8 warps where the accumulators need them."""
+    with and without TMA, 8 warps where the accumulators need them. `quant` (a
+    `configs.quant_tag`): w8a8 formats take K steps of 128 (and 256 unless their scales are
+    per group of 128) and, with group scales, half the accumulator area (each K step keeps a
+    partial product beside the accumulator); weight-only formats load through pointers only."""
     m = rows_per_expert
+    w8a8 = quant.startswith(("fp8_w8a8", "int8_w8a8"))
+    grouped = w8a8 and ("block" in quant or "token_group" in quant)
+    weight_only = quant != "unquantized" and not w8a8
     if m <= 12:  # weight-bandwidth bound: 16-row blocks, long K steps
         groups = [((16,), (16, 32, 64, 128), (128, 256), (False, True), 4)]
     elif m <= 48:
@@ -137,6 +144,10 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int
         groups = [((32, 64, 128), (64, 128), (64, 128), (False,), 3)]
     else:  # MMA / L2 bound: the largest tiles the registers allow
         groups = [((64, 128, 256), (64, 128, 256), (64,), (False,), 3)]
+    if w8a8:
+        steps = (128,) if grouped else (128, 256)
+        groups = [(bms, bns, steps, swaps, stages) for bms, bns, _, swaps, stages in groups]
+    area = 128 * 128 if grouped else 256 * 128
     group = 1 if m <= 12 else 8
     out = []
     for bms, bns, bks, swaps, stages in groups:
@@ -145,10 +156,10 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int
                 for bk in bks:
                     for swap in swaps:
                         cols = 2 * bn if gemm == "gate_up" else bn
-                        if bm * cols > 256 * 128:
+                        if bm * cols > area:
                             continue  # accumulators over 128 registers a thread at 8 warps
-                        warps = 8 if bm * cols > 64 * 128 else 4
-                        for tma in (False, True):
+                        warps = 8 if bm * cols > area // 4 else 4
+                        for tma in (False,) if weight_only else (False, True):
                             c = GemmConfig(bm, bn, bk, group, warps, stages, swap, tma=tma)
                             c = _clamp(gemm, c, n, k)
                             if _fits(gemm, c, n, k, elem) and c not in out:
@@ -204,11 +215,14 @@ def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) ->
     return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
-def rotations(shape: TuneShape, T: int) -> int:
-    """How many routings to rotate through so the timed weights do not sit in L2."""
+def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None = None) -> int:
+    """How many routings to rotate through so the timed weights do not sit in L2
+    (`bytes_per_expert`: of quantized weights; default: the shape's dtype)."""
     elem = DTYPES[shape.dtype].itemsize
     touched = min(shape.num_experts, T * shape.top_k)
-    weight_bytes = touched * 3 * shape.hidden * shape.intermediate * elem
+    if bytes_per_expert is None:
+        bytes_per_expert = 3 * shape.hidden * shape.intermediate * elem
+    weight_bytes = touched * bytes_per_expert
     return max(1, min(8, math.ceil(L2_ROTATE_BYTES / weight_bytes)))
 
 
@@ -274,7 +288,8 @@ class _Point:
         gen = torch.Generator(device=device).manual_seed(seed)
         dt = DTYPES[shape.dtype]
         self.shape, self.w, self.T, self.device = shape, w, T, torch.device(device)
-        self.R = rotations(shape, T) if self.device.type == "cuda" else 1
+        per_expert = _weight_bytes_per_expert(w) if w.is_quantized else None
+        self.R = rotations(shape, T, per_expert) if self.device.type == "cuda" else 1
         self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
         E, K = shape.num_experts, shape.top_k
         if routing == "uniform":
@@ -431,7 +446,10 @@ def tune_point(
     p = _Point(shape, w, T, device, seed)
     E, H, I, K = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k
     elem = DTYPES[shape.dtype].itemsize
+    # bytes per element of the pipelined tiles (w8a8: 1; others as the activations)
+    tile_elem = 1 if w.is_quantized and not w.spec.weight_only else elem
     rows = max(1.0, T * K / E)
+    quant = tcfg.quant_tag(w.spec)
     n1, k1 = tcfg.gemm_shape("gate_up", H, I)
     n2, k2 = tcfg.gemm_shape("down", H, I)
 
@@ -439,8 +457,8 @@ def tune_point(
         return _gate_up_fn(p, c, warmup)[0]
 
     best1, t1, tried1 = _search(
-        "gate_up", p, gate_fn, tile_candidates("gate_up", rows, n1, k1, elem),
-        lambda c: schedule_variants("gate_up", c, n1, k1, elem), advance, limit,
+        "gate_up", p, gate_fn, tile_candidates("gate_up", rows, n1, k1, tile_elem, quant),
+        lambda c: schedule_variants("gate_up", c, n1, k1, tile_elem), advance, limit,
     )  # fmt: skip
     fn, hs = _gate_up_fn(p, best1)
     fn()
@@ -449,8 +467,8 @@ def tune_point(
         return _down_fn(p, best1, hs, c, warmup)
 
     best2, t2, tried2 = _search(
-        "down", p, down_fn, tile_candidates("down", rows, n2, k2, elem),
-        lambda c: schedule_variants("down", c, n2, k2, elem), advance, limit,
+        "down", p, down_fn, tile_candidates("down", rows, n2, k2, tile_elem, quant),
+        lambda c: schedule_variants("down", c, n2, k2, tile_elem), advance, limit,
     )  # fmt: skip
 
     cfgs = (best1, best2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -20,16 +21,21 @@ def _quant_rows_kernel(
     stride_st,
     qmax,
     eps,
+    part_ptr,
+    n_part,
     BLOCK_G: tl.constexpr,
     BLOCK: tl.constexpr,
     STATIC: tl.constexpr,
     ROUND_INT: tl.constexpr,
+    NPART: tl.constexpr,
 ):
     """One program: row t (axis 0), groups [BLOCK_G * pid1, +BLOCK_G) of `group_size` columns.
 
     Dynamic: s = max(amax(|x_group|), eps) / qmax is written to s[t, g]; STATIC: s is the one
     value at static_s_ptr. q = clamp(x / s, -qmax, qmax), rounded half to even when ROUND_INT
-    (int8), then cast to q's dtype (the cast rounds for fp8)."""
+    (int8), then cast to q's dtype (the cast rounds for fp8). NPART > 0 (STATIC): the one scale
+    is max(max(part[0:n_part]), eps) / qmax from the partial amaxes of `_amax_rows_kernel`
+    (written to static_s by program (0, 0)), instead of a given value."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK)
@@ -37,7 +43,14 @@ def _quant_rows_kernel(
     mask = (g[:, None] < n_groups) & (j[None, :] < group_size) & (col < H)
     x = tl.load(x_ptr + t * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
     if STATIC:
-        s = tl.load(static_s_ptr).to(tl.float32)
+        if NPART > 0:
+            offs = tl.arange(0, NPART)
+            amax = tl.max(tl.load(part_ptr + offs, mask=offs < n_part, other=0.0), 0)
+            s = tl.div_rn(tl.maximum(amax, eps), qmax)
+            first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+            tl.store(static_s_ptr, s, mask=first)
+        else:
+            s = tl.load(static_s_ptr).to(tl.float32)
         y = tl.div_rn(x, s)
     else:
         amax = tl.max(tl.abs(x), axis=1)
@@ -52,8 +65,41 @@ def _quant_rows_kernel(
     tl.store(q_ptr + t * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_quant_rows(x, q, s, static_s, group_size, n_groups, qmax, eps, static, round_int, tile):
-    """x [T, H] (last dim contiguous) -> q [T, H], s [T, n_groups] (unused when static)."""
+@triton.jit(do_not_specialize=["T"])
+def _amax_rows_kernel(x_ptr, part_ptr, T, H, stride_xt, rows_per_program, BLOCK: tl.constexpr):
+    """part[p] = max |x| over rows [p * rows_per_program, +rows_per_program) of x [T, H]."""
+    p = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    r0 = p * rows_per_program
+    row_ptr = x_ptr + r0.to(tl.int64) * stride_xt
+    for _ in range(r0, tl.minimum(r0 + rows_per_program, T)):
+        for c0 in range(0, H, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < H, other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        row_ptr += stride_xt
+    tl.store(part_ptr + p, tl.max(acc, 0))
+
+
+MAX_PARTS = 512
+
+
+def launch_amax_parts(x):
+    """Partial amaxes float32 [n] of x [T, H] (T >= 1), one per block of rows."""
+    T, H = x.shape
+    n = min(MAX_PARTS, T)
+    rows = triton.cdiv(T, n)
+    n = triton.cdiv(T, rows)
+    part = torch.empty(n, dtype=torch.float32, device=x.device)
+    block = min(1024, triton.next_power_of_2(max(H, 1)))
+    _amax_rows_kernel[(n,)](x, part, T, H, x.stride(0), rows, BLOCK=block, num_warps=4)
+    return part
+
+
+def launch_quant_rows(x, q, s, static_s, group_size, n_groups, qmax, eps, static, round_int, tile,
+                      part=None):  # fmt: skip
+    """x [T, H] (last dim contiguous) -> q [T, H], s [T, n_groups] (unused when static).
+    `part` (static): partial amaxes to take the one scale from (written to static_s)."""
     T, H = x.shape
     block = triton.next_power_of_2(group_size)
     block_g = max(1, min(triton.next_power_of_2(n_groups), tile.max_elems // block))
@@ -71,9 +117,12 @@ def launch_quant_rows(x, q, s, static_s, group_size, n_groups, qmax, eps, static
         s.stride(0),
         qmax,
         eps,
+        part if part is not None else x,
+        part.numel() if part is not None else 0,
         BLOCK_G=block_g,
         BLOCK=block,
         STATIC=static,
         ROUND_INT=round_int,
+        NPART=triton.next_power_of_2(part.numel()) if part is not None else 0,
         num_warps=tile.num_warps,
     )

@@ -137,8 +137,9 @@ def quantize_act(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `quantize_act_ref` for x [T, H] (float32/float16/bfloat16, last dim
-    contiguous); tensor schemes need a one-value scale. 'dynamic_tensor' takes the amax with
-    torch, then runs the static kernel.
+    contiguous); tensor schemes need a one-value scale. 'dynamic_tensor' without a given
+    scale: one small kernel takes partial amaxes per block of rows, and the quantizing kernel
+    reduces them to the scale (two launches in all).
 
     out_dtype (default `dtype`): float32 returns the values just before the final cast (int8:
     already rounded; fp8: scaled and clamped). The Triton 3.6 CPU interpreter casts to fp8
@@ -153,8 +154,12 @@ def quantize_act(
     T, H = x.shape
     q = torch.empty(T, H, dtype=out_dtype, device=x.device)
     static = scheme in ("static_tensor", "dynamic_tensor")
-    if static:
+    fused_amax = scheme == "dynamic_tensor" and scale is None and T > 0 and H > 0
+    if fused_amax:
+        s = torch.empty(1, device=x.device)  # written by the kernel from the partial amaxes
+    elif static:
         s = tensor_scale(x, dtype) if scale is None else scale
+    if static:
         if s.numel() != 1:
             raise ValueError(f"quantize_act: a tensor scale must hold one value, got {list(s.shape)}")
         s = s.float()
@@ -171,9 +176,10 @@ def quantize_act(
         if scheme == "token":
             s.fill_(EPS / qmax)
         return q, s
-    from moekit.quant._act_kernels import launch_quant_rows
+    from moekit.quant._act_kernels import launch_amax_parts, launch_quant_rows
 
+    part = launch_amax_parts(x) if fused_amax else None
     launch_quant_rows(
-        x, q, s_out, static_s, g, n_groups, qmax, EPS, static, dtype == torch.int8, TILES
+        x, q, s_out, static_s, g, n_groups, qmax, EPS, static, dtype == torch.int8, TILES, part
     )
     return q, s

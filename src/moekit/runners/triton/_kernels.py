@@ -11,9 +11,9 @@ Three groups of kernels:
     the routing weight, then either a store per pair or an atomic add per token);
   * sum over the K experts of each token (`_sum_topk_kernel`), when the down GEMM stored pairs.
 
-The GEMM main loops load the weight tiles through `_w_tile`, the one place a quantized weight
-format is dequantized (constexpr QUANT): weight-only formats (int8_w8a16, int4_w4a16, mxfp4,
-nvfp4) unpack and scale the tile to the activation dtype in registers before a bf16/fp16 dot;
+The GEMM main loops read quantized weights in two places (constexpr QUANT): `_w_tile` for the
+unpacked formats and `_packed_mma` for the packed ones (int4_w4a16, mxfp4, nvfp4), which
+dequantize the tile to the activation dtype in registers before a bf16/fp16 dot;
 the w8a8 formats (fp8, int8) multiply the stored values directly (fp8 / int8 tensor-core dot on
 pre-quantized activations) and apply the activation x weight scales per K step (block-wise /
 token-group scales) or once in the epilogue (per-tensor / per-row scales).
@@ -32,7 +32,10 @@ Q_NONE, Q_W8A8, Q_W8A16, Q_INT4, Q_MXFP4, Q_NVFP4 = 0, 1, 2, 3, 4, 5
 # Scale granularity of the w8a8 formats (constexpr WSCALE for weights, ASCALE for activations):
 # one value (per expert / per call), one per row (weight row n / activation row), or one per
 # row (block of WROWS weight rows) and group of GROUP columns of K.
-S_TENSOR, S_ROW, S_GROUP = 0, 1, 2
+# S_GROUP_FUSED (activations only): per group of GROUP = BLOCK_K columns, the group scale and the
+# fp8 values computed inside the GEMM from the bf16/fp16 input tile (`_quant_a_tile`), so that
+# no separate quantization kernel runs (tiny batches).
+S_TENSOR, S_ROW, S_GROUP, S_GROUP_FUSED = 0, 1, 2, 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,86 +239,183 @@ def _load_w_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """uint8 e2m1 codes 0..15 -> float32 (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives), built from
-    the bits: exponent e = bits 2..1, mantissa m = bit 0, sign = bit 3."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = c & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
-    bits = bits | ((c >> 3) << 31)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_to_f32(code):
-    """uint8 e8m0 codes -> float32 2 ** (code - 127) (code 0: the subnormal 2 ** -127)."""
-    c = code.to(tl.int32)
-    bits = tl.where(c == 0, 0x00400000, c << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _w_tile(
-    ptrs, s_base, z_base, gscale, k0, k_left, n_groups,
-    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    SG: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Weight tile [BLOCK_K, rows] (K along dim 0) as a dot operand, from pointers `ptrs` to the
-    stored data at column k0 ([BLOCK_K, rows]; packed formats: [BLOCK_K / 2, rows] bytes).
-
-    Q_NONE / Q_W8A8: the stored values. Q_W8A16: int8 * scale[n]. Packed formats: the two
-    nibbles of each byte are elements 2j (low) and 2j + 1 (high) along K, then per group of
-    GROUP columns: int4 (q - zero) * scale (zero 8 when symmetric), mxfp4 e2m1 * 2^(e8m0 - 127),
-    nvfp4 e2m1 * (e4m3 scale * global scale gscale). s_base / z_base [rows]: pointers to the
-    first group's scale / zero point of each row (groups along K are contiguous); SG scale
-    groups per tile. Dequantized in float32 (as `moekit.quant.dequantize`), then cast to
-    DOT_DTYPE: bit-identical to the reference's dequantized weights."""
-    if QUANT == 0 or QUANT == 1:
-        w = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
-    elif QUANT == 2:
+    """Weight tile [BLOCK_K, rows] (K along dim 0) of an unpacked format as a dot operand, from
+    pointers `ptrs` to the stored data ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values;
+    Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
+    and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
+    if QUANT == 2:
         q = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
         w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
     else:
-        PK: tl.constexpr = BLOCK_K // 2
-        ROWS: tl.constexpr = ptrs.shape[1]
-        GS: tl.constexpr = BLOCK_K // SG
-        if EVEN_K:
-            q = tl.load(ptrs)
-        else:
-            q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
-        v = tl.reshape(tl.permute(tl.join(q & 15, q >> 4), (0, 2, 1)), [BLOCK_K, ROWS])
-        gi = k0 // GROUP + tl.arange(0, SG)
-        s_mask = gi[:, None] < n_groups
-        s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
-        if QUANT == 3:
-            s = s.to(tl.float32)
-            vf = tl.reshape(v.to(tl.float32), [SG, GS, ROWS])
-            if HAS_ZERO:
-                z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0)
-                vf = vf - z.to(tl.float32)[:, None, :]
-            else:
-                vf = vf - 8.0
-        else:
-            if QUANT == 4:
-                s = _e8m0_to_f32(s)
-            else:
-                s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
-            vf = tl.reshape(_e2m1_to_f32(v), [SG, GS, ROWS])
-        w = tl.reshape(vf * s[:, None, :], [BLOCK_K, ROWS]).to(DOT_DTYPE)
+        w = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
     return w
 
 
 @triton.jit
+def _dequant_nibbles(
+    c, s, z, QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Nibble codes c [PK, rows] (int32 0..15: one nibble of each packed byte, so every element
+    along dim 0 is 2 K columns apart) -> weights [PK, rows] in DOT_DTYPE. s [SG, rows]: the
+    float32 multiplier of each scale group (the PK rows hold SG groups in order); z [SG, rows]
+    (int4 only): the zero point (8 when symmetric), as float32. Every path is bit-identical to
+    `moekit.quant.dequantize` followed by the cast to DOT_DTYPE (one rounding of the exact
+    product value * scale):
+
+    float32 (HALF False): int4: bitcast(0x4B000000 | c) is 2^23 + c exactly, so one
+    subtraction of 2^23 + zero gives c - zero. e2m1 (sign bit 3, exponent bits 2..1, mantissa
+    bit 0): the bits placed into a float16 at bits 11..9 and sign bit 15 read as e2m1 * 2^-14
+    for every code (codes 0 and 1 land on float16 subnormals, which float16 arithmetic keeps),
+    and * 2^14 in float16 is exact. Then * s in float32, and one rounding to DOT_DTYPE.
+    HALF (16-bit arithmetic, fewer instructions; the caller picks it only where it is exact):
+    int4 with scales stored in DOT_DTYPE: c OR'ed into the mantissa of 128.0 (bfloat16) /
+    1024.0 (float16) reads as 128 + c / 1024 + c; minus (128 + zero) is c - zero exactly, and
+    one DOT_DTYPE product with the scale rounds once. mxfp4 in bfloat16: the e2m1 bits at
+    bfloat16 bits 8..6 and 15 read as e2m1 * 2^-126 (subnormal for codes 0, 1), * 2^126 is
+    exact, and * 2^(e8m0 - 127) is exact."""
+    PK: tl.constexpr = c.shape[0]
+    ROWS: tl.constexpr = c.shape[1]
+    if QUANT == 3:
+        if HALF:
+            if DOT_DTYPE == tl.bfloat16:
+                v = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                zb = (z + 128.0).to(tl.bfloat16)
+            else:
+                v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                zb = (z + 1024.0).to(tl.float16)
+            vh = tl.reshape(v, [SG, PK // SG, ROWS]) - zb[:, None, :]
+            w = tl.reshape(vh * s.to(DOT_DTYPE)[:, None, :], [PK, ROWS])
+        else:
+            v = (c | 0x4B000000).to(tl.float32, bitcast=True)
+            vf = tl.reshape(v, [SG, PK // SG, ROWS]) - (z + 8388608.0)[:, None, :]
+            w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
+    else:
+        if HALF:
+            bits = ((c & 7) << 6) | ((c & 8) << 12)
+            v = bits.to(tl.int16).to(tl.bfloat16, bitcast=True) * 8.507059173023462e37
+            vh = tl.reshape(v, [SG, PK // SG, ROWS])
+            w = tl.reshape(vh * s.to(tl.bfloat16)[:, None, :], [PK, ROWS])
+        else:
+            bits = ((c & 7) << 9) | ((c & 8) << 12)
+            h = bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+            vf = tl.reshape(h.to(tl.float32), [SG, PK // SG, ROWS])
+            w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
+    return w
+
+
+@triton.jit
+def _quant_a_tile(a):
+    """An activation tile a [BM, BLOCK_K] (one group of BLOCK_K columns per row) -> (fp8 e4m3
+    [BM, BLOCK_K], scale float32 [BM]), with the arithmetic of `moekit.quant.quantize_act`
+    'token_group' (bit-identical on a GPU): s = max(amax |a|, 1e-10) / 448, q = a / s clamped
+    to +-448 and rounded to e4m3."""
+    af = a.to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10), 448.0)
+    y = tl.div_rn(af, s[:, None])
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return y.to(tl.float8e4nv), s
+
+
+@triton.jit
+def _step_scales(
+    s_base, z_base, a_s_base, gscale, ki, K,
+    QUANT: tl.constexpr, ASCALE: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr,
+    SG: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+):  # fmt: skip
+    """The scales K step ki multiplies by, as float32. The main loops load the packed formats'
+    scales one step ahead (AHEAD: a global load the pipeliner leaves synchronous stalls every
+    step; measured: 4-bit decode faster), and the w8a8 ones in the step itself (AHEAD gives
+    (0, 0) for them: loading those ahead measured slower at T = 4096, 459 -> 563 us for the
+    qwen3 fp8 block-wise gate_up).
+
+    Packed formats (int4_w4a16, mxfp4, nvfp4): (s [SG, rows], z [SG, rows]): s the weight
+    multiplier of each of the step's SG groups (int4 scale, mxfp4 2^(e8m0 - 127), nvfp4 e4m3 *
+    gscale); z (int4) the zero point (8 when symmetric). s_base / z_base [rows]: pointers
+    to each row's first group (groups along K contiguous, K // GROUP of them).
+    w8a8 with a per-group scale (ASCALE or WSCALE == S_GROUP): (a_s [BM], w_s [rows]) of K
+    group ki * BLOCK_K // GROUP (1 for the one that is not per group). Otherwise (0, 0)."""
+    if QUANT >= 3:
+        gi = ki * BLOCK_K // GROUP + tl.arange(0, SG)
+        s_mask = gi[:, None] < K // GROUP
+        s = tl.load(s_base[None, :] + gi[:, None], mask=s_mask, other=0)
+        if QUANT == 3:
+            s = s.to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(z_base[None, :] + gi[:, None], mask=s_mask, other=0).to(tl.float32)
+            else:
+                z = s * 0.0 + 8.0
+        elif QUANT == 4:
+            c = s.to(tl.int32)
+            s = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
+            z = s
+        else:
+            s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
+            z = s
+        r1, r2 = s, z
+    elif QUANT == 1 and (ASCALE >= 2 or WSCALE == 2) and not AHEAD:
+        kg = ki * BLOCK_K // GROUP
+        ok = kg < tl.cdiv(K, GROUP)
+        if ASCALE == 2:
+            a_s = tl.load(a_s_base + kg, mask=ok, other=1.0)
+        else:
+            a_s = tl.full(a_s_base.shape, 1.0, tl.float32)
+        if WSCALE == 2:
+            w_s = tl.load(s_base + kg, mask=ok, other=1.0)
+        else:
+            w_s = tl.full(s_base.shape, 1.0, tl.float32)
+        r1, r2 = a_s, w_s
+    else:
+        r1, r2 = 0.0, 0.0
+    return r1, r2
+
+
+@triton.jit
+def _packed_mma(
+    a, ptrs, s, z, k_left, acc,
+    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr,
+    HALF: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
+    nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows]); s, z: this step's scales
+    (`_step_scales`).
+
+    Byte j of a row holds elements 2j (low nibble) and 2j + 1 (high nibble) along K. The dot
+    is a sum over K, so it is split by parity instead of interleaving the nibbles in registers:
+    a's even columns times the low nibbles plus a's odd columns times the high nibbles.
+    Weights: int4 (q - zero) * scale, mxfp4 e2m1 * 2^(e8m0 - 127), nvfp4 e2m1 * (e4m3 scale *
+    global scale)."""
+    PK: tl.constexpr = BLOCK_K // 2
+    BM: tl.constexpr = a.shape[0]
+    if EVEN_K:
+        q = tl.load(ptrs)
+    else:
+        q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
+    q = q.to(tl.int32)
+    DOT_DTYPE: tl.constexpr = a.dtype
+    w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, HALF, DOT_DTYPE)
+    w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, HALF, DOT_DTYPE)
+    a_lo, a_hi = tl.split(tl.reshape(a, [BM, PK, 2]))
+    acc = _mma(a_lo, w_lo, acc, SWAP_AB, DOT_PRECISION)
+    acc = _mma(a_hi, w_hi, acc, SWAP_AB, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _w8a8_step(
-    a, b, acc, a_s_base, w_s_base, kg,
+    a, b, acc, a_s, w_s,
     ASCALE: tl.constexpr, WSCALE: tl.constexpr, INT_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """One K step of a w8a8 GEMM: acc (float32, [BM, cols] or transposed when SWAP_AB) +=
-    a @ b, times the activation scale [BM] x weight scale [cols] of K group kg where either is
-    per group (scales that do not change along K are applied in the epilogue, `_w8a8_scale`).
-    fp8 operands accumulate in the MMA; int8 ones in int32 per step (exact)."""
-    STEP: tl.constexpr = ASCALE == 2 or WSCALE == 2
+    a @ b, times the activation scale a_s [BM] x weight scale w_s [cols] of the step's K group
+    where either is per group (`_step_scales`; scales that do not change along K are applied
+    in the epilogue, `_w8a8_scale`). fp8 operands accumulate in the MMA; int8 ones in int32
+    per step (exact)."""
+    STEP: tl.constexpr = ASCALE >= 2 or WSCALE == 2
     if (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
     else:
@@ -330,14 +430,6 @@ def _w8a8_step(
             else:
                 part = tl.dot(a, b)
         if STEP:
-            if ASCALE == 2:
-                a_s = tl.load(a_s_base + kg)
-            else:
-                a_s = tl.full(a_s_base.shape, 1.0, tl.float32)
-            if WSCALE == 2:
-                w_s = tl.load(w_s_base + kg)
-            else:
-                w_s = tl.full(w_s_base.shape, 1.0, tl.float32)
             if SWAP_AB:
                 part = part * (w_s[:, None] * a_s[None, :])
             else:
@@ -350,7 +442,7 @@ def _w8a8_step(
 def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.constexpr):
     """Epilogue of a w8a8 GEMM: acc [BM, cols] times the scales that do not change along K
     (activation per tensor / row: a_s_base [BM]; weight per tensor / row: w_s_base [cols])."""
-    if ASCALE != 2:
+    if ASCALE < 2:
         acc = acc * tl.load(a_s_base)[:, None]
     if WSCALE != 2:
         acc = acc * tl.load(w_s_base)[None, :]
@@ -520,6 +612,7 @@ def _gate_up_kernel(
     SG: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr,
+    HALF: tl.constexpr,
     INT_DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -572,7 +665,6 @@ def _gate_up_kernel(
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
     a_s_base = xs_ptr + a_rows * stride_xs
-    n_groups = K // GROUP
     if QUANT == 5:
         gscale = tl.load(wg_ptr + expert)
     else:
@@ -585,22 +677,33 @@ def _gate_up_kernel(
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
+        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if USE_TMA:
-                b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+            if PACK == 2:
+                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
+                                  HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
-                b = _w_tile(w_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                            QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                if USE_TMA:
+                    b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+                else:
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                if QUANT == 1:
+                    c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE,
+                                          WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
+                    if ASCALE == 3:
+                        a, c1 = _quant_a_tile(a)
+                    acc = _w8a8_step(a, b, acc, c1, c2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                else:
+                    acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+            if not USE_TMA:
                 w_ptrs += BLOCK_K // PACK
-            if QUANT == 1:
-                kg = ki * BLOCK_K // GROUP
-                acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT,
-                                 SWAP_AB)  # fmt: skip
-            else:
-                acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
             a_ptrs += BLOCK_K
+            sc1, sc2 = nx1, nx2
         acc = _unswap(acc, SWAP_AB)
         if QUANT == 1:
             acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
@@ -619,29 +722,49 @@ def _gate_up_kernel(
         zu_base = wz_e + (N + n_rows) * stride_wsn
         acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         for ki in range(0, tl.cdiv(K, BLOCK_K)):
+            ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if USE_TMA:
-                bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
-                bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+            if PACK == 2:
+                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
             else:
-                bg = _w_tile(g_ptrs, sg_base, zg_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                             QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
-                bu = _w_tile(u_ptrs, su_base, zu_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                             QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
+                if USE_TMA:
+                    bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                    bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+                else:
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                if QUANT == 1:
+                    cg1, cg2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki, K, QUANT,
+                                            ASCALE, WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K,
+                                            False)  # fmt: skip
+                    cu1, cu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki, K, QUANT,
+                                            ASCALE, WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K,
+                                            False)  # fmt: skip
+                    if ASCALE == 3:
+                        a, cg1 = _quant_a_tile(a)
+                        cu1 = cg1
+                    acc_g = _w8a8_step(a, bg, acc_g, cg1, cg2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                    acc_u = _w8a8_step(a, bu, acc_u, cu1, cu2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+                else:
+                    acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
+                    acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
+            if not USE_TMA:
                 g_ptrs += BLOCK_K // PACK
                 u_ptrs += BLOCK_K // PACK
-            if QUANT == 1:
-                kg = ki * BLOCK_K // GROUP
-                acc_g = _w8a8_step(a, bg, acc_g, a_s_base, sg_base, kg, ASCALE, WSCALE, INT_DOT,
-                                   SWAP_AB)  # fmt: skip
-                acc_u = _w8a8_step(a, bu, acc_u, a_s_base, su_base, kg, ASCALE, WSCALE, INT_DOT,
-                                   SWAP_AB)  # fmt: skip
-            else:
-                acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
-                acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
             a_ptrs += BLOCK_K
+            g1, g2, u1, u2 = ng1, ng2, nu1, nu2
         acc_g = _unswap(acc_g, SWAP_AB)
         acc_u = _unswap(acc_u, SWAP_AB)
         if QUANT == 1:
@@ -711,6 +834,7 @@ def _down_kernel(
     SG: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr,
+    HALF: tl.constexpr,
     INT_DOT: tl.constexpr,
 
     USE_TMA: tl.constexpr,
@@ -755,29 +879,40 @@ def _down_kernel(
     s_base = ws_e + (offs_n // WROWS) * stride_wsn
     z_base = wz_ptr + expert.to(tl.int64) * stride_wse + offs_n * stride_wsn
     a_s_base = xs_ptr + slot * stride_xs
-    n_groups = K // GROUP
     if QUANT == 5:
         gscale = tl.load(wg_ptr + expert)
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+                            GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
     for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
         if USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
             b = _desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            b = _w_tile(b_ptrs, s_base, z_base, gscale, ki * BLOCK_K, k_left, n_groups,
-                        QUANT, EVEN_K, BLOCK_K, GROUP, SG, HAS_ZERO, DOT_DTYPE)  # fmt: skip
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K // PACK
-        if QUANT == 1:
-            kg = ki * BLOCK_K // GROUP
-            acc = _w8a8_step(a, b, acc, a_s_base, s_base, kg, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+            if PACK == 1:
+                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+        if PACK == 2:
+            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
+                              SWAP_AB, DOT_PRECISION)  # fmt: skip
+        elif QUANT == 1:
+            c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE, WSCALE,
+                                  GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
+            if ASCALE == 3:
+                a, c1 = _quant_a_tile(a)
+            acc = _w8a8_step(a, b, acc, c1, c2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
         else:
             acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+        if not USE_TMA:
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // PACK
+        sc1, sc2 = nx1, nx2
     acc = _unswap(acc, SWAP_AB)
     if QUANT == 1:
         acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)

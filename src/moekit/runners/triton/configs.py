@@ -9,7 +9,9 @@ log2 distance) wins. GEMM names and shapes:
 Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
 `moekit/configs/triton`, a table tuned with this Triton version before one tuned with
 another, then the heuristic `default_config`. A quantized format without a table of its own
-takes the unquantized config of the same shape (tuned or default) through `adapt_config`. Which one is used is logged once per shape.
+takes the unquantized config of the same shape (tuned or default) through `adapt_config`
+(also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its table was tuned for).
+Which one is used is logged once per shape.
 File format (written by `moekit tune`):
   {"key": {...}, "configs": {"<T>": {GemmConfig fields}}, "meta": {...}}
 """
@@ -87,9 +89,14 @@ class GemmConfig:
 class PipelineConfig:
     """Choices above the GEMM configs. direct_max_tokens: batches of at most this many tokens
     skip the alignment (one pair per row block; weights of an expert picked twice are read
-    twice)."""
+    twice). fuse_act_quant: with direct rows, fp8 per-token-group activations are quantized
+    inside the GEMMs (no separate quantization launches). Off: on the H100 the qwen3 fp8
+    block-wise T = 1 call measured 29.1 us with it (together with group scales loaded one
+    step ahead) against 25.5 us with neither; each program re-quantizes its 16 identical
+    rows with IEEE divisions."""
 
     direct_max_tokens: int = 1
+    fuse_act_quant: bool = False
 
 
 PIPELINE = PipelineConfig()
@@ -279,16 +286,32 @@ def quant_tag(spec) -> str:
     return name
 
 
-def adapt_config(cfg: GemmConfig, quant: str) -> GemmConfig:
-    """An unquantized config turned into a starting point for weight format `quant` (a
-    `quant_tag`): w8a8 formats read half the bytes per element, so twice the K step (at most
-    256; the runner caps it at the scale group for group-wise scales); weight-only formats keep
-    the tile (the dequantized tile is what the registers hold) and load through pointers."""
+def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
+    """An unquantized config of GEMM `gemm` turned into a starting point for weight format
+    `quant` (a `quant_tag`): w8a8 formats read half the bytes per element, so twice the K step
+    (at most 256). With per-group scales (block weights / token-group activations) the K step
+    is one group (128), and each step keeps a float32 partial product beside the
+    accumulators, so the tile is cut to half the accumulator area the bf16 config may use
+    (at most 64 x 128 per 4 warps: no register spills). Weight-only formats keep the tile (the
+    dequantized tile is what the registers hold) and load through pointers."""
     if quant == "unquantized":
         return cfg
     if quant.startswith(("fp8_w8a8", "int8_w8a8")):
+        if "block" in quant or "token_group" in quant:
+            bn, warps = cfg.block_n, cfg.num_warps
+            cols = 2 if gemm == "gate_up" else 1
+            if cfg.block_m * cols * bn > 64 * 128:
+                warps = 8
+            while cfg.block_m * cols * bn > 64 * 128 * warps // 4 and bn > 16:
+                bn //= 2
+            return replace(cfg, block_k=128, block_n=bn, num_warps=warps)
         return replace(cfg, block_k=min(2 * cfg.block_k, 256))
     return replace(cfg, tma=False)
+
+
+# A quantized format's tuned table covers batch sizes up to this multiple of its largest key
+# (tables tuned for decode only); beyond, the adapted unquantized config is used.
+QUANT_TABLE_REACH = 4
 
 
 def get_config(
@@ -308,7 +331,9 @@ def get_config(
     key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
     table = find_table(key)
     what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
-    if table is not None:
+    if table is not None and (
+        quant == "unquantized" or num_tokens <= QUANT_TABLE_REACH * max(table.configs)
+    ):
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}")
         return table.pick(num_tokens)
     if quant != "unquantized":
@@ -319,7 +344,7 @@ def get_config(
         )
         base = get_config(gemm, num_tokens, top_k, num_experts, hidden, intermediate, dtype,
                           device)  # fmt: skip
-        return adapt_config(base, quant)
+        return adapt_config(base, quant, gemm)
     log_once(
         logging.INFO,
         f"{what}: no tuned config file ({key.filename()}); using heuristic defaults "

@@ -137,17 +137,26 @@ class WeightQuant:
         wg = self.gscale if self.gscale is not None else ws
         return ws, wz, wg, self.stride_se, self.stride_sn
 
-    def meta(self, block_k: int) -> dict:
+    def half_dequant(self, act_dtype: torch.dtype) -> bool:
+        """Whether `_kernels._dequant_nibbles` may dequantize in 16-bit arithmetic for
+        activations of `act_dtype` (exact there): int4 with scales stored in the activation
+        dtype (bf16 / fp16), mxfp4 with bf16 activations (power-of-two scales)."""
+        if self.quant == k.Q_INT4:
+            return act_dtype in (torch.bfloat16, torch.float16) and self.scale.dtype == act_dtype
+        return self.quant == k.Q_MXFP4 and act_dtype == torch.bfloat16
+
+    def meta(self, block_k: int, fused_act_quant: bool = False, act_dtype=None) -> dict:
         sg = max(1, block_k // self.group) if self.quant >= k.Q_INT4 else 1
+        ascale = k.S_GROUP_FUSED if fused_act_quant else self.ascale
         return dict(
-            QUANT=self.quant, ASCALE=self.ascale, WSCALE=self.wscale, WROWS=self.wrows,
+            QUANT=self.quant, ASCALE=ascale, WSCALE=self.wscale, WROWS=self.wrows,
             GROUP=self.group, SG=sg, HAS_ZERO=self.zero is not None, PACK=self.pack,
-            INT_DOT=self.int_dot,
+            HALF=self.half_dequant(act_dtype), INT_DOT=self.int_dot,
         )  # fmt: skip
 
 
 _NO_QUANT_META = dict(QUANT=k.Q_NONE, ASCALE=0, WSCALE=0, WROWS=1, GROUP=128, SG=1,
-                      HAS_ZERO=False, PACK=1, INT_DOT=False)  # fmt: skip
+                      HAS_ZERO=False, PACK=1, HALF=False, INT_DOT=False)  # fmt: skip
 
 
 def quantize_input(
@@ -162,7 +171,8 @@ def quantize_input(
 
     scheme, dtype = spec.act_scheme, spec.act_dtype
     scale = None
-    if scheme == "dynamic_tensor":
+    if scheme == "dynamic_tensor" and (valid_rows is not None or x.device.type == "cpu"):
+        # (on a GPU without row masks, `quantize_act` takes the amax in its own kernels)
         src = x if valid_rows is None else torch.where(valid_rows[:, None], x, 0)
         scale = tensor_scale(src, dtype)
     group = spec.act_group_size or 128
@@ -287,6 +297,24 @@ class Rows:
         return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
 
+def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: torch.Tensor):
+    """Whether the GEMM quantizes its input itself (`_kernels._quant_a_tile`) instead of a
+    `quantize_input` kernel before it: fp8 per-token-group activations with one group per K
+    step, direct rows (tiny batches, where the extra launch costs more than the GEMM's
+    repeated quantization of its few rows; `PIPELINE.fuse_act_quant`), on a GPU (the Triton
+    interpreter casts to fp8 wrongly)."""
+    return (
+        PIPELINE.fuse_act_quant
+        and wq is not None
+        and wq.quant == k.Q_W8A8
+        and wq.ascale == k.S_GROUP
+        and wq.spec.act_dtype == torch.float8_e4m3fn
+        and cfg.block_k == wq.group
+        and rows.mode == k.ROWS_DIRECT
+        and a.device.type == "cuda"
+    )
+
+
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
     """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
     packed / weight-only formats load through pointers (dequantized in registers)."""
@@ -336,7 +364,8 @@ def gate_up(
             zero.zero_()
         return out
     xs = x
-    if wq is not None and wq.quant == k.Q_W8A8:
+    fused = _fuse_act_quant(wq, rows, cfg, x)
+    if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         x, xs = quantize_input(x, w.spec, rows.valid_rows())
     use_tma = _use_tma(cfg, wq) and _tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
@@ -358,7 +387,7 @@ def gate_up(
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         DOT_PRECISION=_precision(out),
-        **(wq.meta(cfg.block_k) if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg.block_k, fused, out.dtype) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
@@ -390,7 +419,8 @@ def down(
         return out
     hs = h
     dot_dtype = h.dtype
-    if wq is not None and wq.quant == k.Q_W8A8:
+    fused = _fuse_act_quant(wq, rows, cfg, h)
+    if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         h, hs = quantize_input(h, w.spec)  # unwritten rows of h are zeros for dynamic_tensor
     use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
@@ -409,7 +439,7 @@ def down(
         ROWS=rows.mode,
         ATOMIC=(not masked) and cfg.reduce == "atomic",
         DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
-        **(wq.meta(cfg.block_k) if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg.block_k, fused, dot_dtype) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
@@ -487,8 +517,8 @@ def masked_configs(capacity: int, w: ExpertWeights) -> tuple[GemmConfig, GemmCon
     H, I = w.hidden_size, w.intermediate_size
     quant = quant_tag(w.spec)
     return (
-        adapt_config(default_config("gate_up", capacity, 2 * I, H), quant),
-        adapt_config(default_config("down", capacity, H, I), quant),
+        adapt_config(default_config("gate_up", capacity, 2 * I, H), quant, "gate_up"),
+        adapt_config(default_config("down", capacity, H, I), quant, "down"),
     )
 
 
