@@ -306,7 +306,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
             lines += [f"## {device}{cap}", ""]
         shape, c = doc["shape"], doc["ceilings"]
         rel = path.relative_to(root) if path.is_relative_to(root) else path
-        commit = doc["git_commit"][:10] + (" (dirty)" if doc.get("git_dirty") else "")
+        commit = _commit_of(doc)
         lib = doc["libraries"]
         versions = ", ".join(f"{k} {lib[k]}" for k in ("torch", "triton") if k in lib)
         lines += [
@@ -317,7 +317,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
             f"{', biases' if shape['has_bias'] else ''} · ceilings: copy "
             f"{c['copy_bytes_per_s'] / 1e12:.3g} TB/s, matmul "
             f"{c['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s ({c['dtype']}) · {doc['timestamp']} · "
-            f"commit {commit} · {versions} · [json]({rel.as_posix()})"
+            f"{commit} · {versions} · [json]({rel.as_posix()})"
             + (f" · [plot]({(rel.parent / doc['plot']).as_posix()})" if doc.get("plot") else ""),
             "",
             *table_markdown(doc),
@@ -332,12 +332,25 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
 EP_SCHEMA = "moekit.bench_ep/1"
 
 
+def _newest_first(results_dir: Path) -> list[Path]:
+    """The JSON files of results_dir, newest first (names start with a UTC timestamp)."""
+    return sorted(results_dir.glob("*.json"), reverse=True)
+
+
+def _commit_of(doc: dict) -> str:
+    """'commit abc1234' of a result document: `ran_commit` (added where the recorded commit was
+    wrong) before `git_commit`, with ' (dirty)' for a tree with uncommitted changes."""
+    commit = doc.get("ran_commit") or doc.get("git_commit") or doc.get("commit") or "unknown"
+    dirty = " (dirty)" if doc.get("git_dirty") and not doc.get("ran_commit") else ""
+    return f"commit {str(commit)[:10]}{dirty}"
+
+
 def render_ep_md(results_dir: Path, root: Path) -> str:
     """The expert-parallel section: every `python -m moekit.bench_ep` JSON in results_dir."""
     from moekit.bench_ep import summary  # imports torch.distributed; only needed here
 
     lines = []
-    for path in sorted(results_dir.glob("*.json")):
+    for path in _newest_first(results_dir):
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -345,10 +358,12 @@ def render_ep_md(results_dir: Path, root: Path) -> str:
         if not isinstance(doc, dict) or doc.get("schema") != EP_SCHEMA:
             continue
         if not lines:
-            lines += ["## Expert parallelism (`python -m moekit.bench_ep` under torchrun)", ""]
+            lines += ["## Expert parallelism (`python -m moekit.bench_ep` under torchrun)", "",
+                      "Newest run first.", ""]
         rel = path.relative_to(root) if path.is_relative_to(root) else path
         lines += [f"[{rel.as_posix()}]({rel.as_posix()}) · {doc['timestamp']} · "
-                  f"fp8 dispatch: {doc['args'].get('fp8')}", "", "```", summary(doc), "```", ""]
+                  f"{_commit_of(doc)} · fp8 dispatch: {doc['args'].get('fp8')}", "", "```",
+                  summary(doc), "```", ""]
     return "\n".join(lines)
 
 
@@ -356,7 +371,7 @@ def render_script_md(results_dir: Path, root: Path) -> str:
     """Sections for the GPU scripts' JSON (scripts/gpu_triton_kernel.py: `triton_kernel` against
     `triton`; scripts/gpu_triton_quant.py: quantized against bf16, with the issue's targets)."""
     lines = []
-    for path in sorted(results_dir.glob("*.json")):
+    for path in _newest_first(results_dir):
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -364,10 +379,11 @@ def render_script_md(results_dir: Path, root: Path) -> str:
         if not isinstance(doc, dict):
             continue
         rel = (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
+        link = f"[{rel}]({rel}) · {_commit_of(doc)}"
         points = doc.get("points") or []
         if points and "triton_kernel_ms" in points[0]:
             lines += [f"## `triton_kernel` against `triton` ({doc.get('device')}, "
-                      "scripts/gpu_triton_kernel.py)", "", f"[{rel}]({rel}) · time / floor", "",
+                      "scripts/gpu_triton_kernel.py)", "", f"{link} · time / floor", "",
                       "| shape | T | triton | triton_kernel | speed-up of triton_kernel |",
                       "|---|---:|---|---|---|"]
             lines += [f"| {p['model']} | {p['T']} | {p['triton_over_floor']:.2f}x | "
@@ -375,7 +391,7 @@ def render_script_md(results_dir: Path, root: Path) -> str:
             lines.append("")
         elif isinstance(doc.get("summary"), list) and "targets" in doc:
             lines += [f"## Quantized `triton` against bf16 `triton` ({doc.get('device')}, "
-                      "scripts/gpu_triton_quant.py)", "", f"[{rel}]({rel})", "",
+                      "scripts/gpu_triton_quant.py)", "", link, "",
                       "| what | measured | target | met |", "|---|---:|---|---|"]
             lines += [f"| {r['what']} | {r['value']} | {r['target']} | "
                       f"{'yes' if r['met'] else 'no'} |" for r in doc["summary"]]
