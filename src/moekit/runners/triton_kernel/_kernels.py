@@ -175,12 +175,22 @@ def _w_tile(w_ptrs, w_desc, row, k0, k_left, USE_TMA: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
+def _zero_fill(ptr, numel, pid, num_programs, ZBLOCK: tl.constexpr):
+    """Grid-stride zeroing of ptr[0:numel]."""
+    for start in range(pid * ZBLOCK, numel, num_programs * ZBLOCK):
+        offs = start + tl.arange(0, ZBLOCK)
+        tl.store(ptr + offs, tl.zeros([ZBLOCK], dtype=ptr.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
     b_ptr,
     h_ptr,
+    zero_ptr,
+    zero_numel,
     sorted_pairs_ptr,
     tile_expert_ptr,
     tile_row0_ptr,
@@ -206,16 +216,25 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ZERO_OUT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """h[row, n] = act(x[token] @ w13[e, gate(n)] + b, x[token] @ w13[e, up(n)] + b), n < N = I,
     for each sorted row (token = sorted_pairs[row] // top_k). x [T, K=H], w13 [E, 2I, H]: gate
     rows n and up rows I + n, or (INTERLEAVED) 2n and 2n + 1; w_desc: w13 viewed [E * 2I, H]
-    with block [BLOCK_N, BLOCK_K] ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [P, I]."""
+    with block [BLOCK_N, BLOCK_K] ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [P, I].
+    ZERO_OUT: first zero zero_ptr[0:zero_numel] (the output the atomic down GEMM adds into).
+    FLATTEN / WARP_SPEC: the work loop's `tl.range` flags (pipelining across work items,
+    automatic warp specialization)."""
+    if ZERO_OUT:
+        _zero_fill(zero_ptr, zero_numel, tl.program_id(0), tl.num_programs(0), 1024)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0)):
+    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=FLATTEN,
+                      warp_specialize=WARP_SPEC):
         expert, row0, nrows, pid_n = _work_tile(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
@@ -294,6 +313,7 @@ def _down_kernel(
     tile_row0_ptr,
     tile_rows_ptr,
     num_tiles_ptr,
+    top_k,
     N,
     K,
     stride_hm,
@@ -309,17 +329,23 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """y[pair, n] = weight[pair] * (h[row] @ w2[e, n] + b2[e, n]) for each sorted row
     (pair = sorted_pairs[row]), N = H columns, K = I. h [P, I] in sorted row order (rows of a
     tile are contiguous: h_desc, block [BLOCK_M, BLOCK_K], reads them by TMA; rows past the
     tile's end are read but not stored). w_desc: w2 viewed [E * H, I], block [BLOCK_N,
-    BLOCK_K]. y [P, H]: rows of masked pairs are not written."""
+    BLOCK_K]. y [P, H]: rows of masked pairs are not written. ATOMIC: instead add the weighted
+    row into y[token = pair // top_k] (y [T, H], zeroed before): the sum over K fused into
+    the epilogue, in a run-dependent order."""
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0)):
+    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=FLATTEN,
+                      warp_specialize=WARP_SPEC):
         expert, row0, nrows, pid_n = _work_tile(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
@@ -350,6 +376,13 @@ def _down_kernel(
         pair = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         n_out = n0 + tl.arange(0, BLOCK_N)
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + n_out[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (n_out[None, :] < N))  # fmt: skip
+        mask = row_ok[:, None] & (n_out[None, :] < N)
+        if ATOMIC:
+            y_rows = (pair // top_k).to(tl.int64)
+        else:
+            y_rows = pair.to(tl.int64)
+        y_ptrs = y_ptr + y_rows[:, None] * stride_ym + n_out[None, :]
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
