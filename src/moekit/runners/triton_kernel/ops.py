@@ -95,12 +95,19 @@ def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int) -> in
     return max(1, min(n, work_bound))
 
 
+def _launch(kernel, grid, warmup: bool):
+    """kernel[grid], or its compile-only twin (`JITFunction.warmup`) when warmup."""
+    if warmup:
+        return functools.partial(kernel.warmup, grid=grid)
+    return kernel[grid]
+
+
 def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
             cfg: KernelConfig, top_k: int, out: torch.Tensor | None = None,
-            zero: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            zero: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:  # fmt: skip
     """h [P, I] in sorted row order: h[row] = act(x[token(row)] @ w13[e].T + b13[e]); rows past
     the valid pairs are left unwritten. `zero` (contiguous): a tensor the launch also zeroes
-    (the atomic down GEMM's output)."""
+    (the atomic down GEMM's output). warmup: compile only (nothing runs)."""
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     t = cfg.gate_up
     if out is None:
@@ -111,7 +118,7 @@ def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
     w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, t.block_k]) if use_tma else None
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
-    k._gate_up_kernel[grid](
+    _launch(k._gate_up_kernel, grid, warmup)(
         x, w.w13, w_desc, b13, out, zero_t, zero.numel() if zero is not None else 0,
         r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
         r.num_tiles, top_k, I, H,
@@ -127,11 +134,12 @@ def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
 
 
 def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
-         topk_weights: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+         topk_weights: torch.Tensor, top_k: int, out: torch.Tensor | None = None,
+         warmup: bool = False) -> torch.Tensor:  # fmt: skip
     """reduce 'sum': y [P, H] by pair: y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]);
     rows of masked pairs are left unwritten. reduce 'atomic': those rows are added into out
     [T = P / top_k, H], which must be zeroed before (and is required). topk_weights: [P]
-    float32."""
+    float32. warmup: compile only."""
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     t = cfg.down
     atomic = cfg.reduce == "atomic"
@@ -146,7 +154,7 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
         h_desc = _desc(h, [cfg.block_m, t.block_k])
         w_desc = _desc(w.w2.view(E * H, I), [t.block_n, t.block_k])
     b2 = w.b2 if w.b2 is not None else w.w2
-    k._down_kernel[grid](
+    _launch(k._down_kernel, grid, warmup)(
         h, h_desc, w.w2, w_desc, b2, out, topk_weights, r.sorted_pairs, r.tile_expert,
         r.tile_row0, r.tile_rows, r.num_tiles, top_k, H, I,
         h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
