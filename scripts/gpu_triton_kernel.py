@@ -67,13 +67,13 @@ def reference_fp32(x, topk, w, act):
     return run_standard(x.float(), TopKOutput(topk.weights, ids), w32, act)
 
 
-def candidates(base, large=None):
+def candidates(base, large=None, interleaved=False):
     """{name: config}: the large-batch base (atomic reduction, down 128 x 256 tiles, gate_up
     4 stages) made from `large` (the heuristic's largest tiles, clamped) or else `base`, single
     moves away from it, and (if `large` differs from base) the base made from `base`."""
     extra = {}
     if large is not None and large != base:
-        extra = {"mid_base": candidates(base)["base"]}
+        extra = {"mid_base": candidates(base, interleaved=interleaved)["base"]}
         base = large
     g, d = base.gate_up, base.down
     b = replace(base, reduce="atomic", gate_up=replace(g, num_stages=4),
@@ -94,6 +94,7 @@ def candidates(base, large=None):
         "group_m=4": replace(b, group_m=4),
         "both_flatten": replace(b, gate_up=replace(g, flatten=True), down=replace(d, flatten=True)),
         **extra,
+        **({"interleaved_one_tile": replace(b, interleaved_one_tile=True)} if interleaved else {}),
     }
 
 
@@ -106,7 +107,7 @@ def combine(base, winners: dict):
             ch = {f: getattr(theirs, f) for f in ref.__dataclass_fields__
                   if getattr(theirs, f) != getattr(ref, f)}  # fmt: skip
             out = replace(out, **{part: replace(mine, **ch)})
-        for f in ("block_m", "group_m", "programs_per_sm", "tma", "reduce"):
+        for f in ("block_m", "group_m", "programs_per_sm", "tma", "reduce", "interleaved_one_tile"):
             if getattr(cfg, f) != getattr(base, f):
                 out = replace(out, **{f: getattr(cfg, f)})
     return out
@@ -244,7 +245,7 @@ def tune(args, models, sizes, get_shape, dev, dtype, ceil, bench, result, save, 
             ref = reference_fp32(x, topk, w, act)
             heur = heuristic_config(T, K, E, H, I, act.interleaved)
             large = heuristic_config(1 << 30, K, E, H, I, act.interleaved)
-            cands = candidates(heur, large)
+            cands = candidates(heur, large, act.interleaved)
             if not args.ws:
                 cands = {n: c for n, c in cands.items() if not n.endswith("_ws")}
             t0 = time.time()
@@ -461,7 +462,9 @@ def main() -> int:
                 del ref, y_tk
                 ms_tk = bench.time_ms(lambda: tk_ops.fused_moe(x, topk, w, shape.act), dev)
                 cfg = config_for(T, shape.top_k, shape.num_experts, shape.hidden,
-                                 shape.intermediate, shape.act.interleaved)  # fmt: skip
+                                 shape.intermediate, shape.act.interleaved, shape.act.name,
+                                 str(dtype).removeprefix("torch."),
+                                 torch.cuda.get_device_name(dev) if dev.type == "cuda" else None)  # fmt: skip
                 good = err_tk < TOL  # the triton runner's error is reported, not ours to fail
                 ok &= good
                 pt = dict(model=model, T=T, E=shape.num_experts, K=shape.top_k, H=shape.hidden,

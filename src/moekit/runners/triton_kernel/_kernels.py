@@ -187,6 +187,7 @@ def _gate_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
+    w_desc_up,
     b_ptr,
     h_ptr,
     zero_ptr,
@@ -209,6 +210,7 @@ def _gate_up_kernel(
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    ONE_TILE: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -222,8 +224,12 @@ def _gate_up_kernel(
 ):
     """h[row, n] = act(x[token] @ w13[e, gate(n)] + b, x[token] @ w13[e, up(n)] + b), n < N = I,
     for each sorted row (token = sorted_pairs[row] // top_k). x [T, K=H], w13 [E, 2I, H]: gate
-    rows n and up rows I + n, or (INTERLEAVED) 2n and 2n + 1; w_desc: w13 viewed [E * 2I, H]
-    with block [BLOCK_N, BLOCK_K] ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [P, I].
+    rows n and up rows I + n, or (INTERLEAVED) 2n and 2n + 1. Two accumulators (gate, up);
+    TMA (USE_TMA): w_desc = w_desc_up = w13 viewed [E * 2I, H], block [BLOCK_N, BLOCK_K]; or,
+    interleaved, w_desc = the gate rows and w_desc_up = the up rows, each viewed [E * I, H] with
+    a row stride of 2H. INTERLEAVED and ONE_TILE: instead one accumulator over 2 * BLOCK_N
+    consecutive rows, split in the epilogue (w_desc [E * 2I, H], block [2 * BLOCK_N, BLOCK_K]).
+    h [P, I].
     ZERO_OUT: first zero zero_ptr[0:zero_numel] (the output the atomic down GEMM adds into).
     FLATTEN / WARP_SPEC: the work loop's `tl.range` flags (pipelining across work items,
     automatic warp specialization)."""
@@ -246,7 +252,7 @@ def _gate_up_kernel(
         n0 = pid_n * BLOCK_N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         e_row = expert * (2 * N)
-        if INTERLEAVED:
+        if INTERLEAVED and ONE_TILE:
             wrows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
             w_ptrs = w_base + wrows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
@@ -269,8 +275,18 @@ def _gate_up_kernel(
             acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         else:
             n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
-            g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-            u_ptrs = g_ptrs + N * stride_wn
+            if INTERLEAVED:  # gate row 2n, up row 2n + 1; TMA: w_desc / w_desc_up [E * I, H]
+                g_rows = 2 * n_rows
+                u_step = 1
+                g_row0 = expert * N + n0
+                u_row0 = g_row0
+            else:  # gate row n, up row I + n; TMA: w_desc [E * 2I, H] for both
+                g_rows = n_rows
+                u_step = N
+                g_row0 = e_row + n0
+                u_row0 = e_row + N + n0
+            g_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            u_ptrs = g_ptrs + u_step * stride_wn
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(0, tl.cdiv(K, BLOCK_K)):
@@ -279,10 +295,10 @@ def _gate_up_kernel(
                     a = tl.load(a_ptrs)
                 else:
                     a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                bg = _w_tile(g_ptrs, w_desc, e_row + n0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
+                bg = _w_tile(g_ptrs, w_desc, g_row0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
                              BLOCK_K)  # fmt: skip
-                bu = _w_tile(u_ptrs, w_desc, e_row + N + n0, ki * BLOCK_K, k_left, USE_TMA,
-                             EVEN_K, BLOCK_K)  # fmt: skip
+                bu = _w_tile(u_ptrs, w_desc_up, u_row0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
+                             BLOCK_K)  # fmt: skip
                 acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
@@ -290,8 +306,8 @@ def _gate_up_kernel(
                 u_ptrs += BLOCK_K
             if HAS_BIAS:
                 b_base = b_ptr + expert.to(tl.int64) * stride_be
-                acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
-                acc_u += tl.load(b_base + N + n_rows).to(tl.float32)[None, :]
+                acc_g += tl.load(b_base + g_rows).to(tl.float32)[None, :]
+                acc_u += tl.load(b_base + g_rows + u_step).to(tl.float32)[None, :]
         act = _activate(acc_g, acc_u, alpha, limit, ACT)
         n_out = n0 + tl.arange(0, BLOCK_N)
         h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n_out[None, :]

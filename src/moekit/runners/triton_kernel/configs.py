@@ -61,7 +61,10 @@ class KernelConfig:
     strides allow (pointer loads otherwise); reduce: how the K rows of a token are summed,
     'sum' (down stores each pair's row, then a deterministic kernel sums them: bit-exact
     run to run) or 'atomic' (down's epilogue adds each row into the zeroed output: no [P, H]
-    intermediate, the order of the bf16 additions varies between runs)."""
+    intermediate, the order of the bf16 additions varies between runs); interleaved_one_tile
+    (interleaved gate/up weights only): gate_up holds one accumulator over 2 * block_n
+    consecutive weight rows and splits it in the epilogue, instead of two accumulators over the
+    strided gate rows (2n) and up rows (2n + 1)."""
 
     block_m: int = 64
     gate_up: Tile = field(default_factory=Tile)
@@ -70,6 +73,7 @@ class KernelConfig:
     programs_per_sm: int = 1
     tma: bool = True
     reduce: str = "sum"
+    interleaved_one_tile: bool = False
 
     def __post_init__(self) -> None:
         if not _pow2(self.block_m):

@@ -113,18 +113,31 @@ def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
     if out is None:
         out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
     grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n)),)
-    rows_per_tile = 2 * t.block_n if act.interleaved else t.block_n
+    one_tile = act.interleaved and cfg.interleaved_one_tile
+    rows_per_tile = 2 * t.block_n if one_tile else t.block_n
     use_tma = cfg.tma and rows_per_tile <= 256 and _tma_ok(w.w13)
-    w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, t.block_k]) if use_tma else None
+    w_desc = w_desc_up = None
+    if use_tma and act.interleaved and not one_tile:
+        # gate rows 2n and up rows 2n + 1 as two [E * I, H] views with row stride 2H
+        use_tma = (H * w.w13.element_size()) % 16 == 0
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            block = [t.block_n, t.block_k]
+            w_desc = TensorDescriptor(w.w13, [E * I, H], [2 * H, 1], block)
+            w_desc_up = TensorDescriptor(w.w13.view(-1)[H:], [E * I, H], [2 * H, 1], block)
+    elif use_tma:
+        w_desc = w_desc_up = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, t.block_k])
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
     _launch(k._gate_up_kernel, grid, warmup)(
-        x, w.w13, w_desc, b13, out, zero_t, zero.numel() if zero is not None else 0,
+        x, w.w13, w_desc, w_desc_up, b13, out, zero_t, zero.numel() if zero is not None else 0,
         r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
         r.num_tiles, top_k, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         float(act.alpha), float(act.limit),
         ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
+        ONE_TILE=one_tile,
         USE_TMA=use_tma, EVEN_K=H % t.block_k == 0, DOT_PRECISION=_precision(x),
         BLOCK_M=cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=cfg.group_m,
         ZERO_OUT=zero is not None, FLATTEN=t.flatten, WARP_SPEC=t.warp_specialize,
