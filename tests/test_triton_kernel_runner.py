@@ -169,6 +169,8 @@ CASES = [
     Case("atomic-fp16-one-expert", config=ATOMIC, T=9, K=3, one_expert=True, dtype=torch.float16),
     Case("atomic-pointers-odd", config=ATOMIC_PTR, T=13, H=40, I=24, E=3, masked=0.3),
     Case("atomic-all-masked", config=ATOMIC, T=5, masked=1.0),
+    Case("hardware-scheduled-grid", config=replace(ATOMIC, gate_up=Tile(16, 16, persistent=False),
+         down=Tile(16, 32, persistent=False)), T=20, masked=0.2, K=3),  # fmt: skip
     Case("one-tile-interleaved-tma", config=replace(SMALL, interleaved_one_tile=True), T=20,
          act="swiglu_oai", interleaved=True, bias=True),  # fmt: skip
     Case("one-tile-interleaved-pointers", config=replace(POINTERS, interleaved_one_tile=True),

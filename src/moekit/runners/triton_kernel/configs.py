@@ -30,7 +30,10 @@ class Tile:
     rows), reduction step block_k, warps and software-pipeline stages; flatten /
     warp_specialize: the persistent work loop's `tl.range` flags (flatten: one software
     pipeline across work items, so the next item's loads overlap this one's epilogue;
-    warp_specialize: Triton's automatic producer / consumer warp split)."""
+    warp_specialize: Triton's automatic producer / consumer warp split); persistent: a grid of
+    SMs * programs_per_sm programs that loop over the work items (False: one program per
+    possible work item, the ones past the routing's items exit at once, and the hardware
+    schedules the rest)."""
 
     block_n: int = 64
     block_k: int = 64
@@ -38,6 +41,7 @@ class Tile:
     num_stages: int = 3
     flatten: bool = False
     warp_specialize: bool = False
+    persistent: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -47,7 +51,7 @@ class Tile:
             raise ValueError(f"Tile.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"Tile.num_stages must be in 1..8, got {self.num_stages!r}")
-        for name in ("flatten", "warp_specialize"):
+        for name in ("flatten", "warp_specialize", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tile.{name} must be true or false, got {getattr(self, name)!r}")
 

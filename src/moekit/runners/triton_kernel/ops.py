@@ -84,9 +84,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int) -> int:
-    """Persistent grid size: SMs * programs_per_sm (ROUTING.cpu_programs in the interpreter),
-    at most the worst-case number of work items, at least 1."""
+def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int,
+                 persistent: bool = True) -> int:  # fmt: skip
+    """Grid size: persistent, SMs * programs_per_sm (ROUTING.cpu_programs in the interpreter),
+    at most the worst-case number of work items, at least 1; else that worst case."""
+    if not persistent:
+        return max(1, work_bound)
     if device.type == "cuda":
         n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         n *= cfg.programs_per_sm
@@ -112,7 +115,7 @@ def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
     t = cfg.gate_up
     if out is None:
         out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
-    grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n)),)
+    grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n), t.persistent),)
     one_tile = act.interleaved and cfg.interleaved_one_tile
     rows_per_tile = 2 * t.block_n if one_tile else t.block_n
     use_tma = cfg.tma and rows_per_tile <= 256 and _tma_ok(w.w13)
@@ -160,7 +163,7 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
         if atomic:
             raise ValueError("down with reduce='atomic' needs out: a zeroed [T, H] tensor")
         out = torch.empty(r.num_pairs, H, dtype=h.dtype, device=h.device)
-    grid = (num_programs(h.device, cfg, r.max_tiles * triton.cdiv(H, t.block_n)),)
+    grid = (num_programs(h.device, cfg, r.max_tiles * triton.cdiv(H, t.block_n), t.persistent),)
     use_tma = cfg.tma and _tma_ok(w.w2, h)
     h_desc = w_desc = None
     if use_tma:
