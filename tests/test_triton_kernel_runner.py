@@ -12,7 +12,6 @@ import torch
 
 pytest.importorskip("triton")
 import triton  # noqa: E402
-
 from helpers import TOLERANCE, rel_err  # noqa: E402
 
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402

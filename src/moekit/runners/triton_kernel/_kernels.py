@@ -10,12 +10,13 @@ Routing (a stable counting sort of the pairs by expert, no padding):
                        offsets, the number of work tiles
   _scatter_kernel      one program per chunk: sorted_pairs[offsets[e] + base[c, e] + rank] = p,
                        and a slice of the work tile list (expert, first row, rows) of BM rows
-Grouped GEMMs, persistent (a fixed grid loops over (tile, column block) work items whose number
-is read on device):
+Grouped GEMMs over (tile, column block) work items whose number is read on device (a fixed
+persistent grid loops over them, or one program per possible item):
   _gate_up_kernel      h[row] = act(x[token(row)] @ w13[e].T + b13[e]); the token gather is the
                        A-operand load, the activation the epilogue; h in sorted row order
   _down_kernel         y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]); the scatter
-                       back to pair order is the epilogue's store (then a sum over K per token)
+                       back to pair order is the epilogue's store (then a sum over K per token),
+                       or (ATOMIC) an atomic add into out[token(row)]
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class KernelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KernelConfig":
+    def from_dict(cls, d: dict) -> KernelConfig:
         """Inverse of `to_dict`; unknown keys are an error naming them."""
         d = dict(d)
         tiles = {}
