@@ -2,11 +2,16 @@
 
 Design (not a re-tuned `triton`): the (token, k) pairs are counting-sorted by expert on device
 with no padded alignment buffer (`routing.py`: per-expert offsets, and the work tiles
-enumerated from the per-expert counts, their number kept on device); two persistent grouped
-GEMMs (grid = SMs) loop over (tile, column block) work items: gate_up gathers the tokens' rows
-of x in its operand load and applies the activation in its epilogue; down applies the routing
-weight and scatters each row back to its pair in its epilogue; a deterministic kernel sums the
-K rows of each token (`ops.py` says why not atomics). Configs are data (`configs.py`).
+enumerated from the per-expert counts, their number kept on device); two grouped GEMMs over
+(tile, column block) work items, by default persistent (grid = SMs, each program loops over
+items; a config can instead launch one program per possible item): gate_up gathers the tokens'
+rows of x in its operand load and applies the activation in its epilogue (interleaved gate/up
+weights are read through two strided TMA views, so no accumulator split is needed); down
+applies the routing weight and either adds each row into the output with atomics in its
+epilogue (reduce 'atomic': the top-k sum fused, the output zeroed by the gate_up launch) or
+stores rows by pair for a deterministic sum kernel (reduce 'sum', bit-reproducible). Configs
+are data (`configs.py`): tuned tables per shape / device shipped in
+src/moekit/configs/triton_kernel/, a heuristic table elsewhere.
 
 Supports: the standard dispatch format (not masked), unquantized weights, activations silu /
 gelu / swiglu_oai, biases, interleaved gate/up, float16 / bfloat16 (and float32), on CUDA

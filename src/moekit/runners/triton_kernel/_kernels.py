@@ -10,12 +10,13 @@ Routing (a stable counting sort of the pairs by expert, no padding):
                        offsets, the number of work tiles
   _scatter_kernel      one program per chunk: sorted_pairs[offsets[e] + base[c, e] + rank] = p,
                        and a slice of the work tile list (expert, first row, rows) of BM rows
-Grouped GEMMs, persistent (a fixed grid loops over (tile, column block) work items whose number
-is read on device):
+Grouped GEMMs over (tile, column block) work items whose number is read on device (a fixed
+persistent grid loops over them, or one program per possible item):
   _gate_up_kernel      h[row] = act(x[token(row)] @ w13[e].T + b13[e]); the token gather is the
                        A-operand load, the activation the epilogue; h in sorted row order
   _down_kernel         y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]); the scatter
-                       back to pair order is the epilogue's store (then a sum over K per token)
+                       back to pair order is the epilogue's store (then a sum over K per token),
+                       or (ATOMIC) an atomic add into out[token(row)]
 """
 
 from __future__ import annotations
@@ -175,12 +176,23 @@ def _w_tile(w_ptrs, w_desc, row, k0, k_left, USE_TMA: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
+def _zero_fill(ptr, numel, pid, num_programs, ZBLOCK: tl.constexpr):
+    """Grid-stride zeroing of ptr[0:numel]."""
+    for start in range(pid * ZBLOCK, numel, num_programs * ZBLOCK):
+        offs = start + tl.arange(0, ZBLOCK)
+        tl.store(ptr + offs, tl.zeros([ZBLOCK], dtype=ptr.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
+    w_desc_up,
     b_ptr,
     h_ptr,
+    zero_ptr,
+    zero_numel,
     sorted_pairs_ptr,
     tile_expert_ptr,
     tile_row0_ptr,
@@ -199,6 +211,7 @@ def _gate_up_kernel(
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    ONE_TILE: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -206,16 +219,29 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ZERO_OUT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """h[row, n] = act(x[token] @ w13[e, gate(n)] + b, x[token] @ w13[e, up(n)] + b), n < N = I,
     for each sorted row (token = sorted_pairs[row] // top_k). x [T, K=H], w13 [E, 2I, H]: gate
-    rows n and up rows I + n, or (INTERLEAVED) 2n and 2n + 1; w_desc: w13 viewed [E * 2I, H]
-    with block [BLOCK_N, BLOCK_K] ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [P, I]."""
+    rows n and up rows I + n, or (INTERLEAVED) 2n and 2n + 1. Two accumulators (gate, up);
+    TMA (USE_TMA): w_desc = w_desc_up = w13 viewed [E * 2I, H], block [BLOCK_N, BLOCK_K]; or,
+    interleaved, w_desc = the gate rows and w_desc_up = the up rows, each viewed [E * I, H] with
+    a row stride of 2H. INTERLEAVED and ONE_TILE: instead one accumulator over 2 * BLOCK_N
+    consecutive rows, split in the epilogue (w_desc [E * 2I, H], block [2 * BLOCK_N, BLOCK_K]).
+    h [P, I].
+    ZERO_OUT: first zero zero_ptr[0:zero_numel] (the output the atomic down GEMM adds into).
+    FLATTEN / WARP_SPEC: the work loop's `tl.range` flags (pipelining across work items,
+    automatic warp specialization)."""
+    if ZERO_OUT:
+        _zero_fill(zero_ptr, zero_numel, tl.program_id(0), tl.num_programs(0), 1024)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0)):
+    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=FLATTEN,
+                      warp_specialize=WARP_SPEC):
         expert, row0, nrows, pid_n = _work_tile(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
@@ -227,7 +253,7 @@ def _gate_up_kernel(
         n0 = pid_n * BLOCK_N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         e_row = expert * (2 * N)
-        if INTERLEAVED:
+        if INTERLEAVED and ONE_TILE:
             wrows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
             w_ptrs = w_base + wrows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
@@ -250,8 +276,18 @@ def _gate_up_kernel(
             acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         else:
             n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
-            g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-            u_ptrs = g_ptrs + N * stride_wn
+            if INTERLEAVED:  # gate row 2n, up row 2n + 1; TMA: w_desc / w_desc_up [E * I, H]
+                g_rows = 2 * n_rows
+                u_step = 1
+                g_row0 = expert * N + n0
+                u_row0 = g_row0
+            else:  # gate row n, up row I + n; TMA: w_desc [E * 2I, H] for both
+                g_rows = n_rows
+                u_step = N
+                g_row0 = e_row + n0
+                u_row0 = e_row + N + n0
+            g_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            u_ptrs = g_ptrs + u_step * stride_wn
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(0, tl.cdiv(K, BLOCK_K)):
@@ -260,10 +296,10 @@ def _gate_up_kernel(
                     a = tl.load(a_ptrs)
                 else:
                     a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                bg = _w_tile(g_ptrs, w_desc, e_row + n0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
+                bg = _w_tile(g_ptrs, w_desc, g_row0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
                              BLOCK_K)  # fmt: skip
-                bu = _w_tile(u_ptrs, w_desc, e_row + N + n0, ki * BLOCK_K, k_left, USE_TMA,
-                             EVEN_K, BLOCK_K)  # fmt: skip
+                bu = _w_tile(u_ptrs, w_desc_up, u_row0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
+                             BLOCK_K)  # fmt: skip
                 acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
@@ -271,8 +307,8 @@ def _gate_up_kernel(
                 u_ptrs += BLOCK_K
             if HAS_BIAS:
                 b_base = b_ptr + expert.to(tl.int64) * stride_be
-                acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
-                acc_u += tl.load(b_base + N + n_rows).to(tl.float32)[None, :]
+                acc_g += tl.load(b_base + g_rows).to(tl.float32)[None, :]
+                acc_u += tl.load(b_base + g_rows + u_step).to(tl.float32)[None, :]
         act = _activate(acc_g, acc_u, alpha, limit, ACT)
         n_out = n0 + tl.arange(0, BLOCK_N)
         h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n_out[None, :]
@@ -294,6 +330,7 @@ def _down_kernel(
     tile_row0_ptr,
     tile_rows_ptr,
     num_tiles_ptr,
+    top_k,
     N,
     K,
     stride_hm,
@@ -309,17 +346,23 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """y[pair, n] = weight[pair] * (h[row] @ w2[e, n] + b2[e, n]) for each sorted row
     (pair = sorted_pairs[row]), N = H columns, K = I. h [P, I] in sorted row order (rows of a
     tile are contiguous: h_desc, block [BLOCK_M, BLOCK_K], reads them by TMA; rows past the
     tile's end are read but not stored). w_desc: w2 viewed [E * H, I], block [BLOCK_N,
-    BLOCK_K]. y [P, H]: rows of masked pairs are not written."""
+    BLOCK_K]. y [P, H]: rows of masked pairs are not written. ATOMIC: instead add the weighted
+    row into y[token = pair // top_k] (y [T, H], zeroed before): the sum over K fused into
+    the epilogue, in a run-dependent order."""
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0)):
+    for w in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=FLATTEN,
+                      warp_specialize=WARP_SPEC):
         expert, row0, nrows, pid_n = _work_tile(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
@@ -350,6 +393,13 @@ def _down_kernel(
         pair = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         n_out = n0 + tl.arange(0, BLOCK_N)
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + n_out[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (n_out[None, :] < N))  # fmt: skip
+        mask = row_ok[:, None] & (n_out[None, :] < N)
+        if ATOMIC:
+            y_rows = (pair // top_k).to(tl.int64)
+        else:
+            y_rows = pair.to(tl.int64)
+        y_ptrs = y_ptr + y_rows[:, None] * stride_ym + n_out[None, :]
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

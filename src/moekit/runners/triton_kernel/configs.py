@@ -1,14 +1,23 @@
 """Kernel configs of the `triton_kernel` runner as data, and the one function that picks one.
 
-A call's config depends on the mean rows per expert, T*K/E (so, for a given layer shape, on the
-batch size): `HEURISTIC` is a table of (upper bound on rows per expert, config), first match
-wins; the blocks are then clamped to the GEMM's size (`config_for`). Written for Hopper (H100:
-wgmma wants BLOCK_M >= 64, 132 SMs, 227 KB shared memory) and correct anywhere.
+`config_for` first looks for a tuned table shipped for the layer shape, dtype, device and
+Triton version (src/moekit/configs/triton_kernel/*.json, {batch size: config}, written by
+`scripts/gpu_triton_kernel.py --tune` on the GPU); without one (or with no tuned batch size
+within a factor 2), `heuristic_config` applies: it depends on the mean rows per expert, T*K/E,
+through `HEURISTIC`, a table of (upper bound on rows per expert, config), first match wins,
+the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma wants BLOCK_M >=
+64, 132 SMs, 227 KB shared memory) and correct anywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+REDUCES = ("sum", "atomic")
 
 
 def _pow2(v) -> bool:
@@ -18,12 +27,21 @@ def _pow2(v) -> bool:
 @dataclass(frozen=True)
 class Tile:
     """One GEMM's column block (block_n: output columns; gate_up reads 2 * block_n weight
-    rows), reduction step block_k, warps and software-pipeline stages."""
+    rows), reduction step block_k, warps and software-pipeline stages; flatten /
+    warp_specialize: the persistent work loop's `tl.range` flags (flatten: one software
+    pipeline across work items, so the next item's loads overlap this one's epilogue;
+    warp_specialize: Triton's automatic producer / consumer warp split); persistent: a grid of
+    SMs * programs_per_sm programs that loop over the work items (False: one program per
+    possible work item, the ones past the routing's items exit at once, and the hardware
+    schedules the rest)."""
 
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    flatten: bool = False
+    warp_specialize: bool = False
+    persistent: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -33,6 +51,9 @@ class Tile:
             raise ValueError(f"Tile.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"Tile.num_stages must be in 1..8, got {self.num_stages!r}")
+        for name in ("flatten", "warp_specialize", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tile.{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -41,7 +62,13 @@ class KernelConfig:
     tiles); group_m: work tiles that share a weight column block in program order (L2 reuse);
     programs_per_sm: persistent programs per SM (grid = SMs * this, fewer if there is less
     work); tma: load weights (and, in down, the intermediate) through TMA descriptors where
-    strides allow (pointer loads otherwise)."""
+    strides allow (pointer loads otherwise); reduce: how the K rows of a token are summed,
+    'sum' (down stores each pair's row, then a deterministic kernel sums them: bit-exact
+    run to run) or 'atomic' (down's epilogue adds each row into the zeroed output: no [P, H]
+    intermediate, the order of the bf16 additions varies between runs); interleaved_one_tile
+    (interleaved gate/up weights only): gate_up holds one accumulator over 2 * block_n
+    consecutive weight rows and splits it in the epilogue, instead of two accumulators over the
+    strided gate rows (2n) and up rows (2n + 1)."""
 
     block_m: int = 64
     gate_up: Tile = field(default_factory=Tile)
@@ -49,6 +76,8 @@ class KernelConfig:
     group_m: int = 8
     programs_per_sm: int = 1
     tma: bool = True
+    reduce: str = "sum"
+    interleaved_one_tile: bool = False
 
     def __post_init__(self) -> None:
         if not _pow2(self.block_m):
@@ -59,6 +88,29 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.programs_per_sm must be in 1..8, got {self.programs_per_sm!r}"
             )
+        if self.reduce not in REDUCES:
+            raise ValueError(
+                f"KernelConfig.reduce must be one of {', '.join(REDUCES)}, got {self.reduce!r}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KernelConfig:
+        """Inverse of `to_dict`; unknown keys are an error naming them."""
+        d = dict(d)
+        tiles = {}
+        for name in ("gate_up", "down"):
+            t = dict(d.pop(name, {}))
+            bad = set(t) - {f.name for f in fields(Tile)}
+            if bad:
+                raise ValueError(f"Tile: unknown keys {sorted(bad)}")
+            tiles[name] = Tile(**t)
+        bad = set(d) - {f.name for f in fields(cls)}
+        if bad:
+            raise ValueError(f"KernelConfig: unknown keys {sorted(bad)}")
+        return cls(**d, **tiles)
 
 
 @dataclass(frozen=True)
@@ -92,8 +144,8 @@ def _clamp(n: int, cap: int) -> int:
     return p
 
 
-def config_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-               interleaved: bool = False) -> KernelConfig:  # fmt: skip
+def heuristic_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
+                     intermediate: int, interleaved: bool = False) -> KernelConfig:  # fmt: skip
     """The heuristic config of a call (T tokens, K, E, H, I), blocks clamped to the GEMMs:
     gate_up is [rows, H] x [H, 2I] (block_n counts activated columns), down [rows, I] x [I, H].
     Interleaved gate/up tiles hold 2 * block_n rows, kept <= 256 (the TMA block limit)."""
@@ -106,3 +158,72 @@ def config_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
         gate_up=replace(g, block_n=g_n, block_k=_clamp(hidden, g.block_k)),
         down=replace(d, block_n=_clamp(hidden, d.block_n), block_k=_clamp(intermediate, d.block_k)),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuned tables (shipped JSON, written by scripts/gpu_triton_kernel.py --tune)
+# ----------------------------------------------------------------------------------------------
+
+
+def table_dir() -> Path:
+    """The shipped tables: src/moekit/configs/triton_kernel/."""
+    return Path(__file__).resolve().parents[2] / "configs" / "triton_kernel"
+
+
+def table_name(num_experts: int, top_k: int, hidden: int, intermediate: int, act: str,
+               interleaved: bool, dtype: str, device: str, triton_version: str) -> str:  # fmt: skip
+    """The file name of one layer shape's table, e.g.
+    E=128,K=8,H=2048,I=768,act=silu,dtype=bfloat16,device=NVIDIA_H100_80GB_HBM3,triton=3.6.0.json"""
+    a = act + ("-interleaved" if interleaved else "")
+    dev = device.replace(" ", "_").replace("/", "_")
+    return (f"E={num_experts},K={top_k},H={hidden},I={intermediate},act={a},dtype={dtype},"
+            f"device={dev},triton={triton_version}.json")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def read_table(path: Path) -> dict[int, KernelConfig] | None:
+    """{batch size: config} of one table file, None if it does not exist; errors name the file."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        table = {int(b): KernelConfig.from_dict(c) for b, c in data["configs"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"bad triton_kernel config file {path}: {err}") from err
+    if not table or min(table) < 1:
+        raise ValueError(f"bad triton_kernel config file {path}: no positive batch-size keys")
+    return table
+
+
+def pick(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig | None:
+    """The config of the tuned batch size nearest to num_tokens in log2 distance (ties: the
+    smaller), if that is within a factor TABLE_REACH; else None (the heuristic applies)."""
+    t = math.log2(max(num_tokens, 1))
+    best = min(table, key=lambda b: (abs(math.log2(b) - t), b))
+    return table[best] if abs(math.log2(best) - t) <= math.log2(TABLE_REACH) else None
+
+
+TABLE_REACH = 2.0
+
+
+def config_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
+               interleaved: bool = False, act: str = "silu", dtype: str | None = None,
+               device: str | None = None) -> KernelConfig:  # fmt: skip
+    """The config of a call: the shipped tuned table of this shape, dtype (e.g. 'bfloat16'),
+    device name and Triton version when one has a batch size near num_tokens (`pick`), else
+    `heuristic_config`."""
+    if dtype is not None and device is not None:
+        try:
+            import triton
+
+            version = triton.__version__
+        except ImportError:
+            version = "none"
+        name = table_name(num_experts, top_k, hidden, intermediate, act, interleaved, dtype,
+                          device, version)  # fmt: skip
+        table = read_table(table_dir() / name)
+        if table is not None:
+            cfg = pick(table, num_tokens)
+            if cfg is not None:
+                return cfg
+    return heuristic_config(num_tokens, top_k, num_experts, hidden, intermediate, interleaved)

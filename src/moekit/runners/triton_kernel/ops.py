@@ -5,10 +5,11 @@ and its pieces `gate_up` and `down` (persistent grouped GEMMs over the work tile
 `Routing`). Buffers are sized for the worst case (P = T*K rows) and the number of work tiles is
 read on device, so a call never syncs with the host and can be captured in a CUDA graph.
 
-The sum over K is a separate deterministic kernel (`sum_topk`, shared with the `triton` runner) over the weighted per-pair rows y [P, H] that the down GEMM scatters: a fixed
-summation order makes results bit-reproducible (graph replay equals eager) at the cost of
-writing and reading y once (2 * P * H * 2 bytes, about 10% of the layer at large T), where
-atomics into [T, H] would add in a varying order in bf16.
+The sum over K (config `reduce`): 'atomic' adds each weighted row into the output [T, H] in
+down's epilogue (gate_up zeroes the output first, so there is no memset node and no [P, H]
+intermediate: P * H * 4 bytes less traffic); 'sum' stores the weighted per-pair rows y [P, H]
+and a deterministic kernel (`sum_topk`, shared with the `triton` runner) sums them in a fixed
+order, which makes results bit-reproducible (graph replay equals eager).
 """
 
 from __future__ import annotations
@@ -74,13 +75,21 @@ def _desc(t2d: torch.Tensor, block: list[int]):
 
 
 @functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int) -> int:
-    """Persistent grid size: SMs * programs_per_sm (ROUTING.cpu_programs in the interpreter),
-    at most the worst-case number of work items, at least 1."""
+def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int,
+                 persistent: bool = True) -> int:  # fmt: skip
+    """Grid size: persistent, SMs * programs_per_sm (ROUTING.cpu_programs in the interpreter),
+    at most the worst-case number of work items, at least 1; else that worst case."""
+    if not persistent:
+        return max(1, work_bound)
     if device.type == "cuda":
         n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         n *= cfg.programs_per_sm
@@ -89,54 +98,86 @@ def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int) -> in
     return max(1, min(n, work_bound))
 
 
+def _launch(kernel, grid, warmup: bool):
+    """kernel[grid], or its compile-only twin (`JITFunction.warmup`) when warmup."""
+    if warmup:
+        return functools.partial(kernel.warmup, grid=grid)
+    return kernel[grid]
+
+
 def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
-            cfg: KernelConfig, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            cfg: KernelConfig, top_k: int, out: torch.Tensor | None = None,
+            zero: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:  # fmt: skip
     """h [P, I] in sorted row order: h[row] = act(x[token(row)] @ w13[e].T + b13[e]); rows past
-    the valid pairs are left unwritten."""
+    the valid pairs are left unwritten. `zero` (contiguous): a tensor the launch also zeroes
+    (the atomic down GEMM's output). warmup: compile only (nothing runs)."""
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     t = cfg.gate_up
     if out is None:
         out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
-    grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n)),)
-    rows_per_tile = 2 * t.block_n if act.interleaved else t.block_n
+    grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n), t.persistent),)
+    one_tile = act.interleaved and cfg.interleaved_one_tile
+    rows_per_tile = 2 * t.block_n if one_tile else t.block_n
     use_tma = cfg.tma and rows_per_tile <= 256 and _tma_ok(w.w13)
-    w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, t.block_k]) if use_tma else None
+    w_desc = w_desc_up = None
+    if use_tma and act.interleaved and not one_tile:
+        # gate rows 2n and up rows 2n + 1 as two [E * I, H] views with row stride 2H
+        use_tma = (H * w.w13.element_size()) % 16 == 0
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            block = [t.block_n, t.block_k]
+            w_desc = TensorDescriptor(w.w13, [E * I, H], [2 * H, 1], block)
+            w_desc_up = TensorDescriptor(w.w13.view(-1)[H:], [E * I, H], [2 * H, 1], block)
+    elif use_tma:
+        w_desc = w_desc_up = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, t.block_k])
     b13 = w.b13 if w.b13 is not None else w.w13
-    k._gate_up_kernel[grid](
-        x, w.w13, w_desc, b13, out, r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
+    zero_t = zero if zero is not None else out
+    _launch(k._gate_up_kernel, grid, warmup)(
+        x, w.w13, w_desc, w_desc_up, b13, out, zero_t, zero.numel() if zero is not None else 0,
+        r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
         r.num_tiles, top_k, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         float(act.alpha), float(act.limit),
         ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
+        ONE_TILE=one_tile,
         USE_TMA=use_tma, EVEN_K=H % t.block_k == 0, DOT_PRECISION=_precision(x),
         BLOCK_M=cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=cfg.group_m,
+        ZERO_OUT=zero is not None, FLATTEN=t.flatten, WARP_SPEC=t.warp_specialize,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
 
 
 def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
-         topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """y [P, H] by pair: y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]); rows of masked
-    pairs are left unwritten. topk_weights: [P] float32."""
+         topk_weights: torch.Tensor, top_k: int, out: torch.Tensor | None = None,
+         warmup: bool = False) -> torch.Tensor:  # fmt: skip
+    """reduce 'sum': y [P, H] by pair: y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]);
+    rows of masked pairs are left unwritten. reduce 'atomic': those rows are added into out
+    [T = P / top_k, H], which must be zeroed before (and is required). topk_weights: [P]
+    float32. warmup: compile only."""
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     t = cfg.down
+    atomic = cfg.reduce == "atomic"
     if out is None:
+        if atomic:
+            raise ValueError("down with reduce='atomic' needs out: a zeroed [T, H] tensor")
         out = torch.empty(r.num_pairs, H, dtype=h.dtype, device=h.device)
-    grid = (num_programs(h.device, cfg, r.max_tiles * triton.cdiv(H, t.block_n)),)
+    grid = (num_programs(h.device, cfg, r.max_tiles * triton.cdiv(H, t.block_n), t.persistent),)
     use_tma = cfg.tma and _tma_ok(w.w2, h)
     h_desc = w_desc = None
     if use_tma:
         h_desc = _desc(h, [cfg.block_m, t.block_k])
         w_desc = _desc(w.w2.view(E * H, I), [t.block_n, t.block_k])
     b2 = w.b2 if w.b2 is not None else w.w2
-    k._down_kernel[grid](
+    _launch(k._down_kernel, grid, warmup)(
         h, h_desc, w.w2, w_desc, b2, out, topk_weights, r.sorted_pairs, r.tile_expert,
-        r.tile_row0, r.tile_rows, r.num_tiles, H, I,
+        r.tile_row0, r.tile_rows, r.num_tiles, top_k, H, I,
         h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
         HAS_BIAS=w.b2 is not None, USE_TMA=use_tma, EVEN_K=I % t.block_k == 0,
         DOT_PRECISION=_precision(h), BLOCK_M=cfg.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, GROUP_M=cfg.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_K=t.block_k, GROUP_M=cfg.group_m, ATOMIC=atomic, FLATTEN=t.flatten,
+        WARP_SPEC=t.warp_specialize, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
 
@@ -144,7 +185,7 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
 def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
               config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
-    contribute 0. `config` overrides the heuristic (`configs.config_for`)."""
+    contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`)."""
     check_inputs(x_TH, w, act)
     T, H = x_TH.shape
     K = topk.top_k
@@ -156,8 +197,16 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
     ids = ids.contiguous()
     weights = topk.weights.float().contiguous()
     E, I = w.num_experts, w.intermediate_size
-    cfg = config or config_for(T, K, E, H, I, act.interleaved)
+    if config is None:
+        dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
+        dtype = str(x_TH.dtype).removeprefix("torch.")
+        config = config_for(T, K, E, H, I, act.interleaved, act.name, dtype, dev)
+    cfg = config
     r = route(ids, E, cfg.block_m)
+    if cfg.reduce == "atomic":
+        out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)  # zeroed by gate_up
+        h = gate_up(x_TH, r, w, act, cfg, K, zero=out)
+        return down(h, r, w, cfg, weights.view(-1), K, out=out)
     h = gate_up(x_TH, r, w, act, cfg, K)
-    y = down(h, r, w, cfg, weights.view(-1))
+    y = down(h, r, w, cfg, weights.view(-1), K)
     return sum_topk(y, ids, E, torch.empty_like(x_TH))
