@@ -102,6 +102,20 @@ def launch_scatter_rows(src, dest, out):
 
 
 @triton.jit
+def _physical_slots(ids_ptr, table_ptr, copies_ptr, t, k, K, L, W, mask, SPREAD: tl.constexpr):
+    """Physical slot of each (token t [BT, 1], k [1, BK]) pair (-1 where masked or unplaced):
+    the logical id's row of the placement table (row L for ids < 0); with SPREAD, copy
+    t % copies[id] of a replicated expert, else its first copy."""
+    ids = tl.load(ids_ptr + t.to(tl.int64) * K + k, mask=mask, other=-1).to(tl.int64)
+    row = tl.where(ids < 0, L, ids)
+    if SPREAD:
+        choice = t % tl.load(copies_ptr + row, mask=mask, other=1)
+    else:
+        choice = tl.zeros(ids.shape, dtype=tl.int64)
+    return tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
+
+
+@triton.jit
 def _ll_send_plan_kernel(
     ids_ptr, w_ptr, table_ptr, copies_ptr, rows_ptr, send_ids_ptr, send_w_ptr,
     T, L, W, E, C, R, stride_meta,
@@ -114,14 +128,7 @@ def _ll_send_plan_kernel(
     t = tl.arange(0, BT)[:, None]
     k = tl.arange(0, BK)[None, :]
     mask = (t < T) & (k < K)
-    ids = tl.load(ids_ptr + t * K + k, mask=mask, other=-1).to(tl.int64)
-    row = tl.where(ids < 0, L, ids)
-    if SPREAD:
-        copies = tl.load(copies_ptr + row, mask=mask, other=1)
-        choice = t % copies
-    else:
-        choice = tl.zeros([BT, BK], dtype=tl.int64)
-    slot = tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
+    slot = _physical_slots(ids_ptr, table_ptr, copies_ptr, t, k, K, L, W, mask, SPREAD)
     lo = r * E
     here = mask & (slot >= lo) & (slot < lo + E)
     hit = tl.max(here.to(tl.int32), axis=1)  # [BT]
@@ -204,14 +211,7 @@ def _normal_plan_kernel(
     t = tv[:, None]
     k = tl.arange(0, BK)[None, :]
     mask = (t < T) & (k < K)
-    ids = tl.load(ids_ptr + t.to(tl.int64) * K + k, mask=mask, other=-1).to(tl.int64)
-    row = tl.where(ids < 0, L, ids)
-    if SPREAD:
-        copies = tl.load(copies_ptr + row, mask=mask, other=1)
-        choice = t % copies
-    else:
-        choice = tl.zeros([BT, BK], dtype=tl.int64)
-    slot = tl.load(table_ptr + row * W + choice, mask=mask, other=-1)
+    slot = _physical_slots(ids_ptr, table_ptr, copies_ptr, t, k, K, L, W, mask, SPREAD)
     tl.store(slot_ptr + t.to(tl.int64) * K + k, slot.to(tl.int32), mask=mask)
     rk = tl.where(mask & (slot >= 0), slot // E, -1)  # [BT, BK] rank of each pair
     rr = tl.arange(0, RP)
