@@ -360,9 +360,11 @@ def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) 
 
 
 def write_results(work: Path, summary: list[str], results: list[dict]) -> None:
+    from moekit.report import git_commit
+
     (work / "auto_summary.txt").write_text("\n".join(summary) + "\n")
     doc = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "git_commit": os.environ.get("MOEKIT_GIT_COMMIT"),
+           "torch": torch.__version__, "commit": git_commit()[0],
            "command": "scripts/gpu_backends.sh (sweep step)", "jobs": results}
     (work / "select_result.json").write_text(json.dumps(doc, indent=1) + "\n")
 

@@ -149,7 +149,7 @@ except Exception as err:  # noqa: BLE001
 for path in sorted(glob.glob(os.path.join(results, "*.json"))):
     doc = json.load(open(path))
     c = doc["ceilings"]
-    print(f"\n  {title(doc)} on {doc['device']['name']} (commit {doc['git_commit'][:10]})")
+    print(f"\n  {title(doc)} on {doc['device']['name']} (commit {doc['commit'][:10]})")
     print(f"  ceilings: copy {c['copy_bytes_per_s'] / 1e12:.3g} TB/s, matmul "
           f"{c['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s ({c['dtype']}); cells: ms (time / floor)")
     for line in table_markdown(doc):

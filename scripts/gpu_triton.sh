@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from moekit.bench import measure_ceilings
+from moekit.report import git_commit
 from moekit.runners.triton import configs as tcfg
 from moekit.tune import BATCH_SIZES, measure, shape_for, tune
 
@@ -66,6 +67,7 @@ tries = [measure_ceilings("cuda", torch.bfloat16) for _ in range(4)][1:]
 ceil = max(tries, key=lambda c: c.matmul_flops_per_s)
 ceil = type(ceil)(max(c.copy_bytes_per_s for c in tries), ceil.matmul_flops_per_s, ceil.dtype)
 results["device"] = torch.cuda.get_device_name()
+results["commit"] = git_commit()[0]
 results["ceilings"] = {"copy_TBps": ceil.copy_bytes_per_s / 1e12, "mm_TFLOPs": ceil.matmul_flops_per_s / 1e12,
                        "tries": [(c.copy_bytes_per_s / 1e12, c.matmul_flops_per_s / 1e12) for c in tries]}
 print(f"ceilings: copy {ceil.copy_bytes_per_s/1e12:.2f} TB/s, bf16 mm {ceil.matmul_flops_per_s/1e12:.0f} TFLOP/s")

@@ -409,8 +409,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        # a snapshot copied inside another checkout: the commit the caller says it is
-        "commit": os.environ.get("MOEKIT_GIT_COMMIT") or git_commit()[0],
+        "commit": git_commit()[0],
         "points": [],
         "variants": [],
         "skipped": [],

@@ -74,7 +74,7 @@ def test_bench_tiny(tmp_path, capsys):
     (png_path,) = out_dir.glob("*.png")
     assert png_path.read_bytes()[:4] == b"\x89PNG"
     doc = json.loads(json_path.read_text())
-    for key in ("device", "libraries", "git_commit", "command", "ceilings", "records", "timed",
+    for key in ("device", "libraries", "commit", "command", "ceilings", "records", "timed",
                 "shape", "parallel", "dtype", "quantization", "routing", "batch_sizes"):
         assert key in doc, key
     assert doc["scaled_down"] and doc["preset"] == "qwen3-30b-a3b"

@@ -238,7 +238,7 @@ def test_json_roundtrip_and_benchmarks_md(tmp_path):
     paths = [report.save(d, results, plot=False)[0] for d in (old, new, other)]
     assert len({p.name for p in paths}) == 3
     loaded = json.loads(paths[1].read_text())
-    for key in ("device", "libraries", "git_commit", "command", "ceilings", "records",
+    for key in ("device", "libraries", "commit", "command", "ceilings", "records",
                 "timed", "parallel", "routing", "auto_choice", "winners"):
         assert key in loaded
     assert loaded["command"] == "moekit bench"

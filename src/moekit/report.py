@@ -77,8 +77,8 @@ def metadata(argv: list[str] | None = None, plat: hardware.Platform | None = Non
         "libraries": libs,
         "cuda": torch.version.cuda,
         "python": py_platform.python_version(),
-        "git_commit": commit,
-        "git_dirty": dirty,
+        "commit": commit,
+        "dirty": dirty,
         "command": " ".join(shlex.quote(a) for a in ["moekit", *argv[1:]]),
     }
 
@@ -338,10 +338,10 @@ def _newest_first(results_dir: Path) -> list[Path]:
 
 
 def _commit_of(doc: dict) -> str:
-    """'commit abc1234' of a result document: `ran_commit` (added where the recorded commit was
-    wrong) before `git_commit`, with ' (dirty)' for a tree with uncommitted changes."""
-    commit = doc.get("ran_commit") or doc.get("git_commit") or doc.get("commit") or "unknown"
-    dirty = " (dirty)" if doc.get("git_dirty") and not doc.get("ran_commit") else ""
+    """'commit abc1234' of a result document, with ' (dirty)' for a tree with uncommitted
+    changes."""
+    commit = doc.get("commit") or "unknown"
+    dirty = " (dirty)" if doc.get("dirty") else ""
     return f"commit {str(commit)[:10]}{dirty}"
 
 

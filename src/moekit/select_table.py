@@ -10,7 +10,7 @@ One JSON file per key, written by `moekit tune --select` (moekit.select_tune):
              "num_experts": 128, "hidden_size": 2048, "intermediate_size": 768, "top_k": 8},
      "libraries": {"torch": "2.11.0+cu130", "triton": "3.6.0", "sgl-deep-gemm": "0.2.2", ...},
      "points": [{"num_tokens": 1, "ms": {"triton": 0.031, "cutlass": 0.048, ...}}, ...],
-     "meta": {"preset": "qwen3-30b-a3b", "git_commit": "...", "created": "..."}}
+     "meta": {"preset": "qwen3-30b-a3b", "commit": "...", "created": "..."}}
 
 Shape fields are per rank (E_local, I_local; K = routing columns incl. fused shared experts).
 Lookup: the key must match exactly (device name compared case-insensitively); among matching
