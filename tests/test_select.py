@@ -19,7 +19,7 @@ from moekit.quant import make_spec
 from moekit.runners import registry
 from moekit.runners.base import Runner, RunnerCaps
 from moekit.select import Workload, explain, select_runner, why_not, workload_for
-from moekit.select_table import Point, SelectionTable, TableKey, key_of, lookup
+from moekit.select_table import Point, SelectionTable, key_of
 
 LIBS = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
 H100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1, {**LIBS, "sgl-deep-gemm": "0.2.2"})

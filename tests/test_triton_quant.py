@@ -22,11 +22,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import TOLERANCE, rel_err  # noqa: E402
+from helpers import TOLERANCE, make_topk, rel_err  # noqa: E402
 
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
 from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts  # noqa: E402
-from moekit.router import TopKOutput  # noqa: E402
 from moekit.runners.base import RunnerError  # noqa: E402
 from moekit.runners.torch import TorchRunner  # noqa: E402
 from moekit.runners.triton import TritonRunner, configs, ops  # noqa: E402
@@ -66,14 +65,6 @@ def make_experts(spec, E, H, I, bias=False, device=DEVICE, dtype=DTYPE) -> Exper
         b13 = (torch.randn(E, 2 * I, device=device) * 0.1).to(dtype)
         b2 = (torch.randn(E, H, device=device) * 0.1).to(dtype)
     return quantize_experts(ExpertWeights(w13, w2, b13, b2), spec)
-
-
-def make_topk(T, K, E, masked=0.0, device=DEVICE) -> TopKOutput:
-    ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].to(torch.int32)
-    if masked:
-        ids[torch.rand(T, K, device=device) < masked] = -1
-    weights = torch.rand(T, K, device=device) + 0.1
-    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
 def run_both(x, topk, w, act, configs=None):

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import TOLERANCE, rel_err  # noqa: E402
+from helpers import TOLERANCE, make_topk, make_weights, rel_err  # noqa: E402
 
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
 from moekit.hardware import Platform  # noqa: E402
@@ -24,27 +24,6 @@ from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: 
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-def make_weights(E, H, I, dtype, bias, device=DEVICE) -> ExpertWeights:
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) / H**0.5
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype) / I**0.5
-    b13 = b2 = None
-    if bias:
-        b13 = torch.randn(E, 2 * I, device=device, dtype=dtype) * 0.1
-        b2 = torch.randn(E, H, device=device, dtype=dtype) * 0.1
-    return ExpertWeights(w13, w2, b13, b2)
-
-
-def make_topk(T, K, E, masked=0.0, one_expert=False, device=DEVICE) -> TopKOutput:
-    if one_expert:
-        ids = torch.full((T, K), E - 1, dtype=torch.int32, device=device)
-    else:
-        ids = torch.rand(T, E, device=device).argsort(dim=1)[:, :K].to(torch.int32)
-    if masked:
-        ids[torch.rand(T, K, device=device) < masked] = -1
-    weights = torch.rand(T, K, device=device) + 0.1
-    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
 @dataclass(frozen=True)
