@@ -91,7 +91,6 @@ def smoke(work: Path) -> bool:
     """DeepGEMM on this GPU: versions, how this torch's tensors reach the binary (the probe of
     moekit.runners.deep_gemm, and tvm-ffi's torch fallback in a subprocess), then, when a way
     works, its four grouped GEMMs (bf16/fp8 x contiguous/masked) against torch."""
-    import os
     import subprocess
 
     try:

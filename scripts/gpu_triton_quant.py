@@ -84,7 +84,7 @@ def profile(out_dir: Path) -> None:
     rows_out = []
     for model, tp, ep in SHAPES:
         shape = shape_for(model, tp, ep)
-        E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
+        E, K, H = shape.num_experts, shape.top_k, shape.hidden
         torch.manual_seed(0)
         w_bf16 = random_weights(shape, dev)
         for fmt, T in cases:
