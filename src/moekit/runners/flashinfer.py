@@ -43,6 +43,19 @@ def sm100_availability(platform: Platform) -> Availability:
     return Availability(False, NOT_IMPLEMENTED_SM100)
 
 
+def sm100_caps(fmt: str, weight_formats: set[str], activations: set[str], bias: bool):
+    """What an SM100 FlashInfer backend would take: one dispatch format, bf16 on CUDA, graphs."""
+    return RunnerCaps(
+        formats=frozenset({fmt}),
+        weight_formats=frozenset(weight_formats),
+        activations=frozenset(activations),
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16"}),
+        bias=bias,
+        cuda_graph=True,
+    )
+
+
 class _SM100Only(Runner):
     """Base of the SM100-only FlashInfer backends: never available here; `run` raises."""
 
@@ -59,14 +72,8 @@ class FlashInferTrtllmRunner(_SM100Only):
     """TensorRT-LLM-gen fused MoE (SM100): fp8 block-scale, nvfp4, mxfp4 and bf16 weights."""
 
     name = "flashinfer_trtllm"
-    caps = RunnerCaps(
-        formats=frozenset({STANDARD}),
-        weight_formats=frozenset({"unquantized", "fp8_w8a8", "nvfp4", "mxfp4"}),
-        activations=frozenset({"silu", "swiglu_oai"}),
-        devices=frozenset({"cuda"}),
-        dtypes=frozenset({"bfloat16"}),
-        bias=True,
-        cuda_graph=True,
+    caps = sm100_caps(
+        STANDARD, {"unquantized", "fp8_w8a8", "nvfp4", "mxfp4"}, {"silu", "swiglu_oai"}, bias=True
     )
 
 
@@ -75,15 +82,7 @@ class FlashInferMxfp4Runner(_SM100Only):
     """MXFP4-weight MoE (gpt-oss) on SM100, bf16 or mxfp8 activations."""
 
     name = "flashinfer_mxfp4"
-    caps = RunnerCaps(
-        formats=frozenset({STANDARD}),
-        weight_formats=frozenset({"mxfp4"}),
-        activations=frozenset({"silu", "swiglu_oai"}),
-        devices=frozenset({"cuda"}),
-        dtypes=frozenset({"bfloat16"}),
-        bias=True,
-        cuda_graph=True,
-    )
+    caps = sm100_caps(STANDARD, {"mxfp4"}, {"silu", "swiglu_oai"}, bias=True)
 
 
 @register
@@ -91,15 +90,7 @@ class FlashInferCuteDslRunner(_SM100Only):
     """CuTe-DSL masked grouped GEMM MoE (SM100, nvfp4), for the low-latency all-to-all layout."""
 
     name = "flashinfer_cutedsl"
-    caps = RunnerCaps(
-        formats=frozenset({MASKED}),
-        weight_formats=frozenset({"nvfp4"}),
-        activations=frozenset({"silu"}),
-        devices=frozenset({"cuda"}),
-        dtypes=frozenset({"bfloat16"}),
-        bias=False,
-        cuda_graph=True,
-    )
+    caps = sm100_caps(MASKED, {"nvfp4"}, {"silu"}, bias=False)
 
 
 @register

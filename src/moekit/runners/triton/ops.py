@@ -475,6 +475,15 @@ def configs_for(
     )
 
 
+def kernel_inputs(x_TH: torch.Tensor, topk: TopKOutput):
+    """(x [T, H] with unit last stride, ids [T, K] int32, weights [T, K] float32), both
+    contiguous: the forms the fused-MoE kernels read."""
+    if x_TH.stride(-1) != 1:
+        x_TH = x_TH.contiguous()
+    ids = topk.ids if topk.ids.dtype == torch.int32 else topk.ids.to(torch.int32)
+    return x_TH, ids.contiguous(), topk.weights.float().contiguous()
+
+
 def fused_moe(
     x_TH: torch.Tensor,
     topk: TopKOutput,
@@ -490,11 +499,7 @@ def fused_moe(
     K = topk.top_k
     if T == 0 or K == 0:
         return x_TH.new_zeros(T, H)
-    if x_TH.stride(-1) != 1:
-        x_TH = x_TH.contiguous()
-    ids = topk.ids if topk.ids.dtype == torch.int32 else topk.ids.to(torch.int32)
-    ids = ids.contiguous()
-    weights = topk.weights.float().contiguous()
+    x_TH, ids, weights = kernel_inputs(x_TH, topk)
     cfg1, cfg2 = configs or configs_for(T, K, w, x_TH.dtype, x_TH.device)
     if T <= PIPELINE.direct_max_tokens:
         cfg1, cfg2 = replace(cfg1, block_m=16), replace(cfg2, block_m=16)

@@ -21,7 +21,7 @@ import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
-from moekit.runners.triton.ops import sum_topk  # the same deterministic in-order sum over K
+from moekit.runners.triton.ops import kernel_inputs, sum_topk  # shared with the triton runner
 from moekit.runners.triton_kernel import _kernels as k
 from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_for
 from moekit.runners.triton_kernel.routing import Routing, route
@@ -191,11 +191,7 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
     K = topk.top_k
     if T == 0 or K == 0:
         return x_TH.new_zeros(T, H)
-    if x_TH.stride(-1) != 1:
-        x_TH = x_TH.contiguous()
-    ids = topk.ids if topk.ids.dtype == torch.int32 else topk.ids.to(torch.int32)
-    ids = ids.contiguous()
-    weights = topk.weights.float().contiguous()
+    x_TH, ids, weights = kernel_inputs(x_TH, topk)
     E, I = w.num_experts, w.intermediate_size
     if config is None:
         dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
