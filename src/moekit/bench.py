@@ -39,6 +39,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def capture_graph(fn: Callable[[], object], device) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA graph, after one warm-up call on a side stream (compiles kernels,
+    allocates workspaces outside the capture)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def time_ms(
     fn: Callable[[], object],
     device: torch.device | str,
@@ -65,17 +79,7 @@ def time_ms(
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    run = fn
-    if cuda_graph:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
+    run = capture_graph(fn, device).replay if cuda_graph else fn
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from moekit.bench import capture_graph
 from moekit.config import DTYPES, ParallelConfig, RunnerConfig
 from moekit.dispatch.alltoall import AllToAllDispatcher, Phases, RowLayout
 from moekit.layer import MoE
@@ -85,14 +86,7 @@ def time_graph(fn: Callable[[], object], dev: torch.device, iters: int, reps: in
     number of times (the graph holds collectives). Eager timing on CPU."""
     if dev.type != "cuda":
         return time_eager(fn, dev, iters, 2)
-    stream = torch.cuda.Stream(dev)
-    stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(dev).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, dev)
     graph.replay()
     _sync(dev)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
