@@ -119,14 +119,15 @@ class TableKey:
         quant = "" if self.quant == "unquantized" else f",quant={self.quant}"
         return (
             f"{self.gemm},E={self.num_experts},N={self.n},K={self.k},dtype={self.dtype}{quant},"
-            f"device={_slug(self.device)},triton={self.triton}.json"
+            f"device={device_slug(self.device)},triton={self.triton}.json"
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _slug(device_name: str) -> str:
+def device_slug(device_name: str) -> str:
+    """A device name as it appears in table file names (NVIDIA_H100_80GB_HBM3)."""
     return re.sub(r"[^A-Za-z0-9.]+", "_", device_name).strip("_")
 
 
@@ -168,10 +169,19 @@ class Table:
     source: str
 
     def pick(self, num_tokens: int) -> GemmConfig:
-        """The config of the batch size nearest to num_tokens in log2 distance (ties: smaller)."""
-        t = math.log2(max(num_tokens, 1))
-        best = min(self.configs, key=lambda b: (abs(math.log2(b) - t), b))
-        return self.configs[best]
+        """The config of the batch size nearest to num_tokens (`nearest_batch`)."""
+        return self.configs[nearest_batch(self.configs, num_tokens)]
+
+
+def nearest_batch(batch_sizes, num_tokens: int, reach: float | None = None) -> int | None:
+    """The batch size nearest to num_tokens in log2 distance (ties: the smaller); None when it
+    is more than a factor `reach` away (no limit when reach is None). Tuned tables of both
+    Triton runners are looked up this way."""
+    t = math.log2(max(num_tokens, 1))
+    best = min(batch_sizes, key=lambda b: (abs(math.log2(b) - t), b))
+    if reach is not None and abs(math.log2(best) - t) > math.log2(reach):
+        return None
+    return best
 
 
 def read_table(path: Path) -> Table:

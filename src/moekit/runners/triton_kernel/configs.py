@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+
+from moekit.runners.triton.configs import device_slug, nearest_batch, triton_version
 
 REDUCES = ("sum", "atomic")
 
@@ -175,9 +176,8 @@ def table_name(num_experts: int, top_k: int, hidden: int, intermediate: int, act
     """The file name of one layer shape's table, e.g.
     E=128,K=8,H=2048,I=768,act=silu,dtype=bfloat16,device=NVIDIA_H100_80GB_HBM3,triton=3.6.0.json"""
     a = act + ("-interleaved" if interleaved else "")
-    dev = device.replace(" ", "_").replace("/", "_")
     return (f"E={num_experts},K={top_k},H={hidden},I={intermediate},act={a},dtype={dtype},"
-            f"device={dev},triton={triton_version}.json")  # fmt: skip
+            f"device={device_slug(device)},triton={triton_version}.json")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,11 +196,10 @@ def read_table(path: Path) -> dict[int, KernelConfig] | None:
 
 
 def pick(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig | None:
-    """The config of the tuned batch size nearest to num_tokens in log2 distance (ties: the
-    smaller), if that is within a factor TABLE_REACH; else None (the heuristic applies)."""
-    t = math.log2(max(num_tokens, 1))
-    best = min(table, key=lambda b: (abs(math.log2(b) - t), b))
-    return table[best] if abs(math.log2(best) - t) <= math.log2(TABLE_REACH) else None
+    """The config of the tuned batch size nearest to num_tokens if that is within a factor
+    TABLE_REACH; else None (the heuristic applies)."""
+    best = nearest_batch(table, num_tokens, TABLE_REACH)
+    return None if best is None else table[best]
 
 
 TABLE_REACH = 2.0
@@ -213,14 +212,8 @@ def config_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     device name and Triton version when one has a batch size near num_tokens (`pick`), else
     `heuristic_config`."""
     if dtype is not None and device is not None:
-        try:
-            import triton
-
-            version = triton.__version__
-        except ImportError:
-            version = "none"
         name = table_name(num_experts, top_k, hidden, intermediate, act, interleaved, dtype,
-                          device, version)  # fmt: skip
+                          device, triton_version())  # fmt: skip
         table = read_table(table_dir() / name)
         if table is not None:
             cfg = pick(table, num_tokens)
