@@ -14,11 +14,14 @@
 #   ep_bench_ll.json       part low_latency (CUDA graphs), bf16 dispatch
 #   ep_bench_ll_fp8.json   part low_latency with fp8 dispatch
 #   deepep_build.log       the DeepEP build attempt (its one-line result goes in summary.txt)
+#   ep_traces.tar.gz       with GPU_EP_PROFILE=1: torch.profiler traces of the normal part
 # Knobs (environment): GPU_EP_DEADLINE=560 (seconds for the whole script), GPU_EP_TESTS=1,
 #   GPU_EP_DEEPEP=auto (1: always try the DeepEP build, 0: never, auto: when .whl_deepep/ holds
 #   the sdist), GPU_EP_DEEPEP_LIMIT=120 (seconds for that build),
 #   GPU_EP_BENCH=normal,layer,ll,ll_fp8 (which benchmark parts run),
-#   GPU_EP_BENCH_ARGS (extra arguments for every bench run), GPU_EP_NPROC (default: all GPUs).
+#   GPU_EP_BENCH_ARGS (extra arguments for every bench run), GPU_EP_NPROC (default: all GPUs),
+#   GPU_EP_NORMAL_CHUNKS=auto,1,2,3,4 (the normal part's --normal-chunks settings, side by side),
+#   GPU_EP_PROFILE=0 (1: torch.profiler traces of the normal part -> ep_traces.tar.gz).
 # Exit status: 0 when every step passed, 1 otherwise.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -96,9 +99,15 @@ for p in normal layer; do
 done
 # eager parts first (normal mode, the layers); the CUDA-graph part runs on its own so that a
 # problem there cannot take the other numbers with it
+NORMAL_ARGS=(--normal-chunks "${GPU_EP_NORMAL_CHUNKS:-auto,1,2,3,4}")
+[ "${GPU_EP_PROFILE:-0}" = "1" ] && NORMAL_ARGS+=(--profile "$OUT/traces")
 if [ -n "$EAGER" ]; then
     # shellcheck disable=SC2086
-    step "bench $EAGER" 200 "${BENCH[@]}" --parts "$EAGER" --out "$OUT/ep_bench.json" $EXTRA
+    step "bench $EAGER" 200 "${BENCH[@]}" --parts "$EAGER" --out "$OUT/ep_bench.json" \
+        "${NORMAL_ARGS[@]}" $EXTRA
+fi
+if [ -d "$OUT/traces" ]; then  # one file back instead of one per rank
+    tar -czf "$OUT/ep_traces.tar.gz" -C "$OUT" traces && rm -rf "$OUT/traces"
 fi
 case $WANT in *",ll,"*)
     # shellcheck disable=SC2086

@@ -109,13 +109,16 @@ def test_low_latency_plans_triton_match_torch(T, redundant):
     assert sorted(d0[d0 < E * R * C].tolist()) == sorted(set(d0[d0 < E * R * C].tolist()))
 
 
-@pytest.mark.parametrize("T, redundant, dtype", [(0, 0, torch.float32), (6, 0, torch.float16),
-                                                 (37, 3, torch.float32), (5, 0, torch.uint8),
-                                                 (300, 0, torch.float32)])
-def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype):
-    """Normal mode's device plan and packing kernel against their twins, and against a direct
-    construction: each token once per destination rank, rank blocks back to back."""
-    from moekit.dispatch.layout import normal_plan, normal_plan_torch, pack_rows, pack_rows_torch
+@pytest.mark.parametrize("T, redundant, dtype, chunks",
+                         [(0, 0, torch.float32, 1), (6, 0, torch.float16, 2),
+                          (37, 3, torch.float32, 1), (5, 0, torch.uint8, 1),
+                          (300, 0, torch.float32, 3), (300, 3, torch.float16, 4)])
+def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype, chunks):
+    """Normal mode's device plan and packing kernel (chunk by chunk, metadata in the same rows
+    as the payload) against their twins, and against a direct construction: each token once
+    per destination rank; chunks back to back, in a chunk the rank blocks back to back."""
+    from moekit.dispatch.layout import (
+        MAX_CHUNKS, normal_plan, normal_plan_torch, pack_rows, pack_rows_torch)
 
     R, E_logical, K, H = 3, 9, 3, 10
     P = E_logical + redundant
@@ -127,40 +130,46 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype):
     else:
         x = torch.randn(T, H + 4).to(dtype)[:, 2:H + 2]  # strided rows
     ticket = torch.zeros(1, dtype=torch.int32)
-    plans = [normal_plan_torch(topk.ids, slots, R, E),
-             normal_plan(topk.ids, slots, R, E, impl="triton", ticket=ticket)]
+    plans = [normal_plan_torch(topk.ids, slots, R, E, chunks),
+             normal_plan(topk.ids, slots, R, E, chunks, impl="triton", ticket=ticket)]
     assert plans[0].block == plans[1].block
     for name in ("slot", "local", "base", "counts"):
         assert torch.equal(getattr(plans[0], name).long(), getattr(plans[1], name).long()), name
     assert ticket.item() == 0  # the kernel leaves its counter ready for the next launch
     plan = plans[0]
-    counts = plan.counts
-    offsets = counts.cumsum(0) - counts
-    fill = 0x2B if dtype == torch.uint8 else 7.0
-    bufs = [torch.full((T * R, x.shape[1]), fill, dtype=dtype) for _ in range(2)]
-    metas = [torch.full((T * R, 2 * K), 0x2B, dtype=torch.int32) for _ in range(2)]
-    rows_t = pack_rows_torch(x, plan, topk.weights, E, bufs[0], metas[0])
-    rows_k = pack_rows(x, plans[1], topk.weights, E, bufs[1], metas[1], impl="triton")
-    assert torch.equal(rows_t, rows_k) and torch.equal(rows_t, plan.rows())
-    assert torch.equal(bufs[0], bufs[1]) and torch.equal(metas[0], metas[1])
+    assert (plan.counts[:, MAX_CHUNKS] == T).all() and (plan.counts[:, chunks:MAX_CHUNKS] == 0).all()
+    # packed rows: payload bytes, then 2K int32 words of metadata
+    pbytes = -(-x.shape[1] * x.element_size() // 4) * 4
+    fill = 0x2B
+    bufs = [torch.full((T * R, pbytes + 8 * K), fill, dtype=torch.uint8) for _ in range(2)]
+    outs = [b[:, :x.shape[1] * x.element_size()].view(dtype) for b in bufs]
+    metas = [b[:, pbytes:].view(torch.int32) for b in bufs]
+    rows = [torch.full((T, R), -7, dtype=torch.int64) for _ in range(2)]
+    for c, bounds in enumerate(plan.chunk_bounds()):
+        pack_rows_torch(x, plans[0], topk.weights, E, outs[0], metas[0], rows[0], bounds)
+        pack_rows(x, plans[1], topk.weights, E, outs[1], metas[1], rows[1], bounds, impl="triton")
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], plan.rows())
+    assert torch.equal(bufs[0], bufs[1])
     # direct construction
     phys = slots.physical(topk.ids)
     n = 0
-    for r in range(R):
-        assert offsets[r] == n
-        for t in range(T):
-            here = (phys[t] >= r * E) & (phys[t] < (r + 1) * E)
-            if not here.any():
-                assert rows_t[t, r] == -1
-                continue
-            assert rows_t[t, r] == n
-            assert torch.equal(bufs[0][n], x[t])
-            ids, w = metas[0][n, :K], metas[0][n, K:].view(torch.float32)
-            assert ids.tolist() == torch.where(here, phys[t] - r * E, -1).tolist()
-            assert torch.equal(w, torch.where(here, topk.weights[t].float(), 0.0))
-            n += 1
-        assert counts[r] == n - offsets[r]
-    assert torch.equal(bufs[0][n:], torch.full_like(bufs[0][n:], fill)) and (metas[0][n:] == 0x2B).all()
+    for c, (t0, t1) in enumerate(plan.chunk_bounds()):
+        for r in range(R):
+            start = n
+            for t in range(t0, t1):
+                here = (phys[t] >= r * E) & (phys[t] < (r + 1) * E)
+                if not here.any():
+                    assert rows[0][t, r] == -1
+                    continue
+                assert rows[0][t, r] == n
+                assert torch.equal(outs[0][n], x[t])
+                ids, w = metas[0][n, :K], metas[0][n, K:].view(torch.float32)
+                assert ids.tolist() == torch.where(here, phys[t] - r * E, -1).tolist()
+                assert torch.equal(w, torch.where(here, topk.weights[t].float(), 0.0))
+                n += 1
+            assert plan.counts[r, c] == n - start
+    assert (bufs[0][n:] == fill).all()
+    assert sum(b - a for a, b in plan.chunk_bounds()) == T
 
 
 def test_normal_plan_many_blocks_and_ranks(monkeypatch):
@@ -169,7 +178,7 @@ def test_normal_plan_many_blocks_and_ranks(monkeypatch):
     from moekit.dispatch import _kernels
     from moekit.dispatch.layout import _plan_block, normal_plan, normal_plan_torch
 
-    monkeypatch.setattr(_kernels, "PLAN_PREFIX_TILE", 16)  # 2 blocks per chunk: 5 chunks
+    monkeypatch.setattr(_kernels, "PLAN_PREFIX_TILE", 16)  # prefix tiles of 2 blocks
     R, E_logical, K = 6, 24, 4
     slots = SlotMap(ExpertPlacement.contiguous(E_logical, R), E_logical)
     block = _plan_block(R, K)
@@ -178,13 +187,15 @@ def test_normal_plan_many_blocks_and_ranks(monkeypatch):
     ids = torch.stack([torch.randperm(E_logical, generator=g)[:K] for _ in range(T)])
     ids[::7, 1] = -1
     ticket = torch.zeros(1, dtype=torch.int32)
-    a = normal_plan_torch(ids, slots, R, E_logical // R)
-    b = normal_plan(ids, slots, R, E_logical // R, impl="triton", ticket=ticket)
-    for name in ("slot", "local", "base", "counts"):
-        assert torch.equal(getattr(a, name).long(), getattr(b, name).long()), name
-    rows = a.rows()
-    sent = rows[rows >= 0]
-    assert sorted(sent.tolist()) == list(range(int(a.counts.sum())))  # a permutation, no gaps
+    for chunks in (1, 3):
+        a = normal_plan_torch(ids, slots, R, E_logical // R, chunks)
+        b = normal_plan(ids, slots, R, E_logical // R, chunks, impl="triton", ticket=ticket)
+        for name in ("slot", "local", "base", "counts"):
+            assert torch.equal(getattr(a, name).long(), getattr(b, name).long()), name
+        rows = a.rows()
+        sent = rows[rows >= 0]
+        n = int(a.counts[:, :-1].sum())
+        assert sorted(sent.tolist()) == list(range(n))  # a permutation, no gaps
 
 
 @pytest.mark.parametrize("dtype, H", [(torch.float32, 300), (torch.float16, 256)])
@@ -321,18 +332,21 @@ def test_row_kernels_and_plans_on_gpu_bf16():
     topk = TopKOutput(topk.weights.to(dev), topk.ids.to(dev))
     x = torch.randn(700, 7168, device=dev).to(torch.bfloat16)
     ticket = torch.zeros(1, dtype=torch.int32, device=dev)
-    plans = [normal_plan_torch(topk.ids, slots, R, 64), normal_plan(topk.ids, slots, R, 64,
-                                                                    ticket=ticket)]
+    plans = [normal_plan_torch(topk.ids, slots, R, 64, 3),
+             normal_plan(topk.ids, slots, R, 64, 3, ticket=ticket)]
     for _ in range(2):  # the ticket is reused: the second launch must see it zeroed
-        plans[1] = normal_plan(topk.ids, slots, R, 64, ticket=ticket)
+        plans[1] = normal_plan(topk.ids, slots, R, 64, 3, ticket=ticket)
     for name in ("slot", "local", "base", "counts"):
         assert torch.equal(getattr(plans[0], name).long(), getattr(plans[1], name).long()), name
-    bufs = [torch.zeros(700 * R, 7168, dtype=torch.bfloat16, device=dev) for _ in range(2)]
-    metas = [torch.zeros(700 * R, 2 * K, dtype=torch.int32, device=dev) for _ in range(2)]
-    r_t = pack_rows_torch(x, plans[0], topk.weights, 64, bufs[0], metas[0])
-    r_k = pack_rows(x, plans[1], topk.weights, 64, bufs[1], metas[1])
-    assert torch.equal(r_t, r_k) and torch.equal(bufs[0], bufs[1])
-    assert torch.equal(metas[0], metas[1])
+    row_bytes = 7168 * 2 + 8 * K  # packed rows: payload, then ids and weights
+    bufs = [torch.zeros(700 * R, row_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+    rows = [torch.empty(700, R, dtype=torch.int64, device=dev) for _ in range(2)]
+    for bounds in plans[0].chunk_bounds():
+        for fn, p, b, r in ((pack_rows_torch, plans[0], bufs[0], rows[0]),
+                            (pack_rows, plans[1], bufs[1], rows[1])):
+            fn(x, p, topk.weights, 64, b[:, :7168 * 2].view(torch.bfloat16),
+               b[:, 7168 * 2:].view(torch.int32), r, bounds)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(bufs[0], bufs[1])
 
 
 @pytest.mark.gpu
@@ -400,6 +414,8 @@ class A2A:
     tp: int | None = None  # EP group size; default the world (smaller: data-parallel replicas)
     expect: str | None = None  # 'standard' / 'masked': the format auto must pick
     overflow: bool = False  # every rank is over capacity: CapacityError before communicating
+    chunks: int | None = None  # --normal-chunks (None: by payload size, chunk_bytes each)
+    chunk_bytes: int | None = None  # the dispatcher's payload per chunk (default: its own)
 
 
 def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
@@ -424,6 +440,8 @@ def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
     me = state.ep_rank
     d = make_dispatcher(parallel, placement, case.E, state=state, ep_rank=me, fp8_dispatch=case.fp8)
     d.impl = case.impl
+    d.normal_chunks = case.chunks
+    d.chunk_bytes = case.chunk_bytes or d.chunk_bytes
     x_me = xs[me].to(dev)
     topk_me = TopKOutput(topks[me].weights.to(dev), topks[me].ids.to(dev))
     if case.overflow:
@@ -459,7 +477,15 @@ def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
         ref_y = [runner.run(ref_d[r], local[r], act).out for r in range(R)]
         ref_out = ref.combine_masked(ref_y, ref_d[0].handle)[me]
     else:
-        ref_d = ref.dispatch_normal(xs, topks)
+        from moekit.dispatch.alltoall import RowLayout
+        from moekit.dispatch.layout import _plan_block, chunk_tokens
+
+        row_bytes = RowLayout(case.H, dtype, case.K, case.fp8).row_bytes
+        block = _plan_block(R, case.K)
+        sizes = [chunk_tokens(x.shape[0], block, d.chunks_for(x.shape[0], row_bytes))
+                 for x in xs]
+        ref_d = ref.dispatch_normal(xs, topks, sizes)
+        assert len(out.handle.send_splits) == max(d.chunks_for(x.shape[0], row_bytes) for x in xs)
         assert same_rows(out.x, ref_d[me].x), "received rows"
         assert torch.equal(out.topk.ids.cpu(), ref_d[me].topk.ids), "local ids"
         assert torch.equal(out.topk.weights.cpu(), ref_d[me].topk.weights), "weights"
@@ -486,6 +512,10 @@ def _cases_2() -> list[A2A]:
         A2A("normal-odd", (13, 2), E=6, K=3, H=24, I=10),
         A2A("normal-fp8", (6, 5), H=160, fp8=True),
         A2A("normal-triton-fp16", (7, 4), impl="triton", dtype="float16"),
+        A2A("normal-3-chunks", (300, 200), chunks=3),
+        A2A("normal-chunks-by-size-uneven", (300, 40), chunk_bytes=12000, routing="skewed"),
+        A2A("normal-chunks-triton-fp8", (260, 0), H=160, chunks=2, impl="triton",
+            dtype="float16", fp8=True),
         A2A("ll", (7, 5), mode="low_latency"),
         A2A("ll-zero-rank", (0, 3), mode="low_latency"),
         A2A("ll-full-one-expert", (8, 8), mode="low_latency", routing="one_expert"),
@@ -505,6 +535,7 @@ def _cases_4() -> list[A2A]:
     return [
         A2A("4-normal-uneven", (5, 0, 9, 3)),
         A2A("4-normal-skewed", (4, 6, 2, 7), routing="skewed"),
+        A2A("4-normal-chunks-uneven", (140, 0, 300, 20), chunk_bytes=10000),
         A2A("4-ll-uneven", (4, 8, 0, 2), mode="low_latency"),
         A2A("4-ll-one-expert", (8, 8, 8, 8), mode="low_latency", routing="one_expert"),
         A2A("4-auto-mixed", (2, 3, 11, 0), mode="auto", expect="standard"),
@@ -612,7 +643,8 @@ def run_bench_case(out_dir: str) -> dict:
     return main(["--out", f"{out_dir}/ep_bench.json", "--num-experts", "8", "--top-k", "2",
                  "--hidden-size", "32", "--intermediate-size", "16", "--dtype", "float32",
                  "--prefill-tokens", "24", "--decode-tokens", "4", "--iters", "2", "--warmup", "1",
-                 "--graph-reps", "2", "--runner", "torch", "--routing", "zipf"])
+                 "--graph-reps", "2", "--runner", "torch", "--routing", "zipf",
+                 "--normal-chunks", "3,auto,1"])
 
 
 def test_ep_bench_runs_on_gloo(tmp_path):
@@ -627,8 +659,10 @@ def test_ep_bench_runs_on_gloo(tmp_path):
     assert all(r["rows_sent"] > 0 and r["dispatch_combine_ms"] > 0 for r in n["per_rank"])
     assert n["aggregate"]["ratio_of_max"] > 0 and "meets_target" in n["aggregate"]
     phases = n["aggregate"]["phases_ms_max"]
-    assert set(phases) == {"plan", "gather", "count_sync", "payload_a2a", "unpack", "combine_a2a",
-                           "combine_reduce"} and all(v >= 0 for v in phases.values())
+    assert set(phases) == {"plan", "gather", "count_sync", "payload_a2a", "unpack",
+                           "combine"} and all(v >= 0 for v in phases.values())
+    assert n["aggregate"]["headline_chunks"] == "3" and n["aggregate"]["calls_max"] == 3
+    assert set(n["aggregate"]["variants_ratio_of_max"]) == {"3", "auto", "1"}
     ll = doc["low_latency"]["aggregate"]
     assert ll["dispatch_ms_max"] > 0 and ll["combine_ms_max"] > 0
     layer = doc["layer"]["aggregate"]

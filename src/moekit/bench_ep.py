@@ -8,12 +8,15 @@ Parts (--parts, comma-separated, in this order):
                all_to_all_single round trip of the same payload: the dispatch's splits, rows of
                H values in x's dtype, there and back (exactly the payload bytes the dispatcher
                moves; its routing metadata, 2K int32 per row, and the counts exchange are extra
-               and count against it). The "runner" is the identity: combine sends the received
-               rows back. Target: ratio <= 1.25 (max over ranks of both). Also a per-phase
-               breakdown (CUDA events): plan, gather (packing kernel), count_sync (counts
-               exchange + the host read), payload_a2a (metadata + payload), unpack,
-               combine_a2a, combine_reduce; and raw one-way times of the two transport layouts
-               (metadata in each payload row vs a separate message).
+               and count against it). The "runner" output is a fixed contiguous copy of the
+               received rows (same routing every call), which combine sends back. Target:
+               ratio <= 1.25 (max over ranks of both). Every --normal-chunks setting is timed
+               side by side (the first is the headline). Also a per-phase breakdown (CUDA
+               events): plan, gather (packing chunk 0), count_sync (counts exchange + the host
+               read), payload_a2a (the other chunks' packing and every call), unpack, combine;
+               raw one-way times of the two transport layouts (metadata in each payload row,
+               as the dispatcher sends it, vs a separate message); and with --profile a
+               torch.profiler trace per rank.
   low_latency  low-latency dispatch and combine, each captured in its own CUDA graph (eager on
                CPU), T = --decode-tokens per rank = the capacity. Target: < 100 us each. Raw
                all_to_all_single of the same fixed buffers, also in graphs, for reference.
@@ -133,34 +136,46 @@ def _inputs(args, T: int, rank: int, dev):
     return x, _routing(args, T, moe.num_experts, moe.top_k, rank, dev)
 
 
+def _chunk_setting(name: str) -> int | None:
+    return None if name == "auto" else int(name)
+
+
 def bench_normal(args, state, dev) -> dict:
     moe, R, rank = args.moe, state.ep_size, state.rank
     T = args.prefill_tokens
     placement = ExpertPlacement.contiguous(moe.num_experts, R)
-    d = AllToAllDispatcher(placement, group=state.ep_group, mode="normal")
+    variants = [v for v in args.normal_chunks.split(",") if v]
+    ds = {v: AllToAllDispatcher(placement, group=state.ep_group, mode="normal",
+                                normal_chunks=_chunk_setting(v)) for v in variants}
+    d = ds[variants[0]]  # the headline: the first variant
     x, topk = _inputs(args, T, rank, dev)
+    probe = d.dispatch(x, topk)
+    h = probe.handle
+    # the "runner": its output is a contiguous [N, H] buffer, as a real runner's is (the
+    # received rows themselves, copied once here; every call routes the same tokens)
+    y = StandardRunnerOutput(probe.x.contiguous())
 
-    def round_trip():
-        out = d.dispatch(x, topk)
-        return d.combine(StandardRunnerOutput(out.x), out)  # identity "runner"
+    def round_trip(disp=d):
+        return disp.combine(y, disp.dispatch(x, topk))
 
     def dispatch_only():
         return d.dispatch(x, topk)
 
-    probe = d.dispatch(x, topk)
-    h = probe.handle
-    send_rows, recv_rows = sum(h.send_splits), sum(h.recv_splits)
+    R_ = range(R)
+    send_splits = [sum(c[r] for c in h.send_splits) for r in R_]  # over the calls
+    recv_splits = [sum(c[r] for c in h.recv_splits) for r in R_]
+    send_rows, recv_rows = sum(send_splits), sum(recv_splits)
     H, K = moe.hidden_size, moe.top_k
     send = torch.randn(send_rows, H, device=dev).to(moe.torch_dtype)
     recv = torch.empty(recv_rows, H, device=dev, dtype=moe.torch_dtype)
     g = state.ep_group
 
     def raw_trip():
-        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=g)
-        dist.all_to_all_single(send, recv, h.send_splits, h.recv_splits, group=g)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=g)
+        dist.all_to_all_single(send, recv, send_splits, recv_splits, group=g)
 
     def raw_one_way():
-        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=g)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=g)
 
     # the two ways to carry the routing metadata, one way, same splits
     row_bytes = H * x.element_size() + 8 * K
@@ -170,11 +185,11 @@ def bench_normal(args, state, dev) -> dict:
     meta_recv = torch.empty(recv_rows, 2 * K, dtype=torch.int32, device=dev)
 
     def raw_packed_rows():
-        dist.all_to_all_single(packed_recv, packed_send, h.recv_splits, h.send_splits, group=g)
+        dist.all_to_all_single(packed_recv, packed_send, recv_splits, send_splits, group=g)
 
-    def raw_payload_plus_meta():  # in the dispatcher's order
-        dist.all_to_all_single(recv, send, h.recv_splits, h.send_splits, group=g)
-        dist.all_to_all_single(meta_recv, meta_send, h.recv_splits, h.send_splits, group=g)
+    def raw_payload_plus_meta():
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=g)
+        dist.all_to_all_single(meta_recv, meta_send, recv_splits, send_splits, group=g)
 
     it, wu = args.iters, args.warmup
     res = {
@@ -182,6 +197,7 @@ def bench_normal(args, state, dev) -> dict:
         "tokens": T,
         "rows_sent": send_rows,
         "rows_received": recv_rows,
+        "calls": len(h.send_splits),
         "bytes_sent_one_way": send_rows * H * x.element_size(),
         "meta_bytes_sent_one_way": send_rows * 8 * K,
         "dispatch_ms": time_eager(dispatch_only, dev, it, wu),
@@ -190,6 +206,9 @@ def bench_normal(args, state, dev) -> dict:
         "raw_round_trip_ms": time_eager(raw_trip, dev, it, wu),
         "raw_packed_rows_one_way_ms": time_eager(raw_packed_rows, dev, it, wu),
         "raw_payload_plus_meta_one_way_ms": time_eager(raw_payload_plus_meta, dev, it, wu),
+        # every --normal-chunks variant, side by side with the raw round trip above
+        "variants_ms": {v: time_eager(lambda v=v: round_trip(ds[v]), dev, it, wu)
+                        for v in variants},
     }
     # per-phase breakdown (CUDA events on the current stream), round trips with identity runner
     phases = Phases(dev)
@@ -200,6 +219,8 @@ def bench_normal(args, state, dev) -> dict:
     d.phases = None
     res["phases_ms"] = {k: statistics.median(v) for k, v in phases.durations().items()}
     res["phases_host_ms"] = {k: statistics.median(v) for k, v in phases.host_durations().items()}
+    if args.profile:
+        _profile(round_trip, dev, rank, args.profile)
     res["combine_ms"] = res["dispatch_combine_ms"] - res["dispatch_ms"]
     res["ratio"] = res["dispatch_combine_ms"] / res["raw_round_trip_ms"]
     res["raw_GBps_per_rank"] = 2 * res["bytes_sent_one_way"] / res["raw_round_trip_ms"] / 1e6
@@ -207,6 +228,11 @@ def bench_normal(args, state, dev) -> dict:
     agg = _aggregate(per_rank, ("dispatch_ms", "combine_ms", "dispatch_combine_ms",
                                 "raw_one_way_ms", "raw_round_trip_ms",
                                 "raw_packed_rows_one_way_ms", "raw_payload_plus_meta_one_way_ms"))
+    agg["headline_chunks"] = variants[0]
+    agg["calls_max"] = max(r["calls"] for r in per_rank)
+    agg["variants_ratio_of_max"] = {
+        v: max(r["variants_ms"][v] for r in per_rank) / agg["raw_round_trip_ms_max"]
+        for v in variants}
     agg["phases_ms_max"] = {k: max(r["phases_ms"].get(k, 0.0) for r in per_rank)
                             for k in per_rank[0]["phases_ms"]}
     agg["phases_host_ms_max"] = {k: max(r["phases_host_ms"].get(k, 0.0) for r in per_rank)
@@ -215,6 +241,24 @@ def bench_normal(args, state, dev) -> dict:
     agg["target_ratio_max"] = TARGETS["normal_ratio_max"]
     agg["meets_target"] = agg["ratio_of_max"] <= TARGETS["normal_ratio_max"]
     return {"per_rank": per_rank, "aggregate": agg}
+
+
+def _profile(fn: Callable[[], object], dev: torch.device, rank: int, out_dir: str) -> None:
+    """A torch.profiler trace (host and device) of a few fn() calls, ranks aligned before each:
+    out_dir/ep_trace_rank{rank}.json; rank 0 prints the top operators by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    os.makedirs(out_dir, exist_ok=True)
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            _barrier(dev)
+            fn()
+        _sync(dev)
+    prof.export_chrome_trace(os.path.join(out_dir, f"ep_trace_rank{rank}.json"))
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25),
+              flush=True)
 
 
 def bench_low_latency(args, state, dev) -> dict:
@@ -330,6 +374,11 @@ def summary(doc: dict) -> str:
                 f"normal  metadata transport, raw one way: in each row "
                 f"{n['raw_packed_rows_one_way_ms_max']:.3f} ms, separate message "
                 f"{n['raw_payload_plus_meta_one_way_ms_max']:.3f} ms")
+        variants = n.get("variants_ratio_of_max")
+        if variants:
+            lines.append("normal  ratio by --normal-chunks: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in variants.items())
+                + f" (headline {n.get('headline_chunks')}: {n.get('calls_max')} calls)")
         phases = n.get("phases_ms_max")
         if phases:
             lines.append("normal  phases (median, max over ranks, ms): " + ", ".join(
@@ -374,6 +423,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf-s", type=float, default=1.2)
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch in the low_latency part")
     p.add_argument("--runner", default="auto", help="--moe-runner-backend of the layer part")
+    p.add_argument("--normal-chunks", default="auto",
+                   help="normal part: comma-separated chunk settings to time side by side "
+                        "(auto or 1..4 all-to-all calls per dispatch); the first is the headline")
+    p.add_argument("--profile", metavar="DIR",
+                   help="normal part: write a torch.profiler trace per rank into DIR")
     p.add_argument("--iters", type=int, default=20, help="timed samples per point")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--graph-reps", type=int, default=20, help="graph replays per sample")

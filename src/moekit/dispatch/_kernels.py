@@ -197,15 +197,17 @@ def launch_ll_recv_plan(recv_ids, recv_w, dest, counts, w_out, E):
 @triton.jit
 def _normal_plan_kernel(
     ids_ptr, table_ptr, copies_ptr, slot_ptr, local_ptr, bcount_ptr, base_ptr, counts_ptr,
-    ticket_ptr, T, L, W, E, NB,
+    ticket_ptr, T, L, W, E, NB, BPC,
     R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    CB: tl.constexpr, SPREAD: tl.constexpr,
+    CB: tl.constexpr, NCMAX: tl.constexpr, SPREAD: tl.constexpr,
 ):
     """Program b plans tokens [b*BT, (b+1)*BT): slot[t, k] (physical slot, -1 masked),
     local[t, r] = position of t among the block's tokens with an expert on rank r (-1 if none),
     bcount[b, r] = how many. The last program to finish (a ticket counter, left at 0 for the
-    next launch) turns the block counts into counts[r] and base[b, r] = sum over ranks q < r
-    of counts[q] + sum over blocks c < b of bcount[c, r]."""
+    next launch) lays out the chunks (BPC blocks each) back to back, and in each chunk the
+    rank blocks back to back: counts[r, c] = rows of chunk c for rank r (counts is
+    [R, NCMAX + 1]; column NCMAX gets T) and base[b, r] = the send row of block b's first
+    token for rank r."""
     b = tl.program_id(0)
     tv = b * BT + tl.arange(0, BT)
     t = tv[:, None]
@@ -226,38 +228,46 @@ def _normal_plan_kernel(
     done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if done == NB - 1:  # every block count is written: finish the prefix sums
         tl.debug_barrier()
-        total = tl.zeros([RP], dtype=tl.int64)
-        for c0 in range(0, NB, CB):
-            cb = c0 + tl.arange(0, CB)
-            m2 = (cb < NB)[:, None] & (rr < R)[None, :]
-            c = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
-                        volatile=True)
-            total += tl.sum(c.to(tl.int64), axis=0)
-        offsets = tl.cumsum(total, axis=0) - total
-        tl.store(counts_ptr + rr, total, mask=rr < R)
-        carry = offsets
-        for c0 in range(0, NB, CB):
-            cb = c0 + tl.arange(0, CB)
-            m2 = (cb < NB)[:, None] & (rr < R)[None, :]
-            c = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
-                        volatile=True).to(tl.int64)
-            tl.store(base_ptr + cb[:, None] * R + rr[None, :],
-                     carry[None, :] + tl.cumsum(c, axis=0) - c, mask=m2)
-            carry += tl.sum(c, axis=0)
+        rm = rr < R
+        start = tl.zeros([RP], dtype=tl.int64)  # first send row of the chunk (all lanes equal)
+        for c in tl.static_range(NCMAX):
+            b_lo = c * BPC
+            b_hi = tl.minimum(b_lo + BPC, NB)
+            total = tl.zeros([RP], dtype=tl.int64)
+            for c0 in range(b_lo, b_hi, CB):
+                cb = c0 + tl.arange(0, CB)
+                m2 = (cb < b_hi)[:, None] & rm[None, :]
+                n = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
+                            volatile=True)
+                total += tl.sum(n.to(tl.int64), axis=0)
+            tl.store(counts_ptr + rr * (NCMAX + 1) + c, total, mask=rm)
+            carry = start + tl.cumsum(total, axis=0) - total
+            for c0 in range(b_lo, b_hi, CB):
+                cb = c0 + tl.arange(0, CB)
+                m2 = (cb < b_hi)[:, None] & rm[None, :]
+                n = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
+                            volatile=True).to(tl.int64)
+                tl.store(base_ptr + cb[:, None] * R + rr[None, :],
+                         carry[None, :] + tl.cumsum(n, axis=0) - n, mask=m2)
+                carry += tl.sum(n, axis=0)
+            start += tl.sum(total, axis=0)
+        tl.store(counts_ptr + rr * (NCMAX + 1) + NCMAX, tl.zeros([RP], dtype=tl.int64) + T,
+                 mask=rm)
         tl.store(ticket_ptr, 0)
 
 
 @triton.jit
 def _pack_rows_kernel(
     src_ptr, slot_ptr, w_ptr, local_ptr, base_ptr, rows_ptr, out_ptr, meta_ptr,
-    NW, E, stride_src, stride_out,
+    t0, NW, E, stride_src, stride_out, stride_meta,
     R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Program (t, h) copies words [h*BLOCK, (h+1)*BLOCK) of payload row t to send row
-    d = base[t // BT, r] + local[t, r] for every rank r the token hits; program (t, 0) also
-    writes meta[d] (K local ids on rank r, -1 elsewhere; then the K weights' bits, 0
-    elsewhere) and rows[t, r] = d (-1 where the token does not go to r)."""
-    t = tl.program_id(0).to(tl.int64)
+    """Program (i, h), token t = t0 + i, copies words [h*BLOCK, (h+1)*BLOCK) of payload row t
+    to send row d = base[t // BT, r] + local[t, r] for every rank r the token hits; program
+    (i, 0) also writes the row's metadata meta[d] (K local ids on rank r, -1 elsewhere; then
+    the K weights' bits, 0 elsewhere; meta may be a view into the same rows) and
+    rows[t, r] = d (-1 where the token does not go to r)."""
+    t = t0 + tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = h * BLOCK + tl.arange(0, BLOCK)
     m = offs < NW
@@ -274,7 +284,7 @@ def _pack_rows_kernel(
         tl.store(out_ptr + d * stride_out + offs, v, mask=m & ok)
         if h == 0:
             here = (slot >= r * E) & (slot < r * E + E)
-            meta = d * (2 * K) + kk
+            meta = d * stride_meta + kk
             tl.store(meta_ptr + meta, tl.where(here, slot - r * E, -1).to(tl.int32),
                      mask=km & ok)
             tl.store(meta_ptr + meta + K, tl.where(here, w, 0.0).to(tl.int32, bitcast=True),
@@ -286,7 +296,7 @@ PLAN_PREFIX_TILE = 4096  # elements of the [blocks, RP] tile the last plan progr
 
 
 def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, counts, ticket,
-                       E, R, block):
+                       E, R, block, blocks_per_chunk):
     T, K = ids.shape
     L, W = table.shape[0] - 1, table.shape[1]
     NB = bcount.shape[0]
@@ -295,20 +305,22 @@ def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, co
     CB = max(2, min(1024, PLAN_PREFIX_TILE // RP))
     _normal_plan_kernel[(NB,)](
         ids, table, copies, slot, local, bcount, base, counts, ticket, T, L, W, E, NB,
-        R=R, RP=RP, K=K, BK=BK, BT=block, CB=CB, SPREAD=spread, num_warps=4,
+        blocks_per_chunk, R=R, RP=RP, K=K, BK=BK, BT=block, CB=CB,
+        NCMAX=counts.shape[1] - 1, SPREAD=spread, num_warps=4,
     )
 
 
-def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, meta, E, block):
-    T, NW = src_words.shape
+def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, meta, E, block,
+                     t0, t1):
+    NW = src_words.shape[1]
     R = local.shape[1]
     K = slot.shape[1]
-    if meta.shape[1] != 2 * K or meta.stride(0) != 2 * K or meta.dtype.itemsize != 4:
-        raise ValueError(f"pack_rows: meta must be contiguous [N, {2 * K}] 4-byte words")
+    if meta.shape[1] != 2 * K or meta.stride(1) != 1 or meta.dtype.itemsize != 4:
+        raise ValueError(f"pack_rows: meta must be [N, {2 * K}] 4-byte words, rows contiguous")
     bw = max(16, min(2048, triton.next_power_of_2(max(NW, 1))))
-    grid = (T, triton.cdiv(max(NW, 1), bw))
+    grid = (t1 - t0, triton.cdiv(max(NW, 1), bw))
     _pack_rows_kernel[grid](
         src_words, slot, weights, local, base, rows, out_words, meta,
-        NW, E, src_words.stride(0), out_words.stride(0),
+        t0, NW, E, src_words.stride(0), out_words.stride(0), meta.stride(0),
         R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw, num_warps=4,
     )

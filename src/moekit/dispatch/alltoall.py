@@ -7,17 +7,21 @@ their experts and gets the results back in combine. R = EP ranks, E = experts pe
 slots), K = top-k, C = --max-dispatch-tokens-per-rank.
 
 normal (prefill, throughput; variable sizes, one host synchronisation):
-  1. one plan kernel numbers the tokens per destination rank; the per-destination counts are
-     exchanged (all_to_all_single of R counts) and copied to the host on a side stream while
-     one kernel packs the send buffers;
-  2. each token is sent once per destination rank (not once per expert): its payload row (H
-     values of x's dtype, exactly what a raw all-to-all of the tokens moves; fp8: the fp8 row
-     and its scales) in one all_to_all_single, its local expert ids there (-1 for experts
-     elsewhere) and top-k weights in a second, small one (2K int32 per row); the split sizes
-     are the one host read;
-  3. the runner gets the standard format: received rows [N, H] (contiguous) ordered by source
-     rank, then token, with local ids; it applies the weights and sums over its local experts;
-  4. combine sends each row's partial sum back and adds a token's partials (float32 sum).
+  1. one plan kernel numbers the tokens per destination rank, in chunks of tokens (a few
+     chunks for large batches: NORMAL_CHUNK_BYTES of payload each, or --normal-chunks); the
+     per-(rank, chunk) counts and T are exchanged (one all_to_all_single of R * 5 int64) and
+     copied to the host on a side stream while chunk 0 is packed;
+  2. each token is sent once per destination rank (not once per expert), as one packed row:
+     its payload (H values of x's dtype, exactly what a raw all-to-all of the tokens moves;
+     fp8: the fp8 row and its scales), then its K local ids there (-1 for experts elsewhere)
+     and K top-k weights (8K bytes). One all_to_all_single per chunk; chunk c+1 is packed
+     while chunk c travels. The split sizes are the one host read; every rank derives the
+     number of calls from every rank's T, so the group agrees;
+  3. the runner gets the standard format: received rows [N, H] (rows of the receive buffer,
+     unit last stride) ordered by chunk, source rank, then token, with local ids; it applies
+     the weights and sums over its local experts;
+  4. combine sends each row's partial sum back, one call per chunk, and adds a token's
+     partials (float32 sum) chunk by chunk as the calls land.
 
 low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturable):
   every rank sends a fixed [R, C] block of rows (unused rows ignored); the receiver lays them out
@@ -50,7 +54,7 @@ import torch.distributed as dist
 
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
-from moekit.dispatch.layout import normal_plan, pack_rows, recv_plan, send_plan
+from moekit.dispatch.layout import MAX_CHUNKS, normal_plan, pack_rows, recv_plan, send_plan
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
@@ -65,6 +69,7 @@ from moekit.stages import (
 
 NORMAL, LOW_LATENCY, AUTO = "normal", "low_latency", "auto"
 FP8_GROUP = 128
+NORMAL_CHUNK_BYTES = 24 << 20  # normal mode: one all-to-all call per this much payload
 NEEDS_DIST = (
     "needs torch.distributed initialised with several processes (launch with torchrun and "
     "call moekit.parallel.init_parallel)"
@@ -178,6 +183,13 @@ def _all_to_all(out, inp, group, out_splits=None, in_splits=None, async_op=False
                                   async_op=async_op)
 
 
+def _wait(works) -> None:
+    """The current stream waits for these all_to_all_single works (None: a local copy)."""
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -264,15 +276,17 @@ class _CountsReader:
 class NormalHandle:
     """Metadata for the return trip of a normal-mode dispatch.
 
-    send_splits / recv_splits: rows sent to / received from each rank; rows_TR [T, R] int64:
-    where the partial result of (token, rank) lands in the combine's receive buffer (-1 where
-    the token has no expert on that rank)."""
+    send_splits / recv_splits [calls][R]: rows sent to / received from each rank in each
+    all-to-all call; rows_TR [T, R] int64: where the partial result of (token, rank) lands in
+    the combine's receive buffer (-1 where the token has no expert on that rank); chunks: the
+    token range (t0, t1) of each of this rank's chunks (chunk c travels in call c)."""
 
     num_tokens: int
-    send_splits: list[int]
-    recv_splits: list[int]
+    send_splits: list[list[int]]
+    recv_splits: list[list[int]]
     rows_TR: torch.Tensor
     dtype: torch.dtype
+    chunks: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -296,7 +310,8 @@ class AllToAllDispatcher(Dispatcher):
     placement: the physical slots and their EP ranks (placement.ep_size must equal the group
     size); group: the EP process group (None: a single rank, the collectives become copies);
     mode: 'normal', 'low_latency' or 'auto' (--deepep-mode); max_dispatch_tokens_per_rank: C;
-    fp8_dispatch: send fp8 rows; impl: row kernels, 'auto' | 'torch' | 'triton'."""
+    fp8_dispatch: send fp8 rows; normal_chunks: all-to-all calls per normal-mode dispatch
+    (1..MAX_CHUNKS; None: by payload size); impl: row kernels, 'auto' | 'torch' | 'triton'."""
 
     name = "alltoall"
 
@@ -309,9 +324,14 @@ class AllToAllDispatcher(Dispatcher):
         mode: str = AUTO,
         max_dispatch_tokens_per_rank: int = 128,
         fp8_dispatch: bool = False,
+        normal_chunks: int | None = None,
         impl: str = "auto",
     ) -> None:
         check_choice("deepep_mode", mode, DEEPEP_MODES)
+        if normal_chunks is not None and not (isinstance(normal_chunks, int)
+                                              and 1 <= normal_chunks <= MAX_CHUNKS):
+            raise ConfigError(f"normal_chunks must be an integer in [1, {MAX_CHUNKS}] or None "
+                              f"(by payload size), got {normal_chunks!r}")
         if not isinstance(max_dispatch_tokens_per_rank, int) or max_dispatch_tokens_per_rank < 1:
             raise ConfigError(
                 "--max-dispatch-tokens-per-rank must be a positive integer, got "
@@ -331,6 +351,8 @@ class AllToAllDispatcher(Dispatcher):
         self.mode = mode
         self.capacity = max_dispatch_tokens_per_rank
         self.fp8 = fp8_dispatch
+        self.normal_chunks = normal_chunks
+        self.chunk_bytes = NORMAL_CHUNK_BYTES
         self.impl = impl
         self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
         self._tickets: dict = {}  # device -> the normal plan kernel's counter
@@ -390,51 +412,80 @@ class AllToAllDispatcher(Dispatcher):
 
     # ---- normal ----------------------------------------------------------------------------
 
+    def chunks_for(self, num_tokens: int, row_bytes: int) -> int:
+        """Chunks (all-to-all calls) a rank with `num_tokens` tokens cuts its normal-mode
+        dispatch into: the configured --normal-chunks, or one per NORMAL_CHUNK_BYTES of
+        payload (chunk_bytes; at most MAX_CHUNKS). Every rank evaluates it for every rank's T (the counts
+        exchange carries them), so the group agrees on the number of calls."""
+        if self.normal_chunks is not None:
+            return self.normal_chunks
+        return max(1, min(MAX_CHUNKS, -(-num_tokens * row_bytes // self.chunk_bytes)))
+
     def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
-        """Two send buffers: the payload rows [<= T*R, H] (x's dtype; fp8: uint8 rows of
-        RowLayout.payload_bytes) and their metadata [<= T*R, 2K] int32 (local ids, weight
-        bits), one row per (token, destination rank). One plan kernel, the counts exchange
-        (read on a side stream while the packing kernel runs: the one host synchronisation),
-        then two all_to_all_single (payload, then metadata). The returned x is contiguous."""
+        """One send buffer of packed rows (RowLayout: the payload, then K local ids and K
+        weights), one row per (token, destination rank), laid out in chunks of tokens. One
+        plan kernel; the counts exchange (read on a side stream while chunk 0 is packed: the
+        one host synchronisation); then per chunk c: pack c (on the compute stream, while
+        chunk c-1 travels) and one all_to_all_single. Returns x [N, H] (rows of the receive
+        buffer: unit last stride, row stride RowLayout.row_bytes; contiguous for fp8) ordered
+        by chunk, source rank, token; local ids and weights contiguous."""
         T, H = x_TH.shape
         K, R, E = topk.ids.shape[1], self.ep_size, self.num_local
         dev = x_TH.device
         ph = self.phases
         if ph is not None:
             ph.begin()
-        layout = RowLayout(H, x_TH.dtype, 0, self.fp8)
-        counts = torch.empty(2 * R, dtype=torch.int64, device=dev)  # [sent to | received from]
-        plan = normal_plan(topk.ids, self.slots, R, E, self.impl, counts_out=counts[:R],
+        layout = RowLayout(H, x_TH.dtype, K, self.fp8)
+        nc = self.chunks_for(T, layout.row_bytes)
+        counts = torch.empty(2, R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
+        plan = normal_plan(topk.ids, self.slots, R, E, nc, self.impl, counts_out=counts[0],
                            ticket=self._ticket(dev))
-        work = _all_to_all(counts[R:], counts[:R], self.group, async_op=True)
+        work = _all_to_all(counts[1], counts[0], self.group, async_op=True)
         reader = _CountsReader(counts, work, self._side_stream(dev))
         if ph is not None:
             ph.mark("plan")
-        # while the counts travel: pack (upper bound T*R rows; the a2a sends a prefix)
         payload = layout.pack_tokens(x_TH)
-        send_x = payload.new_empty(T * R, payload.shape[1])
-        send_meta = torch.empty(T * R, 2 * K, dtype=torch.int32, device=dev)
-        rows_TR = pack_rows(payload, plan, topk.weights, E, send_x, send_meta, self.impl)
+        send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=dev)
+        send_x, (send_ids, _) = layout.payload_view(send), layout.meta_views(send)
+        send_meta = send[:, layout.payload_bytes:].view(torch.int32)  # [N, 2K]
+        rows_TR = torch.empty(T, R, dtype=torch.int64, device=dev)
+        bounds = plan.chunk_bounds()
+
+        def pack(c: int) -> None:
+            if c < nc:
+                pack_rows(payload, plan, topk.weights, E, send_x, send_meta, rows_TR,
+                          bounds[c], self.impl)
+
+        pack(0)
         if ph is not None:
             ph.mark("gather")
-        splits = reader.result()  # the one host synchronisation
-        send_splits, recv_splits = splits[:R], splits[R:]
-        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        sizes = reader.result()  # the one host synchronisation: [2, R, MAX_CHUNKS + 1]
+        calls = max(self.chunks_for(sizes[1][s][MAX_CHUNKS], layout.row_bytes)
+                    for s in range(R))
+        send_splits = [[sizes[0][r][c] for r in range(R)] for c in range(calls)]
+        recv_splits = [[sizes[1][s][c] for s in range(R)] for c in range(calls)]
         if ph is not None:
             ph.mark("count_sync")
-        recv_meta = torch.empty(n_recv, 2 * K, dtype=torch.int32, device=dev)
-        recv_x = payload.new_empty(n_recv, payload.shape[1])
-        # the payload first: the metadata's launch then overlaps the payload's transfer
-        _all_to_all(recv_x, send_x[:n_send], self.group, recv_splits, send_splits)
-        _all_to_all(recv_meta, send_meta[:n_send], self.group, recv_splits, send_splits)
+        recv = torch.empty(sum(map(sum, recv_splits)), layout.row_bytes, dtype=torch.uint8,
+                           device=dev)
+        works = []
+        s_off = r_off = 0
+        for c in range(calls):
+            if c:
+                pack(c)  # queued before call c, so the call waits for it (and overlaps c-1)
+            ns, nr = sum(send_splits[c]), sum(recv_splits[c])
+            works.append(_all_to_all(recv[r_off:r_off + nr], send[s_off:s_off + ns], self.group,
+                                     recv_splits[c], send_splits[c], async_op=True))
+            s_off, r_off = s_off + ns, r_off + nr
+        _wait(works)
         if ph is not None:
             ph.mark("payload_a2a")
-        x_recv = layout.unpack_tokens(recv_x)
-        local = TopKOutput(recv_meta[:, K:].contiguous().view(torch.float32),
-                           recv_meta[:, :K].contiguous())
+        x_recv = layout.unpack_tokens(layout.payload_view(recv))
+        ids, weights = layout.meta_views(recv)
+        local = TopKOutput(weights.contiguous(), ids.contiguous())
         if ph is not None:
             ph.mark("unpack")
-        handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype)
+        handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype, bounds)
         return StandardDispatchOutput(x_recv, local, handle)
 
     def _ticket(self, device: torch.device) -> torch.Tensor | None:
@@ -447,7 +498,7 @@ class AllToAllDispatcher(Dispatcher):
         return t
 
     def _side_stream(self, device: torch.device):
-        """(side stream, pinned [2R] int64 host buffer, event) for reading the counts on
+        """(side stream, pinned host buffer for the counts, event) for reading the counts on
         `device`; None off CUDA."""
         if device.type != "cuda":
             return None
@@ -455,28 +506,41 @@ class AllToAllDispatcher(Dispatcher):
         if s is None:
             s = self._streams[device] = (
                 torch.cuda.Stream(device),
-                torch.empty(2 * self.ep_size, dtype=torch.int64, pin_memory=True),
+                torch.empty(2, self.ep_size, MAX_CHUNKS + 1, dtype=torch.int64, pin_memory=True),
                 torch.cuda.Event(),
             )
         return s
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
-        """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens."""
-        n_send, n_recv = sum(handle.send_splits), sum(handle.recv_splits)
+        """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens. Chunk
+        by chunk: all the return calls are queued at once, and chunk c's tokens are summed as
+        soon as call c has landed (while the later calls travel)."""
+        n_recv = sum(map(sum, handle.recv_splits))
         if out_NH.shape[0] != n_recv:
             raise ValueError(f"combine: runner output has {out_NH.shape[0]} rows, dispatched "
                              f"{n_recv}")
         ph = self.phases
         if ph is not None:
             ph.begin()
-        back = out_NH.new_empty(n_send, out_NH.shape[1])
-        _all_to_all(back, out_NH.contiguous(), self.group, handle.send_splits,
-                    handle.recv_splits)
+        H = out_NH.shape[1]
+        src = out_NH.contiguous()
+        back = out_NH.new_empty(sum(map(sum, handle.send_splits)), H)
+        works = []
+        s_off = r_off = 0
+        for sends, recvs in zip(handle.send_splits, handle.recv_splits):
+            ns, nr = sum(sends), sum(recvs)
+            works.append(_all_to_all(back[s_off:s_off + ns], src[r_off:r_off + nr], self.group,
+                                     sends, recvs, async_op=True))
+            s_off, r_off = s_off + ns, r_off + nr
+        out = torch.empty(handle.num_tokens, H, dtype=handle.dtype, device=out_NH.device)
+        for c, (t0, t1) in enumerate(handle.chunks):
+            _wait(works[c:c + 1])
+            if t1 > t0:
+                gather_reduce(back, handle.rows_TR[t0:t1], None, handle.dtype, self.impl,
+                              out=out[t0:t1])
+        _wait(works[len(handle.chunks):])
         if ph is not None:
-            ph.mark("combine_a2a")
-        out = gather_reduce(back, handle.rows_TR, None, handle.dtype, self.impl)
-        if ph is not None:
-            ph.mark("combine_reduce")
+            ph.mark("combine")
         return out
 
     # ---- low latency -----------------------------------------------------------------------

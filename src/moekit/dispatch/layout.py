@@ -2,10 +2,11 @@
 CUDA, with a PyTorch twin (`*_torch`) used on CPU and as the reference in tests.
 
 Normal mode (variable sizes): `normal_plan` numbers, per destination rank, the tokens that have
-an expert there (send row = offsets[r] + pos[t, r]: rank blocks back to back, tokens in order);
-`pack_rows` writes each token's payload once per destination rank into the packed send buffer,
-with the row's metadata (local ids there, weights) in the same row, so that one
-all_to_all_single moves everything. Neither synchronises with the host.
+an expert there, chunk by chunk (the tokens are cut into a few chunks, one all-to-all call
+each; in a chunk the rank blocks are back to back, tokens in order); `pack_rows` writes each
+token's payload once per destination rank into the packed send buffer, with the row's
+metadata (local ids there, weights) in the same row, so that one all_to_all_single per chunk
+moves everything. Neither synchronises with the host.
 
 Low latency (fixed shapes): where each token goes in the send buffer, and where each received
 (row, k) pair goes in the masked expert buffer; no host synchronisation.
@@ -99,29 +100,52 @@ def recv_plan(recv_ids, recv_w, E: int, impl: str = "auto"):
 # ---- normal mode -----------------------------------------------------------------------------
 
 PLAN_BLOCK = 128  # tokens per plan block (the Triton plan kernel runs one program per block)
+MAX_CHUNKS = 4  # at most this many chunks (all-to-all calls) per normal-mode dispatch
 
 
 @dataclass(frozen=True)
 class NormalPlan:
     """Where each (token, destination rank) goes in the packed send buffer; no host sync.
 
+    The tokens are cut into `num_chunks` chunks of whole blocks (`chunk_tokens` tokens each,
+    the last one shorter, the ones past T empty), one all-to-all call each; the send buffer
+    holds the chunks back to back, and in each chunk the rank blocks back to back, tokens in
+    order.
+
     slot [T, K] int32: physical slot of each pair (-1 masked); local [T, R] int32: position of
     token t among the tokens of its block of `block` tokens with an expert on rank r (-1 if
-    none); base [NB, R] int64: send row of block b's first token for rank r; counts [R] int64:
-    tokens sent to each rank. Send row of (t, r) = base[t // block, r] + local[t, r]: rank
-    blocks back to back, tokens in order."""
+    none); base [NB, R] int64: send row of block b's first token for rank r; counts
+    [R, MAX_CHUNKS + 1] int64: rows of chunk c sent to rank r (zero for c >= num_chunks), and
+    T in the last column (the counts exchange tells every rank every rank's T). Send row of
+    (t, r) = base[t // block, r] + local[t, r]."""
 
     slot: torch.Tensor
     local: torch.Tensor
     base: torch.Tensor
     counts: torch.Tensor
     block: int
+    num_chunks: int = 1
+
+    @property
+    def chunk_tokens(self) -> int:
+        return chunk_tokens(self.local.shape[0], self.block, self.num_chunks)
+
+    def chunk_bounds(self) -> list[tuple[int, int]]:
+        """[(t0, t1)] token range of each chunk c < num_chunks (empty ranges past T)."""
+        T, S = self.local.shape[0], self.chunk_tokens
+        return [(min(c * S, T), min((c + 1) * S, T)) for c in range(self.num_chunks)]
 
     def rows(self) -> torch.Tensor:
         """[T, R] int64: the send row of (token, rank), -1 where the token does not go."""
         T = self.local.shape[0]
         b = torch.arange(T, device=self.local.device) // self.block
         return torch.where(self.local >= 0, self.base[b] + self.local.long(), -1)
+
+
+def chunk_tokens(T: int, block: int, num_chunks: int) -> int:
+    """Tokens per chunk: whole plan blocks, num_chunks chunks covering T (the last shorter)."""
+    blocks = -(-T // block)
+    return max(1, -(-blocks // num_chunks)) * block
 
 
 def _plan_block(R: int, K: int) -> int:
@@ -133,10 +157,17 @@ def _plan_block(R: int, K: int) -> int:
     return max(16, min(PLAN_BLOCK, 8192 // (rp * kp)))
 
 
-def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, counts_out=None,
-                      block: int | None = None) -> NormalPlan:
-    """ids_TK [T, K] logical (-1 masked) -> NormalPlan (see there). counts_out: an [R] int64
-    tensor to hold the counts (e.g. a view of the counts-exchange buffer)."""
+def _check_chunks(num_chunks: int) -> None:
+    if not 1 <= num_chunks <= MAX_CHUNKS:
+        raise ValueError(f"normal plan: num_chunks must be in [1, {MAX_CHUNKS}], got {num_chunks}")
+
+
+def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1,
+                      counts_out=None, block: int | None = None) -> NormalPlan:
+    """ids_TK [T, K] logical (-1 masked) -> NormalPlan (see there). counts_out: an
+    [R, MAX_CHUNKS + 1] int64 tensor to hold the counts (e.g. a view of the counts-exchange
+    buffer)."""
+    _check_chunks(num_chunks)
     T, K = ids_TK.shape
     block = block or _plan_block(R, K)
     dev = ids_TK.device
@@ -150,24 +181,34 @@ def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, counts_out=None,
     local = (per_block.cumsum(dim=1) - 1).view(NB * block, R)[:T]
     local = torch.where(hit, local, -1).to(torch.int32)
     bcount = per_block.sum(dim=1)  # [NB, R]
-    counts = bcount.sum(dim=0)
-    offsets = counts.cumsum(0) - counts
-    base = offsets.view(1, R) + bcount.cumsum(dim=0) - bcount
+    counts = torch.zeros(R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
+    counts[:, MAX_CHUNKS] = T
+    base = torch.empty(NB, R, dtype=torch.int64, device=dev)
+    bpc = max(1, -(-NB // num_chunks))
+    start = 0
+    for c in range(num_chunks):
+        blk = bcount[c * bpc:(c + 1) * bpc]  # [blocks of chunk c, R]
+        total = blk.sum(dim=0)
+        counts[:, c] = total
+        base[c * bpc:(c + 1) * bpc] = (start + total.cumsum(0) - total).view(1, R) + \
+            blk.cumsum(dim=0) - blk
+        start += int(total.sum())
     if counts_out is not None:
         counts_out.copy_(counts)
         counts = counts_out
-    return NormalPlan(slot.to(torch.int32), local, base, counts, block)
+    return NormalPlan(slot.to(torch.int32), local, base, counts, block, num_chunks)
 
 
-def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, impl: str = "auto", counts_out=None,
-                ticket=None) -> NormalPlan:
+def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, impl: str = "auto",
+                counts_out=None, ticket=None) -> NormalPlan:
     """See `normal_plan_torch`: one Triton kernel on CUDA (one program per block of tokens;
     the last program to finish turns the block counts into counts and bases). ticket: a zeroed
     int32 [1] tensor the kernel counts finished programs in (and leaves zeroed); reuse one per
     stream, never on two streams at once (None: a fresh one)."""
+    _check_chunks(num_chunks)
     T, K = ids_TK.shape
     if not _use_triton(ids_TK, impl) or T == 0 or K == 0:
-        return normal_plan_torch(ids_TK, slots, R, E, counts_out)
+        return normal_plan_torch(ids_TK, slots, R, E, num_chunks, counts_out)
     from moekit.dispatch._kernels import launch_normal_plan
 
     dev = ids_TK.device
@@ -178,28 +219,38 @@ def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, impl: str = "auto", coun
     local = torch.empty(T, R, dtype=torch.int32, device=dev)
     bcount = torch.empty(NB, R, dtype=torch.int32, device=dev)
     base = torch.empty(NB, R, dtype=torch.int64, device=dev)
-    counts = counts_out if counts_out is not None else torch.empty(R, dtype=torch.int64,
-                                                                   device=dev)
+    counts = counts_out if counts_out is not None else torch.empty(
+        R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
     if ticket is None:
         ticket = torch.zeros(1, dtype=torch.int32, device=dev)
     launch_normal_plan(ids_TK.contiguous(), table, copies, slots.redundant and slots.spread,
-                       slot, local, bcount, base, counts, ticket, E, R, block)
-    return NormalPlan(slot, local, base, counts, block)
+                       slot, local, bcount, base, counts, ticket, E, R, block,
+                       max(1, -(-NB // num_chunks)))
+    return NormalPlan(slot, local, base, counts, block, num_chunks)
 
 
-def pack_rows_torch(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta) -> torch.Tensor:
+def pack_rows_torch(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta, rows_TR=None,
+                    tokens: tuple[int, int] | None = None) -> torch.Tensor:
     """Write token t's payload row (payload_TP [T, P], any dtype) to out [N, P] (same dtype) at
     its send row for each rank r it hits (NormalPlan.rows), and that row's metadata to meta
-    [N, 2K] int32: K local ids on r (-1 for experts elsewhere), then the K float32 weights'
-    bits (0 elsewhere). Returns rows_TR [T, R] int64 (-1 where the token does not go to r).
-    Rows not named stay unwritten."""
-    rows_TR = plan.rows()
-    T, R = rows_TR.shape
+    [N, 2K] int32 (may be a view into the rows of out): K local ids on r (-1 for experts
+    elsewhere), then the K float32 weights' bits (0 elsewhere). tokens: (t0, t1), only those
+    tokens (one chunk; default all). Returns rows_TR [T, R] int64 (-1 where the token does not
+    go to r), written into rows_TR when given (only the rows of `tokens`). Rows not named stay
+    unwritten."""
+    rows = plan.rows()
+    T, R = rows.shape
+    t0, t1 = tokens if tokens is not None else (0, T)
+    if rows_TR is None:
+        rows_TR = rows
+    else:
+        rows_TR[t0:t1] = rows[t0:t1]
     K = plan.slot.shape[1]
-    if T == 0 or out.shape[0] == 0:
+    if t1 <= t0 or out.shape[0] == 0:
         return rows_TR
-    t_idx, r_idx = (rows_TR >= 0).nonzero(as_tuple=True)
-    dest = rows_TR[t_idx, r_idx]
+    t_idx, r_idx = (rows[t0:t1] >= 0).nonzero(as_tuple=True)
+    t_idx = t_idx + t0
+    dest = rows[t_idx, r_idx]
     out[dest] = payload_TP[t_idx]
     ids, w = _local_meta(plan.slot, weights_TK, R, E)
     meta[dest, :K] = ids[t_idx, r_idx]
@@ -225,17 +276,19 @@ def _word_dtype(t: torch.Tensor, nbytes: int) -> torch.dtype:
     return torch.uint8
 
 
-def pack_rows(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta,
-              impl: str = "auto") -> torch.Tensor:
+def pack_rows(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta, rows_TR=None,
+              tokens: tuple[int, int] | None = None, impl: str = "auto") -> torch.Tensor:
     """See `pack_rows_torch`; payload rows may be strided (last dim contiguous); out must have
     contiguous rows."""
     if not _use_triton(payload_TP, impl):
-        return pack_rows_torch(payload_TP, plan, weights_TK, E, out, meta)
+        return pack_rows_torch(payload_TP, plan, weights_TK, E, out, meta, rows_TR, tokens)
     from moekit.dispatch._kernels import launch_pack_rows
 
     T, R = plan.local.shape
-    rows_TR = torch.empty(T, R, dtype=torch.int64, device=plan.local.device)
-    if T == 0:
+    if rows_TR is None:
+        rows_TR = torch.empty(T, R, dtype=torch.int64, device=plan.local.device)
+    t0, t1 = tokens if tokens is not None else (0, T)
+    if t1 <= t0:
         return rows_TR
     if payload_TP.stride(-1) != 1:
         payload_TP = payload_TP.contiguous()
@@ -247,5 +300,5 @@ def pack_rows(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta,
     if wd != torch.uint8:
         src, dst = src.view(wd), dst.view(wd)
     launch_pack_rows(src, plan.slot, weights_TK.float().contiguous(), plan.local, plan.base,
-                     rows_TR, dst, meta, E, plan.block)
+                     rows_TR, dst, meta, E, plan.block, t0, t1)
     return rows_TR

@@ -4,7 +4,9 @@ Python loops (no collectives, no index tricks), for tests. Small shapes only.
 It defines what each rank must receive, in which order, and what combine must return:
   normal:  rank r receives, for each source rank s in order and each token t of s in order that
            has an expert on r, the row x_s[t] with local ids (-1 elsewhere) and weights (0 where
-           the id is -1); combine sums, per token, the rows each rank sends back.
+           the id is -1); combine sums, per token, the rows each rank sends back. With chunks
+           (chunk_tokens[s]: tokens per chunk of source s), the order is by chunk first: chunk
+           c of every source in turn, then chunk c + 1.
   masked:  local expert e of rank r receives the pairs (s, t, k) routed to it, ordered by
            (s, t, k), as rows [e, 0..count); combine sums weight * output over the pairs.
 Slots follow the dispatcher's rule: logical expert l with copies c_0 < c_1 < ... uses copy
@@ -74,21 +76,24 @@ class ReferenceAllToAll:
             ws.append(w if here else 0.0)
         return ids, ws
 
-    def dispatch_normal(self, xs: list[torch.Tensor], topks: list[TopKOutput]):
+    def dispatch_normal(self, xs: list[torch.Tensor], topks: list[TopKOutput],
+                        chunk_tokens: list[int] | None = None):
         """-> list over ranks of StandardDispatchOutput (handle: RefNormalHandle, shared)."""
         H = xs[0].shape[1]
         handle = RefNormalHandle([[] for _ in range(self.R)], [x.shape[0] for x in xs])
+        sizes = chunk_tokens or [max(1, x.shape[0]) for x in xs]
+        order = sorted((t // sizes[s], s, t) for s, x in enumerate(xs) for t in range(x.shape[0]))
         outs = []
         for r in range(self.R):
             rows, ids, ws = [], [], []
-            for s, (x, topk) in enumerate(zip(xs, topks)):
-                for t, (id_row, w_row) in enumerate(zip(topk.ids.tolist(), topk.weights.tolist())):
-                    local, w = self._local(t, id_row, w_row, r)
-                    if any(i >= 0 for i in local):
-                        rows.append(x[t])
-                        ids.append(local)
-                        ws.append(w)
-                        handle.sources[r].append((s, t))
+            for _, s, t in order:
+                id_row, w_row = topks[s].ids[t].tolist(), topks[s].weights[t].tolist()
+                local, w = self._local(t, id_row, w_row, r)
+                if any(i >= 0 for i in local):
+                    rows.append(xs[s][t])
+                    ids.append(local)
+                    ws.append(w)
+                    handle.sources[r].append((s, t))
             K = topks[0].ids.shape[1]
             x_r = torch.stack(rows) if rows else xs[0].new_zeros(0, H)
             topk_r = TopKOutput(torch.tensor(ws, dtype=torch.float32).reshape(-1, K),

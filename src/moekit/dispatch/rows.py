@@ -72,15 +72,22 @@ def gather_reduce(
     weights_NK: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     impl: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See `gather_reduce_torch`. src rows may be strided (last dim contiguous)."""
+    """See `gather_reduce_torch`. src rows may be strided (last dim contiguous); `out` [N, H]
+    (rows may be strided) receives the result when given."""
     if not _use_triton(src_MH, impl):
-        return gather_reduce_torch(src_MH, rows_NK, weights_NK, out_dtype)
+        res = gather_reduce_torch(src_MH, rows_NK, weights_NK, out_dtype)
+        return res if out is None else out.copy_(res)
     from moekit.dispatch._kernels import launch_gather_reduce
 
     M, H = src_MH.shape
     N = rows_NK.shape[0]
-    out = torch.empty(N, H, dtype=out_dtype or src_MH.dtype, device=src_MH.device)
+    if out is None:
+        out = torch.empty(N, H, dtype=out_dtype or src_MH.dtype, device=src_MH.device)
+    elif out.shape != (N, H) or out.stride(1) != 1:
+        raise ValueError(f"gather_reduce: out must be [{N}, {H}] with contiguous rows, got "
+                         f"{list(out.shape)}")
     if N == 0 or H == 0:
         return out
     if M == 0:
