@@ -30,7 +30,7 @@ from moekit.parallel import init_parallel
 from moekit.placement import ExpertPlacement
 from moekit.router import TopKOutput
 from moekit.runners.torch import TorchRunner
-from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
+from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput, StandardRunnerOutput
 from tests.dist_utils import ep_inputs, get_pool
 from tests.helpers import TOLERANCE, rel_err
 
@@ -118,7 +118,12 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype, chunks):
     as the payload) against their twins, and against a direct construction: each token once
     per destination rank; chunks back to back, in a chunk the rank blocks back to back."""
     from moekit.dispatch.layout import (
-        MAX_CHUNKS, normal_plan, normal_plan_torch, pack_rows, pack_rows_torch)
+        MAX_CHUNKS,
+        normal_plan,
+        normal_plan_torch,
+        pack_rows,
+        pack_rows_torch,
+    )
 
     R, E_logical, K, H = 3, 9, 3, 10
     P = E_logical + redundant
@@ -172,13 +177,30 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype, chunks):
     assert sum(b - a for a, b in plan.chunk_bounds()) == T
 
 
-def test_normal_plan_many_blocks_and_ranks(monkeypatch):
-    """The plan kernel's cross-block prefix (several chunks of blocks in its last program) and
-    a rank count that is not a power of two, against the twin."""
-    from moekit.dispatch import _kernels
+def test_normal_plan_block_grows_for_large_batches():
+    """Past PLAN_TILE / R blocks the plan block doubles (the last program's tile stays small);
+    the kernel and its twin agree there too."""
+    from moekit.dispatch.layout import PLAN_TILE, _plan_block, normal_plan, normal_plan_torch
+
+    R, K, E_logical = 33, 2, 66  # 64 rank lanes: at most PLAN_TILE / 64 = 64 blocks
+    assert _plan_block(R, K, 64 * 64) == 64 and _plan_block(R, K, 64 * 64 + 1) == 128
+    assert -(-(10 ** 7) // _plan_block(4, 8, 10 ** 7)) <= PLAN_TILE // 4
+    slots = SlotMap(ExpertPlacement.contiguous(E_logical, R), E_logical)
+    g = torch.Generator().manual_seed(5)
+    T = 64 * 64 + 300
+    ids = torch.stack([torch.randperm(E_logical, generator=g)[:K] for _ in range(T)])
+    a = normal_plan_torch(ids, slots, R, 2, 3)
+    b = normal_plan(ids, slots, R, 2, 3, impl="triton", ticket=torch.zeros(1, dtype=torch.int32))
+    assert a.block == b.block == 128
+    for name in ("slot", "local", "base", "counts"):
+        assert torch.equal(getattr(a, name).long(), getattr(b, name).long()), name
+
+
+def test_normal_plan_many_blocks_and_ranks():
+    """The plan kernel's cross-block prefix (its last program) over several chunks of blocks,
+    and a rank count that is not a power of two, against the twin."""
     from moekit.dispatch.layout import _plan_block, normal_plan, normal_plan_torch
 
-    monkeypatch.setattr(_kernels, "PLAN_PREFIX_TILE", 16)  # prefix tiles of 2 blocks
     R, E_logical, K = 6, 24, 4
     slots = SlotMap(ExpertPlacement.contiguous(E_logical, R), E_logical)
     block = _plan_block(R, K)
@@ -481,9 +503,8 @@ def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
         from moekit.dispatch.layout import _plan_block, chunk_tokens
 
         row_bytes = RowLayout(case.H, dtype, case.K, case.fp8).row_bytes
-        block = _plan_block(R, case.K)
-        sizes = [chunk_tokens(x.shape[0], block, d.chunks_for(x.shape[0], row_bytes))
-                 for x in xs]
+        sizes = [chunk_tokens(x.shape[0], _plan_block(R, case.K, x.shape[0]),
+                              d.chunks_for(x.shape[0], row_bytes)) for x in xs]
         ref_d = ref.dispatch_normal(xs, topks, sizes)
         assert len(out.handle.send_splits) == max(d.chunks_for(x.shape[0], row_bytes) for x in xs)
         assert same_rows(out.x, ref_d[me].x), "received rows"
@@ -632,6 +653,38 @@ def run_graph_case(T: int, capacity: int, fp8: bool) -> float:
 def test_low_latency_cuda_graph_capture(fp8):
     results = get_pool(2, "nccl").run(run_graph_case, 32, 32, fp8)
     assert max(results) < 1e-3, results
+
+
+def run_normal_graphs_case() -> list[int]:
+    """Normal mode with the plan + counts exchange replayed from CUDA graphs, call after call
+    with changing T per rank (new buckets, a shrinking T inside one bucket, several chunks),
+    against the same dispatcher without graphs: the same rows, ids, weights and combine,
+    bit for bit. Returns the number of graphs captured."""
+    R, E, K, H = dist.get_world_size(), 16, 4, 256
+    dev = torch.device("cuda", torch.cuda.current_device())
+    me = dist.get_rank()
+    placement = ExpertPlacement(torch.arange(E), R)
+    kw = dict(group=dist.group.WORLD, mode="normal", normal_chunks=None)
+    graphed = AllToAllDispatcher(placement, normal_graphs=True, **kw)
+    eager = AllToAllDispatcher(placement, normal_graphs=False, **kw)
+    graphed.chunk_bytes = eager.chunk_bytes = 64 * (2 * H + 8 * K)  # chunks of 64 tokens
+    for i, Ts in enumerate([(37, 300), (300, 37), (200, 150), (130, 150), (0, 9), (290, 290)]):
+        xs, topks = ep_inputs(i, Ts[:R] + (5,) * (R - 2), E, K, H, "random", torch.bfloat16)
+        x = xs[me].to(dev)
+        topk = TopKOutput(topks[me].weights.to(dev), topks[me].ids.to(dev))
+        a, b = graphed.dispatch(x, topk), eager.dispatch(x, topk)
+        assert a.handle.send_splits == b.handle.send_splits, i
+        assert torch.equal(a.x, b.x) and torch.equal(a.topk.ids, b.topk.ids), i
+        assert torch.equal(a.topk.weights, b.topk.weights), i
+        y = StandardRunnerOutput(a.x.float().mul(1.5).to(a.x.dtype))  # a fake runner
+        assert torch.equal(graphed.combine(y, a), eager.combine(y, b)), i
+    return len(graphed.exchange._graphs)
+
+
+@pytest.mark.multigpu
+def test_normal_mode_plan_graphs_match_eager():
+    captured = get_pool(2, "nccl").run(run_normal_graphs_case)
+    assert min(captured) >= 3, captured  # graphs were used (the first call is eager)
 
 
 # ---- the EP benchmark's code path, tiny shapes on gloo ----------------------------------------

@@ -199,7 +199,7 @@ def _normal_plan_kernel(
     ids_ptr, table_ptr, copies_ptr, slot_ptr, local_ptr, bcount_ptr, base_ptr, counts_ptr,
     ticket_ptr, T, L, W, E, NB, BPC,
     R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    CB: tl.constexpr, NCMAX: tl.constexpr, SPREAD: tl.constexpr,
+    NBP: tl.constexpr, NCMAX: tl.constexpr, SPREAD: tl.constexpr,
 ):
     """Program b plans tokens [b*BT, (b+1)*BT): slot[t, k] (physical slot, -1 masked),
     local[t, r] = position of t among the block's tokens with an expert on rank r (-1 if none),
@@ -226,31 +226,23 @@ def _normal_plan_kernel(
     # every thread's stores of this program before the (one-thread) release of the ticket
     tl.debug_barrier()
     done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    if done == NB - 1:  # every block count is written: finish the prefix sums
+    if done == NB - 1:  # every block count is written: the prefix sums, in one [NBP, RP] tile
         tl.debug_barrier()
         rm = rr < R
-        start = tl.zeros([RP], dtype=tl.int64)  # first send row of the chunk (all lanes equal)
+        cb = tl.arange(0, NBP)
+        m2 = (cb < NB)[:, None] & rm[None, :]
+        n = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
+                    volatile=True).to(tl.int64)
+        excl = tl.cumsum(n, axis=0) - n  # rows of rank r in the blocks before b
+        chunk = (cb // BPC)[:, None]
+        base = tl.zeros([NBP, RP], dtype=tl.int64)
         for c in tl.static_range(NCMAX):
-            b_lo = c * BPC
-            b_hi = tl.minimum(b_lo + BPC, NB)
-            total = tl.zeros([RP], dtype=tl.int64)
-            for c0 in range(b_lo, b_hi, CB):
-                cb = c0 + tl.arange(0, CB)
-                m2 = (cb < b_hi)[:, None] & rm[None, :]
-                n = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
-                            volatile=True)
-                total += tl.sum(n.to(tl.int64), axis=0)
+            total = tl.sum(tl.where(chunk == c, n, 0), axis=0)  # [RP] rows of chunk c per rank
+            before = tl.sum(tl.where(chunk < c, n, 0), axis=0)  # [RP] rows of earlier chunks
+            first = tl.sum(before, axis=0) + tl.cumsum(total, axis=0) - total  # rank block starts
+            base = tl.where(chunk == c, first[None, :] + excl - before[None, :], base)
             tl.store(counts_ptr + rr * (NCMAX + 1) + c, total, mask=rm)
-            carry = start + tl.cumsum(total, axis=0) - total
-            for c0 in range(b_lo, b_hi, CB):
-                cb = c0 + tl.arange(0, CB)
-                m2 = (cb < b_hi)[:, None] & rm[None, :]
-                n = tl.load(bcount_ptr + cb[:, None] * R + rr[None, :], mask=m2, other=0,
-                            volatile=True).to(tl.int64)
-                tl.store(base_ptr + cb[:, None] * R + rr[None, :],
-                         carry[None, :] + tl.cumsum(n, axis=0) - n, mask=m2)
-                carry += tl.sum(n, axis=0)
-            start += tl.sum(total, axis=0)
+        tl.store(base_ptr + cb[:, None] * R + rr[None, :], base, mask=m2)
         tl.store(counts_ptr + rr * (NCMAX + 1) + NCMAX, tl.zeros([RP], dtype=tl.int64) + T,
                  mask=rm)
         tl.store(ticket_ptr, 0)
@@ -292,9 +284,6 @@ def _pack_rows_kernel(
             tl.store(rows_ptr + t * R + r, tl.where(ok, d, -1))
 
 
-PLAN_PREFIX_TILE = 4096  # elements of the [blocks, RP] tile the last plan program sums at once
-
-
 def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, counts, ticket,
                        E, R, block, blocks_per_chunk):
     T, K = ids.shape
@@ -302,11 +291,11 @@ def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, co
     NB = bcount.shape[0]
     RP = max(2, triton.next_power_of_2(R))
     BK = max(2, triton.next_power_of_2(K))
-    CB = max(2, min(1024, PLAN_PREFIX_TILE // RP))
+    NBP = max(2, triton.next_power_of_2(NB))  # the layout's block size keeps NBP * RP small
     _normal_plan_kernel[(NB,)](
         ids, table, copies, slot, local, bcount, base, counts, ticket, T, L, W, E, NB,
-        blocks_per_chunk, R=R, RP=RP, K=K, BK=BK, BT=block, CB=CB,
-        NCMAX=counts.shape[1] - 1, SPREAD=spread, num_warps=4,
+        blocks_per_chunk, R=R, RP=RP, K=K, BK=BK, BT=block, NBP=NBP,
+        NCMAX=counts.shape[1] - 1, SPREAD=spread, num_warps=4 if block * BK * RP <= 8192 else 8,
     )
 
 

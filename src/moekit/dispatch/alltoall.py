@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
-from moekit.dispatch.layout import MAX_CHUNKS, normal_plan, pack_rows, recv_plan, send_plan
+from moekit.dispatch.exchange import PlanExchange, _all_to_all
+from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
@@ -173,16 +174,6 @@ def _quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_act_ref(x_TH, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
 
 
-def _all_to_all(out, inp, group, out_splits=None, in_splits=None, async_op=False):
-    """all_to_all_single over `group`; a copy for a group of one rank (None). Returns the
-    work handle when async_op."""
-    if group is None:
-        out.copy_(inp)
-        return None
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                  async_op=async_op)
-
-
 def _wait(works) -> None:
     """The current stream waits for these all_to_all_single works (None: a local copy)."""
     for w in works:
@@ -244,34 +235,6 @@ class Phases:
         return out
 
 
-class _CountsReader:
-    """Reads counts [2R] int64 (sent | received, the received half filled by the exchange
-    `work`) to the host. On CUDA the copy runs on a side stream that waits only for the
-    exchange, so work queued after this on the current stream (the packing kernel) goes on
-    while the host waits; elsewhere it waits for the exchange and reads. side: (stream, pinned
-    host buffer [2R] int64, event), reused call after call (each call reads before the next)."""
-
-    def __init__(self, counts: torch.Tensor, work, side) -> None:
-        self.counts, self.work, self.event, self.host = counts, work, None, None
-        if side is None:
-            return
-        stream, self.host, self.event = side
-        stream.wait_stream(torch.cuda.current_stream(counts.device))  # the plan wrote counts
-        with torch.cuda.stream(stream):
-            if work is not None:
-                work.wait()  # the side stream waits for the exchange
-            self.host.copy_(counts, non_blocking=True)
-            self.event.record(stream)
-
-    def result(self) -> list[int]:
-        if self.event is None:
-            if self.work is not None:
-                self.work.wait()
-            return self.counts.tolist()
-        self.event.synchronize()
-        return self.host.tolist()
-
-
 @dataclass(frozen=True)
 class NormalHandle:
     """Metadata for the return trip of a normal-mode dispatch.
@@ -311,7 +274,9 @@ class AllToAllDispatcher(Dispatcher):
     size); group: the EP process group (None: a single rank, the collectives become copies);
     mode: 'normal', 'low_latency' or 'auto' (--deepep-mode); max_dispatch_tokens_per_rank: C;
     fp8_dispatch: send fp8 rows; normal_chunks: all-to-all calls per normal-mode dispatch
-    (1..MAX_CHUNKS; None: by payload size); impl: row kernels, 'auto' | 'torch' | 'triton'."""
+    (1..MAX_CHUNKS; None: by payload size); normal_graphs: plan + counts exchange replayed
+    from CUDA graphs (`moekit.dispatch.exchange`); impl: row kernels, 'auto' | 'torch' |
+    'triton'."""
 
     name = "alltoall"
 
@@ -325,6 +290,7 @@ class AllToAllDispatcher(Dispatcher):
         max_dispatch_tokens_per_rank: int = 128,
         fp8_dispatch: bool = False,
         normal_chunks: int | None = None,
+        normal_graphs: bool = True,
         impl: str = "auto",
     ) -> None:
         check_choice("deepep_mode", mode, DEEPEP_MODES)
@@ -355,8 +321,8 @@ class AllToAllDispatcher(Dispatcher):
         self.chunk_bytes = NORMAL_CHUNK_BYTES
         self.impl = impl
         self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
-        self._tickets: dict = {}  # device -> the normal plan kernel's counter
-        self._streams: dict = {}  # device -> (side stream, pinned buffer, event): counts reader
+        self.exchange = PlanExchange(self.slots, size, self.num_local, group,
+                                     use_graphs=normal_graphs)
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -369,6 +335,7 @@ class AllToAllDispatcher(Dispatcher):
         if (placement.ep_size, placement.slots_per_rank) != (self.ep_size, self.num_local):
             raise ValueError("a new placement must keep ep_size and the slots per rank")
         self.slots = SlotMap(placement, num_logical or self.slots.num_logical)
+        self.exchange.reset(self.slots)
 
     # ---- mode ----------------------------------------------------------------------------
 
@@ -436,18 +403,14 @@ class AllToAllDispatcher(Dispatcher):
         if ph is not None:
             ph.begin()
         layout = RowLayout(H, x_TH.dtype, K, self.fp8)
-        nc = self.chunks_for(T, layout.row_bytes)
-        counts = torch.empty(2, R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
-        plan = normal_plan(topk.ids, self.slots, R, E, nc, self.impl, counts_out=counts[0],
-                           ticket=self._ticket(dev))
-        work = _all_to_all(counts[1], counts[0], self.group, async_op=True)
-        reader = _CountsReader(counts, work, self._side_stream(dev))
+        nc = self.chunks_for(self.exchange.planned_tokens(topk.ids, self.impl), layout.row_bytes)
+        plan, reader = self.exchange(topk.ids, nc, self.impl)
         if ph is not None:
             ph.mark("plan")
         payload = layout.pack_tokens(x_TH)
         send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=dev)
-        send_x, (send_ids, _) = layout.payload_view(send), layout.meta_views(send)
-        send_meta = send[:, layout.payload_bytes:].view(torch.int32)  # [N, 2K]
+        send_x = layout.payload_view(send)
+        send_meta = send[:, layout.payload_bytes:].view(torch.int32)  # [N, 2K] ids, weights
         rows_TR = torch.empty(T, R, dtype=torch.int64, device=dev)
         bounds = plan.chunk_bounds()
 
@@ -487,29 +450,6 @@ class AllToAllDispatcher(Dispatcher):
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype, bounds)
         return StandardDispatchOutput(x_recv, local, handle)
-
-    def _ticket(self, device: torch.device) -> torch.Tensor | None:
-        """The plan kernel's zeroed counter on `device` (kept zeroed by the kernel)."""
-        if device.type != "cuda":
-            return None
-        t = self._tickets.get(device)
-        if t is None:
-            t = self._tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return t
-
-    def _side_stream(self, device: torch.device):
-        """(side stream, pinned host buffer for the counts, event) for reading the counts on
-        `device`; None off CUDA."""
-        if device.type != "cuda":
-            return None
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = (
-                torch.cuda.Stream(device),
-                torch.empty(2, self.ep_size, MAX_CHUNKS + 1, dtype=torch.int64, pin_memory=True),
-                torch.cuda.Event(),
-            )
-        return s
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens. Chunk

@@ -19,7 +19,7 @@ weights (0 there); rows past them hold ids -1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,15 +125,20 @@ class NormalPlan:
     counts: torch.Tensor
     block: int
     num_chunks: int = 1
+    blocks_per_chunk: int = 1
 
     @property
     def chunk_tokens(self) -> int:
-        return chunk_tokens(self.local.shape[0], self.block, self.num_chunks)
+        return self.blocks_per_chunk * self.block
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         """[(t0, t1)] token range of each chunk c < num_chunks (empty ranges past T)."""
         T, S = self.local.shape[0], self.chunk_tokens
         return [(min(c * S, T), min((c + 1) * S, T)) for c in range(self.num_chunks)]
+
+    def first(self, T: int) -> NormalPlan:
+        """The plan of the first T tokens (the rest, padding, go nowhere)."""
+        return replace(self, slot=self.slot[:T], local=self.local[:T])
 
     def rows(self) -> torch.Tensor:
         """[T, R] int64: the send row of (token, rank), -1 where the token does not go."""
@@ -142,19 +147,32 @@ class NormalPlan:
         return torch.where(self.local >= 0, self.base[b] + self.local.long(), -1)
 
 
-def chunk_tokens(T: int, block: int, num_chunks: int) -> int:
-    """Tokens per chunk: whole plan blocks, num_chunks chunks covering T (the last shorter)."""
+def blocks_per_chunk(T: int, block: int, num_chunks: int) -> int:
+    """Plan blocks per chunk: num_chunks chunks of whole blocks cover T (the last shorter)."""
     blocks = -(-T // block)
-    return max(1, -(-blocks // num_chunks)) * block
+    return max(1, -(-blocks // num_chunks))
 
 
-def _plan_block(R: int, K: int) -> int:
-    """Tokens per plan program: PLAN_BLOCK, less for wide [tokens, K, R] tiles."""
+def chunk_tokens(T: int, block: int, num_chunks: int) -> int:
+    """Tokens per chunk (see blocks_per_chunk)."""
+    return blocks_per_chunk(T, block, num_chunks) * block
+
+
+PLAN_TILE = 4096  # the plan kernel's last program sums an [blocks, ranks] tile this large
+
+
+def _plan_block(R: int, K: int, T: int = 0) -> int:
+    """Tokens per plan program: PLAN_BLOCK, less for wide [tokens, K, R] tiles, more when T
+    needs more than PLAN_TILE / R blocks (powers of two)."""
     import math
 
     rp = 1 << max(0, math.ceil(math.log2(max(R, 1))))
     kp = 1 << max(1, math.ceil(math.log2(max(K, 1))))
-    return max(16, min(PLAN_BLOCK, 8192 // (rp * kp)))
+    block = max(16, min(PLAN_BLOCK, 8192 // (rp * kp)))
+    max_blocks = max(2, PLAN_TILE // max(rp, 2))
+    while -(-T // block) > max_blocks:
+        block *= 2
+    return block
 
 
 def _check_chunks(num_chunks: int) -> None:
@@ -169,7 +187,7 @@ def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 
     buffer)."""
     _check_chunks(num_chunks)
     T, K = ids_TK.shape
-    block = block or _plan_block(R, K)
+    block = block or _plan_block(R, K, T)
     dev = ids_TK.device
     slot = slots.physical(ids_TK)
     rank = torch.where(slot >= 0, slot // E, -1)
@@ -184,7 +202,7 @@ def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 
     counts = torch.zeros(R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
     counts[:, MAX_CHUNKS] = T
     base = torch.empty(NB, R, dtype=torch.int64, device=dev)
-    bpc = max(1, -(-NB // num_chunks))
+    bpc = blocks_per_chunk(T, block, num_chunks)
     start = 0
     for c in range(num_chunks):
         blk = bcount[c * bpc:(c + 1) * bpc]  # [blocks of chunk c, R]
@@ -196,7 +214,7 @@ def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 
     if counts_out is not None:
         counts_out.copy_(counts)
         counts = counts_out
-    return NormalPlan(slot.to(torch.int32), local, base, counts, block, num_chunks)
+    return NormalPlan(slot.to(torch.int32), local, base, counts, block, num_chunks, bpc)
 
 
 def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, impl: str = "auto",
@@ -212,7 +230,7 @@ def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, imp
     from moekit.dispatch._kernels import launch_normal_plan
 
     dev = ids_TK.device
-    block = _plan_block(R, K)
+    block = _plan_block(R, K, T)
     NB = -(-T // block)
     table, copies = slots._on(dev)
     slot = torch.empty(T, K, dtype=torch.int32, device=dev)
@@ -223,10 +241,10 @@ def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, imp
         R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
     if ticket is None:
         ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    bpc = blocks_per_chunk(T, block, num_chunks)
     launch_normal_plan(ids_TK.contiguous(), table, copies, slots.redundant and slots.spread,
-                       slot, local, bcount, base, counts, ticket, E, R, block,
-                       max(1, -(-NB // num_chunks)))
-    return NormalPlan(slot, local, base, counts, block, num_chunks)
+                       slot, local, bcount, base, counts, ticket, E, R, block, bpc)
+    return NormalPlan(slot, local, base, counts, block, num_chunks, bpc)
 
 
 def pack_rows_torch(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta, rows_TR=None,
