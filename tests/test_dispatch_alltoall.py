@@ -664,7 +664,7 @@ def run_normal_graphs_case() -> list[int]:
     dev = torch.device("cuda", torch.cuda.current_device())
     me = dist.get_rank()
     placement = ExpertPlacement(torch.arange(E), R)
-    kw = dict(group=dist.group.WORLD, mode="normal", normal_chunks=None)
+    kw = {"group": dist.group.WORLD, "mode": "normal", "normal_chunks": None}
     graphed = AllToAllDispatcher(placement, normal_graphs=True, **kw)
     eager = AllToAllDispatcher(placement, normal_graphs=False, **kw)
     graphed.chunk_bytes = eager.chunk_bytes = 64 * (2 * H + 8 * K)  # chunks of 64 tokens
@@ -697,7 +697,7 @@ def run_bench_case(out_dir: str) -> dict:
                  "--hidden-size", "32", "--intermediate-size", "16", "--dtype", "float32",
                  "--prefill-tokens", "24", "--decode-tokens", "4", "--iters", "2", "--warmup", "1",
                  "--graph-reps", "2", "--runner", "torch", "--routing", "zipf",
-                 "--normal-chunks", "3,auto,1"])
+                 "--normal-chunks", "3,auto,1/eager"])
 
 
 def test_ep_bench_runs_on_gloo(tmp_path):
@@ -715,7 +715,7 @@ def test_ep_bench_runs_on_gloo(tmp_path):
     assert set(phases) == {"plan", "gather", "count_sync", "payload_a2a", "unpack",
                            "combine"} and all(v >= 0 for v in phases.values())
     assert n["aggregate"]["headline_chunks"] == "3" and n["aggregate"]["calls_max"] == 3
-    assert set(n["aggregate"]["variants_ratio_of_max"]) == {"3", "auto", "1"}
+    assert set(n["aggregate"]["variants_ratio_of_max"]) == {"3", "auto", "1/eager"}
     ll = doc["low_latency"]["aggregate"]
     assert ll["dispatch_ms_max"] > 0 and ll["combine_ms_max"] > 0
     layer = doc["layer"]["aggregate"]

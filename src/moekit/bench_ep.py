@@ -136,8 +136,14 @@ def _inputs(args, T: int, rank: int, dev):
     return x, _routing(args, T, moe.num_experts, moe.top_k, rank, dev)
 
 
-def _chunk_setting(name: str) -> int | None:
-    return None if name == "auto" else int(name)
+def _variant(name: str) -> dict:
+    """A --normal-chunks setting: 'auto' or 1..4 (all-to-all calls), '/eager' appended: the
+    plan and counts exchange launched eagerly instead of replayed from CUDA graphs."""
+    chunks, _, how = name.partition("/")
+    if how not in ("", "eager"):
+        raise SystemExit(f"--normal-chunks: {name!r}; allowed: auto or 1..4, optionally /eager")
+    return {"normal_chunks": None if chunks == "auto" else int(chunks),
+            "normal_graphs": how != "eager"}
 
 
 def bench_normal(args, state, dev) -> dict:
@@ -145,8 +151,8 @@ def bench_normal(args, state, dev) -> dict:
     T = args.prefill_tokens
     placement = ExpertPlacement.contiguous(moe.num_experts, R)
     variants = [v for v in args.normal_chunks.split(",") if v]
-    ds = {v: AllToAllDispatcher(placement, group=state.ep_group, mode="normal",
-                                normal_chunks=_chunk_setting(v)) for v in variants}
+    ds = {v: AllToAllDispatcher(placement, group=state.ep_group, mode="normal", **_variant(v))
+          for v in variants}
     d = ds[variants[0]]  # the headline: the first variant
     x, topk = _inputs(args, T, rank, dev)
     probe = d.dispatch(x, topk)
@@ -424,8 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch in the low_latency part")
     p.add_argument("--runner", default="auto", help="--moe-runner-backend of the layer part")
     p.add_argument("--normal-chunks", default="auto",
-                   help="normal part: comma-separated chunk settings to time side by side "
-                        "(auto or 1..4 all-to-all calls per dispatch); the first is the headline")
+                   help="normal part: comma-separated settings to time side by side: auto or "
+                        "1..4 all-to-all calls per dispatch, '/eager' appended for no CUDA "
+                        "graphs of the plan; the first is the headline")
     p.add_argument("--profile", metavar="DIR",
                    help="normal part: write a torch.profiler trace per rank into DIR")
     p.add_argument("--iters", type=int, default=20, help="timed samples per point")
