@@ -47,6 +47,7 @@ import torch.distributed as dist
 from moekit.bench import capture_graph
 from moekit.config import DTYPES, ParallelConfig, RunnerConfig
 from moekit.dispatch.alltoall import AllToAllDispatcher, Phases, RowLayout
+from moekit.dispatch.exchange import GRAPH_MODES
 from moekit.layer import MoE
 from moekit.parallel import init_parallel
 from moekit.placement import ExpertPlacement
@@ -137,13 +138,14 @@ def _inputs(args, T: int, rank: int, dev):
 
 
 def _variant(name: str) -> dict:
-    """A --normal-chunks setting: 'auto' or 1..4 (all-to-all calls), '/eager' appended: the
-    plan and counts exchange launched eagerly instead of replayed from CUDA graphs."""
+    """A --normal-chunks setting: 'auto' or 1..4 (all-to-all calls), optionally '/none',
+    '/plan' or '/pack' appended: what normal mode replays from CUDA graphs (default pack)."""
     chunks, _, how = name.partition("/")
-    if how not in ("", "eager"):
-        raise SystemExit(f"--normal-chunks: {name!r}; allowed: auto or 1..4, optionally /eager")
+    if how not in ("",) + GRAPH_MODES:
+        raise SystemExit(f"--normal-chunks: {name!r}; allowed: auto or 1..4, optionally "
+                         f"/{', /'.join(GRAPH_MODES)}")
     return {"normal_chunks": None if chunks == "auto" else int(chunks),
-            "normal_graphs": how != "eager"}
+            "normal_graphs": how or "pack"}
 
 
 def bench_normal(args, state, dev) -> dict:
@@ -431,8 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runner", default="auto", help="--moe-runner-backend of the layer part")
     p.add_argument("--normal-chunks", default="auto",
                    help="normal part: comma-separated settings to time side by side: auto or "
-                        "1..4 all-to-all calls per dispatch, '/eager' appended for no CUDA "
-                        "graphs of the plan; the first is the headline")
+                        "1..4 all-to-all calls per dispatch, with /none, /plan or /pack (the "
+                        "default): what is replayed from CUDA graphs; the first is the headline")
     p.add_argument("--profile", metavar="DIR",
                    help="normal part: write a torch.profiler trace per rank into DIR")
     p.add_argument("--iters", type=int, default=20, help="timed samples per point")

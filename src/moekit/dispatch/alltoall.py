@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
-from moekit.dispatch.exchange import PlanExchange, _all_to_all
+from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, _all_to_all
 from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
@@ -274,9 +274,9 @@ class AllToAllDispatcher(Dispatcher):
     size); group: the EP process group (None: a single rank, the collectives become copies);
     mode: 'normal', 'low_latency' or 'auto' (--deepep-mode); max_dispatch_tokens_per_rank: C;
     fp8_dispatch: send fp8 rows; normal_chunks: all-to-all calls per normal-mode dispatch
-    (1..MAX_CHUNKS; None: by payload size); normal_graphs: plan + counts exchange replayed
-    from CUDA graphs (`moekit.dispatch.exchange`); impl: row kernels, 'auto' | 'torch' |
-    'triton'."""
+    (1..MAX_CHUNKS; None: by payload size); normal_graphs: what normal mode replays from CUDA
+    graphs (`moekit.dispatch.exchange`): 'pack' (plan, counts exchange and packing), 'plan'
+    (plan and counts exchange) or 'none'; impl: row kernels, 'auto' | 'torch' | 'triton'."""
 
     name = "alltoall"
 
@@ -290,7 +290,7 @@ class AllToAllDispatcher(Dispatcher):
         max_dispatch_tokens_per_rank: int = 128,
         fp8_dispatch: bool = False,
         normal_chunks: int | None = None,
-        normal_graphs: bool = True,
+        normal_graphs: str = "pack",
         impl: str = "auto",
     ) -> None:
         check_choice("deepep_mode", mode, DEEPEP_MODES)
@@ -321,8 +321,10 @@ class AllToAllDispatcher(Dispatcher):
         self.chunk_bytes = NORMAL_CHUNK_BYTES
         self.impl = impl
         self.phases: Phases | None = None  # set by benchmarks: per-phase timing of normal mode
+        check_choice("normal_graphs", normal_graphs, GRAPH_MODES)
+        self.normal_graphs = normal_graphs
         self.exchange = PlanExchange(self.slots, size, self.num_local, group,
-                                     use_graphs=normal_graphs)
+                                     use_graphs=normal_graphs != "none")
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -390,10 +392,11 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
         """One send buffer of packed rows (RowLayout: the payload, then K local ids and K
-        weights), one row per (token, destination rank), laid out in chunks of tokens. One
-        plan kernel; the counts exchange (read on a side stream while chunk 0 is packed: the
-        one host synchronisation); then per chunk c: pack c (on the compute stream, while
-        chunk c-1 travels) and one all_to_all_single. Returns x [N, H] (rows of the receive
+        weights), one row per (token, destination rank), laid out in chunks of tokens. The
+        plan, the counts exchange and its copy to the host (`moekit.dispatch.exchange`; with
+        normal_graphs 'pack' the packing too, replayed from one CUDA graph); the one host
+        synchronisation; then per chunk c one all_to_all_single (packing chunk c here, while
+        chunk c-1 travels, when the graph did not). Returns x [N, H] (rows of the receive
         buffer: unit last stride, row stride RowLayout.row_bytes; contiguous for fp8) ordered
         by chunk, source rank, token; local ids and weights contiguous."""
         T, H = x_TH.shape
@@ -404,20 +407,23 @@ class AllToAllDispatcher(Dispatcher):
             ph.begin()
         layout = RowLayout(H, x_TH.dtype, K, self.fp8)
         nc = self.chunks_for(self.exchange.planned_tokens(topk.ids, self.impl), layout.row_bytes)
-        plan, reader = self.exchange(topk.ids, nc, self.impl)
+        payload = layout.pack_tokens(x_TH)
+        job = PackJob(payload, topk.weights.float(), E, layout.payload_bytes, layout.row_bytes)
+        prep = self.exchange(topk.ids, nc, self.impl, job if self.normal_graphs == "pack" else None)
+        plan, reader = prep.plan, prep.reader
         if ph is not None:
             ph.mark("plan")
-        payload = layout.pack_tokens(x_TH)
-        send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=dev)
-        send_x = layout.payload_view(send)
-        send_meta = send[:, layout.payload_bytes:].view(torch.int32)  # [N, 2K] ids, weights
-        rows_TR = torch.empty(T, R, dtype=torch.int64, device=dev)
         bounds = plan.chunk_bounds()
+        send, rows_TR = prep.send, prep.rows_TR
+        if send is None:  # pack here, chunk by chunk (else the graph packed every chunk)
+            send = torch.empty(T * R, layout.row_bytes, dtype=torch.uint8, device=dev)
+            rows_TR = torch.empty(T, R, dtype=torch.int64, device=dev)
+            send_x, send_meta = job.views(send)
 
         def pack(c: int) -> None:
-            if c < nc:
-                pack_rows(payload, plan, topk.weights, E, send_x, send_meta, rows_TR,
-                          bounds[c], self.impl)
+            if prep.send is None and c < nc:
+                pack_rows(payload, plan, job.weights, E, send_x, send_meta, rows_TR, bounds[c],
+                          self.impl)
 
         pack(0)
         if ph is not None:
