@@ -20,7 +20,7 @@
 #   the sdist), GPU_EP_DEEPEP_LIMIT=120 (seconds for that build),
 #   GPU_EP_BENCH=normal,layer,ll,ll_fp8 (which benchmark parts run),
 #   GPU_EP_BENCH_ARGS (extra arguments for every bench run), GPU_EP_NPROC (default: all GPUs),
-#   GPU_EP_NORMAL_CHUNKS=auto,1,2,3,4,auto/eager (the normal part's --normal-chunks settings, side by side),
+#   GPU_EP_NORMAL_CHUNKS=default,2,3,auto,1/pack,1/none (the normal part's --normal-chunks settings, side by side),
 #   GPU_EP_PROFILE=0 (1: torch.profiler traces of the normal part -> ep_traces.tar.gz).
 # Exit status: 0 when every step passed, 1 otherwise.
 set -u -o pipefail
@@ -99,7 +99,7 @@ for p in normal layer; do
 done
 # eager parts first (normal mode, the layers); the CUDA-graph part runs on its own so that a
 # problem there cannot take the other numbers with it
-NORMAL_ARGS=(--normal-chunks "${GPU_EP_NORMAL_CHUNKS:-auto,1,2,3,4,auto/eager}")
+NORMAL_ARGS=(--normal-chunks "${GPU_EP_NORMAL_CHUNKS:-default,2,3,auto,1/pack,1/none}")
 [ "${GPU_EP_PROFILE:-0}" = "1" ] && NORMAL_ARGS+=(--profile "$OUT/traces")
 if [ -n "$EAGER" ]; then
     # shellcheck disable=SC2086

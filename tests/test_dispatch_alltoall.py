@@ -683,7 +683,7 @@ def run_normal_graphs_case() -> list[int]:
             assert torch.equal(a.x, b.x) and torch.equal(a.topk.ids, b.topk.ids), (m, i)
             assert torch.equal(a.topk.weights, b.topk.weights), (m, i)
             assert torch.equal(ds[m].combine(y, a), want), (m, i)
-    return [len(ds[m].exchange._graphs) for m in ("plan", "pack")]
+    return [ds[m].exchange.captures for m in ("plan", "pack")]
 
 
 @pytest.mark.multigpu
@@ -702,7 +702,7 @@ def run_bench_case(out_dir: str) -> dict:
                  "--hidden-size", "32", "--intermediate-size", "16", "--dtype", "float32",
                  "--prefill-tokens", "24", "--decode-tokens", "4", "--iters", "2", "--warmup", "1",
                  "--graph-reps", "2", "--runner", "torch", "--routing", "zipf",
-                 "--normal-chunks", "3,auto,1/none"])
+                 "--normal-chunks", "3,default,auto/pack,1/none"])
 
 
 def test_ep_bench_runs_on_gloo(tmp_path):
@@ -720,7 +720,7 @@ def test_ep_bench_runs_on_gloo(tmp_path):
     assert set(phases) == {"plan", "gather", "count_sync", "payload_a2a", "unpack",
                            "combine"} and all(v >= 0 for v in phases.values())
     assert n["aggregate"]["headline_chunks"] == "3" and n["aggregate"]["calls_max"] == 3
-    assert set(n["aggregate"]["variants_ratio_of_max"]) == {"3", "auto", "1/none"}
+    assert set(n["aggregate"]["variants_ratio_of_max"]) == {"3", "default", "auto/pack", "1/none"}
     ll = doc["low_latency"]["aggregate"]
     assert ll["dispatch_ms_max"] > 0 and ll["combine_ms_max"] > 0
     layer = doc["layer"]["aggregate"]

@@ -138,14 +138,16 @@ def _inputs(args, T: int, rank: int, dev):
 
 
 def _variant(name: str) -> dict:
-    """A --normal-chunks setting: 'auto' or 1..4 (all-to-all calls), optionally '/none',
-    '/plan' or '/pack' appended: what normal mode replays from CUDA graphs (default pack)."""
+    """A --normal-chunks setting -> AllToAllDispatcher keywords: 'default' (the dispatcher's
+    defaults), 'auto' (chunks by payload size) or 1..4 (all-to-all calls), optionally with
+    '/none', '/plan' or '/pack' appended: what normal mode replays from CUDA graphs."""
     chunks, _, how = name.partition("/")
-    if how not in ("",) + GRAPH_MODES:
-        raise SystemExit(f"--normal-chunks: {name!r}; allowed: auto or 1..4, optionally "
-                         f"/{', /'.join(GRAPH_MODES)}")
-    return {"normal_chunks": None if chunks == "auto" else int(chunks),
-            "normal_graphs": how or "pack"}
+    if how not in ("",) + GRAPH_MODES or not (chunks in ("default", "auto") or chunks.isdigit()):
+        raise SystemExit(f"--normal-chunks: {name!r}; allowed: default, auto or 1..4, "
+                         f"optionally /{', /'.join(GRAPH_MODES)}")
+    kw = {} if chunks == "default" else {
+        "normal_chunks": None if chunks == "auto" else int(chunks)}
+    return {**kw, "normal_graphs": how} if how else kw
 
 
 def bench_normal(args, state, dev) -> dict:
@@ -431,10 +433,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf-s", type=float, default=1.2)
     p.add_argument("--fp8", action="store_true", help="fp8 dispatch in the low_latency part")
     p.add_argument("--runner", default="auto", help="--moe-runner-backend of the layer part")
-    p.add_argument("--normal-chunks", default="auto",
-                   help="normal part: comma-separated settings to time side by side: auto or "
-                        "1..4 all-to-all calls per dispatch, with /none, /plan or /pack (the "
-                        "default): what is replayed from CUDA graphs; the first is the headline")
+    p.add_argument("--normal-chunks", default="default",
+                   help="normal part: comma-separated settings to time side by side: default "
+                        "(the dispatcher's), auto (by payload size) or 1..4 all-to-all calls "
+                        "per dispatch, optionally with /none, /plan or /pack: what is replayed "
+                        "from CUDA graphs; the first is the headline")
     p.add_argument("--profile", metavar="DIR",
                    help="normal part: write a torch.profiler trace per rank into DIR")
     p.add_argument("--iters", type=int, default=20, help="timed samples per point")

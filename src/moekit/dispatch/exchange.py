@@ -161,6 +161,7 @@ class PlanExchange:
         self._tickets: dict = {}
         self._sides: dict = {}
         self._eager_calls = 0
+        self.captures = 0  # graphs captured so far (for tests and logs)
 
     def reset(self, slots: SlotMap) -> None:
         """A new placement: the graphs read the old slot table, drop them."""
@@ -267,6 +268,7 @@ class PlanExchange:
             host.copy_(counts, non_blocking=True)
             if stage is not None:
                 pack_step(plan)
+        self.captures += 1
         if len(self._graphs) >= self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
         g = _Graph(graph, ids, plan, host, torch.cuda.Event(), 0, (counts, ticket), stage)
