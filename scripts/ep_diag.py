@@ -1,7 +1,7 @@
-"""One-GPU diagnostics for the all-to-all dispatcher's normal mode (deepseek-v3 EP4 shapes):
-(1) the triton runner on received rows that are strided views of packed rows (payload + 8K
-bytes of metadata per row) against the same rows contiguous; (2) the normal plan kernel's
-time by chunk count. Prints one line per measurement; writes $OUT/ep_diag.json."""
+"""One-GPU diagnostic for the all-to-all dispatcher's normal mode (deepseek-v3 EP4 shapes): the
+triton runner on received rows that are strided views of packed rows (payload + 8K bytes of
+metadata per row, as normal mode hands them over) against the same rows contiguous, and what
+a contiguous copy would cost. Prints one line per measurement; writes $OUT/ep_diag.json."""
 
 import json
 import os
@@ -9,10 +9,8 @@ import os
 import torch
 import triton.testing
 
-from moekit.dispatch.layout import normal_plan
-from moekit.dispatch.slots import SlotMap
 from moekit.experts import ActivationSpec, ExpertWeights
-from moekit.placement import ExpertPlacement
+from moekit.report import metadata
 from moekit.router import TopKOutput
 from moekit.runners.triton.ops import fused_moe
 
@@ -44,19 +42,11 @@ def main() -> None:
     res["runner_strided_ms"] = bench(lambda: fused_moe(x_strided, topk, weights, act))
     res["runner_contiguous_ms"] = bench(lambda: fused_moe(x_contig, topk, weights, act))
     res["copy_to_contiguous_ms"] = bench(lambda: x_strided.contiguous())
-    # the plan kernel at T = 4096 tokens per rank
-    T = 4096
-    slots = SlotMap(ExpertPlacement.contiguous(E_all, R), E_all)
-    ids_T = torch.stack([torch.randperm(E_all)[:K] for _ in range(T)]).to(dev, torch.int32)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
-    for nc in (1, 2, 3, 4):
-        res[f"plan_{nc}_chunks_ms"] = bench(lambda nc=nc: normal_plan(ids_T, slots, R, E, nc,
-                                                                      ticket=ticket))
     for k, v in res.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "ep_diag.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), **res}, f, indent=1)
+        json.dump({**metadata(), **res}, f, indent=1)
 
 
 if __name__ == "__main__":
