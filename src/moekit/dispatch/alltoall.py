@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choice
 from moekit.dispatch.base import Dispatcher
-from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, _all_to_all
+from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, all_to_all
 from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
@@ -447,7 +447,7 @@ class AllToAllDispatcher(Dispatcher):
             if c:
                 pack(c)  # queued before call c, so the call waits for it (and overlaps c-1)
             ns, nr = sum(send_splits[c]), sum(recv_splits[c])
-            works.append(_all_to_all(recv[r_off:r_off + nr], send[s_off:s_off + ns], self.group,
+            works.append(all_to_all(recv[r_off:r_off + nr], send[s_off:s_off + ns], self.group,
                                      recv_splits[c], send_splits[c], async_op=True))
             s_off, r_off = s_off + ns, r_off + nr
         _wait(works)
@@ -479,7 +479,7 @@ class AllToAllDispatcher(Dispatcher):
         s_off = r_off = 0
         for sends, recvs in zip(handle.send_splits, handle.recv_splits):
             ns, nr = sum(sends), sum(recvs)
-            works.append(_all_to_all(back[s_off:s_off + ns], src[r_off:r_off + nr], self.group,
+            works.append(all_to_all(back[s_off:s_off + ns], src[r_off:r_off + nr], self.group,
                                      sends, recvs, async_op=True))
             s_off, r_off = s_off + ns, r_off + nr
         out = torch.empty(handle.num_tokens, H, dtype=handle.dtype, device=out_NH.device)
@@ -517,7 +517,7 @@ class AllToAllDispatcher(Dispatcher):
         scatter_rows(layout.pack_tokens(x_TH), rows_TR, RC, self.impl,
                      out=layout.payload_view(send))
         recv = torch.empty_like(send)
-        _all_to_all(recv, send, self.group)
+        all_to_all(recv, send, self.group)
         # receiver: (row, k) pairs -> masked rows of their expert, in (source rank, row, k) order
         recv_ids, recv_w = layout.meta_views(recv)
         dest, counts, weights = recv_plan(recv_ids, recv_w, E, self.impl)
@@ -534,5 +534,5 @@ class AllToAllDispatcher(Dispatcher):
         flat = out_ECH.reshape(E * RC, out_ECH.shape[2])
         send = gather_reduce(flat, handle.dest_NK, handle.weights_NK, handle.dtype, self.impl)
         back = torch.empty_like(send)
-        _all_to_all(back, send, self.group)
+        all_to_all(back, send, self.group)
         return gather_reduce(back, handle.rows_TR, None, handle.dtype, self.impl)
