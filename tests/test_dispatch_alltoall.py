@@ -177,6 +177,48 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype, chunks):
     assert sum(b - a for a, b in plan.chunk_bounds()) == T
 
 
+@pytest.mark.parametrize("T, chunks", [(0, 1), (37, 1), (150, 2), (300, 3)])
+def test_normal_plan_and_pack_indirect_match_direct(T, chunks):
+    """The plan and packing kernels in INDIRECT mode (what the normal-mode CUDA graphs replay:
+    T and the input addresses read from an args vector, the grid sized for a larger capacity)
+    against the direct launches on the same inputs."""
+    from moekit.dispatch._kernels import launch_pack_rows
+    from moekit.dispatch.exchange import bucket
+    from moekit.dispatch.layout import blocks_per_chunk, normal_plan, pack_rows
+
+    R, E_logical, K, H = 3, 9, 3, 12
+    E = E_logical // R
+    Tb = bucket(T) + 40  # a capacity well past T
+    slots = SlotMap(ExpertPlacement.contiguous(E_logical, R), E_logical)
+    _, (topk,) = ep_inputs(T, (T,), E_logical, K, 4, "masked")
+    x = torch.randn(T, H + 2).to(torch.float16)[:, :H]  # strided rows of whole 4-byte words
+    ids, w = topk.ids.to(torch.int32).contiguous(), topk.weights.float().contiguous()
+    nw = H * 2 // 4
+    args = torch.tensor([T, ids.data_ptr(), x.data_ptr(), w.data_ptr(), x.stride(0) // 2, 0])
+    ticket = torch.zeros(1, dtype=torch.int32)
+    direct = normal_plan(ids, slots, R, E, chunks, impl="triton", ticket=ticket)
+    shape_ids = torch.empty(Tb, K, dtype=torch.int32)
+    ind = normal_plan(shape_ids, slots, R, E, chunks, impl="triton", ticket=ticket, args=args)
+    assert torch.equal(ind.counts, direct.counts)  # T in the last column: the real T
+    assert direct.block == ind.block
+    assert torch.equal(ind.local[:T], direct.local) and torch.equal(ind.slot[:T], direct.slot)
+    nb = -(-T // direct.block)
+    assert torch.equal(ind.base[:nb], direct.base)
+    assert blocks_per_chunk(T, ind.block, chunks) == direct.blocks_per_chunk
+    row = H * 2 + 8 * K
+    bufs = [torch.zeros(Tb * R, row, dtype=torch.uint8) for _ in range(2)]
+    rows = [torch.full((Tb, R), -7, dtype=torch.int64) for _ in range(2)]
+    pack_rows(x, direct, w, E, bufs[0][:, :H * 2].view(torch.float16),
+              bufs[0][:, H * 2:].view(torch.int32), rows[0], None, "triton")
+    shape_x = torch.empty(1, nw, dtype=torch.int32).expand(Tb, nw)
+    shape_w = torch.empty(1, K, dtype=torch.float32).expand(Tb, K)
+    launch_pack_rows(shape_x, ind.slot, shape_w, ind.local, ind.base, rows[1],
+                     bufs[1][:, :H * 2].view(torch.int32), bufs[1][:, H * 2:].view(torch.int32),
+                     E, ind.block, 0, Tb, args)
+    assert torch.equal(bufs[0], bufs[1])
+    assert torch.equal(rows[0][:T], rows[1][:T]) and (rows[1][T:] == -7).all()
+
+
 def test_normal_plan_block_grows_for_large_batches():
     """Past PLAN_TILE / R blocks the plan block doubles (the last program's tile stays small);
     the kernel and its twin agree there too."""

@@ -197,9 +197,9 @@ def launch_ll_recv_plan(recv_ids, recv_w, dest, counts, w_out, E):
 @triton.jit
 def _normal_plan_kernel(
     ids_ptr, table_ptr, copies_ptr, slot_ptr, local_ptr, bcount_ptr, base_ptr, counts_ptr,
-    ticket_ptr, T, L, W, E, NB, BPC,
+    ticket_ptr, args_ptr, T, L, W, E, NB, BPC, NC,
     R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    NBP: tl.constexpr, NCMAX: tl.constexpr, SPREAD: tl.constexpr,
+    NBP: tl.constexpr, NCMAX: tl.constexpr, SPREAD: tl.constexpr, INDIRECT: tl.constexpr,
 ):
     """Program b plans tokens [b*BT, (b+1)*BT): slot[t, k] (physical slot, -1 masked),
     local[t, r] = position of t among the block's tokens with an expert on rank r (-1 if none),
@@ -207,7 +207,14 @@ def _normal_plan_kernel(
     next launch) lays out the chunks (BPC blocks each) back to back, and in each chunk the
     rank blocks back to back: counts[r, c] = rows of chunk c for rank r (counts is
     [R, NCMAX + 1]; column NCMAX gets T) and base[b, r] = the send row of block b's first
-    token for rank r."""
+    token for rank r.
+    INDIRECT (a launch a CUDA graph replays for new inputs): T and the ids pointer come from
+    args [T, ids address, ...] int64 on the device, the grid covers the graph's capacity, and
+    the chunk size follows T: BPC = max(1, cdiv(cdiv(T, BT), NC))."""
+    if INDIRECT:
+        T = tl.load(args_ptr).to(tl.int32)
+        ids_ptr = tl.load(args_ptr + 1).to(tl.pointer_type(tl.int32))
+        BPC = tl.maximum(tl.cdiv(tl.cdiv(T, BT), NC), 1)
     b = tl.program_id(0)
     tv = b * BT + tl.arange(0, BT)
     t = tv[:, None]
@@ -250,29 +257,40 @@ def _normal_plan_kernel(
 
 @triton.jit
 def _pack_rows_kernel(
-    src_ptr, slot_ptr, w_ptr, local_ptr, base_ptr, rows_ptr, out_ptr, meta_ptr,
+    src_ptr, slot_ptr, w_ptr, local_ptr, base_ptr, rows_ptr, out_ptr, meta_ptr, args_ptr,
     t0, NW, E, stride_src, stride_out, stride_meta,
     R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
     """Program (i, h), token t = t0 + i, copies words [h*BLOCK, (h+1)*BLOCK) of payload row t
     to send row d = base[t // BT, r] + local[t, r] for every rank r the token hits; program
     (i, 0) also writes the row's metadata meta[d] (K local ids on rank r, -1 elsewhere; then
     the K weights' bits, 0 elsewhere; meta may be a view into the same rows) and
-    rows[t, r] = d (-1 where the token does not go to r)."""
+    rows[t, r] = d (-1 where the token does not go to r).
+    INDIRECT (a launch a CUDA graph replays): args [T, ids address, payload address (int32
+    words), weights address, payload row stride in words] int64 on the device; programs of
+    tokens t >= T do nothing."""
     t = t0 + tl.program_id(0).to(tl.int64)
+    if INDIRECT:
+        live = t < tl.load(args_ptr)
+        src_ptr = tl.load(args_ptr + 2).to(tl.pointer_type(tl.int32))
+        w_ptr = tl.load(args_ptr + 3).to(tl.pointer_type(tl.float32))
+        stride_src = tl.load(args_ptr + 4)
+    else:
+        live = t >= 0
     h = tl.program_id(1)
     offs = h * BLOCK + tl.arange(0, BLOCK)
-    m = offs < NW
+    m = (offs < NW) & live
     v = tl.load(src_ptr + t * stride_src + offs, mask=m)
     kk = tl.arange(0, BK)
-    km = kk < K
+    km = (kk < K) & live
     slot = tl.load(slot_ptr + t * K + kk, mask=km, other=-1)
     w = tl.load(w_ptr + t * K + kk, mask=km, other=0.0)
     b = t // BT
     for r in tl.static_range(R):
-        p = tl.load(local_ptr + t * R + r)
-        ok = p >= 0
-        d = tl.load(base_ptr + b * R + r) + p.to(tl.int64)
+        p = tl.load(local_ptr + t * R + r, mask=live, other=-1)
+        ok = (p >= 0) & live
+        d = tl.load(base_ptr + b * R + r, mask=live, other=0) + p.to(tl.int64)
         tl.store(out_ptr + d * stride_out + offs, v, mask=m & ok)
         if h == 0:
             here = (slot >= r * E) & (slot < r * E + E)
@@ -281,11 +299,12 @@ def _pack_rows_kernel(
                      mask=km & ok)
             tl.store(meta_ptr + meta + K, tl.where(here, w, 0.0).to(tl.int32, bitcast=True),
                      mask=km & ok)
-            tl.store(rows_ptr + t * R + r, tl.where(ok, d, -1))
+            tl.store(rows_ptr + t * R + r, tl.where(ok, d, -1), mask=live)
 
 
 def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, counts, ticket,
-                       E, R, block, blocks_per_chunk):
+                       E, R, block, blocks_per_chunk, args=None, num_chunks=1):
+    """args: INDIRECT (see the kernel); ids then only gives the capacity T and K."""
     T, K = ids.shape
     L, W = table.shape[0] - 1, table.shape[1]
     NB = bcount.shape[0]
@@ -293,14 +312,17 @@ def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, co
     BK = max(2, triton.next_power_of_2(K))
     NBP = max(2, triton.next_power_of_2(NB))  # the layout's block size keeps NBP * RP small
     _normal_plan_kernel[(NB,)](
-        ids, table, copies, slot, local, bcount, base, counts, ticket, T, L, W, E, NB,
-        blocks_per_chunk, R=R, RP=RP, K=K, BK=BK, BT=block, NBP=NBP,
-        NCMAX=counts.shape[1] - 1, SPREAD=spread, num_warps=4 if block * BK * RP <= 8192 else 8,
+        ids, table, copies, slot, local, bcount, base, counts, ticket,
+        args if args is not None else ticket, T, L, W, E, NB, blocks_per_chunk, num_chunks,
+        R=R, RP=RP, K=K, BK=BK, BT=block, NBP=NBP, NCMAX=counts.shape[1] - 1, SPREAD=spread,
+        INDIRECT=args is not None, num_warps=4 if block * BK * RP <= 8192 else 8,
     )
 
 
 def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, meta, E, block,
-                     t0, t1):
+                     t0, t1, args=None):
+    """args: INDIRECT (see the kernel); src_words / weights then only give the shapes (and the
+    payload must be int32 words)."""
     NW = src_words.shape[1]
     R = local.shape[1]
     K = slot.shape[1]
@@ -310,6 +332,7 @@ def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, met
     grid = (t1 - t0, triton.cdiv(max(NW, 1), bw))
     _pack_rows_kernel[grid](
         src_words, slot, weights, local, base, rows, out_words, meta,
-        t0, NW, E, src_words.stride(0), out_words.stride(0), meta.stride(0),
-        R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw, num_warps=4,
+        args if args is not None else rows, t0, NW, E, src_words.stride(0), out_words.stride(0),
+        meta.stride(0), R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw,
+        INDIRECT=args is not None, num_warps=4,
     )

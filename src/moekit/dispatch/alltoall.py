@@ -10,8 +10,9 @@ normal (prefill, throughput; variable sizes, one host synchronisation):
   1. one plan kernel numbers the tokens per destination rank, in chunks of tokens
      (normal_chunks, default 1; None: one per NORMAL_CHUNK_BYTES of payload); the
      per-(rank, chunk) counts and T are exchanged (one all_to_all_single of R * 5 int64) and
-     copied to the host; by default these three steps are one CUDA graph replay
-     (`moekit.dispatch.exchange`: the host time of three launches was most of the overhead);
+     copied to the host; by default these steps and the packing below are one CUDA graph
+     replay (`moekit.dispatch.exchange`: the host time of the launches was most of the
+     overhead);
   2. each token is sent once per destination rank (not once per expert), as one packed row:
      its payload (H values of x's dtype, exactly what a raw all-to-all of the tokens moves;
      fp8: the fp8 row and its scales), then its K local ids there (-1 for experts elsewhere)
@@ -278,9 +279,9 @@ class AllToAllDispatcher(Dispatcher):
     mode: 'normal', 'low_latency' or 'auto' (--deepep-mode); max_dispatch_tokens_per_rank: C;
     fp8_dispatch: send fp8 rows; normal_chunks: all-to-all calls per normal-mode dispatch
     (1..MAX_CHUNKS, default 1; None: by payload size); normal_graphs: what normal mode replays
-    from CUDA graphs (`moekit.dispatch.exchange`): 'plan' (default: plan and counts
-    exchange), 'pack' (the packing too, from a copy of x) or 'none'; impl: row kernels,
-    'auto' | 'torch' | 'triton'."""
+    from CUDA graphs (`moekit.dispatch.exchange`): 'pack' (default: plan, counts exchange and
+    packing), 'plan' (plan and counts exchange) or 'none'; impl: row kernels, 'auto' |
+    'torch' | 'triton'."""
 
     name = "alltoall"
 
@@ -294,7 +295,7 @@ class AllToAllDispatcher(Dispatcher):
         max_dispatch_tokens_per_rank: int = 128,
         fp8_dispatch: bool = False,
         normal_chunks: int | None = 1,
-        normal_graphs: str = "plan",
+        normal_graphs: str = "pack",
         impl: str = "auto",
     ) -> None:
         check_choice("deepep_mode", mode, DEEPEP_MODES)
@@ -410,7 +411,7 @@ class AllToAllDispatcher(Dispatcher):
         if ph is not None:
             ph.begin()
         layout = RowLayout(H, x_TH.dtype, K, self.fp8)
-        nc = self.chunks_for(self.exchange.planned_tokens(topk.ids, self.impl), layout.row_bytes)
+        nc = self.chunks_for(T, layout.row_bytes)
         payload = layout.pack_tokens(x_TH)
         job = PackJob(payload, topk.weights.float(), E, layout.payload_bytes, layout.row_bytes)
         prep = self.exchange(topk.ids, nc, self.impl, job if self.normal_graphs == "pack" else None)
@@ -450,6 +451,8 @@ class AllToAllDispatcher(Dispatcher):
             works.append(all_to_all(recv[r_off:r_off + nr], send[s_off:s_off + ns], self.group,
                                      recv_splits[c], send_splits[c], async_op=True))
             s_off, r_off = s_off + ns, r_off + nr
+        if prep.send is not None:  # the combine needs rows_TR after the next replay
+            rows_TR = rows_TR.clone()
         _wait(works)
         if ph is not None:
             ph.mark("payload_a2a")

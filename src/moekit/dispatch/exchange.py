@@ -8,35 +8,33 @@ received):
   none:  the plan kernel, an async all_to_all_single of the counts, and a copy to pinned host
          memory on a side stream that waits only for the exchange (so the packing kernel the
          caller queues next runs while the host waits);
-  plan:  the same three steps replayed from a CUDA graph, one per (bucket of T, chunks): the
-         host launches one graph instead of a kernel, a collective and a copy (some 100 us of
-         host time, while the GPU sits idle at the start of a dispatch). T is rounded up to a
-         bucket (4 per power of two); the padding tokens carry id -1 and go nowhere. The
-         padded T is what the counts report, so every rank derives the number of chunks from
-         the same numbers;
-  pack:  the graph packs the send rows as well, from copies of x and the weights in buffers
-         the graphs of one row layout share (grown for a larger bucket): the host then goes
-         from the counts straight to the first all-to-all call. Costs one copy of x on the GPU
-         (about 30 us for 4096 x 7168 bf16), saves the packing kernel's launch on the host.
+  plan:  the same three steps replayed from a CUDA graph, one per (bucket of T, chunks), that
+         reads T and the ids where the caller has them (see PlanExchange): the host launches
+         one graph instead of a kernel, a collective and a copy (some 100 us of host time,
+         while the GPU sits idle at the start of a dispatch). T is rounded up to a bucket (4
+         per power of two) for the graph's capacity;
+  pack:  the graph packs the send rows as well, into a send buffer the graphs of one row
+         layout share (grown for a larger bucket): the host goes from the counts straight to
+         the first all-to-all call.
 The first call of a dispatcher is eager (it sets up the communicator the graphs capture).
 Measured on 4 x H200 (deepseek-v3, 4096 tokens per rank, one chunk), dispatch + combine over
-the raw all-to-all of the same bytes: none 1.49-1.51, plan 1.36-1.38, pack 1.33-1.37
-(benchmarks/results/*_H200x4_deepseek-v3_ep_bench.json). 'plan' is the default: nearly as
-fast, without the copy of x and the shared buffers.
+the raw all-to-all of the same bytes, before the graphs read their inputs in place (they
+copied them): none 1.49-1.51, plan 1.36-1.38, pack 1.33-1.37
+(benchmarks/results/*_H200x4_deepseek-v3_ep_bench.json).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from moekit.dispatch.layout import MAX_CHUNKS, NormalPlan, normal_plan
+from moekit.dispatch.layout import MAX_CHUNKS, NormalPlan, blocks_per_chunk, normal_plan
 from moekit.dispatch.rows import _use_triton
 from moekit.dispatch.slots import SlotMap
 
-GRAPH_MODES = ("plan", "pack", "none")  # what normal mode replays from CUDA graphs
+GRAPH_MODES = ("pack", "plan", "none")  # what normal mode replays from CUDA graphs
 
 
 def all_to_all(out, inp, group, out_splits=None, in_splits=None, async_op=False):
@@ -85,13 +83,18 @@ class CountsReader:
 
 
 class _Replayed:
-    """CountsReader of a graph replay: the event recorded after it, the pinned buffer."""
+    """CountsReader of a graph replay: the graph copies the counts to the pinned `host`, then
+    the call's sequence number to the pinned `flag`; the host spins on the flag (it need not
+    wait for the rest of the graph, the packing)."""
 
-    def __init__(self, host: torch.Tensor, event) -> None:
-        self.host, self.event = host, event
+    def __init__(self, host: torch.Tensor, flag: torch.Tensor, seq: int, event) -> None:
+        self.host, self.flag, self.seq, self.event = host, flag, seq, event
 
     def result(self) -> list:
-        self.event.synchronize()
+        flag = self.flag.numpy()
+        while flag[0] != self.seq:
+            if self.event.query() and flag[0] != self.seq:
+                raise RuntimeError("normal-mode plan graph finished without its counts")
         return self.host.tolist()
 
 
@@ -118,7 +121,8 @@ class PackJob:
 @dataclass
 class Prepared:
     """A normal-mode dispatch after the plan: the plan, the counts reader and, when the graph
-    packed the rows too, the send buffer [>= T * R, row_bytes] uint8 and rows_TR [T, R]."""
+    packed the rows too, the send buffer [>= T * R, row_bytes] uint8 and rows_TR [T, R] (both
+    the graph's: the next replay overwrites them)."""
 
     plan: NormalPlan
     reader: object
@@ -128,12 +132,9 @@ class Prepared:
 
 @dataclass
 class _Stage:
-    """Inputs and send buffer the packing graphs share (one set per payload layout): room for
-    `tokens` tokens."""
+    """The send buffer the packing graphs of one row layout share: room for `tokens` tokens."""
 
     tokens: int
-    x: torch.Tensor  # [tokens, P]
-    weights: torch.Tensor  # [tokens, K] float32
     send: torch.Tensor  # [tokens * R, row_bytes] uint8
     rows: torch.Tensor  # [tokens, R] int64
 
@@ -141,20 +142,30 @@ class _Stage:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [Tb, K] int32, the graph's input (tail rows -1)
-    plan: NormalPlan  # the graph's outputs (static buffers)
+    args: torch.Tensor  # [6] int64 pinned: T, ids, payload, weights addresses, row stride, seq
+    plan: NormalPlan  # the graph's outputs (static buffers, capacity Tb)
     host: torch.Tensor  # [2, R, NC] int64 pinned
+    flag: torch.Tensor  # [1] int64 pinned: the seq of the last replay whose counts landed
     event: torch.cuda.Event
-    last_T: int  # rows of ids the previous replay filled (the rest are -1)
     buffers: tuple  # every other tensor the graph reads or writes, kept alive with it
-    stage: _Stage | None = None  # packing graphs: the shared inputs and send buffer
+    stage: _Stage | None = None  # packing graphs: the shared send buffer
 
 
 class PlanExchange:
     """Plans and exchanges the counts for a dispatcher (slots, R ranks, E local experts, the
     EP group). `use_graphs`: replay CUDA graphs on CUDA with a group and the Triton plan kernel
     (after one eager call has set up the communicator); `max_graphs` bounds the cache (oldest
-    dropped)."""
+    dropped).
+
+    A graph reads its inputs where the caller has them: before each replay the host writes
+    [T, address of ids, of the payload, of the weights, payload row stride in 4-byte words,
+    call number] into a pinned vector, which the graph's first node copies to the device; the
+    kernels read T and the addresses from there (their INDIRECT mode). So a replay costs the
+    host a few scalar writes and one graph launch, and the GPU no copy of the inputs. Node
+    order: args, plan, counts exchange, counts to the host, call number to the host, packing:
+    the host reads the counts (spinning on the call number) while the GPU still packs. The ids must be
+    int32 and the weights float32, both contiguous (converted otherwise); packing graphs need
+    payload rows in whole 4-byte words (else that call runs eagerly)."""
 
     def __init__(self, slots: SlotMap, R: int, E: int, group, use_graphs: bool = True,
                  max_graphs: int = 32) -> None:
@@ -165,6 +176,7 @@ class PlanExchange:
         self._tickets: dict = {}
         self._sides: dict = {}
         self._eager_calls = 0
+        self._seq = 0
         self.captures = 0  # graphs captured so far (for tests and logs)
 
     def reset(self, slots: SlotMap) -> None:
@@ -173,25 +185,32 @@ class PlanExchange:
         self._graphs.clear()
         self._stages.clear()
 
-    def planned_tokens(self, ids_TK: torch.Tensor, impl: str) -> int:
-        """The T the plan covers (and the counts report): T, or its bucket under graphs."""
-        T = ids_TK.shape[0]
-        return bucket(T) if self._graphed(ids_TK, impl) else T
-
     def _graphed(self, ids_TK: torch.Tensor, impl: str) -> bool:
         return (self.use_graphs and self.group is not None and self._eager_calls > 0
                 and _use_triton(ids_TK, impl) and ids_TK.shape[1] > 0
                 and not torch.cuda.is_current_stream_capturing())
 
+    @staticmethod
+    def _packable(pack: PackJob) -> bool:
+        """Payload rows in whole 4-byte words at 4-byte aligned addresses."""
+        p = pack.payload
+        nbytes, es = p.shape[1] * p.element_size(), p.element_size()
+        return (p.stride(1) == 1 and nbytes % 4 == 0 and (p.stride(0) * es) % 4 == 0
+                and p.data_ptr() % 4 == 0)
+
     def __call__(self, ids_TK: torch.Tensor, num_chunks: int, impl: str = "auto",
                  pack: PackJob | None = None) -> Prepared:
         """ids_TK [T, K] logical -> Prepared: the NormalPlan over the first T tokens and the
-        counts reader; with `pack` under graphs, the graph packs the rows too (the inputs are
-        copied into its buffers first)."""
+        counts reader; with `pack` under graphs (when its rows allow), the graph packs the
+        rows too."""
         if not self._graphed(ids_TK, impl):
             return self._eager(ids_TK, num_chunks, impl)
+        if pack is not None and not self._packable(pack):
+            pack = None
         dev = ids_TK.device
         T, K = ids_TK.shape
+        ids = ids_TK if ids_TK.dtype == torch.int32 else ids_TK.to(torch.int32)
+        ids = ids.contiguous()
         Tb = bucket(T)
         layout = None if pack is None else (pack.payload.dtype, pack.payload.shape[1],
                                             pack.row_bytes, pack.payload_bytes, pack.E)
@@ -199,20 +218,22 @@ class PlanExchange:
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(dev, Tb, K, num_chunks, pack, layout)
-        if T < g.last_T:
-            g.ids[T:g.last_T].fill_(-1)
-        g.ids[:T].copy_(ids_TK)
-        g.last_T = T
-        if g.stage is not None:
-            g.stage.x[:T].copy_(pack.payload)
-            g.stage.weights[:T].copy_(pack.weights)
+        self._seq += 1
+        a = g.args.numpy()
+        a[0], a[1], a[5] = T, ids.data_ptr(), self._seq
+        if pack is not None:
+            weights = pack.weights.contiguous()
+            a[2], a[3] = pack.payload.data_ptr(), weights.data_ptr()
+            a[4] = pack.payload.stride(0) * pack.payload.element_size() // 4
         g.graph.replay()
         g.event.record()
-        reader = _Replayed(g.host, g.event)
+        # the plan of the first T tokens; chunks of the size the kernel used for this T
+        plan = replace(g.plan.first(T),
+                       blocks_per_chunk=blocks_per_chunk(T, g.plan.block, num_chunks))
+        reader = _Replayed(g.host, g.flag, self._seq, g.event)
         if g.stage is None:
-            return Prepared(g.plan.first(T), reader)
-        # rows_TR outlives this dispatch (the combine reads it): a copy of the graph's
-        return Prepared(g.plan.first(T), reader, g.stage.send, g.stage.rows[:T].clone())
+            return Prepared(plan, reader)
+        return Prepared(plan, reader, g.stage.send, g.stage.rows[:T])
 
     def _eager(self, ids_TK: torch.Tensor, num_chunks: int, impl: str):
         dev, R = ids_TK.device, self.R
@@ -224,43 +245,49 @@ class PlanExchange:
         return Prepared(plan, CountsReader(counts, work, self._side(dev)))
 
     def _stage(self, dev: torch.device, Tb: int, pack: PackJob, layout) -> _Stage:
-        """The shared packing buffers for this layout with room for Tb tokens (grown, and the
-        graphs that used the old ones dropped, when Tb does not fit)."""
+        """The shared send buffer for this layout with room for Tb tokens (grown, and the
+        graphs that used the old one dropped, when Tb does not fit)."""
         st = self._stages.get((dev, layout))
         if st is not None and st.tokens >= Tb:
             return st
-        for k in [k for k, g in self._graphs.items() if g.stage is st and st is not None]:
+        for k in [k for k, g in self._graphs.items() if st is not None and g.stage is st]:
             del self._graphs[k]
-        P, K = pack.payload.shape[1], pack.weights.shape[1]
-        st = _Stage(Tb, torch.zeros(Tb, P, dtype=pack.payload.dtype, device=dev),
-                    torch.zeros(Tb, K, dtype=torch.float32, device=dev),
-                    torch.empty(Tb * self.R, pack.row_bytes, dtype=torch.uint8, device=dev),
+        st = _Stage(Tb, torch.empty(Tb * self.R, pack.row_bytes, dtype=torch.uint8, device=dev),
                     torch.empty(Tb, self.R, dtype=torch.int64, device=dev))
         self._stages[(dev, layout)] = st
         return st
 
     def _capture(self, dev: torch.device, Tb: int, K: int, num_chunks: int,
                  pack: PackJob | None, layout) -> _Graph:
-        from moekit.dispatch.layout import pack_rows
+        from moekit.dispatch._kernels import launch_pack_rows
 
         R = self.R
         stage = None if pack is None else self._stage(dev, Tb, pack, layout)
-        ids = torch.full((Tb, K), -1, dtype=torch.int32, device=dev)
+        args_host = torch.zeros(6, dtype=torch.int64, pin_memory=True)
+        args = torch.zeros(6, dtype=torch.int64, device=dev)
+        flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        shape_ids = torch.empty(Tb, K, dtype=torch.int32, device=dev)  # capacity and K only
         counts = torch.empty(2, R, MAX_CHUNKS + 1, dtype=torch.int64, device=dev)
         host = torch.empty(2, R, MAX_CHUNKS + 1, dtype=torch.int64, pin_memory=True)
         ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+        if stage is not None:
+            nw = pack.payload.shape[1] * pack.payload.element_size() // 4
+            shape_x = torch.empty(1, nw, dtype=torch.int32, device=dev).expand(Tb, nw)
+            shape_w = torch.empty(1, K, dtype=torch.float32, device=dev).expand(Tb, K)
+            send = stage.send[:Tb * R]
+            send_words = send[:, :nw * 4].view(torch.int32)
+            meta = send[:, pack.payload_bytes:].view(torch.int32)
 
         def plan_step():
-            return normal_plan(ids, self.slots, R, self.E, num_chunks, "triton",
-                               counts_out=counts[0], ticket=ticket)
+            args.copy_(args_host, non_blocking=True)
+            return normal_plan(shape_ids, self.slots, R, self.E, num_chunks, "triton",
+                               counts_out=counts[0], ticket=ticket, args=args)
 
-        def pack_step(plan):  # every token of the bucket: the padding ones go nowhere
-            send_x, meta = PackJob(stage.x[:Tb], stage.weights[:Tb], pack.E,
-                                   pack.payload_bytes, pack.row_bytes).views(stage.send)
-            pack_rows(stage.x[:Tb], plan, stage.weights[:Tb], pack.E, send_x, meta,
-                      stage.rows[:Tb], None, "triton")
+        def pack_step(plan):  # every token of the capacity: those past T do nothing
+            launch_pack_rows(shape_x, plan.slot, shape_w, plan.local, plan.base, stage.rows,
+                             send_words, meta, pack.E, plan.block, 0, Tb, args)
 
-        # compile the kernels for these shapes outside the capture (no collective here)
+        # compile the kernels for these shapes outside the capture (T = 0: nothing moves)
         plan = plan_step()
         if stage is not None:
             pack_step(plan)
@@ -270,12 +297,14 @@ class PlanExchange:
             plan = plan_step()
             all_to_all(counts[1], counts[0], self.group)
             host.copy_(counts, non_blocking=True)
+            flag.copy_(args[5:], non_blocking=True)  # after the counts: they have landed
             if stage is not None:
                 pack_step(plan)
         self.captures += 1
         if len(self._graphs) >= self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
-        g = _Graph(graph, ids, plan, host, torch.cuda.Event(), 0, (counts, ticket), stage)
+        g = _Graph(graph, args_host, plan, host, flag, torch.cuda.Event(),
+                   (args, shape_ids, counts, ticket), stage)
         self._graphs[(dev, Tb, K, num_chunks, layout)] = g
         return g
 

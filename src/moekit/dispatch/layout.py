@@ -218,14 +218,17 @@ def normal_plan_torch(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 
 
 
 def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, impl: str = "auto",
-                counts_out=None, ticket=None) -> NormalPlan:
+                counts_out=None, ticket=None, args=None) -> NormalPlan:
     """See `normal_plan_torch`: one Triton kernel on CUDA (one program per block of tokens;
     the last program to finish turns the block counts into counts and bases). ticket: a zeroed
     int32 [1] tensor the kernel counts finished programs in (and leaves zeroed); reuse one per
-    stream, never on two streams at once (None: a fresh one)."""
+    stream, never on two streams at once (None: a fresh one). args: the kernel reads T and the
+    ids from this int64 device tensor [T, ids address, ...] (a launch a CUDA graph replays);
+    ids_TK then only gives the capacity and K, and the plan's blocks_per_chunk is for T =
+    capacity (the caller sets it for the real T)."""
     _check_chunks(num_chunks)
     T, K = ids_TK.shape
-    if not _use_triton(ids_TK, impl) or T == 0 or K == 0:
+    if args is None and (not _use_triton(ids_TK, impl) or T == 0 or K == 0):
         return normal_plan_torch(ids_TK, slots, R, E, num_chunks, counts_out)
     from moekit.dispatch._kernels import launch_normal_plan
 
@@ -243,7 +246,8 @@ def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, imp
         ticket = torch.zeros(1, dtype=torch.int32, device=dev)
     bpc = blocks_per_chunk(T, block, num_chunks)
     launch_normal_plan(ids_TK.contiguous(), table, copies, slots.redundant and slots.spread,
-                       slot, local, bcount, base, counts, ticket, E, R, block, bpc)
+                       slot, local, bcount, base, counts, ticket, E, R, block, bpc, args,
+                       num_chunks)
     return NormalPlan(slot, local, base, counts, block, num_chunks, bpc)
 
 
