@@ -413,7 +413,8 @@ class AllToAllDispatcher(Dispatcher):
         layout = RowLayout(H, x_TH.dtype, K, self.fp8)
         nc = self.chunks_for(T, layout.row_bytes)
         payload = layout.pack_tokens(x_TH)
-        job = PackJob(payload, topk.weights.float(), E, layout.payload_bytes, layout.row_bytes)
+        w = topk.weights if topk.weights.dtype == torch.float32 else topk.weights.float()
+        job = PackJob(payload, w, E, layout.payload_bytes, layout.row_bytes)
         prep = self.exchange(topk.ids, nc, self.impl, job if self.normal_graphs == "pack" else None)
         plan, reader = prep.plan, prep.reader
         if ph is not None:

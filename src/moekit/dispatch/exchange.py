@@ -150,6 +150,9 @@ class _Graph:
     buffers: tuple  # every other tensor the graph reads or writes, kept alive with it
     stage: _Stage | None = None  # packing graphs: the shared send buffer
 
+    def __post_init__(self) -> None:
+        self.args_np = self.args.numpy()  # the host writes through this view
+
 
 class PlanExchange:
     """Plans and exchanges the counts for a dispatcher (slots, R ranks, E local experts, the
@@ -210,7 +213,8 @@ class PlanExchange:
         dev = ids_TK.device
         T, K = ids_TK.shape
         ids = ids_TK if ids_TK.dtype == torch.int32 else ids_TK.to(torch.int32)
-        ids = ids.contiguous()
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
         Tb = bucket(T)
         layout = None if pack is None else (pack.payload.dtype, pack.payload.shape[1],
                                             pack.row_bytes, pack.payload_bytes, pack.E)
@@ -219,10 +223,12 @@ class PlanExchange:
         if g is None:
             g = self._capture(dev, Tb, K, num_chunks, pack, layout)
         self._seq += 1
-        a = g.args.numpy()
+        a = g.args_np
         a[0], a[1], a[5] = T, ids.data_ptr(), self._seq
         if pack is not None:
-            weights = pack.weights.contiguous()
+            weights = pack.weights
+            if not weights.is_contiguous():
+                weights = weights.contiguous()
             a[2], a[3] = pack.payload.data_ptr(), weights.data_ptr()
             a[4] = pack.payload.stride(0) * pack.payload.element_size() // 4
         g.graph.replay()
