@@ -93,10 +93,13 @@ class PipelineConfig:
     inside the GEMMs (no separate quantization launches). Off: on the H100 the qwen3 fp8
     block-wise T = 1 call measured 29.1 us with it (together with group scales loaded one
     step ahead) against 25.5 us with neither; each program re-quantizes its 16 identical
-    rows with IEEE divisions."""
+    rows with IEEE divisions. asm_dequant: the packed 4-bit formats (int4_w4a16, mxfp4, nvfp4)
+    dequantize in PTX on a GPU (`_kernels._dequant_bytes_asm`; off: its portable twin
+    `_dequant_nibbles`, the same values)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
+    asm_dequant: bool = True
 
 
 PIPELINE = PipelineConfig()
