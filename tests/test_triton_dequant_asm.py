@@ -172,16 +172,14 @@ def test_asm_only_where_it_can_run(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 E2E = {
-    "int4-g128-sym": Int4W4A16(128, True),
     "int4-g32-asym": Int4W4A16(32, False),
     "int4-g128-f32scale": Int4W4A16(128, True, torch.float32),
     "mxfp4": make_spec("mxfp4"),
     "nvfp4": make_spec("nvfp4"),
 }
 E2E_CONFIGS = [
-    (GemmConfig(16, 64, 128, group_m=1), GemmConfig(16, 128, 128, group_m=1, reduce="atomic")),
-    (GemmConfig(16, 32, 256, group_m=1, swap_ab=True), GemmConfig(16, 64, 128, group_m=1, swap_ab=True)),
-    (GemmConfig(64, 64, 64, num_warps=4), GemmConfig(64, 128, 64, num_warps=8)),
+    (GemmConfig(16, 64, 128, group_m=1), GemmConfig(16, 128, 128, group_m=1)),
+    (GemmConfig(64, 32, 256, swap_ab=True), GemmConfig(64, 64, 64, num_warps=8, swap_ab=True)),
 ]
 
 
@@ -204,7 +202,5 @@ def test_fused_moe_asm_vs_portable_gpu(fmt, cfg_i, monkeypatch):
         monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, asm_dequant=asm))
         outs.append(ops.fused_moe(x, topk, w, ActivationSpec(), configs=cfgs))
     torch.cuda.synchronize()
-    diff = (outs[0].float() - outs[1].float()).abs().max().item()
-    # same weights into the same MMAs; atomics (reduce='atomic') may add in another order
-    atol = 0.0 if cfgs[1].reduce == "kernel" else 2e-2 * outs[1].float().abs().max().item()
-    assert diff <= atol, (fmt, cfgs, diff)
+    # the same weights into the same MMAs (reduce 'kernel': no atomics): identical outputs
+    assert torch.equal(outs[0], outs[1]), (fmt, cfgs, (outs[0].float() - outs[1]).abs().max())
