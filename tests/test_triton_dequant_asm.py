@@ -36,7 +36,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 def _dequant_test_kernel(
     q_ptr, s_ptr, z_ptr, lo_ptr, hi_ptr,
     QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
-    PK: tl.constexpr, R: tl.constexpr,
+    HAS_ZERO: tl.constexpr, PK: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
     """q [PK, R] uint8, s / z [SG, R] float32 -> lo / hi [PK, R] in lo_ptr's dtype."""
     offs = tl.arange(0, PK)[:, None] * R + tl.arange(0, R)[None, :]
@@ -46,16 +46,16 @@ def _dequant_test_kernel(
     z = tl.load(z_ptr + soffs)
     DT: tl.constexpr = lo_ptr.dtype.element_ty
     if ASM:
-        lo, hi = k._dequant_bytes_asm(q, s, z, QUANT, SG, HALF, DT)
+        lo, hi = k._dequant_bytes_asm(q, s, z, QUANT, SG, HALF, DT, HAS_ZERO)
     else:
         qi = q.to(tl.int32)
-        lo = k._dequant_nibbles(qi & 15, s, z, QUANT, SG, HALF, DT)
-        hi = k._dequant_nibbles(qi >> 4, s, z, QUANT, SG, HALF, DT)
+        lo = k._dequant_nibbles(qi & 15, s, z, QUANT, SG, HALF, DT, HAS_ZERO)
+        hi = k._dequant_nibbles(qi >> 4, s, z, QUANT, SG, HALF, DT, HAS_ZERO)
     tl.store(lo_ptr + offs, lo)
     tl.store(hi_ptr + offs, hi)
 
 
-def _scales(quant: str, SG: int, R: int, dtype: torch.dtype, half: bool):
+def _scales(quant: str, SG: int, R: int, dtype: torch.dtype, half: bool, has_zero: bool = True):
     """(s, z) float32 [SG, R] as `_step_scales` hands them over, with extremes included."""
     if quant == "int4":
         # random magnitudes over many binades, signs, zeros; stored in `dtype` when half
@@ -64,6 +64,8 @@ def _scales(quant: str, SG: int, R: int, dtype: torch.dtype, half: bool):
         if half:
             s = s.to(dtype).float()
         z = torch.randint(0, 16, (SG, R), device=DEVICE).float()
+        if not has_zero:  # symmetric: the kernels use the constant 8 (z holds garbage here)
+            z = torch.full((SG, R), 8.0, device=DEVICE)
     elif quant == "mxfp4":
         e = torch.randint(0, 255, (SG, R), device=DEVICE, dtype=torch.int32)
         e.view(-1)[:6] = torch.tensor([0, 1, 127, 128, 253, 254], dtype=torch.int32)
@@ -95,13 +97,16 @@ QUANTS = {"int4": k.Q_INT4, "mxfp4": k.Q_MXFP4, "nvfp4": k.Q_NVFP4}
 
 
 def _run(quant, SG, dtype, half, asm, PK=64, R=64):
+    has_zero = quant != "int4s"
+    quant = "int4" if quant == "int4s" else quant
     q = torch.randint(0, 256, (PK, R), device=DEVICE, dtype=torch.uint8)
     q.view(-1)[:256] = torch.arange(256, device=DEVICE, dtype=torch.uint8)  # every byte
-    s, z = _scales(quant, SG, R, dtype, half)
+    s, z = _scales(quant, SG, R, dtype, half, has_zero)
+    z_in = z if has_zero else torch.full_like(z, 3.0)  # must be ignored
     lo = torch.empty(PK, R, device=DEVICE, dtype=dtype)
     hi = torch.empty_like(lo)
-    _dequant_test_kernel[(1,)](q, s, z, lo, hi, QUANT=QUANTS[quant], SG=SG, HALF=half, ASM=asm,
-                               PK=PK, R=R, num_warps=4)  # fmt: skip
+    _dequant_test_kernel[(1,)](q, s, z_in, lo, hi, QUANT=QUANTS[quant], SG=SG, HALF=half, ASM=asm,
+                               HAS_ZERO=has_zero, PK=PK, R=R, num_warps=4)  # fmt: skip
     return (lo, hi), _reference(q, s, z, quant, SG, dtype)
 
 
@@ -111,9 +116,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int16) == b.view(torch.int16)) | nan).all())
 
 
-# (quant, SG, half) cases; half: the 16-bit path `WeightQuant.half_dequant` picks
-CASES = [("int4", 1, True), ("int4", 4, True), ("int4", 2, False), ("mxfp4", 4, True),
-         ("mxfp4", 1, False), ("nvfp4", 8, False), ("nvfp4", 1, False)]  # fmt: skip
+# (quant, SG, half) cases; half: the 16-bit path `WeightQuant.half_dequant` picks; "int4s":
+# symmetric int4 (no zero points)
+CASES = [("int4", 1, True), ("int4", 4, True), ("int4", 2, False), ("int4s", 1, True),
+         ("int4s", 2, False), ("mxfp4", 4, True), ("mxfp4", 1, False), ("nvfp4", 8, False),
+         ("nvfp4", 1, False)]  # fmt: skip
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run (the GPU test covers both paths)")

@@ -258,12 +258,12 @@ def _w_tile(
 @triton.jit
 def _dequant_nibbles(
     c, s, z, QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, HAS_ZERO: tl.constexpr = True,
 ):  # fmt: skip
     """Nibble codes c [PK, rows] (int32 0..15: one nibble of each packed byte, so every element
     along dim 0 is 2 K columns apart) -> weights [PK, rows] in DOT_DTYPE. s [SG, rows]: the
     float32 multiplier of each scale group (the PK rows hold SG groups in order); z [SG, rows]
-    (int4 only): the zero point (8 when symmetric), as float32. Every path is bit-identical to
+    (int4 only): the zero point as float32 (ignored without HAS_ZERO: the constant 8). Every path is bit-identical to
     `moekit.quant.dequantize` followed by the cast to DOT_DTYPE (one rounding of the exact
     product value * scale):
 
@@ -288,11 +288,16 @@ def _dequant_nibbles(
             else:
                 v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
                 zb = (z + 1024.0).to(tl.float16)
+            if not HAS_ZERO:
+                zb = tl.full([SG, ROWS], 136.0 if DOT_DTYPE == tl.bfloat16 else 1032.0, DOT_DTYPE)
             vh = tl.reshape(v, [SG, PK // SG, ROWS]) - zb[:, None, :]
             w = tl.reshape(vh * s.to(DOT_DTYPE)[:, None, :], [PK, ROWS])
         else:
             v = (c | 0x4B000000).to(tl.float32, bitcast=True)
-            vf = tl.reshape(v, [SG, PK // SG, ROWS]) - (z + 8388608.0)[:, None, :]
+            zf = z + 8388608.0
+            if not HAS_ZERO:
+                zf = tl.full([SG, ROWS], 8388616.0, tl.float32)
+            vf = tl.reshape(v, [SG, PK // SG, ROWS]) - zf[:, None, :]
             w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
     else:
         if HALF:
@@ -407,11 +412,11 @@ _ASM_E2M1_F16_NOSCALE = tl.constexpr(_asm_e2m1("f16", False))
 @triton.jit
 def _dequant_bytes_asm(
     q, s, z, QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, HAS_ZERO: tl.constexpr = True,
 ):  # fmt: skip
     """Packed bytes q [PK, rows] (uint8; low nibble = even K column) -> (w_lo, w_hi), each
     [PK, rows] in DOT_DTYPE (bfloat16 / float16), bit-identical to `_dequant_nibbles` on the
-    low and the high nibbles (s, z [SG, rows] as there). HALF (int4 with scales in DOT_DTYPE,
+    low and the high nibbles (s, z [SG, rows], HAS_ZERO as there). HALF (int4 with scales in DOT_DTYPE,
     mxfp4 in bf16): the PTX applies the scale too; otherwise it returns the exact 16-bit
     values c - zero / e2m1 and the scale is applied in float32 with one rounding to DOT_DTYPE,
     as the float32 path does."""
@@ -420,7 +425,9 @@ def _dequant_bytes_asm(
     q3 = tl.reshape(q, [SG, PK // SG, ROWS])
     BF16: tl.constexpr = DOT_DTYPE == tl.bfloat16
     if QUANT == 3:
-        if BF16:
+        if not HAS_ZERO:  # a constant: no per-step layout conversion of zero points
+            nzb = tl.full([1, 1, 1], -136.0 if BF16 else -1032.0, DOT_DTYPE)
+        elif BF16:
             nzb = (-(z + 128.0)).to(DOT_DTYPE)[:, None, :]
         else:
             nzb = (-(z + 1024.0)).to(DOT_DTYPE)[:, None, :]
@@ -541,6 +548,7 @@ def _packed_mma(
     a, ptrs, s, z, k_left, acc,
     QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr,
     HALF: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
     nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows]); s, z: this step's scales
@@ -560,11 +568,11 @@ def _packed_mma(
         q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
     DOT_DTYPE: tl.constexpr = a.dtype
     if ASM:
-        w_lo, w_hi = _dequant_bytes_asm(q, s, z, QUANT, SG, HALF, DOT_DTYPE)
+        w_lo, w_hi = _dequant_bytes_asm(q, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
     else:
         q = q.to(tl.int32)
-        w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, HALF, DOT_DTYPE)
-        w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, HALF, DOT_DTYPE)
+        w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
+        w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
     a_lo, a_hi = tl.split(tl.reshape(a, [BM, PK, 2]))
     acc = _mma(a_lo, w_lo, acc, SWAP_AB, DOT_PRECISION)
     acc = _mma(a_hi, w_hi, acc, SWAP_AB, DOT_PRECISION)
@@ -853,7 +861,7 @@ def _gate_up_kernel(
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
-                                  HALF, ASM, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
                     b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
@@ -902,9 +910,9 @@ def _gate_up_kernel(
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
                 acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
                 acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
                     bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
@@ -1068,7 +1076,7 @@ def _down_kernel(
                 b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
-                              ASM, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                              ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
         elif QUANT == 1:
             c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
