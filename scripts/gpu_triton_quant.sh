@@ -7,7 +7,9 @@
 # Usage: scripts/gpu_triton_quant.sh [STAGES]   STAGES: comma list of tests,shipped,tune,tuned
 #   (default all four). Environment:
 #   MODELS   measured / tuned shapes (default qwen3-30b-a3b,deepseek-v3)
+#   FORMATS  packed formats (default int4-g128,mxfp4,nvfp4)
 #   BATCHES  batch sizes (default 1,4,16)
+#   TEST_K   pytest -k expression of the tests stage (default: all PTX tests, presets 4-bit)
 #   TEST_TIMEOUT_S / SHIPPED_TIMEOUT_S / TUNE_TIMEOUT_S / TUNED_TIMEOUT_S   per-stage limits
 #   MOEKIT_TUNE_BUDGET_S   tuning stops starting new (shape, format) pairs after this
 set -u
@@ -18,7 +20,7 @@ mkdir -p "$OUT"
 STAGES=${1:-tests,shipped,tune,tuned}
 MODELS=${MODELS:-qwen3-30b-a3b,deepseek-v3}
 BATCHES=${BATCHES:-1,4,16}
-FORMATS=int4-g128,mxfp4,nvfp4
+FORMATS=${FORMATS:-int4-g128,mxfp4,nvfp4}
 exec > >(tee -a "$OUT/log.txt") 2>&1
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
@@ -35,7 +37,7 @@ if has tests; then
   echo "== GPU tests (PTX dequantization, packed formats on the preset shapes)"
   timeout "${TEST_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
     tests/test_triton_dequant_asm.py "tests/test_triton_quant.py::test_presets_bf16_gpu" \
-    -k "asm or portable or ((qwen3 or deepseek or gpt) and (int4-g128 or mxfp4 or nvfp4))" \
+    -k "${TEST_K:-asm or portable or ((qwen3 or deepseek or gpt) and (int4-g128 or mxfp4 or nvfp4))}" \
     2>&1 | tee "$OUT/pytest.txt" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || tests_ok=0
   echo "tests_ok=$tests_ok"

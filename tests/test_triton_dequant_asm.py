@@ -80,9 +80,12 @@ def _scales(quant: str, SG: int, R: int, dtype: torch.dtype, half: bool, has_zer
     return s.contiguous(), z.contiguous()
 
 
-def _reference(q, s, z, quant, SG, dtype):
-    """lo / hi nibbles -> float32 value * scale, one rounding to dtype (`quant.dequantize`)."""
+def _reference(q, s, z, quant, SG, dtype, half=False):
+    """lo / hi nibbles -> float32 value * scale, one rounding to dtype (`quant.dequantize`);
+    nvfp4 in 16-bit arithmetic (half): its scale rounded to bfloat16 first."""
     PK, R = q.shape
+    if quant == "nvfp4" and half:
+        s = s.to(torch.bfloat16).float()
     out = []
     for c in (q.int() & 15, q.int() >> 4):
         if quant == "int4":
@@ -107,7 +110,7 @@ def _run(quant, SG, dtype, half, asm, PK=64, R=64):
     hi = torch.empty_like(lo)
     _dequant_test_kernel[(1,)](q, s, z_in, lo, hi, QUANT=QUANTS[quant], SG=SG, HALF=half, ASM=asm,
                                HAS_ZERO=has_zero, PK=PK, R=R, num_warps=4)  # fmt: skip
-    return (lo, hi), _reference(q, s, z, quant, SG, dtype)
+    return (lo, hi), _reference(q, s, z, quant, SG, dtype, half)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -120,11 +123,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # symmetric int4 (no zero points)
 CASES = [("int4", 1, True), ("int4", 4, True), ("int4", 2, False), ("int4s", 1, True),
          ("int4s", 2, False), ("mxfp4", 4, True), ("mxfp4", 1, False), ("nvfp4", 8, False),
-         ("nvfp4", 1, False)]  # fmt: skip
+         ("nvfp4", 1, False), ("nvfp4", 8, True)]  # fmt: skip
+BF16_ONLY = ("mxfp4", "nvfp4")  # their 16-bit paths run in bfloat16 only
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run (the GPU test covers both paths)")
-@pytest.mark.parametrize("quant,SG,half", [c for c in CASES if not (c[0] == "mxfp4" and c[2])])
+@pytest.mark.parametrize("quant,SG,half", [c for c in CASES if not (c[0] in BF16_ONLY and c[2])])
 def test_portable_dequant_vs_reference_cpu(quant, SG, half):
     (lo, hi), (rlo, rhi) = _run(quant, SG, torch.float16, half, asm=False, PK=32, R=16)
     assert _same_bits(lo, rlo) and _same_bits(hi, rhi)
@@ -134,8 +138,8 @@ def test_portable_dequant_vs_reference_cpu(quant, SG, half):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("quant,SG,half", CASES)
 def test_asm_dequant_bit_exact_gpu(quant, SG, half, dtype):
-    if half and quant == "mxfp4" and dtype != torch.bfloat16:
-        pytest.skip("mxfp4 takes the 16-bit path in bfloat16 only")
+    if half and quant in BF16_ONLY and dtype != torch.bfloat16:
+        pytest.skip(f"{quant} takes the 16-bit path in bfloat16 only")
     (lo, hi), (rlo, rhi) = _run(quant, SG, dtype, half, asm=True)
     assert _same_bits(lo, rlo), (lo - rlo).abs().max()
     assert _same_bits(hi, rhi), (hi - rhi).abs().max()
@@ -145,8 +149,8 @@ def test_asm_dequant_bit_exact_gpu(quant, SG, half, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("quant,SG,half", CASES)
 def test_portable_dequant_bit_exact_gpu(quant, SG, half, dtype):
-    if half and quant == "mxfp4" and dtype != torch.bfloat16:
-        pytest.skip("mxfp4 takes the 16-bit path in bfloat16 only")
+    if half and quant in BF16_ONLY and dtype != torch.bfloat16:
+        pytest.skip(f"{quant} takes the 16-bit path in bfloat16 only")
     (plo, phi), (rlo, rhi) = _run(quant, SG, dtype, half, asm=False)
     assert _same_bits(plo, rlo) and _same_bits(phi, rhi)
 

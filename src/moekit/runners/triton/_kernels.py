@@ -272,12 +272,14 @@ def _dequant_nibbles(
     bit 0): the bits placed into a float16 at bits 11..9 and sign bit 15 read as e2m1 * 2^-14
     for every code (codes 0 and 1 land on float16 subnormals, which float16 arithmetic keeps),
     and * 2^14 in float16 is exact. Then * s in float32, and one rounding to DOT_DTYPE.
-    HALF (16-bit arithmetic, fewer instructions; the caller picks it only where it is exact):
+    HALF (16-bit arithmetic, fewer instructions; `WeightQuant.half_dequant` picks it):
     int4 with scales stored in DOT_DTYPE: c OR'ed into the mantissa of 128.0 (bfloat16) /
     1024.0 (float16) reads as 128 + c / 1024 + c; minus (128 + zero) is c - zero exactly, and
     one DOT_DTYPE product with the scale rounds once. mxfp4 in bfloat16: the e2m1 bits at
     bfloat16 bits 8..6 and 15 read as e2m1 * 2^-126 (subnormal for codes 0, 1), * 2^126 is
-    exact, and * 2^(e8m0 - 127) is exact."""
+    exact, and * 2^(e8m0 - 127) is exact. nvfp4 in bfloat16 (the one HALF case that is not
+    exact): the same e2m1 value times the group scale rounded to bfloat16 first, so a weight
+    can differ from `dequantize` by one bfloat16 rounding of its scale (relative 2^-9)."""
     PK: tl.constexpr = c.shape[0]
     ROWS: tl.constexpr = c.shape[1]
     if QUANT == 3:

@@ -140,10 +140,14 @@ class WeightQuant:
 
     def half_dequant(self, act_dtype: torch.dtype) -> bool:
         """Whether `_kernels._dequant_nibbles` may dequantize in 16-bit arithmetic for
-        activations of `act_dtype` (exact there): int4 with scales stored in the activation
-        dtype (bf16 / fp16), mxfp4 with bf16 activations (power-of-two scales)."""
+        activations of `act_dtype`: int4 with scales stored in the activation dtype (bf16 /
+        fp16) and mxfp4 with bf16 activations (power-of-two scales), both exact; nvfp4 with
+        bf16 activations, its float32 group scale rounded to bf16 first (one extra rounding,
+        relative 2^-9 per weight: `PIPELINE.nvfp4_bf16_scale`, on by default for speed)."""
         if self.quant == k.Q_INT4:
             return act_dtype in (torch.bfloat16, torch.float16) and self.scale.dtype == act_dtype
+        if self.quant == k.Q_NVFP4:
+            return PIPELINE.nvfp4_bf16_scale and act_dtype == torch.bfloat16
         return self.quant == k.Q_MXFP4 and act_dtype == torch.bfloat16
 
     def asm_dequant(self, cfg: GemmConfig, tile_rows: int, act_dtype: torch.dtype) -> bool:
