@@ -32,6 +32,8 @@ float16, T = 1 and 16.
     --noswap    also time each packed 4-bit point with the looked-up configs but swap_ab off
                 ('noswap_us')
     --out NAME  result file name under $OUT (default triton_quant.json)
+    --once MODEL:FORMAT:T   only run that call a few times (no graphs, no timing) and exit:
+                a target for a profiler (ncu)
 """
 
 from __future__ import annotations
@@ -196,6 +198,18 @@ def main() -> int:
     if (batches := _option(args, "--batches")) is not None:
         BATCHES = tuple(int(b) for b in batches.split(","))
     portable = "--portable" in args
+    if (once := _option(args, "--once")) is not None:
+        model, fmt, T = once.split(":")
+        shape = shape_for(model, ALL_SHAPES[model], ALL_SHAPES[model])
+        dev = torch.device("cuda")
+        torch.manual_seed(0)
+        wq = quantize_experts(random_weights(shape, dev), FORMATS[fmt])
+        x = torch.randn(int(T), shape.hidden, device=dev, dtype=torch.bfloat16)
+        tk = uniform_topk(int(T), shape.num_experts, shape.top_k, dev)
+        for _ in range(3):
+            ops.fused_moe(x, tk, wq, shape.act)
+        torch.cuda.synchronize()
+        return 0
     noswap = "--noswap" in args
     out_name = _option(args, "--out") or "triton_quant.json"
     if "--profile" in args and torch.cuda.is_available():

@@ -3,11 +3,13 @@
 # machine, in one call: GPU tests of the PTX dequantization, time with the shipped tables (PTX
 # against the portable path, same run), tuning into $OUT/cfg, time with those tables.
 # Under $OUT (at most 8 files): log.txt pytest.txt quant_shipped.json quant_tuned.json cfg.tgz
+# ncu.txt
 #
 # Usage: scripts/gpu_triton_quant.sh [STAGES]   STAGES: comma list of tests,shipped,tune,tuned
-#   (default all four). Environment:
+#   (default tests,shipped,tune,tuned; also ncu: a profile of NCU_TARGET). Environment:
 #   MODELS   measured / tuned shapes (default qwen3-30b-a3b,deepseek-v3)
 #   FORMATS  packed formats (default int4-g128,mxfp4,nvfp4)
+#   TUNE_MODELS  tuned shapes (default MODELS)
 #   BATCHES  batch sizes (default 1,4,16)
 #   TEST_K   pytest -k expression of the tests stage (default: all PTX tests, presets 4-bit)
 #   TEST_TIMEOUT_S / SHIPPED_TIMEOUT_S / TUNE_TIMEOUT_S / TUNED_TIMEOUT_S   per-stage limits
@@ -49,12 +51,23 @@ if has shipped; then
     --batches "$BATCHES" --models "$MODELS" --portable --noswap --out quant_shipped.json
 fi
 
+if has ncu; then
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  echo "== ncu ($NCU): ${NCU_TARGET:=deepseek-v3:int4-g128:16}"
+  if [ -n "$NCU" ]; then
+    timeout "${NCU_TIMEOUT_S:-90}" "$NCU" --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      -k regex:"_gate_up_kernel|_down_kernel" --launch-skip 2 --launch-count 2 \
+      python3 scripts/gpu_triton_quant.py --once "$NCU_TARGET" > "$OUT/ncu.txt" 2>&1
+    tail -5 "$OUT/ncu.txt"
+  fi
+fi
 if has tune && [ $tests_ok = 1 ]; then
   echo "== tuning into $OUT/cfg"
   plan=""
   for f in ${FORMATS//,/ }; do plan+="$f:$BATCHES;"; done
   MOEKIT_CONFIG_DIR=$OUT/cfg MOEKIT_TUNE_BUDGET_S=${MOEKIT_TUNE_BUDGET_S:-120} \
-    timeout "${TUNE_TIMEOUT_S:-150}" python3 scripts/gpu_triton_quant.py --models "$MODELS" \
+    timeout "${TUNE_TIMEOUT_S:-150}" python3 scripts/gpu_triton_quant.py --models "${TUNE_MODELS:-$MODELS}" \
     --tune "${plan%;}" --no-measure
   (cd "$OUT" && tar czf cfg.tgz cfg && rm -rf cfg/triton/*.tmp) || true
 fi
