@@ -29,6 +29,8 @@ float16, T = 1 and 16.
     --portable  also time each packed 4-bit point with the PTX dequantization off
                 (`PIPELINE.asm_dequant = False`, the portable twin) in the same run:
                 'portable_us' and 'asm_speedup' = portable / PTX time
+    --maxnreg N1,N2   also time each packed 4-bit point with `PIPELINE.packed_maxnreg = N`
+                for each N ('maxnregN_us')
     --noswap    also time each packed 4-bit point with the looked-up configs but swap_ab off
                 ('noswap_us')
     --out NAME  result file name under $OUT (default triton_quant.json)
@@ -211,6 +213,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     noswap = "--noswap" in args
+    maxnregs = [int(n) for n in (_option(args, "--maxnreg") or "").split(",") if n]
     out_name = _option(args, "--out") or "triton_quant.json"
     if "--profile" in args and torch.cuda.is_available():
         profile(Path(os.environ.get("OUT", ".")))
@@ -301,6 +304,14 @@ def main() -> int:
                             p_ms = time_ms(lambda: call(wq), dev, **reps) / R
                         finally:
                             ops.PIPELINE = saved
+                    r_ms = {}
+                    for nreg in maxnregs if fmt in PACKED else ():
+                        saved = ops.PIPELINE
+                        ops.PIPELINE = replace(saved, packed_maxnreg=nreg)
+                        try:
+                            r_ms[nreg] = time_ms(lambda: call(wq), dev, **reps) / R
+                        finally:
+                            ops.PIPELINE = saved
                     n_ms = None
                     if noswap and fmt in PACKED:
                         cf = tuple(replace(c, swap_ab=False) for c in ops.configs_for(T, K, wq, dtype, dev))
@@ -328,6 +339,8 @@ def main() -> int:
                     p["asm_speedup"] = round(p_ms / q_ms, 3)
                 if n_ms is not None:
                     p["noswap_us"] = round(n_ms * 1e3, 2)
+                for nreg, ms in r_ms.items():
+                    p[f"maxnreg{nreg}_us"] = round(ms * 1e3, 2)
                 result["points"].append(p)
                 print(
                     f"{model:14} {fmt:11} T={T:5}  bf16 {p['bf16_us']:8.1f} us  quant "
@@ -335,7 +348,8 @@ def main() -> int:
                     f"time/floor {p['time_over_floor']:5.2f}"
                     + (f"  portable {p['portable_us']:8.1f} us ({p['asm_speedup']:.2f}x)"
                        if p_ms is not None else "")
-                    + (f"  noswap {p['noswap_us']:8.1f} us" if n_ms is not None else ""),
+                    + (f"  noswap {p['noswap_us']:8.1f} us" if n_ms is not None else "")
+                    + "".join(f"  maxnreg={n} {ms * 1e3:8.1f} us" for n, ms in r_ms.items()),
                     flush=True,
                 )
             # one correctness check per format and shape (T = 16)

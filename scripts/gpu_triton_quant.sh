@@ -9,7 +9,8 @@
 #   (default tests,shipped,tune,tuned; also ncu: a profile of NCU_TARGET). Environment:
 #   MODELS   measured / tuned shapes (default qwen3-30b-a3b,deepseek-v3)
 #   FORMATS  packed formats (default int4-g128,mxfp4,nvfp4)
-#   TUNE_MODELS  tuned shapes (default MODELS)
+#   TUNE_MODELS  tuned shapes (default MODELS); TUNE_PLAN  explicit plan, see the tune stage
+#   TUNED_ARGS   extra arguments of the tuned stage's measurement (e.g. --portable --maxnreg 96)
 #   BATCHES  batch sizes (default 1,4,16)
 #   TEST_K   pytest -k expression of the tests stage (default: all PTX tests, presets 4-bit)
 #   TEST_TIMEOUT_S / SHIPPED_TIMEOUT_S / TUNE_TIMEOUT_S / TUNED_TIMEOUT_S   per-stage limits
@@ -66,17 +67,23 @@ if has tune && [ $tests_ok = 1 ]; then
   echo "== tuning into $OUT/cfg"
   plan=""
   for f in ${FORMATS//,/ }; do plan+="$f:$BATCHES;"; done
-  MOEKIT_CONFIG_DIR=$OUT/cfg MOEKIT_TUNE_BUDGET_S=${MOEKIT_TUNE_BUDGET_S:-120} \
-    timeout "${TUNE_TIMEOUT_S:-150}" python3 scripts/gpu_triton_quant.py --models "${TUNE_MODELS:-$MODELS}" \
-    --tune "${plan%;}" --no-measure
-  (cd "$OUT" && tar czf cfg.tgz cfg && rm -rf cfg/triton/*.tmp) || true
+  # TUNE_PLAN: space-separated MODELS=FMT:T1,T2;FMT:... items (default: FORMATS x TUNE_MODELS)
+  for item in ${TUNE_PLAN:-"${TUNE_MODELS:-$MODELS}=${plan%;}"}; do
+    MOEKIT_CONFIG_DIR=$OUT/cfg MOEKIT_TUNE_BUDGET_S=${MOEKIT_TUNE_BUDGET_S:-120} \
+      timeout "${TUNE_TIMEOUT_S:-150}" python3 scripts/gpu_triton_quant.py --models "${item%%=*}" \
+      --tune "${item#*=}" --no-measure
+  done
 fi
 
 if has tuned; then
   echo "== tuned tables"
   MOEKIT_CONFIG_DIR=$OUT/cfg timeout "${TUNED_TIMEOUT_S:-90}" python3 scripts/gpu_triton_quant.py \
-    --formats "$FORMATS" --batches "$BATCHES" --models "$MODELS" --out quant_tuned.json
+    --formats "$FORMATS" --batches "$BATCHES" --models "$MODELS" --out quant_tuned.json \
+    ${TUNED_ARGS:-}
 fi
-# only the listed files come back
+# only the listed files come back: the tuned tables in one archive
+if [ -d "$OUT/cfg" ]; then
+  (cd "$OUT" && rm -f cfg/triton/*.tmp && tar czf cfg.tgz cfg) || true
+fi
 rm -rf "$OUT/cfg"
 ls -la "$OUT"

@@ -215,3 +215,19 @@ def test_fused_moe_asm_vs_portable_gpu(fmt, cfg_i, monkeypatch):
     torch.cuda.synchronize()
     # the same weights into the same MMAs (reduce 'kernel': no atomics): identical outputs
     assert torch.equal(outs[0], outs[1]), (fmt, cfgs, (outs[0].float() - outs[1]).abs().max())
+
+
+def test_packed_maxnreg_only_on_the_ptx_path(monkeypatch):
+    """`PIPELINE.packed_maxnreg` reaches the launch of packed-format GEMMs on the PTX path only."""
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append(meta.get("maxnreg"))
+
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, packed_maxnreg=96))
+    for pack, asm in ((2, True), (2, False), (1, False)):
+        ops._launch(Kernel(), (1,), (), dict(PACK=pack, ASM=asm), False)
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, packed_maxnreg=None))
+    ops._launch(Kernel(), (1,), (), dict(PACK=2, ASM=True), False)
+    assert seen == [96, None, None, None]

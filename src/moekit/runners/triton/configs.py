@@ -97,12 +97,16 @@ class PipelineConfig:
     dequantize in PTX on a GPU (`_kernels._dequant_bytes_asm`; off: its portable twin
     `_dequant_nibbles`, the same values). nvfp4_bf16_scale: with bf16 activations nvfp4
     weights are dequantized in bf16 arithmetic with the float32 group scale (e4m3 x global)
-    rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`)."""
+    rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
+    packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
+    to fit more programs per SM (None: the compiler's choice; an experiment knob, see
+    benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
+    packed_maxnreg: int | None = None
 
 
 PIPELINE = PipelineConfig()

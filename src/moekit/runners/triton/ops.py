@@ -238,6 +238,8 @@ def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
 
 
 def _launch(kernel, grid, args, meta, warmup: bool):
+    if meta.get("PACK") == 2 and PIPELINE.packed_maxnreg and meta.get("ASM"):
+        meta = dict(meta, maxnreg=PIPELINE.packed_maxnreg)
     if warmup:
         return kernel.warmup(*args, grid=grid, **meta)
     return kernel[grid](*args, **meta)
