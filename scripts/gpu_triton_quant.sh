@@ -73,6 +73,7 @@ if has tune && [ $tests_ok = 1 ]; then
       timeout "${TUNE_TIMEOUT_S:-150}" python3 scripts/gpu_triton_quant.py --models "${item%%=*}" \
       --tune "${item#*=}" --no-measure
   done
+  (cd "$OUT" && rm -f cfg/triton/*.tmp && tar czf cfg.tgz cfg) || true
 fi
 
 if has tuned; then
