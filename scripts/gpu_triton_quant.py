@@ -314,7 +314,8 @@ def main() -> int:
                             ops.PIPELINE = saved
                     n_ms = None
                     if noswap and fmt in PACKED:
-                        cf = tuple(replace(c, swap_ab=False) for c in ops.configs_for(T, K, wq, dtype, dev))
+                        cf = tuple(replace(c, swap_ab=False)
+                                   for c in ops.configs_for(T, K, wq, dtype, dev))  # fmt: skip
                         n_ms = time_ms(lambda: call(wq, cfgs=cf), dev, **reps) / R
                 except Exception as err:  # noqa: BLE001 - report and go on with the others
                     msg = f"{type(err).__name__}: {str(err)[:300]}"

@@ -59,7 +59,8 @@ def _scales(quant: str, SG: int, R: int, dtype: torch.dtype, half: bool, has_zer
     """(s, z) float32 [SG, R] as `_step_scales` hands them over, with extremes included."""
     if quant == "int4":
         # random magnitudes over many binades, signs, zeros; stored in `dtype` when half
-        s = torch.randn(SG, R, device=DEVICE) * torch.exp2(torch.randint(-20, 12, (SG, R), device=DEVICE).float())
+        binade = torch.randint(-20, 12, (SG, R), device=DEVICE).float()
+        s = torch.randn(SG, R, device=DEVICE) * torch.exp2(binade)
         s[0, :4] = torch.tensor([0.0, -0.0, 1.0, 6.1e-5])
         if half:
             s = s.to(dtype).float()
@@ -160,7 +161,8 @@ def test_asm_only_where_it_can_run(monkeypatch):
     when `PIPELINE.asm_dequant` is off; `fused_moe` passes ASM through to the kernels."""
     from moekit.experts import ExpertWeights
 
-    w = quantize_experts(ExpertWeights(torch.randn(2, 64, 64), torch.randn(2, 64, 32)), make_spec("mxfp4"))
+    w = ExpertWeights(torch.randn(2, 64, 64), torch.randn(2, 64, 32))
+    w = quantize_experts(w, make_spec("mxfp4"))
     wq = ops.WeightQuant(w, "w13")
     cfg = GemmConfig(16, 64, 128)
     assert wq.asm_dequant(cfg, 64, torch.bfloat16) is False  # CPU tensors
@@ -202,8 +204,9 @@ def test_fused_moe_asm_vs_portable_gpu(fmt, cfg_i, monkeypatch):
 
     E, K, H, I, T = 8, 2, 512, 256, 37
     dt = torch.bfloat16
-    w = quantize_experts(ExpertWeights(torch.randn(E, 2 * I, H, device="cuda") / H**0.5,
-                                       torch.randn(E, H, I, device="cuda") / I**0.5), E2E[fmt])  # fmt: skip
+    w13 = torch.randn(E, 2 * I, H, device="cuda") / H**0.5
+    w2 = torch.randn(E, H, I, device="cuda") / I**0.5
+    w = quantize_experts(ExpertWeights(w13, w2), E2E[fmt])
     x = torch.randn(T, H, device="cuda", dtype=dt)
     topk = make_topk(T, K, E, device="cuda")
     cfgs = E2E_CONFIGS[cfg_i]

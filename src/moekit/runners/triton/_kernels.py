@@ -263,9 +263,9 @@ def _dequant_nibbles(
     """Nibble codes c [PK, rows] (int32 0..15: one nibble of each packed byte, so every element
     along dim 0 is 2 K columns apart) -> weights [PK, rows] in DOT_DTYPE. s [SG, rows]: the
     float32 multiplier of each scale group (the PK rows hold SG groups in order); z [SG, rows]
-    (int4 only): the zero point as float32 (ignored without HAS_ZERO: the constant 8). Every path is bit-identical to
-    `moekit.quant.dequantize` followed by the cast to DOT_DTYPE (one rounding of the exact
-    product value * scale):
+    (int4 only): the zero point as float32 (ignored without HAS_ZERO: the constant 8). Every
+    path but nvfp4's HALF one is bit-identical to `moekit.quant.dequantize` followed by the
+    cast to DOT_DTYPE (one rounding of the exact product value * scale):
 
     float32 (HALF False): int4: bitcast(0x4B000000 | c) is 2^23 + c exactly, so one
     subtraction of 2^23 + zero gives c - zero. e2m1 (sign bit 3, exponent bits 2..1, mantissa
@@ -418,10 +418,10 @@ def _dequant_bytes_asm(
 ):  # fmt: skip
     """Packed bytes q [PK, rows] (uint8; low nibble = even K column) -> (w_lo, w_hi), each
     [PK, rows] in DOT_DTYPE (bfloat16 / float16), bit-identical to `_dequant_nibbles` on the
-    low and the high nibbles (s, z [SG, rows], HAS_ZERO as there). HALF (int4 with scales in DOT_DTYPE,
-    mxfp4 in bf16): the PTX applies the scale too; otherwise it returns the exact 16-bit
-    values c - zero / e2m1 and the scale is applied in float32 with one rounding to DOT_DTYPE,
-    as the float32 path does."""
+    low and the high nibbles (s, z [SG, rows], HAS_ZERO as there). HALF (int4 with scales in
+    DOT_DTYPE, mxfp4 / nvfp4 in bf16): the PTX applies the scale (rounded to DOT_DTYPE) too;
+    otherwise it returns the exact 16-bit values c - zero / e2m1 and the scale is applied in
+    float32 with one rounding to DOT_DTYPE, as the float32 path does."""
     PK: tl.constexpr = q.shape[0]
     ROWS: tl.constexpr = q.shape[1]
     q3 = tl.reshape(q, [SG, PK // SG, ROWS])

@@ -316,8 +316,8 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
     dequantized tile is what the registers hold) and load through pointers; the packed 4-bit
     ones (int4_w4a16, mxfp4, nvfp4) also leave swap_ab off: their weights then reach the MMA
     through ldmatrix in 4-byte pieces, while swapped they are read 2 bytes at a time and
-    repacked (H100, PTX dequantization, T = 1..16: swap_ab off as fast or up to 15% faster
-    at all 18 points of benchmarks/results/20261121T2301Z_H100_triton_quant_asm.json)."""
+    repacked (H100, PTX dequantization, T = 1..16: swap_ab off between 0.5% slower and 15%
+    faster at the 18 points of benchmarks/results/20261121T2301Z_H100_triton_quant_asm.json)."""
     if quant == "unquantized":
         return cfg
     if quant.startswith(("fp8_w8a8", "int8_w8a8")):

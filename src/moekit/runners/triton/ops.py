@@ -155,7 +155,9 @@ class WeightQuant:
         CUDA GPU of compute capability 8.0+ (bf16x2 fma), bf16 / fp16 activations, not under
         the interpreter, `PIPELINE.asm_dequant` on, and at least 4 bytes of the [block_k / 2,
         tile_rows] weight tile per thread (the PTX converts 4 bytes at a time)."""
-        if self.pack != 2 or not PIPELINE.asm_dequant or act_dtype not in (torch.bfloat16, torch.float16):
+        if self.pack != 2 or not PIPELINE.asm_dequant:
+            return False
+        if act_dtype not in (torch.bfloat16, torch.float16):
             return False
         dev = self.scale.device
         if dev.type != "cuda" or interpret_mode():
@@ -386,6 +388,7 @@ def gate_up(
             zero.zero_()
         return out
     xs = x
+    tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         x, xs = quantize_input(x, w.spec, rows.valid_rows())
@@ -409,8 +412,7 @@ def gate_up(
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         DOT_PRECISION=_precision(out),
-        **(wq.meta(cfg.block_k, fused, out.dtype,
-                   wq.asm_dequant(cfg, 2 * cfg.block_n if act.interleaved else cfg.block_n, x.dtype))
+        **(wq.meta(cfg.block_k, fused, out.dtype, wq.asm_dequant(cfg, tile_rows, x.dtype))
            if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
