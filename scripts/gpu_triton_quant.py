@@ -19,9 +19,23 @@ float16, T = 1 and 16.
     --profile   first: per-stage times (alignment, activation quantization, gate_up, down) of
                 fp8 block-wise at T = 4096 and of the 4-bit formats at T = 1 or 16, with the
                 configs the runner looks up ($OUT/triton_quant_profile.json)
-    --tune FMT:T1,T2;...   first: `moekit.tune.tune` for those formats and batch sizes on both
+    --tune FMT:T1,T2;...   first: `moekit.tune.tune` for those formats and batch sizes on the
                 shapes into $MOEKIT_CONFIG_DIR/triton (stops starting new ones after
                 MOEKIT_TUNE_BUDGET_S seconds)
+    --formats a,b   measure only these formats (names of FORMATS), in this order
+    --batches 1,4,16   measure these batch sizes (default 1,16,64,4096)
+    --models m1,m2     shapes among qwen3-30b-a3b, deepseek-v3, gpt-oss-120b (default the
+                first two; tuning uses the same list)
+    --portable  also time each packed 4-bit point with the PTX dequantization off
+                (`PIPELINE.asm_dequant = False`, the portable twin) in the same run:
+                'portable_us' and 'asm_speedup' = portable / PTX time
+    --maxnreg N1,N2   also time each packed 4-bit point with `PIPELINE.packed_maxnreg = N`
+                for each N ('maxnregN_us')
+    --noswap    also time each packed 4-bit point with the looked-up configs but swap_ab off
+                ('noswap_us')
+    --out NAME  result file name under $OUT (default triton_quant.json)
+    --once MODEL:FORMAT:T   only run that call a few times (no graphs, no timing) and exit:
+                a target for a profiler (ncu)
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,7 +60,9 @@ from moekit.tune import random_weights, shape_for, uniform_topk
 
 BUDGET_S = float(os.environ.get("MOEKIT_QUANT_BUDGET_S", "95"))
 BATCHES = (1, 16, 64, 4096)
+ALL_SHAPES = {"qwen3-30b-a3b": 1, "deepseek-v3": 8, "gpt-oss-120b": 1}  # model: tp = ep
 SHAPES = (("qwen3-30b-a3b", 1, 1), ("deepseek-v3", 8, 8))
+PACKED = ("int4-g128", "mxfp4", "nvfp4")
 FORMATS = {  # priority order
     "fp8-block": Fp8W8A8("block"),
     "int4-g128": Int4W4A16(128, True),
@@ -157,9 +174,47 @@ def tune_tables(plan: str) -> None:
             print(f"tune {model} {fmt}: {time.perf_counter() - t1:.0f}s", flush=True)
 
 
+def _option(args: list[str], name: str) -> str | None:
+    if name not in args:
+        return None
+    i = args.index(name)
+    if i + 1 >= len(args):
+        raise SystemExit(f"{name} needs a value")
+    return args[i + 1]
+
+
 def main() -> int:
+    global SHAPES, FORMATS, BATCHES
     t_start = time.perf_counter()
     args = sys.argv[1:]
+    if (models := _option(args, "--models")) is not None:
+        bad = [m for m in models.split(",") if m not in ALL_SHAPES]
+        if bad:
+            raise SystemExit(f"--models: unknown {bad}; allowed: {', '.join(ALL_SHAPES)}")
+        SHAPES = tuple((m, ALL_SHAPES[m], ALL_SHAPES[m]) for m in models.split(","))
+    if (fmts := _option(args, "--formats")) is not None:
+        bad = [f for f in fmts.split(",") if f not in FORMATS]
+        if bad:
+            raise SystemExit(f"--formats: unknown {bad}; allowed: {', '.join(FORMATS)}")
+        FORMATS = {f: FORMATS[f] for f in fmts.split(",")}
+    if (batches := _option(args, "--batches")) is not None:
+        BATCHES = tuple(int(b) for b in batches.split(","))
+    portable = "--portable" in args
+    if (once := _option(args, "--once")) is not None:
+        model, fmt, T = once.split(":")
+        shape = shape_for(model, ALL_SHAPES[model], ALL_SHAPES[model])
+        dev = torch.device("cuda")
+        torch.manual_seed(0)
+        wq = quantize_experts(random_weights(shape, dev), FORMATS[fmt])
+        x = torch.randn(int(T), shape.hidden, device=dev, dtype=torch.bfloat16)
+        tk = uniform_topk(int(T), shape.num_experts, shape.top_k, dev)
+        for _ in range(3):
+            ops.fused_moe(x, tk, wq, shape.act)
+        torch.cuda.synchronize()
+        return 0
+    noswap = "--noswap" in args
+    maxnregs = [int(n) for n in (_option(args, "--maxnreg") or "").split(",") if n]
+    out_name = _option(args, "--out") or "triton_quant.json"
     if "--profile" in args and torch.cuda.is_available():
         profile(Path(os.environ.get("OUT", ".")))
     if "--tune" in args and torch.cuda.is_available():
@@ -188,8 +243,9 @@ def main() -> int:
         "points": [],
         "checks": [],
         "skipped": [],
+        "argv": args,
     }
-    path = out_dir / "triton_quant.json"
+    path = out_dir / out_name
 
     def save():
         path.write_text(json.dumps(result, indent=1) + "\n")
@@ -231,15 +287,36 @@ def main() -> int:
                 x, topks = inputs[T]
                 R = len(topks)
 
-                def call(w, x=x, topks=topks):
+                def call(w, x=x, topks=topks, cfgs=None):
                     for t in topks:
-                        ops.fused_moe(x, t, w, shape.act)
+                        ops.fused_moe(x, t, w, shape.act, configs=cfgs)
 
                 reps = dict(warmup=3, samples=10) if on_gpu else dict(warmup=1, samples=1)
                 try:
                     if T not in bf16_ms:
                         bf16_ms[T] = time_ms(lambda: call(w_bf16), dev, **reps) / R
                     q_ms = time_ms(lambda: call(wq), dev, **reps) / R
+                    p_ms = None
+                    if portable and fmt in PACKED:
+                        saved = ops.PIPELINE
+                        ops.PIPELINE = replace(saved, asm_dequant=False)
+                        try:
+                            p_ms = time_ms(lambda: call(wq), dev, **reps) / R
+                        finally:
+                            ops.PIPELINE = saved
+                    r_ms = {}
+                    for nreg in maxnregs if fmt in PACKED else ():
+                        saved = ops.PIPELINE
+                        ops.PIPELINE = replace(saved, packed_maxnreg=nreg)
+                        try:
+                            r_ms[nreg] = time_ms(lambda: call(wq), dev, **reps) / R
+                        finally:
+                            ops.PIPELINE = saved
+                    n_ms = None
+                    if noswap and fmt in PACKED:
+                        cf = tuple(replace(c, swap_ab=False)
+                                   for c in ops.configs_for(T, K, wq, dtype, dev))  # fmt: skip
+                        n_ms = time_ms(lambda: call(wq, cfgs=cf), dev, **reps) / R
                 except Exception as err:  # noqa: BLE001 - report and go on with the others
                     msg = f"{type(err).__name__}: {str(err)[:300]}"
                     result["skipped"].append(f"{model} {fmt} T={T}: {msg}")
@@ -258,11 +335,22 @@ def main() -> int:
                     "floor_us": round(floor_ms * 1e3, 2), "time_over_floor": round(q_ms / floor_ms, 3),
                     "configs": [str(c) for c in ops.configs_for(T, K, wq, dtype, dev)],
                 }  # fmt: skip
+                if p_ms is not None:
+                    p["portable_us"] = round(p_ms * 1e3, 2)
+                    p["asm_speedup"] = round(p_ms / q_ms, 3)
+                if n_ms is not None:
+                    p["noswap_us"] = round(n_ms * 1e3, 2)
+                for nreg, ms in r_ms.items():
+                    p[f"maxnreg{nreg}_us"] = round(ms * 1e3, 2)
                 result["points"].append(p)
                 print(
                     f"{model:14} {fmt:11} T={T:5}  bf16 {p['bf16_us']:8.1f} us  quant "
                     f"{p['quant_us']:8.1f} us  speed-up {p['speedup']:5.2f}x  "
-                    f"time/floor {p['time_over_floor']:5.2f}",
+                    f"time/floor {p['time_over_floor']:5.2f}"
+                    + (f"  portable {p['portable_us']:8.1f} us ({p['asm_speedup']:.2f}x)"
+                       if p_ms is not None else "")
+                    + (f"  noswap {p['noswap_us']:8.1f} us" if n_ms is not None else "")
+                    + "".join(f"  maxnreg={n} {ms * 1e3:8.1f} us" for n, ms in r_ms.items()),
                     flush=True,
                 )
             # one correctness check per format and shape (T = 16)

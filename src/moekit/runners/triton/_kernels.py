@@ -258,26 +258,28 @@ def _w_tile(
 @triton.jit
 def _dequant_nibbles(
     c, s, z, QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, HAS_ZERO: tl.constexpr = True,
 ):  # fmt: skip
     """Nibble codes c [PK, rows] (int32 0..15: one nibble of each packed byte, so every element
     along dim 0 is 2 K columns apart) -> weights [PK, rows] in DOT_DTYPE. s [SG, rows]: the
     float32 multiplier of each scale group (the PK rows hold SG groups in order); z [SG, rows]
-    (int4 only): the zero point (8 when symmetric), as float32. Every path is bit-identical to
-    `moekit.quant.dequantize` followed by the cast to DOT_DTYPE (one rounding of the exact
-    product value * scale):
+    (int4 only): the zero point as float32 (ignored without HAS_ZERO: the constant 8). Every
+    path but nvfp4's HALF one is bit-identical to `moekit.quant.dequantize` followed by the
+    cast to DOT_DTYPE (one rounding of the exact product value * scale):
 
     float32 (HALF False): int4: bitcast(0x4B000000 | c) is 2^23 + c exactly, so one
     subtraction of 2^23 + zero gives c - zero. e2m1 (sign bit 3, exponent bits 2..1, mantissa
     bit 0): the bits placed into a float16 at bits 11..9 and sign bit 15 read as e2m1 * 2^-14
     for every code (codes 0 and 1 land on float16 subnormals, which float16 arithmetic keeps),
     and * 2^14 in float16 is exact. Then * s in float32, and one rounding to DOT_DTYPE.
-    HALF (16-bit arithmetic, fewer instructions; the caller picks it only where it is exact):
+    HALF (16-bit arithmetic, fewer instructions; `WeightQuant.half_dequant` picks it):
     int4 with scales stored in DOT_DTYPE: c OR'ed into the mantissa of 128.0 (bfloat16) /
     1024.0 (float16) reads as 128 + c / 1024 + c; minus (128 + zero) is c - zero exactly, and
     one DOT_DTYPE product with the scale rounds once. mxfp4 in bfloat16: the e2m1 bits at
     bfloat16 bits 8..6 and 15 read as e2m1 * 2^-126 (subnormal for codes 0, 1), * 2^126 is
-    exact, and * 2^(e8m0 - 127) is exact."""
+    exact, and * 2^(e8m0 - 127) is exact. nvfp4 in bfloat16 (the one HALF case that is not
+    exact): the same e2m1 value times the group scale rounded to bfloat16 first, so a weight
+    can differ from `dequantize` by one bfloat16 rounding of its scale (relative 2^-9)."""
     PK: tl.constexpr = c.shape[0]
     ROWS: tl.constexpr = c.shape[1]
     if QUANT == 3:
@@ -288,11 +290,16 @@ def _dequant_nibbles(
             else:
                 v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
                 zb = (z + 1024.0).to(tl.float16)
+            if not HAS_ZERO:
+                zb = tl.full([SG, ROWS], 136.0 if DOT_DTYPE == tl.bfloat16 else 1032.0, DOT_DTYPE)
             vh = tl.reshape(v, [SG, PK // SG, ROWS]) - zb[:, None, :]
             w = tl.reshape(vh * s.to(DOT_DTYPE)[:, None, :], [PK, ROWS])
         else:
             v = (c | 0x4B000000).to(tl.float32, bitcast=True)
-            vf = tl.reshape(v, [SG, PK // SG, ROWS]) - (z + 8388608.0)[:, None, :]
+            zf = z + 8388608.0
+            if not HAS_ZERO:
+                zf = tl.full([SG, ROWS], 8388616.0, tl.float32)
+            vf = tl.reshape(v, [SG, PK // SG, ROWS]) - zf[:, None, :]
             w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
     else:
         if HALF:
@@ -306,6 +313,170 @@ def _dequant_nibbles(
             vf = tl.reshape(h.to(tl.float32), [SG, PK // SG, ROWS])
             w = tl.reshape(vf * s[:, None, :], [PK, ROWS]).to(DOT_DTYPE)
     return w
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed 4-bit -> 16-bit dequantization in PTX (GPU fast path of `_dequant_nibbles`)
+# ----------------------------------------------------------------------------------------------
+# `tl.inline_asm_elementwise(pack=4)`: one invocation takes 4 packed bytes (elements 0..3, byte i
+# of the input register is element i) and returns, per output, 4 16-bit values in two registers
+# (elements 0, 1 in the first: element 0 in the low half). Each byte is spread to the low byte of
+# a 16-bit lane (prmt), so that one 32-bit register then holds the nibbles of elements (0, 1) or
+# (2, 3) in the positions of two packed values, and every arithmetic step below is one
+# bf16x2 / f16x2 instruction for two weights. Everything is computed in temporaries and written
+# to the outputs last (outputs may share registers with inputs). Only fma is used for the
+# arithmetic (sm_80+): a - b = fma(a, 1, -b) and a * b = fma(a, b, -0), both one rounding,
+# the same values as the subtraction / product of `_dequant_nibbles`' 16-bit path.
+
+
+def _asm_int4(fmt: str, scaled: bool) -> str:
+    """PTX for int4 nibbles -> (c - zero) [* scale] in `fmt` ('bf16' or 'f16'). Operands: $0 $1
+    lo nibbles, $2 $3 hi nibbles (outputs), $4 the 4 bytes, $5 $6 -(magic + zero) of elements
+    (0, 1) and (2, 3), then (scaled) $7 $8 the scales. The nibble OR'ed into the mantissa of
+    magic = 128.0 (bf16, 7 mantissa bits) / 1024.0 (f16, 10 bits) reads as magic + c."""
+    magic, one = ("0x43004300", "0x3f803f80") if fmt == "bf16" else ("0x64006400", "0x3c003c00")
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, u0, u1, l0, l1, h0, h1, one, nz;",
+        f"mov.b32 one, {one};",
+        "mov.b32 nz, 0x80008000;",
+        "prmt.b32 t0, $4, 0, 0x4140;",
+        "prmt.b32 t1, $4, 0, 0x4342;",
+        "shr.u32 u0, t0, 4;",
+        "shr.u32 u1, t1, 4;",
+        f"lop3.b32 l0, t0, 0x000f000f, {magic}, 0xea;",
+        f"lop3.b32 l1, t1, 0x000f000f, {magic}, 0xea;",
+        f"lop3.b32 h0, u0, 0x000f000f, {magic}, 0xea;",
+        f"lop3.b32 h1, u1, 0x000f000f, {magic}, 0xea;",
+        f"fma.rn.{fmt}x2 l0, l0, one, $5;",
+        f"fma.rn.{fmt}x2 l1, l1, one, $6;",
+        f"fma.rn.{fmt}x2 h0, h0, one, $5;",
+        f"fma.rn.{fmt}x2 h1, h1, one, $6;",
+    ]
+    if scaled:
+        lines += [
+            f"fma.rn.{fmt}x2 l0, l0, $7, nz;",
+            f"fma.rn.{fmt}x2 l1, l1, $8, nz;",
+            f"fma.rn.{fmt}x2 h0, h0, $7, nz;",
+            f"fma.rn.{fmt}x2 h1, h1, $8, nz;",
+        ]
+    lines += ["mov.b32 $0, l0;", "mov.b32 $1, l1;", "mov.b32 $2, h0;", "mov.b32 $3, h1;", "}"]
+    return "\n".join(lines)
+
+
+def _asm_e2m1(fmt: str, scaled: bool) -> str:
+    """PTX for e2m1 nibbles (sign bit 3, exponent bits 2..1, mantissa bit 0) -> value [* scale]
+    in `fmt`. Operands: $0 $1 lo, $2 $3 hi (outputs), $4 the 4 bytes, (scaled) $5 $6 the
+    scales. The magnitude bits go to bf16 bits 8..6 (f16: 11..9) and the sign to bit 15, which
+    reads as e2m1 * 2^-126 (f16: 2^-14; codes 0 and 1 are subnormals, kept by fma), and one
+    exact product by 2^126 (2^14) gives the value."""
+    if fmt == "bf16":
+        mag, sh_lo, sh_hi, pow2 = "0x01c001c0", (6, 12), (2, 8), "0x7e807e80"
+    else:
+        mag, sh_lo, sh_hi, pow2 = "0x0e000e00", (9, 12), (5, 8), "0x74007400"
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, a, b, l0, l1, h0, h1, p, nz;",
+        f"mov.b32 p, {pow2};",
+        "mov.b32 nz, 0x80008000;",
+        "prmt.b32 t0, $4, 0, 0x4140;",
+        "prmt.b32 t1, $4, 0, 0x4342;",
+    ]
+    for dst, src, (sm, ss) in (("l0", "t0", sh_lo), ("l1", "t1", sh_lo),
+                               ("h0", "t0", sh_hi), ("h1", "t1", sh_hi)):  # fmt: skip
+        lines += [
+            f"shl.b32 a, {src}, {sm};",
+            f"and.b32 a, a, {mag};",
+            f"shl.b32 b, {src}, {ss};",
+            f"lop3.b32 {dst}, b, 0x80008000, a, 0xea;",
+            f"fma.rn.{fmt}x2 {dst}, {dst}, p, nz;",
+        ]
+    if scaled:
+        lines += [
+            f"fma.rn.{fmt}x2 l0, l0, $5, nz;",
+            f"fma.rn.{fmt}x2 l1, l1, $6, nz;",
+            f"fma.rn.{fmt}x2 h0, h0, $5, nz;",
+            f"fma.rn.{fmt}x2 h1, h1, $6, nz;",
+        ]
+    lines += ["mov.b32 $0, l0;", "mov.b32 $1, l1;", "mov.b32 $2, h0;", "mov.b32 $3, h1;", "}"]
+    return "\n".join(lines)
+
+
+_ASM_INT4_BF16 = tl.constexpr(_asm_int4("bf16", True))
+_ASM_INT4_BF16_NOSCALE = tl.constexpr(_asm_int4("bf16", False))
+_ASM_INT4_F16 = tl.constexpr(_asm_int4("f16", True))
+_ASM_INT4_F16_NOSCALE = tl.constexpr(_asm_int4("f16", False))
+_ASM_E2M1_BF16 = tl.constexpr(_asm_e2m1("bf16", True))
+_ASM_E2M1_BF16_NOSCALE = tl.constexpr(_asm_e2m1("bf16", False))
+_ASM_E2M1_F16_NOSCALE = tl.constexpr(_asm_e2m1("f16", False))
+
+
+@triton.jit
+def _dequant_bytes_asm(
+    q, s, z, QUANT: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, HAS_ZERO: tl.constexpr = True,
+):  # fmt: skip
+    """Packed bytes q [PK, rows] (uint8; low nibble = even K column) -> (w_lo, w_hi), each
+    [PK, rows] in DOT_DTYPE (bfloat16 / float16), bit-identical to `_dequant_nibbles` on the
+    low and the high nibbles (s, z [SG, rows], HAS_ZERO as there). HALF (int4 with scales in
+    DOT_DTYPE, mxfp4 / nvfp4 in bf16): the PTX applies the scale (rounded to DOT_DTYPE) too;
+    otherwise it returns the exact 16-bit values c - zero / e2m1 and the scale is applied in
+    float32 with one rounding to DOT_DTYPE, as the float32 path does."""
+    PK: tl.constexpr = q.shape[0]
+    ROWS: tl.constexpr = q.shape[1]
+    q3 = tl.reshape(q, [SG, PK // SG, ROWS])
+    BF16: tl.constexpr = DOT_DTYPE == tl.bfloat16
+    if QUANT == 3:
+        if not HAS_ZERO:  # a constant: no per-step layout conversion of zero points
+            nzb = tl.full([1, 1, 1], -136.0 if BF16 else -1032.0, DOT_DTYPE)
+        elif BF16:
+            nzb = (-(z + 128.0)).to(DOT_DTYPE)[:, None, :]
+        else:
+            nzb = (-(z + 1024.0)).to(DOT_DTYPE)[:, None, :]
+        if HALF:
+            sh = s.to(DOT_DTYPE)[:, None, :]
+            if BF16:
+                lo, hi = tl.inline_asm_elementwise(
+                    _ASM_INT4_BF16, "=r,=r,=r,=r,r,r,r,r,r", [q3, nzb, sh],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                )  # fmt: skip
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    _ASM_INT4_F16, "=r,=r,=r,=r,r,r,r,r,r", [q3, nzb, sh],
+                    dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+                )  # fmt: skip
+        else:
+            if BF16:
+                lo, hi = tl.inline_asm_elementwise(
+                    _ASM_INT4_BF16_NOSCALE, "=r,=r,=r,=r,r,r,r", [q3, nzb],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                )  # fmt: skip
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    _ASM_INT4_F16_NOSCALE, "=r,=r,=r,=r,r,r,r", [q3, nzb],
+                    dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+                )  # fmt: skip
+    else:
+        if HALF:
+            sh = s.to(DOT_DTYPE)[:, None, :]
+            lo, hi = tl.inline_asm_elementwise(
+                _ASM_E2M1_BF16, "=r,=r,=r,=r,r,r,r", [q3, sh],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            )  # fmt: skip
+        elif BF16:
+            lo, hi = tl.inline_asm_elementwise(
+                _ASM_E2M1_BF16_NOSCALE, "=r,=r,=r,=r,r", [q3],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                _ASM_E2M1_F16_NOSCALE, "=r,=r,=r,=r,r", [q3],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+            )  # fmt: skip
+    if not HALF:
+        lo = (lo.to(tl.float32) * s[:, None, :]).to(DOT_DTYPE)
+        hi = (hi.to(tl.float32) * s[:, None, :]).to(DOT_DTYPE)
+    return tl.reshape(lo, [PK, ROWS]), tl.reshape(hi, [PK, ROWS])
 
 
 @triton.jit
@@ -378,11 +549,13 @@ def _step_scales(
 def _packed_mma(
     a, ptrs, s, z, k_left, acc,
     QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr,
-    HALF: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HALF: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
     nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows]); s, z: this step's scales
-    (`_step_scales`).
+    (`_step_scales`). ASM (GPU only): dequantize with `_dequant_bytes_asm` (PTX, two weights
+    per instruction), otherwise with its portable twin `_dequant_nibbles` (same values).
 
     Byte j of a row holds elements 2j (low nibble) and 2j + 1 (high nibble) along K. The dot
     is a sum over K, so it is split by parity instead of interleaving the nibbles in registers:
@@ -395,10 +568,13 @@ def _packed_mma(
         q = tl.load(ptrs)
     else:
         q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
-    q = q.to(tl.int32)
     DOT_DTYPE: tl.constexpr = a.dtype
-    w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, HALF, DOT_DTYPE)
-    w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, HALF, DOT_DTYPE)
+    if ASM:
+        w_lo, w_hi = _dequant_bytes_asm(q, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
+    else:
+        q = q.to(tl.int32)
+        w_lo = _dequant_nibbles(q & 15, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
+        w_hi = _dequant_nibbles(q >> 4, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
     a_lo, a_hi = tl.split(tl.reshape(a, [BM, PK, 2]))
     acc = _mma(a_lo, w_lo, acc, SWAP_AB, DOT_PRECISION)
     acc = _mma(a_hi, w_hi, acc, SWAP_AB, DOT_PRECISION)
@@ -613,6 +789,7 @@ def _gate_up_kernel(
     HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr,
     HALF: tl.constexpr,
+    ASM: tl.constexpr,
     INT_DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -686,7 +863,7 @@ def _gate_up_kernel(
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
-                                  HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
                     b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
@@ -735,9 +912,9 @@ def _gate_up_kernel(
             a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
                 acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
                 acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
                     bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
@@ -835,6 +1012,7 @@ def _down_kernel(
     HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr,
     HALF: tl.constexpr,
+    ASM: tl.constexpr,
     INT_DOT: tl.constexpr,
 
     USE_TMA: tl.constexpr,
@@ -900,7 +1078,7 @@ def _down_kernel(
                 b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
-                              SWAP_AB, DOT_PRECISION)  # fmt: skip
+                              ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
         elif QUANT == 1:
             c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip

@@ -93,10 +93,20 @@ class PipelineConfig:
     inside the GEMMs (no separate quantization launches). Off: on the H100 the qwen3 fp8
     block-wise T = 1 call measured 29.1 us with it (together with group scales loaded one
     step ahead) against 25.5 us with neither; each program re-quantizes its 16 identical
-    rows with IEEE divisions."""
+    rows with IEEE divisions. asm_dequant: the packed 4-bit formats (int4_w4a16, mxfp4, nvfp4)
+    dequantize in PTX on a GPU (`_kernels._dequant_bytes_asm`; off: its portable twin
+    `_dequant_nibbles`, the same values). nvfp4_bf16_scale: with bf16 activations nvfp4
+    weights are dequantized in bf16 arithmetic with the float32 group scale (e4m3 x global)
+    rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
+    packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
+    to fit more programs per SM (None: the compiler's choice; an experiment knob, see
+    benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
+    asm_dequant: bool = True
+    nvfp4_bf16_scale: bool = True
+    packed_maxnreg: int | None = None
 
 
 PIPELINE = PipelineConfig()
@@ -303,7 +313,11 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
     is one group (128), and each step keeps a float32 partial product beside the
     accumulators, so the tile is cut to half the accumulator area the bf16 config may use
     (at most 64 x 128 per 4 warps: no register spills). Weight-only formats keep the tile (the
-    dequantized tile is what the registers hold) and load through pointers."""
+    dequantized tile is what the registers hold) and load through pointers; the packed 4-bit
+    ones (int4_w4a16, mxfp4, nvfp4) also leave swap_ab off: their weights then reach the MMA
+    through ldmatrix in 4-byte pieces, while swapped they are read 2 bytes at a time and
+    repacked (H100, PTX dequantization, T = 1..16: swap_ab off between 0.5% slower and 15%
+    faster at the 18 points of benchmarks/results/20261121T2301Z_H100_triton_quant_asm.json)."""
     if quant == "unquantized":
         return cfg
     if quant.startswith(("fp8_w8a8", "int8_w8a8")):
@@ -316,6 +330,8 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
                 bn //= 2
             return replace(cfg, block_k=128, block_n=bn, num_warps=warps)
         return replace(cfg, block_k=min(2 * cfg.block_k, 256))
+    if quant.startswith(("int4_w4a16", "mxfp4", "nvfp4")):
+        return replace(cfg, tma=False, swap_ab=False)
     return replace(cfg, tma=False)
 
 

@@ -22,6 +22,7 @@ import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
+from moekit.runners._triton_base import interpret_mode
 from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.align import AlignOutput, align_block_size
 from moekit.runners.triton.configs import (
@@ -139,24 +140,45 @@ class WeightQuant:
 
     def half_dequant(self, act_dtype: torch.dtype) -> bool:
         """Whether `_kernels._dequant_nibbles` may dequantize in 16-bit arithmetic for
-        activations of `act_dtype` (exact there): int4 with scales stored in the activation
-        dtype (bf16 / fp16), mxfp4 with bf16 activations (power-of-two scales)."""
+        activations of `act_dtype`: int4 with scales stored in the activation dtype (bf16 /
+        fp16) and mxfp4 with bf16 activations (power-of-two scales), both exact; nvfp4 with
+        bf16 activations, its float32 group scale rounded to bf16 first (one extra rounding,
+        relative 2^-9 per weight: `PIPELINE.nvfp4_bf16_scale`, on by default for speed)."""
         if self.quant == k.Q_INT4:
             return act_dtype in (torch.bfloat16, torch.float16) and self.scale.dtype == act_dtype
+        if self.quant == k.Q_NVFP4:
+            return PIPELINE.nvfp4_bf16_scale and act_dtype == torch.bfloat16
         return self.quant == k.Q_MXFP4 and act_dtype == torch.bfloat16
 
-    def meta(self, block_k: int, fused_act_quant: bool = False, act_dtype=None) -> dict:
+    def asm_dequant(self, cfg: GemmConfig, tile_rows: int, act_dtype: torch.dtype) -> bool:
+        """Whether the packed formats dequantize in PTX (`_kernels._dequant_bytes_asm`): on a
+        CUDA GPU of compute capability 8.0+ (bf16x2 fma), bf16 / fp16 activations, not under
+        the interpreter, `PIPELINE.asm_dequant` on, and at least 4 bytes of the [block_k / 2,
+        tile_rows] weight tile per thread (the PTX converts 4 bytes at a time)."""
+        if self.pack != 2 or not PIPELINE.asm_dequant:
+            return False
+        if act_dtype not in (torch.bfloat16, torch.float16):
+            return False
+        dev = self.scale.device
+        if dev.type != "cuda" or interpret_mode():
+            return False
+        if torch.cuda.get_device_capability(dev) < (8, 0):
+            return False
+        return cfg.block_k // 2 * tile_rows >= 4 * 32 * cfg.num_warps
+
+    def meta(self, block_k: int, fused_act_quant: bool = False, act_dtype=None,
+             asm: bool = False) -> dict:  # fmt: skip
         sg = max(1, block_k // self.group) if self.quant >= k.Q_INT4 else 1
         ascale = k.S_GROUP_FUSED if fused_act_quant else self.ascale
         return dict(
             QUANT=self.quant, ASCALE=ascale, WSCALE=self.wscale, WROWS=self.wrows,
             GROUP=self.group, SG=sg, HAS_ZERO=self.zero is not None, PACK=self.pack,
-            HALF=self.half_dequant(act_dtype), INT_DOT=self.int_dot,
+            HALF=self.half_dequant(act_dtype), ASM=asm, INT_DOT=self.int_dot,
         )  # fmt: skip
 
 
 _NO_QUANT_META = dict(QUANT=k.Q_NONE, ASCALE=0, WSCALE=0, WROWS=1, GROUP=128, SG=1,
-                      HAS_ZERO=False, PACK=1, HALF=False, INT_DOT=False)  # fmt: skip
+                      HAS_ZERO=False, PACK=1, HALF=False, ASM=False, INT_DOT=False)  # fmt: skip
 
 
 def quantize_input(
@@ -218,6 +240,8 @@ def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
 
 
 def _launch(kernel, grid, args, meta, warmup: bool):
+    if meta.get("PACK") == 2 and PIPELINE.packed_maxnreg and meta.get("ASM"):
+        meta = dict(meta, maxnreg=PIPELINE.packed_maxnreg)
     if warmup:
         return kernel.warmup(*args, grid=grid, **meta)
     return kernel[grid](*args, **meta)
@@ -364,6 +388,7 @@ def gate_up(
             zero.zero_()
         return out
     xs = x
+    tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         x, xs = quantize_input(x, w.spec, rows.valid_rows())
@@ -387,7 +412,8 @@ def gate_up(
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         DOT_PRECISION=_precision(out),
-        **(wq.meta(cfg.block_k, fused, out.dtype) if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg.block_k, fused, out.dtype, wq.asm_dequant(cfg, tile_rows, x.dtype))
+           if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
@@ -439,7 +465,8 @@ def down(
         ROWS=rows.mode,
         ATOMIC=(not masked) and cfg.reduce == "atomic",
         DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
-        **(wq.meta(cfg.block_k, fused, dot_dtype) if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg.block_k, fused, dot_dtype, wq.asm_dequant(cfg, cfg.block_n, dot_dtype))
+           if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
