@@ -142,7 +142,8 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype, chunks):
         assert torch.equal(getattr(plans[0], name).long(), getattr(plans[1], name).long()), name
     assert ticket.item() == 0  # the kernel leaves its counter ready for the next launch
     plan = plans[0]
-    assert (plan.counts[:, MAX_CHUNKS] == T).all() and (plan.counts[:, chunks:MAX_CHUNKS] == 0).all()
+    assert (plan.counts[:, MAX_CHUNKS] == T).all()
+    assert (plan.counts[:, chunks:MAX_CHUNKS] == 0).all()
     # packed rows: payload bytes, then 2K int32 words of metadata
     pbytes = -(-x.shape[1] * x.element_size() // 4) * 4
     fill = 0x2B

@@ -388,9 +388,9 @@ class AllToAllDispatcher(Dispatcher):
 
     def chunks_for(self, num_tokens: int, row_bytes: int) -> int:
         """Chunks (all-to-all calls) a rank with `num_tokens` tokens cuts its normal-mode
-        dispatch into: the configured --normal-chunks, or one per NORMAL_CHUNK_BYTES of
-        payload (chunk_bytes; at most MAX_CHUNKS). Every rank evaluates it for every rank's T (the counts
-        exchange carries them), so the group agrees on the number of calls."""
+        dispatch into: the configured normal_chunks, or one per chunk_bytes of payload
+        (NORMAL_CHUNK_BYTES; at most MAX_CHUNKS). Every rank evaluates it for every rank's T
+        (the counts exchange carries them), so the group agrees on the number of calls."""
         if self.normal_chunks is not None:
             return self.normal_chunks
         return max(1, min(MAX_CHUNKS, -(-num_tokens * row_bytes // self.chunk_bytes)))

@@ -166,9 +166,9 @@ class PlanExchange:
     kernels read T and the addresses from there (their INDIRECT mode). So a replay costs the
     host a few scalar writes and one graph launch, and the GPU no copy of the inputs. Node
     order: args, plan, counts exchange, counts to the host, call number to the host, packing:
-    the host reads the counts (spinning on the call number) while the GPU still packs. The ids must be
-    int32 and the weights float32, both contiguous (converted otherwise); packing graphs need
-    payload rows in whole 4-byte words (else that call runs eagerly)."""
+    the host reads the counts (spinning on the call number) while the GPU still packs. The
+    ids must be int32 and the weights float32, both contiguous (converted otherwise); packing
+    graphs need payload rows in whole 4-byte words (else that call packs eagerly)."""
 
     def __init__(self, slots: SlotMap, R: int, E: int, group, use_graphs: bool = True,
                  max_graphs: int = 32) -> None:
