@@ -171,9 +171,8 @@ def bench_normal(args, state, dev) -> dict:
     def dispatch_only():
         return d.dispatch(x, topk)
 
-    R_ = range(R)
-    send_splits = [sum(c[r] for c in h.send_splits) for r in R_]  # over the calls
-    recv_splits = [sum(c[r] for c in h.recv_splits) for r in R_]
+    send_splits = [sum(c[r] for c in h.send_splits) for r in range(R)]  # over the calls
+    recv_splits = [sum(c[r] for c in h.recv_splits) for r in range(R)]
     send_rows, recv_rows = sum(send_splits), sum(recv_splits)
     H, K = moe.hidden_size, moe.top_k
     send = torch.randn(send_rows, H, device=dev).to(moe.torch_dtype)
