@@ -453,3 +453,16 @@ def test_gpu_fp8_masked(C):
     ref = TorchRunner().run(MaskedDispatchOutput(x, counts), wq, act_of(case)).out
     valid = torch.arange(C, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
     assert rel_err(out[valid], ref[valid]) <= FP8_VS_REFERENCE
+
+
+def test_empty_masked_checks_experts_and_empty_batches():
+    """The masked-format guard every masked runner shares (Runner.empty_masked)."""
+    from moekit.runners.torch import TorchRunner
+
+    w = ExpertWeights(torch.zeros(4, 6, 8), torch.zeros(4, 8, 3))
+    runner = TorchRunner()
+    with pytest.raises(RunnerError, match="runner 'torch': masked x has 3 experts, weights 4"):
+        runner.empty_masked(torch.zeros(3, 2, 8), w)
+    empty = runner.empty_masked(torch.zeros(4, 0, 8, dtype=torch.float16), w)
+    assert empty.shape == (4, 0, 8) and empty.dtype == torch.float16
+    assert runner.empty_masked(torch.zeros(4, 2, 8), w) is None

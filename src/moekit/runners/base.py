@@ -6,6 +6,8 @@ from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform
 from moekit.stages import (
@@ -81,6 +83,17 @@ class Runner(ABC):
         )
         if problem:
             raise RunnerError(problem)
+
+    def empty_masked(self, x_ECH: torch.Tensor, weights: ExpertWeights) -> torch.Tensor | None:
+        """For run_masked: RunnerError unless x [E, C, H] has the weights' E; the (empty)
+        [E, C, H] output when E * C == 0, else None."""
+        E, C, H = x_ECH.shape
+        if E != weights.num_experts:
+            raise RunnerError(f"runner {self.name!r}: masked x has {E} experts, weights "
+                              f"{weights.num_experts}")
+        if E * C == 0:
+            return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
+        return None
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec

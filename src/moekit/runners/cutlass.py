@@ -312,12 +312,8 @@ class CutlassRunner(Runner):
             return self._run_masked_fp8(x_ECH, counts_E, w, act)
         self._check_shapes(x_ECH, w)
         E, C, H = x_ECH.shape
-        if E != w.num_experts:
-            raise RunnerError(
-                f"runner 'cutlass': masked x has {E} experts, weights {w.num_experts}"
-            )
-        if E * C == 0:
-            return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
+        if (empty := self.empty_masked(x_ECH, w)) is not None:
+            return empty
         pw = self._weights(w, act, x_ECH.dtype)
         tri = self._kernels_on(x_ECH)
         x = x_ECH if pw.Hp == H else F.pad(x_ECH, (0, pw.Hp - H))
@@ -380,12 +376,8 @@ class CutlassRunner(Runner):
     def _run_masked_fp8(self, x_ECH, counts_E, w, act) -> torch.Tensor:
         self._check_fp8(x_ECH, w)
         E, C, H = x_ECH.shape
-        if E != w.num_experts:
-            raise RunnerError(
-                f"runner 'cutlass': masked x has {E} experts, weights {w.num_experts}"
-            )
-        if E * C == 0:
-            return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
+        if (empty := self.empty_masked(x_ECH, w)) is not None:
+            return empty
         tri = self._kernels_on(x_ECH)
         dev = x_ECH.device
         # one group of Cp rows per expert (2d x 3d with offsets (e + 1) * Cp), Cp = C rounded up

@@ -334,13 +334,9 @@ class DeepGemmRunner(Runner):
         """x [E, C, H] bf16, counts [E] int32 -> unweighted [E, C, H] (rows past counts
         undefined)."""
         fp8 = self._check(x_ECH, w)
-        E, C, H = x_ECH.shape
-        if E != w.num_experts:
-            raise RunnerError(
-                f"runner 'deep_gemm': masked x has {E} experts, weights {w.num_experts}"
-            )
-        if E * C == 0:
-            return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
+        E, C, _ = x_ECH.shape
+        if (empty := self.empty_masked(x_ECH, w)) is not None:
+            return empty
         counts = counts_E.to(torch.int32).contiguous()
         expected_m = max(1, min(C, self.expected_m or C))
         h = self._gemm_masked(x_ECH.contiguous(), w.w13, w.w13_scale, counts, expected_m, fp8)
