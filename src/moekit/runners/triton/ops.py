@@ -209,6 +209,13 @@ def _check_weights(x: torch.Tensor, w: ExpertWeights) -> None:
     problem = spec_problem(w.spec)
     if problem:
         raise ValueError(problem)
+    check_weight_tensors(x, w)
+
+
+def check_weight_tensors(x: torch.Tensor, w: ExpertWeights) -> None:
+    """ValueError unless every weight / bias tensor is on x's device, in x's dtype (the stored
+    data of a quantized format excepted), has a contiguous last dimension, and w13 matches
+    x's hidden size. Shared with the triton_kernel runner."""
     for name in ("w13", "w2", "b13", "b2"):
         t = getattr(w, name)
         if t is None:

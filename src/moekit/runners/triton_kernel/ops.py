@@ -21,7 +21,11 @@ import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
-from moekit.runners.triton.ops import kernel_inputs, sum_topk  # shared with the triton runner
+from moekit.runners.triton.ops import (  # shared with the triton runner
+    check_weight_tensors,
+    kernel_inputs,
+    sum_topk,
+)
 from moekit.runners.triton_kernel import _kernels as k
 from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_for
 from moekit.runners.triton_kernel.routing import Routing, route
@@ -38,19 +42,7 @@ def check_inputs(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -> None
         raise ValueError(f"weight format {w.format!r}: the triton_kernel runner supports: unquantized")
     if act.name not in ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
-    for name in ("w13", "w2", "b13", "b2"):
-        t = getattr(w, name)
-        if t is None:
-            continue
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(
-                f"{name} must match x in dtype and device ({x.dtype}, {x.device}), "
-                f"got {t.dtype}, {t.device}"
-            )
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
-    if w.hidden_size != x.shape[-1]:
-        raise ValueError(f"x has hidden size {x.shape[-1]} but w13 is {list(w.w13.shape)}")
+    check_weight_tensors(x, w)  # unquantized here: every tensor in x's dtype
 
 
 def _precision(t: torch.Tensor):
