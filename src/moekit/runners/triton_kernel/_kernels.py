@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.runners.triton._kernels import _sort_chunk, _tile_coords
+from moekit.runners.triton._kernels import _load_w_tile, _sort_chunk, _tile_coords, _zero_fill
 
 # ----------------------------------------------------------------------------------------------
 # Routing
@@ -168,19 +168,9 @@ def _w_tile(w_ptrs, w_desc, row, k0, k_left, USE_TMA: tl.constexpr, EVEN_K: tl.c
     """Weight tile [BLOCK_K, rows] at (row, k0): TMA (out-of-bounds reads zero) or pointers."""
     if USE_TMA:
         b = tl.trans(w_desc.load([row, k0]))
-    elif EVEN_K:
-        b = tl.load(w_ptrs)
     else:
-        b = tl.load(w_ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
+        b = _load_w_tile(w_ptrs, k_left, EVEN_K, BLOCK_K)
     return b
-
-
-@triton.jit
-def _zero_fill(ptr, numel, pid, num_programs, ZBLOCK: tl.constexpr):
-    """Grid-stride zeroing of ptr[0:numel]."""
-    for start in range(pid * ZBLOCK, numel, num_programs * ZBLOCK):
-        offs = start + tl.arange(0, ZBLOCK)
-        tl.store(ptr + offs, tl.zeros([ZBLOCK], dtype=ptr.dtype.element_ty), mask=offs < numel)
 
 
 @triton.jit
