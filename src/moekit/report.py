@@ -332,9 +332,16 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
 EP_SCHEMA = "moekit.bench_ep/1"
 
 
-def _newest_first(results_dir: Path) -> list[Path]:
-    """The JSON files of results_dir, newest first (names start with a UTC timestamp)."""
-    return sorted(results_dir.glob("*.json"), reverse=True)
+def _newest_first(results_dir: Path):
+    """(path, document) of each JSON object file in results_dir, newest first (names start
+    with a UTC timestamp); unreadable files and other JSON are skipped."""
+    for path in sorted(results_dir.glob("*.json"), reverse=True):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            yield path, doc
 
 
 def _commit_of(doc: dict) -> str:
@@ -350,12 +357,8 @@ def render_ep_md(results_dir: Path, root: Path) -> str:
     from moekit.bench_ep import summary  # imports torch.distributed; only needed here
 
     lines = []
-    for path in _newest_first(results_dir):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(doc, dict) or doc.get("schema") != EP_SCHEMA:
+    for path, doc in _newest_first(results_dir):
+        if doc.get("schema") != EP_SCHEMA:
             continue
         if not lines:
             lines += ["## Expert parallelism (`python -m moekit.bench_ep` under torchrun)", "",
@@ -371,13 +374,7 @@ def render_script_md(results_dir: Path, root: Path) -> str:
     """Sections for the GPU scripts' JSON (scripts/gpu_triton_kernel.py: `triton_kernel` against
     `triton`; scripts/gpu_triton_quant.py: quantized against bf16, with the issue's targets)."""
     lines = []
-    for path in _newest_first(results_dir):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(doc, dict):
-            continue
+    for path, doc in _newest_first(results_dir):
         rel = (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
         link = f"[{rel}]({rel}) · {_commit_of(doc)}"
         points = doc.get("points") or []
