@@ -20,7 +20,9 @@
 #   the sdist), GPU_EP_DEEPEP_LIMIT=120 (seconds for that build),
 #   GPU_EP_BENCH=normal,layer,ll,ll_fp8 (which benchmark parts run),
 #   GPU_EP_BENCH_ARGS (extra arguments for every bench run), GPU_EP_NPROC (default: all GPUs),
-#   GPU_EP_NORMAL_CHUNKS=default,2,3,auto,1/pack,1/none (the normal part's --normal-chunks settings, side by side),
+#   GPU_EP_TESTS_K (a pytest -k expression for the test step),
+#   GPU_EP_NORMAL_CHUNKS=default,2,3,auto,1/pack,1/none (the normal part's --normal-chunks
+#   settings, side by side; nccl / p2p name the transport),
 #   GPU_EP_PROFILE=0 (1: torch.profiler traces of the normal part -> ep_traces.tar.gz).
 # Exit status: 0 when every step passed, 1 otherwise.
 set -u -o pipefail
@@ -86,8 +88,9 @@ fi
 
 if [ "${GPU_EP_TESTS:-1}" = "1" ]; then
     step "pytest gpu+multigpu (EP)" 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-        --timeout=200 -m "gpu or multigpu" --junitxml="$OUT/ep_tests.xml" \
-        tests/test_dispatch_alltoall.py tests/test_parallel.py
+        --timeout=200 -m "gpu or multigpu" -k "${GPU_EP_TESTS_K:-}" \
+        --junitxml="$OUT/ep_tests.xml" \
+        tests/test_dispatch_alltoall.py tests/test_dispatch_p2p.py tests/test_parallel.py
 fi
 
 BENCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moekit.bench_ep)

@@ -26,6 +26,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, tasks, results)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one host, as torchrun
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(

@@ -140,11 +140,14 @@ def _inputs(args, T: int, rank: int, dev):
 def _variant(name: str) -> dict:
     """A --normal-chunks setting -> AllToAllDispatcher keywords: 'default' (the dispatcher's
     defaults), 'auto' (chunks by payload size) or 1..4 (all-to-all calls), optionally with
-    '/none', '/plan' or '/pack' appended: what normal mode replays from CUDA graphs."""
+    '/none', '/plan' or '/pack' appended: what normal mode replays from CUDA graphs; or
+    'nccl' / 'p2p': normal mode's transport (NCCL all-to-all or NVLink writes)."""
+    if name in ("nccl", "p2p"):  # normal mode's transport, the other settings default
+        return {"normal_transport": name}
     chunks, _, how = name.partition("/")
     if how not in ("",) + GRAPH_MODES or not (chunks in ("default", "auto") or chunks.isdigit()):
         raise SystemExit(f"--normal-chunks: {name!r}; allowed: default, auto or 1..4, "
-                         f"optionally /{', /'.join(GRAPH_MODES)}")
+                         f"optionally /{', /'.join(GRAPH_MODES)}; or nccl / p2p (transport)")
     kw = {} if chunks == "default" else {
         "normal_chunks": None if chunks == "auto" else int(chunks)}
     return {**kw, "normal_graphs": how} if how else kw

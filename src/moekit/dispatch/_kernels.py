@@ -1,6 +1,7 @@
 """Triton kernels for moving token rows (see `moekit.dispatch.rows` for the wrappers and the
 PyTorch twins). One program handles one destination row and BLOCK_H columns."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -258,9 +259,9 @@ def _normal_plan_kernel(
 @triton.jit
 def _pack_rows_kernel(
     src_ptr, slot_ptr, w_ptr, local_ptr, base_ptr, rows_ptr, out_ptr, meta_ptr, args_ptr,
-    t0, NW, E, stride_src, stride_out, stride_meta,
+    dst_ptr, t0, NW, E, stride_src, stride_out, stride_meta, META_W,
     R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr,
-    INDIRECT: tl.constexpr,
+    INDIRECT: tl.constexpr, REMOTE: tl.constexpr,
 ):
     """Program (i, h), token t = t0 + i, copies words [h*BLOCK, (h+1)*BLOCK) of payload row t
     to send row d = base[t // BT, r] + local[t, r] for every rank r the token hits; program
@@ -269,7 +270,11 @@ def _pack_rows_kernel(
     rows[t, r] = d (-1 where the token does not go to r).
     INDIRECT (a launch a CUDA graph replays): args [T, ids address, payload address (int32
     words), weights address, payload row stride in words] int64 on the device; programs of
-    tokens t >= T do nothing."""
+    tokens t >= T do nothing.
+    REMOTE (peer-to-peer normal mode): rank r's rows go to the int32 words at address
+    dst[r] (int64 [R + 1]: per rank the address of send row 0 in the numbering above, i.e.
+    shifted to where this rank's rows start in rank r's receive buffer; dst[R] = 0: write no
+    rows, only rows[]), the metadata META_W words into each row; out / meta unused."""
     t = t0 + tl.program_id(0).to(tl.int64)
     if INDIRECT:
         live = t < tl.load(args_ptr)
@@ -291,14 +296,20 @@ def _pack_rows_kernel(
         p = tl.load(local_ptr + t * R + r, mask=live, other=-1)
         ok = (p >= 0) & live
         d = tl.load(base_ptr + b * R + r, mask=live, other=0) + p.to(tl.int64)
-        tl.store(out_ptr + d * stride_out + offs, v, mask=m & ok)
+        if REMOTE:
+            go = ok & (tl.load(dst_ptr + R) != 0)
+            row_r = tl.load(dst_ptr + r).to(tl.pointer_type(tl.int32)) + d * stride_out
+            tl.store(row_r + offs, v, mask=m & go)
+            meta_r = row_r + META_W
+        else:
+            go = ok
+            tl.store(out_ptr + d * stride_out + offs, v, mask=m & ok)
+            meta_r = meta_ptr + d * stride_meta
         if h == 0:
             here = (slot >= r * E) & (slot < r * E + E)
-            meta = d * stride_meta + kk
-            tl.store(meta_ptr + meta, tl.where(here, slot - r * E, -1).to(tl.int32),
-                     mask=km & ok)
-            tl.store(meta_ptr + meta + K, tl.where(here, w, 0.0).to(tl.int32, bitcast=True),
-                     mask=km & ok)
+            tl.store(meta_r + kk, tl.where(here, slot - r * E, -1).to(tl.int32), mask=km & go)
+            tl.store(meta_r + kk + K, tl.where(here, w, 0.0).to(tl.int32, bitcast=True),
+                     mask=km & go)
             tl.store(rows_ptr + t * R + r, tl.where(ok, d, -1), mask=live)
 
 
@@ -320,19 +331,115 @@ def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, co
 
 
 def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, meta, E, block,
-                     t0, t1, args=None):
+                     t0, t1, args=None, dst=None, meta_words=0):
     """args: INDIRECT (see the kernel); src_words / weights then only give the shapes (and the
-    payload must be int32 words)."""
+    payload must be int32 words). dst: REMOTE (see the kernel): int64 [R + 1], out_words /
+    meta then only give the row stride (int32 words); meta_words: the metadata's offset in a
+    row (words)."""
     NW = src_words.shape[1]
     R = local.shape[1]
     K = slot.shape[1]
-    if meta.shape[1] != 2 * K or meta.stride(1) != 1 or meta.dtype.itemsize != 4:
+    if dst is None and (meta.shape[1] != 2 * K or meta.stride(1) != 1 or meta.dtype.itemsize != 4):
         raise ValueError(f"pack_rows: meta must be [N, {2 * K}] 4-byte words, rows contiguous")
+    if dst is not None and (out_words.dtype != torch.int32 or src_words.dtype != torch.int32
+                            or meta_words + 2 * K > out_words.shape[1]):
+        raise ValueError("pack_rows REMOTE: int32 payload and rows with room for the metadata")
     bw = max(16, min(2048, triton.next_power_of_2(max(NW, 1))))
     grid = (t1 - t0, triton.cdiv(max(NW, 1), bw))
     _pack_rows_kernel[grid](
         src_words, slot, weights, local, base, rows, out_words, meta,
-        args if args is not None else rows, t0, NW, E, src_words.stride(0), out_words.stride(0),
-        meta.stride(0), R=R, K=K, BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw,
-        INDIRECT=args is not None, num_warps=4,
+        args if args is not None else rows, dst if dst is not None else rows, t0, NW, E,
+        src_words.stride(0), out_words.stride(0), meta.stride(0), meta_words, R=R, K=K,
+        BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw, INDIRECT=args is not None,
+        REMOTE=dst is not None, num_warps=4,
     )
+
+
+# ---- peer-to-peer normal mode (moekit.dispatch.p2p) ------------------------------------------
+
+
+@triton.jit
+def _p2p_offsets_kernel(
+    hdr_ptrs, recv_ptrs, back_ptrs, counts_ptr, dst_ptr, ret_ptr, bounds_ptr, me, cap_rows,
+    row_bytes, back_row_bytes, R: tl.constexpr, RP: tl.constexpr, NC: tl.constexpr,
+    NCP: tl.constexpr,
+):
+    """One program, once every rank has published its counts header [R, NC] in symmetric
+    memory (hdr_ptrs [R]: their addresses; row r: rows it sends to rank r in column 0, its T
+    in column NC - 1). M[s, r] = rows rank s sends to rank r; ok = every rank receives at
+    most cap_rows rows and sends at most cap_rows (the buffers' room: the same verdict on
+    every rank). Writes
+    counts [2, R, NC]: this rank's header | row `me` of every rank's header (as the NCCL
+    counts exchange gives them);
+    dst [R + 1]: recv_ptrs[r] + (rows of ranks < me in r's buffer - rows this rank sends to
+    ranks < r) * row_bytes, the address of this rank's send row 0 shifted into r's receive
+    buffer (see _pack_rows_kernel REMOTE); dst[R] = ok;
+    bounds [R + 1]: the first received row of each source rank, then the total;
+    ret [R]: back_ptrs[s] + (rows s sends to ranks < me - bounds[s]) * back_row_bytes, the
+    address of received row 0 shifted into rank s's return buffer."""
+    s1 = tl.arange(0, RP)
+    s = s1[:, None]
+    r = s1[None, :]
+    m = (s < R) & (r < R)
+    hdr_s = tl.load(hdr_ptrs + s, mask=s < R, other=0).to(tl.pointer_type(tl.int64))
+    M = tl.load(hdr_s + r * NC, mask=m, other=0, volatile=True)  # [RP, RP]
+    ok = (tl.max(tl.sum(M, axis=0), axis=0) <= cap_rows) & \
+        (tl.max(tl.sum(M, axis=1), axis=0) <= cap_rows)
+    mine = tl.sum(tl.where(s == me, M, 0), axis=0)  # [RP] over r: rows this rank sends to r
+    above = tl.sum(tl.where(s < me, M, 0), axis=0)  # [RP] over r: rows of ranks < me in r
+    recv_r = tl.load(recv_ptrs + s1, mask=s1 < R, other=0)
+    tl.store(dst_ptr + s1, recv_r + (above - (tl.cumsum(mine, axis=0) - mine)) * row_bytes,
+             mask=s1 < R)
+    tl.store(dst_ptr + R, ok.to(tl.int64))
+    col = tl.sum(tl.where(r == me, M, 0), axis=1)  # [RP] over s: rows s sends here
+    first = tl.cumsum(col, axis=0) - col
+    tl.store(bounds_ptr + s1, first, mask=s1 < R)
+    tl.store(bounds_ptr + R, tl.sum(col, axis=0))
+    before = tl.sum(tl.where(r < me, M, 0), axis=1)  # [RP] over s: rows s sends to ranks < me
+    back_s = tl.load(back_ptrs + s1, mask=s1 < R, other=0)
+    tl.store(ret_ptr + s1, back_s + (before - first) * back_row_bytes, mask=s1 < R)
+    c = tl.arange(0, NCP)[None, :]
+    cm = (s < R) & (c < NC)
+    own = tl.load(hdr_ptrs + me).to(tl.pointer_type(tl.int64))
+    tl.store(counts_ptr + s * NC + c, tl.load(own + s * NC + c, mask=cm, other=0), mask=cm)
+    theirs = tl.load(hdr_s + me * NC + c, mask=cm, other=0, volatile=True)
+    tl.store(counts_ptr + R * NC + s * NC + c, theirs, mask=cm)
+
+
+@triton.jit
+def _push_back_kernel(src_ptr, ret_ptr, bounds_ptr, back_ptr, H, stride_src,
+                      R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (i, h): received row i (from the source rank s with bounds[s] <= i <
+    bounds[s + 1]), columns [h*BLOCK_H, ...) -> row i of the rows of H elements of back_ptr's
+    type at address ret[s] (converted to that type)."""
+    i = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = offs < H
+    s = 0
+    for q in tl.static_range(1, R):
+        s += (tl.load(bounds_ptr + q) <= i).to(tl.int32)
+    dst = tl.load(ret_ptr + s).to(tl.pointer_type(back_ptr.dtype.element_ty))
+    v = tl.load(src_ptr + i * stride_src + offs, mask=m)
+    tl.store(dst + i * H + offs, v.to(back_ptr.dtype.element_ty), mask=m)
+
+
+def launch_p2p_offsets(hdr_ptrs, recv_ptrs, back_ptrs, counts, dst, ret, bounds, me, cap_rows,
+                       row_bytes, back_row_bytes):
+    """See _p2p_offsets_kernel; counts [2, R, NC] int64."""
+    R, NC = counts.shape[1], counts.shape[2]
+    _p2p_offsets_kernel[(1,)](
+        hdr_ptrs, recv_ptrs, back_ptrs, counts, dst, ret, bounds, me, cap_rows, row_bytes,
+        back_row_bytes, R=R, RP=max(2, triton.next_power_of_2(R)), NC=NC,
+        NCP=max(2, triton.next_power_of_2(NC)), num_warps=1,
+    )
+
+
+def launch_push_back(src, ret, bounds, back):
+    """src [N, H] rows (unit last stride) -> the return buffers (see _push_back_kernel); back:
+    any tensor of the return buffers' dtype."""
+    N, H = src.shape
+    if N == 0 or H == 0:
+        return
+    bh = _block(H)
+    _push_back_kernel[(N, triton.cdiv(H, bh))](src, ret, bounds, back, H, src.stride(0),
+                                               R=ret.shape[0], BLOCK_H=bh)

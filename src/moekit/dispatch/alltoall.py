@@ -60,6 +60,7 @@ from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choic
 from moekit.dispatch.base import Dispatcher
 from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, all_to_all
 from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
+from moekit.dispatch.p2p import P2PExchange, p2p_unavailable
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
@@ -73,6 +74,7 @@ from moekit.stages import (
 )
 
 NORMAL, LOW_LATENCY, AUTO = "normal", "low_latency", "auto"
+TRANSPORTS = ("nccl", "p2p", "auto")  # normal mode's transport (see the module docstring)
 FP8_GROUP = 128
 NORMAL_CHUNK_BYTES = 24 << 20  # normal_chunks=None: one all-to-all call per this much payload
 NEEDS_DIST = (
@@ -254,6 +256,7 @@ class NormalHandle:
     rows_TR: torch.Tensor
     dtype: torch.dtype
     chunks: list[tuple[int, int]]
+    route: object = None  # p2p: the ReturnRoute (rows_TR then index the return buffer)
 
 
 @dataclass(frozen=True)
@@ -280,8 +283,11 @@ class AllToAllDispatcher(Dispatcher):
     fp8_dispatch: send fp8 rows; normal_chunks: all-to-all calls per normal-mode dispatch
     (1..MAX_CHUNKS, default 1; None: by payload size); normal_graphs: what normal mode replays
     from CUDA graphs (`moekit.dispatch.exchange`): 'pack' (default: plan, counts exchange and
-    packing), 'plan' (plan and counts exchange) or 'none'; impl: row kernels, 'auto' |
-    'torch' | 'triton'."""
+    packing), 'plan' (plan and counts exchange) or 'none'; normal_transport: 'nccl'
+    (all_to_all_single), 'p2p' (NVLink writes into symmetric memory, one host:
+    `moekit.dispatch.p2p`) or 'auto' (p2p where it can run); p2p_tokens: tokens per rank the
+    p2p buffers have room for (R * p2p_tokens rows each way; a call over it takes the NCCL
+    path); impl: row kernels, 'auto' | 'torch' | 'triton'."""
 
     name = "alltoall"
 
@@ -296,6 +302,8 @@ class AllToAllDispatcher(Dispatcher):
         fp8_dispatch: bool = False,
         normal_chunks: int | None = 1,
         normal_graphs: str = "pack",
+        normal_transport: str = "nccl",
+        p2p_tokens: int = 4096,
         impl: str = "auto",
     ) -> None:
         check_choice("deepep_mode", mode, DEEPEP_MODES)
@@ -330,6 +338,22 @@ class AllToAllDispatcher(Dispatcher):
         self.normal_graphs = normal_graphs
         self.exchange = PlanExchange(self.slots, size, self.num_local, group,
                                      use_graphs=normal_graphs != "none")
+        check_choice("normal_transport", normal_transport, TRANSPORTS)
+        if not isinstance(p2p_tokens, int) or p2p_tokens < 1:
+            raise ConfigError(f"p2p_tokens must be a positive integer, got {p2p_tokens!r}")
+        self.p2p = None
+        if normal_transport != "nccl" and impl != "torch":
+            dev = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+            why = p2p_unavailable(group, dev)
+            if why is None:
+                self.p2p = P2PExchange(self.slots, size, self.num_local, group, p2p_tokens,
+                                       use_graphs=normal_graphs != "none")
+            elif normal_transport == "p2p":
+                raise ConfigError(f"normal_transport 'p2p' cannot run here: {why}; allowed "
+                                  f"here: 'nccl' (or 'auto', which picks it)")
+        self.normal_transport = "p2p" if self.p2p is not None else "nccl"
+        self.p2p_fallbacks = 0  # p2p calls that did not fit the buffers (took the NCCL path)
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -343,6 +367,8 @@ class AllToAllDispatcher(Dispatcher):
             raise ValueError("a new placement must keep ep_size and the slots per rank")
         self.slots = SlotMap(placement, num_logical or self.slots.num_logical)
         self.exchange.reset(self.slots)
+        if self.p2p is not None:
+            self.p2p.reset(self.slots)
 
     # ---- mode ----------------------------------------------------------------------------
 
@@ -415,6 +441,10 @@ class AllToAllDispatcher(Dispatcher):
         payload = layout.pack_tokens(x_TH)
         w = topk.weights if topk.weights.dtype == torch.float32 else topk.weights.float()
         job = PackJob(payload, w, E, layout.payload_bytes, layout.row_bytes)
+        if self.p2p is not None and (layout.fp8 or H * x_TH.element_size() % 4 == 0):
+            out = self._dispatch_p2p(x_TH, topk, layout, job)
+            if out is not None:
+                return out
         prep = self.exchange(topk.ids, nc, self.impl, job if self.normal_graphs == "pack" else None)
         plan, reader = prep.plan, prep.reader
         if ph is not None:
@@ -465,6 +495,29 @@ class AllToAllDispatcher(Dispatcher):
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype, bounds)
         return StandardDispatchOutput(x_recv, local, handle)
 
+    def _dispatch_p2p(self, x_TH, topk, layout: RowLayout, job: PackJob):
+        """dispatch_normal over NVLink writes (`moekit.dispatch.p2p`); None when the batch did
+        not fit the buffers (nothing moved: the caller takes the NCCL path)."""
+        T = x_TH.shape[0]
+        ph = self.phases
+        res = self.p2p.dispatch(topk.ids, job, layout.hidden, x_TH.dtype)
+        if not res.ok:
+            self.p2p_fallbacks += 1
+            return None
+        if ph is not None:
+            ph.mark("p2p_counts")
+        R = self.ep_size
+        send_splits = [[res.counts[0][r][0] for r in range(R)]]
+        recv_splits = [[res.counts[1][s][0] for s in range(R)]]
+        x_recv = layout.unpack_tokens(layout.payload_view(res.recv))
+        ids, weights = layout.meta_views(res.recv)
+        local = TopKOutput(weights.contiguous(), ids.contiguous())
+        if ph is not None:
+            ph.mark("unpack")
+        handle = NormalHandle(T, send_splits, recv_splits, res.rows_TR, x_TH.dtype, [(0, T)],
+                              res.route)
+        return StandardDispatchOutput(x_recv, local, handle)
+
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens. Chunk
         by chunk: all the return calls are queued at once, and chunk c's tokens are summed as
@@ -476,6 +529,11 @@ class AllToAllDispatcher(Dispatcher):
         ph = self.phases
         if ph is not None:
             ph.begin()
+        if handle.route is not None:
+            out = self.p2p.combine(out_NH, handle.route, handle.rows_TR, self.impl)
+            if ph is not None:
+                ph.mark("combine")
+            return out
         H = out_NH.shape[1]
         src = out_NH.contiguous()
         back = out_NH.new_empty(sum(map(sum, handle.send_splits)), H)
