@@ -59,7 +59,8 @@ def _simulate(Ts, R=3, E_logical=9, K=3, H=12, cap_tokens=64, seed=0):
     for rk in ranks:  # the runner: each received row times 2 (its payload as fp16)
         n = int(rk["bounds"][R])
         rk["out"] = rk["recv"][:n, :H * 2].view(torch.float16) * 2
-        launch_push_back(rk["out"], rk["ret"], rk["bounds"], rk["back"])
+        launch_push_back(rk["out"], rk["ret"], rk["bounds"], rk["back"],
+                         int(rk["counts"][1, :, 0].max()))
     for rk in ranks:
         rk["result"] = gather_reduce(rk["back"], rk["rows"], None, torch.float16, "triton")
     return ranks, E

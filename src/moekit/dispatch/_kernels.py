@@ -407,17 +407,19 @@ def _p2p_offsets_kernel(
 
 
 @triton.jit
-def _push_back_kernel(src_ptr, ret_ptr, bounds_ptr, back_ptr, H, stride_src,
+def _push_back_kernel(src_ptr, ret_ptr, bounds_ptr, back_ptr, H, stride_src, NH,
                       R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (i, h): received row i (from the source rank s with bounds[s] <= i <
-    bounds[s + 1]), columns [h*BLOCK_H, ...) -> row i of the rows of H elements of back_ptr's
-    type at address ret[s] (converted to that type)."""
-    i = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    m = offs < H
-    s = 0
-    for q in tl.static_range(1, R):
-        s += (tl.load(bounds_ptr + q) <= i).to(tl.int32)
+    """Program p: source rank s = p % R, then column block h and row j of that source's
+    received rows (consecutive programs write to different ranks, so every link is busy):
+    received row i = bounds[s] + j (if < bounds[s + 1]), columns [h*BLOCK_H, ...) -> row i
+    of the rows of H elements of back_ptr's type at address ret[s] (converted to that type)."""
+    pid = tl.program_id(0)
+    s = pid % R
+    rest = pid // R
+    h = rest % NH
+    i = tl.load(bounds_ptr + s) + (rest // NH)
+    offs = h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = (offs < H) & (i < tl.load(bounds_ptr + s + 1))
     dst = tl.load(ret_ptr + s).to(tl.pointer_type(back_ptr.dtype.element_ty))
     v = tl.load(src_ptr + i * stride_src + offs, mask=m)
     tl.store(dst + i * H + offs, v.to(back_ptr.dtype.element_ty), mask=m)
@@ -434,12 +436,13 @@ def launch_p2p_offsets(hdr_ptrs, recv_ptrs, back_ptrs, counts, dst, ret, bounds,
     )
 
 
-def launch_push_back(src, ret, bounds, back):
+def launch_push_back(src, ret, bounds, back, max_rows):
     """src [N, H] rows (unit last stride) -> the return buffers (see _push_back_kernel); back:
-    a [rows, H] tensor of the return buffers' dtype. Rows of whole 4-byte words in the same
-    dtype move as int32 words, 8 kB a program (as the packing kernel does)."""
+    a [rows, H] tensor of the return buffers' dtype; max_rows: the most rows any source rank
+    sent. Rows of whole 4-byte words in the same dtype move as int32 words, 8 kB a program
+    (as the packing kernel does)."""
     N, H = src.shape
-    if N == 0 or H == 0:
+    if N == 0 or H == 0 or max_rows == 0:
         return
     nbytes = H * src.element_size()
     if (src.dtype == back.dtype and nbytes % 4 == 0 and (src.stride(0) * src.element_size()) % 4
@@ -448,5 +451,6 @@ def launch_push_back(src, ret, bounds, back):
         bh = max(16, min(2048, triton.next_power_of_2(H)))
     else:
         bh = _block(H)
-    _push_back_kernel[(N, triton.cdiv(H, bh))](src, ret, bounds, back, H, src.stride(0),
-                                               R=ret.shape[0], BLOCK_H=bh, num_warps=4)
+    R, nh = ret.shape[0], triton.cdiv(H, bh)
+    _push_back_kernel[(R * nh * max_rows,)](src, ret, bounds, back, H, src.stride(0), nh, R=R,
+                                            BLOCK_H=bh, num_warps=4)

@@ -530,7 +530,8 @@ class AllToAllDispatcher(Dispatcher):
         if ph is not None:
             ph.begin()
         if handle.route is not None:
-            out = self.p2p.combine(out_NH, handle.route, handle.rows_TR, self.impl)
+            out = self.p2p.combine(out_NH, handle.route, handle.rows_TR,
+                                   handle.recv_splits[0], self.impl)
             if ph is not None:
                 ph.mark("combine")
             return out

@@ -201,9 +201,9 @@ class P2PExchange:
         return P2PResult(counts, True, bufs.recv[:n], g.rows[:T].clone(), route)
 
     def combine(self, out_NH: torch.Tensor, route: ReturnRoute, rows_TR: torch.Tensor,
-                impl: str) -> torch.Tensor:
-        """out_NH [N, H] partial sums of the received rows -> [T, H] in the tokens' dtype
-        (T = rows_TR's rows)."""
+                recv_counts: list[int], impl: str) -> torch.Tensor:
+        """out_NH [N, H] partial sums of the received rows (recv_counts [R] from each rank)
+        -> [T, H] in the tokens' dtype (T = rows_TR's rows)."""
         from moekit.dispatch._kernels import launch_push_back
         from moekit.dispatch.rows import gather_reduce
 
@@ -215,7 +215,7 @@ class P2PExchange:
             raise ValueError(f"combine: runner output has {out_NH.shape[1]} columns, the "
                              f"tokens {bufs.hidden}")
         src = out_NH if out_NH.stride(-1) == 1 else out_NH.contiguous()
-        launch_push_back(src, route.ret, route.bounds, bufs.back)
+        launch_push_back(src, route.ret, route.bounds, bufs.back, max(recv_counts))
         bufs.barrier()
         out = torch.empty(rows_TR.shape[0], bufs.hidden, dtype=bufs.dtype, device=out_NH.device)
         if rows_TR.shape[0]:
