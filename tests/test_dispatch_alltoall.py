@@ -709,7 +709,8 @@ def run_normal_graphs_case() -> list[int]:
     me = dist.get_rank()
     placement = ExpertPlacement(torch.arange(E), R)
     ds = {m: AllToAllDispatcher(placement, group=dist.group.WORLD, mode="normal",
-                                normal_graphs=m) for m in ("none", "plan", "pack")}
+                                normal_graphs=m, normal_transport="nccl")
+          for m in ("none", "plan", "pack")}
     for d in ds.values():
         d.chunk_bytes = 64 * (2 * H + 8 * K)  # chunks of 64 tokens
     for i, Ts in enumerate([(37, 300), (300, 37), (200, 150), (130, 150), (0, 9), (290, 290),

@@ -52,6 +52,8 @@ def p2p_unavailable(group, device: torch.device) -> str | None:
         return "needs CUDA devices"
     if group is None or dist.get_world_size(group) < 2:
         return "needs an EP group of 2+ ranks"
+    if dist.get_backend(group) != "nccl":
+        return f"needs an NCCL process group (this one is {dist.get_backend(group)})"
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if world is None or world != local:
         return ("needs every rank on one host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE); "
@@ -77,7 +79,10 @@ def _symmetric(nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, 
 class PeerBuffers:
     """One row layout's symmetric buffers on every rank: the counts header [R, NC] int64, the
     receive buffer [cap_rows, row_bytes] uint8 and the return buffer [cap_rows, H] of the
-    tokens' dtype, with every rank's addresses of them (int64 [R] on the device)."""
+    tokens' dtype, with every rank's addresses of them (int64 [R] on the device). One set per
+    (group, device, layout, room) in the process (`shared_buffers`), used by every dispatcher
+    (the layers of a model run one after another on one stream); `generation` counts the
+    dispatches that used it."""
 
     def __init__(self, group, device: torch.device, R: int, cap_rows: int, row_bytes: int,
                  hidden: int, dtype: torch.dtype) -> None:
@@ -91,16 +96,31 @@ class PeerBuffers:
         self.back = back[:cap_rows * self.back_row_bytes].view(dtype).view(cap_rows, hidden)
         self.ptrs = torch.tensor([hdr_ptrs, recv_ptrs, back_ptrs], dtype=torch.int64,
                                  device=device)
+        self.generation = 0
 
     def barrier(self) -> None:
         """Every rank's stream reaches this point before any goes on (device side)."""
         self.handle.barrier(channel=0)
 
 
+_SHARED: dict = {}
+
+
+def shared_buffers(group, device, R: int, cap_rows: int, row_bytes: int, hidden: int,
+                   dtype: torch.dtype) -> PeerBuffers:
+    """The process's PeerBuffers for this group and layout (allocated, collectively, on first
+    use: every rank asks for the same ones in the same order)."""
+    key = (group.group_name, device, cap_rows, row_bytes, hidden, dtype)
+    b = _SHARED.get(key)
+    if b is None:
+        b = _SHARED[key] = PeerBuffers(group, device, R, cap_rows, row_bytes, hidden, dtype)
+    return b
+
+
 @dataclass(frozen=True)
 class ReturnRoute:
     """Where combine sends the received rows back: ret [R] addresses and bounds [R + 1] (see
-    launch_p2p_offsets) into `buffers`, for dispatch number `generation` of this exchange."""
+    launch_p2p_offsets) into `buffers`, for their dispatch number `generation`."""
 
     ret: torch.Tensor
     bounds: torch.Tensor
@@ -145,10 +165,8 @@ class P2PExchange:
         self.me = dist.get_rank(group)
         self.cap_rows = R * tokens
         self.use_graphs, self.max_graphs = use_graphs, max_graphs
-        self._buffers: dict = {}
         self._graphs: dict = {}
         self._seq = 0
-        self.generation = 0
         self.captures = 0
 
     def reset(self, slots: SlotMap) -> None:
@@ -156,21 +174,14 @@ class P2PExchange:
         self.slots = slots
         self._graphs.clear()
 
-    def buffers(self, device, row_bytes: int, hidden: int, dtype: torch.dtype) -> PeerBuffers:
-        key = (device, row_bytes, hidden, dtype)
-        b = self._buffers.get(key)
-        if b is None:
-            b = self._buffers[key] = PeerBuffers(self.group, device, self.R, self.cap_rows,
-                                                 row_bytes, hidden, dtype)
-        return b
-
     def dispatch(self, ids_TK: torch.Tensor, pack: PackJob, hidden: int,
                  dtype: torch.dtype) -> P2PResult:
         """ids_TK [T, K] logical; pack: the payload [T, P] (int32 words: P * itemsize % 4 == 0)
         and weights; hidden / dtype: the return rows. See the module docstring."""
         dev = ids_TK.device
         T, K = ids_TK.shape
-        bufs = self.buffers(dev, pack.row_bytes, hidden, dtype)
+        bufs = shared_buffers(self.group, dev, self.R, self.cap_rows, pack.row_bytes, hidden,
+                              dtype)
         ids = ids_TK.to(torch.int32).contiguous()
         payload = pack.payload if pack.payload.stride(-1) == 1 else pack.payload.contiguous()
         weights = pack.weights.contiguous()
@@ -183,7 +194,7 @@ class P2PExchange:
                 self._graphs.pop(next(iter(self._graphs)))
             self._graphs[key] = g
         self._seq += 1
-        self.generation += 1
+        bufs.generation += 1
         a = g.args_np
         a[0], a[1], a[2], a[3] = T, ids.data_ptr(), payload.data_ptr(), weights.data_ptr()
         a[4], a[5] = payload.stride(0) * payload.element_size() // 4, self._seq
@@ -197,7 +208,7 @@ class P2PExchange:
             return P2PResult(counts, False, None, None, None)
         n = sum(c[0] for c in counts[1])
         tail = g.small[2 * R * NC + R + 1:].clone()  # ret [R], bounds [R + 1]
-        route = ReturnRoute(tail[:R], tail[R:], self.generation, bufs)
+        route = ReturnRoute(tail[:R], tail[R:], bufs.generation, bufs)
         return P2PResult(counts, True, bufs.recv[:n], g.rows[:T].clone(), route)
 
     def combine(self, out_NH: torch.Tensor, route: ReturnRoute, rows_TR: torch.Tensor,
@@ -207,10 +218,10 @@ class P2PExchange:
         from moekit.dispatch._kernels import launch_push_back
         from moekit.dispatch.rows import gather_reduce
 
-        if route.generation != self.generation:
-            raise RuntimeError("p2p normal mode: combine each dispatch before the next one (the "
-                               "receive buffer is shared); this dispatch was overwritten")
         bufs = route.buffers
+        if route.generation != bufs.generation:
+            raise RuntimeError("p2p normal mode: combine each dispatch before the next one (the "
+                               "receive buffers are shared); this dispatch was overwritten")
         if out_NH.shape[1] != bufs.hidden:
             raise ValueError(f"combine: runner output has {out_NH.shape[1]} columns, the "
                              f"tokens {bufs.hidden}")
