@@ -9,7 +9,8 @@ tables. Results are written after each batch size, so an interrupted run resumes
 stopped (batch sizes already in the output files are skipped unless `force`).
 
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
-a schedule typical of the regime, then warps / stages / group_m for the two best tiles; for
+a schedule typical of the regime (tiles sized by the weight format's bytes: `tile_bytes`), then
+warps (also 2 for small weight-only tiles) / stages / group_m for the two best tiles; for
 `down` the reduction 'atomic' is tried on the three best. Kernels are compiled in parallel
 threads before they are timed. `measure` times the runner as shipped (the configs it looks up)
 against the floor, with uniform or Zipf-skewed routing.
@@ -98,9 +99,97 @@ def shape_for(model: str, tp_size: int = 1, ep_size: int = 1, dtype: str = "bflo
 # ---------------------------------------------------------------------------------------------
 
 
-def _smem_bytes(gemm: str, c: GemmConfig, elem: int) -> int:
-    b_tiles = 2 if gemm == "gate_up" else 1
-    return c.num_stages * (c.block_m + b_tiles * c.block_n) * c.block_k * elem
+@dataclass(frozen=True)
+class TileBytes:
+    """What one K step of a GEMM main loop loads, per element, for one weight format (the
+    shared-memory estimate `smem_bytes` and the round-2 warp choice read it).
+
+    act: bytes per activation element of the A tile [BM, BK] (the activation dtype; 1 for
+    w8a8 formats, whose GEMMs read pre-quantized fp8 / int8 activations, except fp8
+    'token_group', which may quantize its bf16 / fp16 input tile itself at tiny batches).
+    weight: bytes per weight element of the weight tile(s) [BK, BN] (0.5 for packed 4-bit).
+    scale: bytes per weight row of the scales (+ zero points) read per K step and scale group
+    of `group` K columns (None: one group per step); act_scale: bytes per A row of the
+    activation scales read per K step (w8a8 per-token-group).
+    packed: the weight tile is dequantized in registers (int4_w4a16, mxfp4, nvfp4).
+    weight_only: activations stay in the activation dtype (w8a16, w4a16, mxfp4, nvfp4)."""
+
+    act: float = 2
+    weight: float = 2
+    scale: float = 0
+    group: int | None = None
+    act_scale: float = 0
+    packed: bool = False
+    weight_only: bool = False
+
+    def scale_groups(self, block_k: int) -> int:
+        """Scale groups a weight row reads per K step of block_k columns."""
+        if not self.scale:
+            return 0
+        return 1 if self.group is None else max(1, block_k // self.group)
+
+
+def tile_bytes(spec, act_bytes: int = 2) -> TileBytes:
+    """The per-step loads of weight format `spec` (a QuantSpec, or None: unquantized) with
+    activations of `act_bytes` bytes (as `runners.triton.ops.WeightQuant` reads them):
+    packed 4-bit: half a byte per weight, their group scales (+ uint8 zero points when
+    asymmetric) every step; int8_w8a16: one float32 scale per row every step (`_w_tile`);
+    w8a8: one byte per weight and activation, float32 weight-block / activation-group scales
+    every step where they are per group (per-tensor / per-row ones only in the epilogue)."""
+    if spec is None:
+        return TileBytes(act=act_bytes, weight=act_bytes)
+    if spec.pack_factor == 2:
+        zero = 1 if spec.has_zero else 0
+        return TileBytes(act=act_bytes, weight=0.5, scale=spec.scale_dtype.itemsize + zero,
+                         group=spec.group_size, packed=True, weight_only=True)  # fmt: skip
+    if spec.weight_only:  # int8_w8a16
+        return TileBytes(act=act_bytes, weight=1, scale=4, weight_only=True)
+    token_group = spec.act_scheme == "token_group"
+    block = getattr(spec, "weight_scale", "channel") == "block"
+    return TileBytes(
+        act=act_bytes if token_group and spec.name == "fp8_w8a8" else 1,
+        weight=1,
+        scale=4 if block else 0,
+        act_scale=4 if token_group else 0,
+    )
+
+
+def _tile_bytes(elem: TileBytes | int) -> TileBytes:
+    return elem if isinstance(elem, TileBytes) else tile_bytes(None, elem)
+
+
+# Rows of a weight tile a warp must hold for Triton to feed packed bytes to the MMA through
+# ldmatrix; with fewer, the dequantized tile goes through shared memory once more (SASS of the
+# H100 int4 gate_up, benchmarks/triton_notes.md).
+LDMATRIX_ROWS_PER_WARP = 32
+
+
+def smem_bytes(gemm: str, c: GemmConfig, elem: TileBytes | int = 2) -> int:
+    """Estimated shared memory of one program (bytes): num_stages x one K step's loads (A tile
+    [BM, BK], the weight tile(s) [BK, BN] (two for gate_up: gate and up), the scales read in
+    the step), plus, for packed formats with fewer than LDMATRIX_ROWS_PER_WARP rows of a
+    weight tile per warp, one dequantized tile [BK, BN] in the activation dtype. `elem`: a
+    `TileBytes`, or the bytes of an unquantized element.
+
+    An upper bound at the two points measured (ncu, H100, Triton 3.6, deepseek int4 T = 16):
+    gate_up 16x64x128 / 4 warps / 3 stages 54016 estimated vs 40960 allocated; down
+    16x128x128 / 4 warps / 5 stages 62720 vs 49408. Both allocations match num_stages - 1
+    step buffers (+ the 16 KB dequantized tile for that gate_up); counting num_stages, and
+    the scales, which the kernels load one step ahead into registers, keeps it on the safe
+    side (a config over the real limit only fails to compile, and is skipped)."""
+    tb = _tile_bytes(elem)
+    tiles = 2 if gemm == "gate_up" else 1
+    rows = tiles * c.block_n
+    step = (
+        c.block_m * c.block_k * tb.act
+        + rows * c.block_k * tb.weight
+        + rows * tb.scale_groups(c.block_k) * tb.scale
+        + c.block_m * tb.act_scale
+    )
+    total = c.num_stages * step
+    if tb.packed and c.block_n < LDMATRIX_ROWS_PER_WARP * c.num_warps:
+        total += c.block_k * c.block_n * tb.act
+    return math.ceil(total)
 
 
 def _next_pow2(n: int) -> int:
@@ -117,17 +206,22 @@ def _clamp(gemm: str, c: GemmConfig, n: int, k: int) -> GemmConfig:
     )
 
 
-def _fits(gemm: str, c: GemmConfig, n: int, k: int, elem: int) -> bool:
+def fits(gemm: str, c: GemmConfig, n: int, k: int, elem: TileBytes | int = 2) -> bool:
+    """Whether config `c` is worth compiling for GEMM `gemm` [N=n, K=k]: within the TMA box
+    limit, its estimated shared memory (`smem_bytes`) within SMEM_LIMIT, blocks no larger
+    than the GEMM (`_clamp`)."""
     box_rows = 2 * c.block_n if gemm == "gate_up" else max(c.block_n, c.block_m)
     if c.tma and box_rows > 256:
         return False  # a TMA box has at most 256 rows (interleaved gate_up: 2 * block_n)
-    return _smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == _clamp(gemm, c, n, k)
+    return smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == _clamp(gemm, c, n, k)
 
 
-def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int = 2,
-                    quant: str = "unquantized"):
+def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
+                    elem: TileBytes | int = 2, quant: str = "unquantized"):  # fmt: skip
     """Round 1: tile shapes for the regime of `rows_per_expert` (mean rows per used expert),
-    with and without TMA, 8 warps where the accumulators need them. `quant` (a
+    with and without TMA, 8 warps where the accumulators need them, within the shared memory
+    (`fits`; `elem`: the format's `tile_bytes`, or the bytes of an unquantized element,
+    so packed 4-bit tiles can be wider than bf16 ones). `quant` (a
     `configs.quant_tag`): w8a8 formats take K steps of 128 (and 256 unless their scales are
     per group of 128) and, with group scales, half the accumulator area (each K step keeps a
     partial product beside the accumulator); weight-only formats load through pointers only."""
@@ -162,18 +256,30 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int, elem: int
                         for tma in (False,) if weight_only else (False, True):
                             c = GemmConfig(bm, bn, bk, group, warps, stages, swap, tma=tma)
                             c = _clamp(gemm, c, n, k)
-                            if _fits(gemm, c, n, k, elem) and c not in out:
+                            if fits(gemm, c, n, k, elem) and c not in out:
                                 out.append(c)
     return out
 
 
-def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: int = 2):
-    """Round 2: warps and pipeline stages around one tile, and the other group_m."""
+# Round 2 also tries 2 warps for weight-only formats on tiles of at most this many accumulator
+# elements per weight tile (block_m x block_n): 32 rows of each weight tile per warp at
+# block_n 64 (gate_up 16 x 64 / 2 warps: packed bytes through ldmatrix, triton_notes.md).
+TWO_WARPS_MAX_TILE = 16 * 64
+
+
+def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: TileBytes | int = 2):
+    """Round 2: warps and pipeline stages around one tile, and the other group_m. Warps 4
+    and 8, and 2 for small tiles (block_m x block_n <= TWO_WARPS_MAX_TILE) of weight-only
+    formats (`elem` a `TileBytes` with weight_only)."""
+    tb = _tile_bytes(elem)
+    warps_options = (4, 8)
+    if tb.weight_only and tile.block_m * tile.block_n <= TWO_WARPS_MAX_TILE:
+        warps_options = (2, 4, 8)
     out = [replace(tile, group_m=1 if tile.group_m != 1 else 8)]
-    for warps in (4, 8):
+    for warps in warps_options:
         for stages in (3, 4, 5):
             out.append(replace(tile, num_warps=warps, num_stages=stages))
-    return [c for c in out if c != tile and _fits(gemm, c, n, k, elem)]
+    return [c for c in out if c != tile and fits(gemm, c, n, k, tb)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,8 +552,7 @@ def tune_point(
     p = _Point(shape, w, T, device, seed)
     E, H, I, K = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k
     elem = DTYPES[shape.dtype].itemsize
-    # bytes per element of the pipelined tiles (w8a8: 1; others as the activations)
-    tile_elem = 1 if w.is_quantized and not w.spec.weight_only else elem
+    tile_elem = tile_bytes(w.spec if w.is_quantized else None, elem)  # per-step loads
     rows = max(1.0, T * K / E)
     quant = tcfg.quant_tag(w.spec)
     n1, k1 = tcfg.gemm_shape("gate_up", H, I)

@@ -24,8 +24,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Activation codes (constexpr ACT).
-ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2
+from moekit.runners._triton_common import (  # noqa: F401 - ACT_* re-exported for ops
+    ACT_GELU,
+    ACT_SILU,
+    ACT_SWIGLU_OAI,
+    activate,
+    desc_w_tile,
+    load_a_tile,
+    load_w_tile,
+    sort_chunk,
+    tile_coords,
+    zero_fill,
+)
 
 # Weight formats (constexpr QUANT): how weight tiles are stored and turned into dot operands.
 Q_NONE, Q_W8A8, Q_W8A16, Q_INT4, Q_MXFP4, Q_NVFP4 = 0, 1, 2, 3, 4, 5
@@ -41,26 +51,6 @@ S_TENSOR, S_ROW, S_GROUP, S_GROUP_FUSED = 0, 1, 2, 3
 # ----------------------------------------------------------------------------------------------
 # Alignment: pairs sorted by expert, padded to blocks of BLOCK_M rows
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _sort_chunk(ids_ptr, start, P, E, CHUNK: tl.constexpr, EP: tl.constexpr):
-    """Sort the pairs [start, start + CHUNK) by expert (ties by pair index).
-
-    Returns expert [CHUNK] (E for masked ids / padding lanes), pair [CHUNK], rank [CHUNK]
-    (position among the chunk's pairs of the same expert) and the histogram [EP] of experts.
-    """
-    offs = tl.arange(0, CHUNK)
-    pair = start + offs
-    e = tl.load(ids_ptr + pair, mask=pair < P, other=-1)
-    e = tl.where((e >= 0) & (e < E), e, E)
-    key = tl.sort(e * CHUNK + offs)
-    sorted_e = key // CHUNK
-    sorted_pair = start + key % CHUNK
-    hist = tl.histogram(e, EP)
-    local_start = tl.cumsum(hist, 0) - hist
-    rank = offs - tl.gather(local_start, sorted_e, 0)
-    return sorted_e, sorted_pair, rank, hist
 
 
 @triton.jit
@@ -124,7 +114,7 @@ def _align_small_kernel(
     BLOCKS_STEP: tl.constexpr,
 ):
     """One program does the whole alignment (P <= CHUNK)."""
-    sorted_e, sorted_pair, rank, hist = _sort_chunk(ids_ptr, 0, P, E, CHUNK, EP)
+    sorted_e, sorted_pair, rank, hist = sort_chunk(ids_ptr, 0, P, E, CHUNK, EP)
     cnt = tl.where(tl.arange(0, EP) < E, hist, 0)
     pad_start, pad_end = _write_layout(
         cnt, sorted_ids_ptr, num_rows_ptr, P, BLOCK_M, EP, PAD_STEP
@@ -141,7 +131,7 @@ def _align_chunk_kernel(
 ):  # fmt: skip
     """Pass 1 of 3 (P > CHUNK): sort each chunk; store its sorted pairs and histogram [EP]."""
     c = tl.program_id(0)
-    sorted_e, sorted_pair, rank, hist = _sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
+    sorted_e, sorted_pair, rank, hist = sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     tl.store(expert_ptr + offs, sorted_e)
     tl.store(pair_ptr + offs, sorted_pair)
@@ -220,25 +210,6 @@ ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
 
 
 @triton.jit
-def _zero_fill(ptr, numel, pid, num_programs, ZBLOCK: tl.constexpr):
-    """Grid-stride zeroing of ptr[0:numel] (the atomic down GEMM's output, zeroed by the
-    gate_up launch before it so that no separate memset runs)."""
-    for start in range(pid * ZBLOCK, numel, num_programs * ZBLOCK):
-        offs = start + tl.arange(0, ZBLOCK)
-        tl.store(ptr + offs, tl.zeros([ZBLOCK], dtype=ptr.dtype.element_ty), mask=offs < numel)
-
-
-@triton.jit
-def _load_w_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight tile [BLOCK_K, rows] through pointers (K along dim 0), as stored."""
-    if EVEN_K:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
-    return tile
-
-
-@triton.jit
 def _w_tile(
     ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -248,10 +219,10 @@ def _w_tile(
     Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
     and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
     if QUANT == 2:
-        q = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+        q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
         w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
     else:
-        w = _load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+        w = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
     return w
 
 
@@ -626,23 +597,6 @@ def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.conste
 
 
 @triton.jit
-def _desc_w_tile(desc, row0, k0):
-    """Weight tile [BLOCK_K, rows] through a TMA descriptor of block [rows, BLOCK_K]
-    (out-of-bounds rows and columns read as zero)."""
-    return tl.trans(desc.load([row0, k0]))
-
-
-@triton.jit
-def _load_a_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Activation tile [BLOCK_M, BLOCK_K]."""
-    if EVEN_K:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=tl.arange(0, BLOCK_K)[None, :] < k_left, other=0.0)
-    return tile
-
-
-@triton.jit
 def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += a @ b, with acc kept transposed ([N, BM]) when SWAP_AB: small row blocks then
     sit in the MMA's N slot and the weight tile in its M slot."""
@@ -667,18 +621,6 @@ def _unswap(acc, SWAP_AB: tl.constexpr):
     if SWAP_AB:
         acc = tl.trans(acc)
     return acc
-
-
-@triton.jit
-def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped program order: GROUP_M row blocks share each weight tile while it is in L2."""
-    width = GROUP_M * num_pid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -815,9 +757,9 @@ def _gate_up_kernel(
     """
     pid = tl.program_id(0)
     if ZERO_OUT:
-        _zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
+        zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -860,13 +802,13 @@ def _gate_up_kernel(
             nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
-            a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                                   HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
-                    b = _desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
                 else:
                     b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 if QUANT == 1:
@@ -909,7 +851,7 @@ def _gate_up_kernel(
             nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
-            a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
                 acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
                                     SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
@@ -917,8 +859,8 @@ def _gate_up_kernel(
                                     SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
-                    bg = _desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
-                    bu = _desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
                 else:
                     bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                     bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
@@ -952,14 +894,7 @@ def _gate_up_kernel(
             acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
             acc_u += tl.load(b_base + N + n_rows).to(tl.float32)[None, :]
 
-    if ACT == 0:  # silu(gate) * up
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    elif ACT == 1:  # gelu(gate) * up, exact erf form
-        act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476)) * acc_u
-    else:  # swiglu_oai: clamp, gate * sigmoid(alpha * gate) * (up + 1)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        act = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    act = activate(acc_g, acc_u, alpha, limit, ACT)
 
     n_out = n0 + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
@@ -1035,7 +970,7 @@ def _down_kernel(
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -1071,9 +1006,9 @@ def _down_kernel(
         k_left = K - ki * BLOCK_K
         if USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
-            b = _desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
+            b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
-            a = _load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 1:
                 b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:

@@ -24,7 +24,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.runners.triton._kernels import _load_w_tile, _sort_chunk, _tile_coords, _zero_fill
+from moekit.runners._triton_common import (  # noqa: F401 - ACT_* re-exported for ops
+    ACT_GELU,
+    ACT_SILU,
+    ACT_SWIGLU_OAI,
+    activate,
+    desc_w_tile,
+    load_a_tile,
+    load_w_tile,
+    sort_chunk,
+    tile_coords,
+    zero_fill,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Routing
@@ -123,7 +134,7 @@ def _scatter_kernel(
     t_lo = c * tiles_per_program
     _write_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo,
                  tl.minimum(t_lo + tiles_per_program, max_tiles), E, BLOCK_M, EP, BLOCK_T)  # fmt: skip
-    sorted_e, sorted_pair, rank, _ = _sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
+    sorted_e, sorted_pair, rank, _ = sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
     dest = tl.load(offsets_ptr + sorted_e) + tl.load(base_ptr + c * EP + sorted_e) + rank
     tl.store(sorted_pairs_ptr + dest, sorted_pair, mask=sorted_pair < P)
 
@@ -132,30 +143,12 @@ def _scatter_kernel(
 # Grouped GEMMs (persistent)
 # ----------------------------------------------------------------------------------------------
 
-# Activation codes (constexpr ACT).
-ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2
-
-
-@triton.jit
-def _activate(g, u, alpha, limit, ACT: tl.constexpr):
-    """float32 gate g, up u -> act(g) * u (silu, exact-erf gelu, or the clamped swiglu_oai)."""
-    if ACT == 0:
-        out = g / (1.0 + tl.exp(-g)) * u
-    elif ACT == 1:
-        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
-    else:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
-    return out
-
-
 @triton.jit
 def _work_tile(
     w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M: tl.constexpr
 ):
     """Work item w -> (expert, first sorted row, valid rows, column block)."""
-    tile, pid_n = _tile_coords(w, num_tiles, num_n, GROUP_M)
+    tile, pid_n = tile_coords(w, num_tiles, num_n, GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     row0 = tl.load(tile_row0_ptr + tile)
     nrows = tl.load(tile_rows_ptr + tile)
@@ -167,9 +160,9 @@ def _w_tile(w_ptrs, w_desc, row, k0, k_left, USE_TMA: tl.constexpr, EVEN_K: tl.c
             BLOCK_K: tl.constexpr):  # fmt: skip
     """Weight tile [BLOCK_K, rows] at (row, k0): TMA (out-of-bounds reads zero) or pointers."""
     if USE_TMA:
-        b = tl.trans(w_desc.load([row, k0]))
+        b = desc_w_tile(w_desc, row, k0)
     else:
-        b = _load_w_tile(w_ptrs, k_left, EVEN_K, BLOCK_K)
+        b = load_w_tile(w_ptrs, k_left, EVEN_K, BLOCK_K)
     return b
 
 
@@ -225,7 +218,7 @@ def _gate_up_kernel(
     FLATTEN / WARP_SPEC: the work loop's `tl.range` flags (pipelining across work items,
     automatic warp specialization)."""
     if ZERO_OUT:
-        _zero_fill(zero_ptr, zero_numel, tl.program_id(0), tl.num_programs(0), 1024)
+        zero_fill(zero_ptr, zero_numel, tl.program_id(0), tl.num_programs(0), 1024)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     offs_m = tl.arange(0, BLOCK_M)
@@ -249,10 +242,7 @@ def _gate_up_kernel(
             acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
             for ki in range(0, tl.cdiv(K, BLOCK_K)):
                 k_left = K - ki * BLOCK_K
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                else:
-                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
                 b = _w_tile(w_ptrs, w_desc, e_row + 2 * n0, ki * BLOCK_K, k_left, USE_TMA,
                             EVEN_K, BLOCK_K)  # fmt: skip
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -282,10 +272,7 @@ def _gate_up_kernel(
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(0, tl.cdiv(K, BLOCK_K)):
                 k_left = K - ki * BLOCK_K
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                else:
-                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
                 bg = _w_tile(g_ptrs, w_desc, g_row0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
                              BLOCK_K)  # fmt: skip
                 bu = _w_tile(u_ptrs, w_desc_up, u_row0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
@@ -299,7 +286,7 @@ def _gate_up_kernel(
                 b_base = b_ptr + expert.to(tl.int64) * stride_be
                 acc_g += tl.load(b_base + g_rows).to(tl.float32)[None, :]
                 acc_u += tl.load(b_base + g_rows + u_step).to(tl.float32)[None, :]
-        act = _activate(acc_g, acc_u, alpha, limit, ACT)
+        act = activate(acc_g, acc_u, alpha, limit, ACT)
         n_out = n0 + tl.arange(0, BLOCK_N)
         h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + n_out[None, :]
         tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty),
@@ -369,10 +356,8 @@ def _down_kernel(
             k_left = K - ki * BLOCK_K
             if USE_TMA:
                 a = h_desc.load([row0, ki * BLOCK_K])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
             else:
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             b = _w_tile(b_ptrs, w_desc, expert * N + n0, ki * BLOCK_K, k_left, USE_TMA, EVEN_K,
                         BLOCK_K)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)

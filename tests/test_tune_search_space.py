@@ -1,0 +1,165 @@
+"""The tuner's shared-memory estimate per weight format and the candidate configs it lets
+through (pure functions: no kernels run)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moekit.quant import make_spec
+from moekit.runners.triton.configs import GemmConfig
+from moekit.tune import (
+    SMEM_LIMIT,
+    TWO_WARPS_MAX_TILE,
+    TileBytes,
+    fits,
+    schedule_variants,
+    smem_bytes,
+    tile_bytes,
+    tile_candidates,
+)
+
+# gate_up tile 16 x 64 x 128, 4 warps, 3 stages (bf16 / fp16 activations: 2 bytes). Per K step:
+# A 16 * 128 * act; weights 2 * 64 rows * 128 * w; scales 128 rows * groups * bytes (+ zero);
+# packed formats add one dequantized tile 128 * 64 * 2 = 16384 (64 rows < 32 per warp * 4).
+TILE = GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=3)
+SMEM_CASES = [
+    # (format, params, expected bytes)
+    ("unquantized", {}, 3 * (4096 + 32768)),
+    ("int4_w4a16", {}, 3 * (4096 + 8192 + 128 * 1 * 2) + 16384),  # g128, bf16 scales
+    ("int4_w4a16", {"group_size": 32, "symmetric": False, "scale_dtype": torch.float32},
+     3 * (4096 + 8192 + 128 * 4 * (4 + 1)) + 16384),  # 4 groups, f32 scale + u8 zero
+    ("mxfp4", {}, 3 * (4096 + 8192 + 128 * 4 * 1) + 16384),  # e8m0 per 32
+    ("nvfp4", {}, 3 * (4096 + 8192 + 128 * 8 * 1) + 16384),  # e4m3 per 16
+    ("int8_w8a16", {}, 3 * (4096 + 16384 + 128 * 4)),  # f32 row scale every step
+    ("fp8_w8a8", {"weight_scale": "block"}, 3 * (4096 + 16384 + 128 * 4 + 16 * 4)),
+    ("fp8_w8a8", {"weight_scale": "channel"}, 3 * (2048 + 16384)),
+    ("fp8_w8a8", {"weight_scale": "tensor"}, 3 * (2048 + 16384)),
+    ("int8_w8a8", {}, 3 * (2048 + 16384)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,params,expected", SMEM_CASES)
+def test_smem_estimate_per_format(fmt, params, expected):
+    spec = None if fmt == "unquantized" else make_spec(fmt, **params)
+    assert smem_bytes("gate_up", TILE, tile_bytes(spec, 2)) == expected
+
+
+def test_weight_bytes_per_element():
+    assert tile_bytes(None, 2).weight == 2 and tile_bytes(None, 4).weight == 4
+    for fmt in ("int4_w4a16", "mxfp4", "nvfp4"):
+        tb = tile_bytes(make_spec(fmt), 2)
+        assert tb.weight == 0.5 and tb.packed and tb.weight_only
+    for fmt in ("int8_w8a16", "int8_w8a8", "fp8_w8a8"):
+        assert tile_bytes(make_spec(fmt), 2).weight == 1
+    assert tile_bytes(make_spec("int8_w8a16"), 2).weight_only
+    assert not tile_bytes(make_spec("fp8_w8a8"), 2).weight_only
+
+
+def test_int_elem_is_the_unquantized_estimate():
+    """An int `elem` (bytes of an unquantized element) keeps the former estimate."""
+    for gemm, tiles in (("gate_up", 2), ("down", 1)):
+        for c in (TILE, GemmConfig(64, 128, 64, 8, 8, 4), GemmConfig(16, 32, 256, 1, 4, 5)):
+            for elem in (2, 4):
+                old = c.num_stages * (c.block_m + tiles * c.block_n) * c.block_k * elem
+                assert smem_bytes(gemm, c, elem) == old == smem_bytes(gemm, c, TileBytes(elem,
+                                                                                        elem))
+
+
+def test_estimate_bounds_the_measured_allocations():
+    """ncu on the H100 (benchmarks/results/20261121T2322Z_H100_triton_quant_ncu_tuned.txt,
+    deepseek int4 T = 16): 40960 and 49408 bytes of dynamic shared memory."""
+    tb = tile_bytes(make_spec("int4_w4a16"), 2)
+    assert 40960 <= smem_bytes("gate_up", TILE, tb) <= 1.5 * 40960
+    down = GemmConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=5)
+    assert 49408 <= smem_bytes("down", down, tb) <= 1.5 * 49408
+
+
+def test_dequantized_tile_counted_only_below_ldmatrix_rows():
+    """Packed formats: the extra dequantized tile [BK, BN] only with < 32 rows per warp."""
+    tb = tile_bytes(make_spec("mxfp4"), 2)  # 4 e8m0 groups per K step of 128
+    wide = replace(TILE, block_n=128)  # 32 rows per warp at 4 warps
+    assert smem_bytes("gate_up", wide, tb) == 3 * (4096 + 256 * 64 + 256 * 4)
+    two = replace(TILE, num_warps=2)  # 32 rows per warp at 2 warps
+    assert smem_bytes("gate_up", two, tb) == 3 * (4096 + 128 * 64 + 128 * 4)
+    assert smem_bytes("gate_up", TILE, tb) == smem_bytes("gate_up", two, tb) + 128 * 64 * 2
+    # unpacked formats never add it
+    tb8 = tile_bytes(make_spec("int8_w8a16"), 2)
+    assert smem_bytes("down", TILE, tb8) == 3 * (4096 + 64 * 128 + 64 * 4)
+
+
+# deepseek-v3 at EP8 (H = 7168, I = 2048) and qwen3 (H = 2048, I = 768)
+SHAPES = [(2 * 2048, 7168), (2 * 768, 2048)]
+PACKED = [("int4_w4a16", "int4_w4a16-g128-sym"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")]
+
+
+@pytest.mark.parametrize("fmt,tag", PACKED)
+@pytest.mark.parametrize("rows", [1, 20])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packed_gate_up_block_n_128_is_a_candidate(fmt, tag, rows, n, k):
+    tb = tile_bytes(make_spec(fmt), 2)
+    packed = tile_candidates("gate_up", rows, n, k, tb, tag)
+    bf16 = tile_candidates("gate_up", rows, n, k, 2)
+    # the gate_up tiles with 128 rows of gate and of up that bf16 cannot have: over the
+    # shared-memory limit at 2 bytes a weight, within it at half a byte
+    new = [c for c in packed if c.block_n == 128 and c not in bf16]
+    assert new and all(smem_bytes("gate_up", c, 2) > SMEM_LIMIT for c in new)
+    if rows == 1:  # decode: 16-row blocks, K steps of 128 / 256: bf16 has no block_n 128
+        assert not any(c.block_n == 128 for c in bf16)
+        assert {c.block_k for c in new} == {128, 256}
+    assert all(smem_bytes("gate_up", c, tb) <= SMEM_LIMIT for c in packed)
+    assert all(not c.tma for c in packed)
+
+
+def _warps(variants):
+    return {c.num_warps for c in variants}
+
+
+@pytest.mark.parametrize("gemm,n,k", [("gate_up", 4096, 7168), ("down", 7168, 2048)])
+def test_two_warps_only_for_small_weight_only_tiles(gemm, n, k):
+    small = GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
+    large = replace(small, block_n=128)
+    assert small.block_m * small.block_n <= TWO_WARPS_MAX_TILE < large.block_m * large.block_n
+    for fmt in ("int4_w4a16", "mxfp4", "nvfp4", "int8_w8a16"):
+        tb = tile_bytes(make_spec(fmt), 2)
+        got = schedule_variants(gemm, small, n, k, tb)
+        assert _warps(got) == {2, 4, 8}
+        assert len(got) == len(set(got)) <= 10
+        assert all(fits(gemm, c, n, k, tb) for c in got)
+        assert 2 not in _warps(schedule_variants(gemm, large, n, k, tb))
+        assert 2 not in _warps(schedule_variants(gemm, replace(small, block_m=32), n, k, tb))
+    for spec in (None, make_spec("fp8_w8a8"), make_spec("int8_w8a8")):
+        tb = tile_bytes(spec, 2)
+        assert 2 not in _warps(schedule_variants(gemm, small, n, k, tb))
+    assert 2 not in _warps(schedule_variants(gemm, small, n, k))  # int elem: unquantized
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_tune_point_sizes_tiles_with_the_weight_format(monkeypatch):
+    """tune_point sizes the search's tiles with the weights' format (`tile_bytes` of their
+    spec), not with the activation dtype."""
+    from moekit import tune
+    from moekit.bench import Ceilings
+    from moekit.quant import quantize_experts
+
+    shape = tune.TuneShape(4, 2, 64, 32, "float16", label="tiny")
+    seen = []
+
+    def spy(gemm, rows, n, k, elem=2, quant="unquantized"):
+        seen.append((gemm, elem, quant))
+        raise _Stop
+
+    monkeypatch.setattr(tune, "tile_candidates", spy)
+    for fmt, expected in (("nvfp4", tile_bytes(make_spec("nvfp4"), 2)),
+                          (None, tile_bytes(None, 2))):  # fmt: skip
+        w = tune.random_weights(shape, "cpu")
+        if fmt is not None:
+            w = quantize_experts(w, make_spec(fmt))
+        with pytest.raises(_Stop):
+            tune.tune_point(shape, w, 3, "cpu", Ceilings(1e10, 1e11, "float16"), limit=1)
+        assert seen[-1] == ("gate_up", expected, fmt or "unquantized")
