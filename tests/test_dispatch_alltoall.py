@@ -507,6 +507,8 @@ def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
     d.impl = case.impl
     d.normal_chunks = case.chunks
     d.chunk_bytes = case.chunk_bytes or d.chunk_bytes
+    if case.chunks not in (None, 1) or case.chunk_bytes:
+        d.p2p = None  # chunks are the NCCL transport's (p2p, the default on GPUs, has none)
     x_me = xs[me].to(dev)
     topk_me = TopKOutput(topks[me].weights.to(dev), topks[me].ids.to(dev))
     if case.overflow:

@@ -127,7 +127,7 @@ def run_p2p_case() -> dict:
     out = {}
     for fp8 in (False, True):
         kw = dict(group=dist.group.WORLD, mode="normal", fp8_dispatch=fp8)
-        ds = {"nccl": AllToAllDispatcher(placement, **kw),
+        ds = {"nccl": AllToAllDispatcher(placement, normal_transport="nccl", **kw),
               "p2p": AllToAllDispatcher(placement, normal_transport="p2p", p2p_tokens=320, **kw),
               "p2p/eager": AllToAllDispatcher(placement, normal_transport="p2p",
                                               normal_graphs="none", p2p_tokens=320, **kw)}
@@ -149,6 +149,7 @@ def run_p2p_case() -> dict:
                 assert torch.equal(got.x, ref.x) and torch.equal(got.topk.ids, ref.topk.ids), tag
                 assert torch.equal(got.topk.weights, ref.topk.weights), tag
                 assert torch.equal(ds[name].combine(y, got), want), tag
+        assert ds["nccl"].p2p is None
         out[fp8] = {n: (d.p2p.captures, d.p2p_fallbacks) for n, d in ds.items() if d.p2p}
     return out
 
