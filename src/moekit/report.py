@@ -362,10 +362,20 @@ def render_ep_md(results_dir: Path, root: Path) -> str:
             continue
         if not lines:
             lines += ["## Expert parallelism (`python -m moekit.bench_ep` under torchrun)", "",
-                      "Newest run first.", ""]
+                      "Newest run first. Each run comes from `scripts/gpu_ep.sh` on the GPU "
+                      "machine (`OUT=/tmp/out bash scripts/gpu_ep.sh`), which calls "
+                      "`python -m torch.distributed.run --standalone --nproc-per-node <GPUs> "
+                      "-m moekit.bench_ep <arguments>`; the arguments of each run are under "
+                      "its link. `--normal-chunks` names the settings timed side by side: "
+                      "`default` (the dispatcher's defaults: the p2p transport on one host "
+                      "since commit 470363b, the NCCL path before), "
+                      "`nccl` / `p2p` (the transport), 1..4 (NCCL calls), /none /plan /pack "
+                      "(what the NCCL path replays from CUDA graphs).", ""]
         rel = path.relative_to(root) if path.is_relative_to(root) else path
         lines += [f"[{rel.as_posix()}]({rel.as_posix()}) · {doc['timestamp']} · "
-                  f"{_commit_of(doc)} · fp8 dispatch: {doc['args'].get('fp8')}", "", "```",
+                  f"{_commit_of(doc)} · fp8 dispatch: {doc['args'].get('fp8')}", "",
+                  f"arguments: `{doc.get('command', '').removeprefix('moekit').strip()}`", "",
+                  "```",
                   summary(doc), "```", ""]
     return "\n".join(lines)
 
