@@ -59,6 +59,7 @@ fp8_dispatch: the token rows travel as float8_e4m3fn with one float32 scale per 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ from moekit.dispatch.p2p import P2PExchange, p2p_unavailable
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
+from moekit.log import log_once
 from moekit.placement import ExpertPlacement
 from moekit.router import TopKOutput
 from moekit.stages import (
@@ -363,6 +365,9 @@ class AllToAllDispatcher(Dispatcher):
                                   f"here: 'nccl' (or 'auto', which picks it)")
         self.normal_transport = "p2p" if self.p2p is not None else "nccl"
         self.p2p_fallbacks = 0  # p2p calls that did not fit the buffers (took the NCCL path)
+        log_once(logging.INFO, f"alltoall normal mode: transport {self.normal_transport} "
+                 f"(asked: {normal_transport}"
+                 + (f"; p2p buffers for {p2p_tokens} tokens per rank)" if self.p2p else ")"))
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
@@ -513,6 +518,9 @@ class AllToAllDispatcher(Dispatcher):
         res = self.p2p.dispatch(topk.ids, job, layout.hidden, x_TH.dtype)
         if not res.ok:
             self.p2p_fallbacks += 1
+            log_once(logging.WARNING, "alltoall normal mode: a batch over the p2p buffers "
+                     "(p2p_tokens per rank) took the NCCL path; raise p2p_tokens to keep it on "
+                     "NVLink")
             return None
         if ph is not None:
             ph.mark("p2p_counts")
