@@ -711,8 +711,8 @@ def run_normal_graphs_case() -> list[int]:
     me = dist.get_rank()
     placement = ExpertPlacement(torch.arange(E), R)
     ds = {m: AllToAllDispatcher(placement, group=dist.group.WORLD, mode="normal",
-                                normal_graphs=m, normal_transport="nccl")
-          for m in ("none", "plan", "pack")}
+                                normal_graphs=m.removesuffix("2"), normal_transport="nccl")
+          for m in ("none", "plan", "pack", "pack2")}  # two 'pack' ones share the send buffer
     for d in ds.values():
         d.chunk_bytes = 64 * (2 * H + 8 * K)  # chunks of 64 tokens
     for i, Ts in enumerate([(37, 300), (300, 37), (200, 150), (130, 150), (0, 9), (290, 290),
@@ -723,13 +723,13 @@ def run_normal_graphs_case() -> list[int]:
         outs = {m: d.dispatch(x, topk) for m, d in ds.items()}
         y = StandardRunnerOutput(outs["none"].x.float().mul(1.5).to(x.dtype))  # a fake runner
         want = ds["none"].combine(y, outs["none"])
-        for m in ("plan", "pack"):
+        for m in ("plan", "pack", "pack2"):
             a, b = outs[m], outs["none"]
             assert a.handle.send_splits == b.handle.send_splits, (m, i)
             assert torch.equal(a.x, b.x) and torch.equal(a.topk.ids, b.topk.ids), (m, i)
             assert torch.equal(a.topk.weights, b.topk.weights), (m, i)
             assert torch.equal(ds[m].combine(y, a), want), (m, i)
-    return [ds[m].exchange.captures for m in ("plan", "pack")]
+    return [ds[m].exchange.captures for m in ("plan", "pack", "pack2")]
 
 
 @pytest.mark.multigpu

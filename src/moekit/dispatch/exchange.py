@@ -14,8 +14,8 @@ received):
          while the GPU sits idle at the start of a dispatch). T is rounded up to a bucket (4
          per power of two) for the graph's capacity;
   pack:  the graph packs the send rows as well, into a send buffer the graphs of one row
-         layout share (grown for a larger bucket): the host goes from the counts straight to
-         the first all-to-all call.
+         layout share, in every dispatcher of the process (grown for a larger bucket): the
+         host goes from the counts straight to the first all-to-all call.
 The first call of a dispatcher is eager (it sets up the communicator the graphs capture).
 Measured on 4 x H200 (deepseek-v3, 4096 tokens per rank, one chunk), dispatch + combine over
 the raw all-to-all of the same bytes, before the graphs read their inputs in place (they
@@ -25,6 +25,7 @@ copied them): none 1.49-1.51, plan 1.36-1.38, pack 1.33-1.37
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -132,11 +133,17 @@ class Prepared:
 
 @dataclass
 class _Stage:
-    """The send buffer the packing graphs of one row layout share: room for `tokens` tokens."""
+    """The send buffer the packing graphs of one row layout share, in every dispatcher of the
+    process (the layers of a model run one after another on one stream, and each all-to-all
+    has read it before the stream goes on): room for `tokens` tokens."""
 
     tokens: int
     send: torch.Tensor  # [tokens * R, row_bytes] uint8
     rows: torch.Tensor  # [tokens, R] int64
+
+
+_STAGES: dict = {}  # (device, R, payload layout) -> the _Stage of every PlanExchange
+_EXCHANGES: weakref.WeakSet = weakref.WeakSet()  # live PlanExchanges (to drop stale graphs)
 
 
 @dataclass
@@ -175,18 +182,17 @@ class PlanExchange:
         self.slots, self.R, self.E, self.group = slots, R, E, group
         self.use_graphs, self.max_graphs = use_graphs, max_graphs
         self._graphs: dict = {}
-        self._stages: dict = {}  # (device, payload layout) -> _Stage
         self._tickets: dict = {}
         self._sides: dict = {}
         self._eager_calls = 0
         self._seq = 0
         self.captures = 0  # graphs captured so far (for tests and logs)
+        _EXCHANGES.add(self)
 
     def reset(self, slots: SlotMap) -> None:
         """A new placement: the graphs read the old slot table, drop them."""
         self.slots = slots
         self._graphs.clear()
-        self._stages.clear()
 
     def _graphed(self, ids_TK: torch.Tensor, impl: str) -> bool:
         return (self.use_graphs and self.group is not None and self._eager_calls > 0
@@ -251,16 +257,19 @@ class PlanExchange:
         return Prepared(plan, CountsReader(counts, work, self._side(dev)))
 
     def _stage(self, dev: torch.device, Tb: int, pack: PackJob, layout) -> _Stage:
-        """The shared send buffer for this layout with room for Tb tokens (grown, and the
-        graphs that used the old one dropped, when Tb does not fit)."""
-        st = self._stages.get((dev, layout))
+        """The process's send buffer for this layout with room for Tb tokens (grown when Tb
+        does not fit; then every exchange drops its graphs that used the old one)."""
+        key = (dev, self.R, layout)
+        st = _STAGES.get(key)
         if st is not None and st.tokens >= Tb:
             return st
-        for k in [k for k, g in self._graphs.items() if st is not None and g.stage is st]:
-            del self._graphs[k]
+        if st is not None:
+            for ex in list(_EXCHANGES):
+                for k in [k for k, g in ex._graphs.items() if g.stage is st]:
+                    del ex._graphs[k]
         st = _Stage(Tb, torch.empty(Tb * self.R, pack.row_bytes, dtype=torch.uint8, device=dev),
                     torch.empty(Tb, self.R, dtype=torch.int64, device=dev))
-        self._stages[(dev, layout)] = st
+        _STAGES[key] = st
         return st
 
     def _capture(self, dev: torch.device, Tb: int, K: int, num_chunks: int,
