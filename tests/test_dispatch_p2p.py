@@ -150,6 +150,10 @@ def run_p2p_case() -> dict:
                 assert torch.equal(got.topk.weights, ref.topk.weights), tag
                 assert torch.equal(ds[name].combine(y, got), want), tag
         assert ds["nccl"].p2p is None
+        first = ds["p2p"].dispatch(x, topk)  # a dispatch overwritten before its combine
+        ds["p2p/eager"].dispatch(x, topk)  # (the buffers are shared by every dispatcher)
+        with pytest.raises(RuntimeError, match="combine each dispatch before the next one"):
+            ds["p2p"].combine(StandardRunnerOutput(first.x.contiguous()), first)
         out[fp8] = {n: (d.p2p.captures, d.p2p_fallbacks) for n, d in ds.items() if d.p2p}
     return out
 
