@@ -1,12 +1,16 @@
 """FlashInfer runners (optional extra `flashinfer-python`).
 
 - `flashinfer_cutlass`: FlashInfer's CUTLASS fused MoE (`flashinfer.fused_moe.cutlass_fused_moe`,
-  the TensorRT-LLM MoE kernels) on SM90+, for unquantized bfloat16 / float16 weights with SwiGLU.
-  Written against the flashinfer-python 0.7.2 API and NOT run by this project: the package could
-  not be installed on the development GPU machines (its 62 MB wheel does not fit the transfer
-  limit beside the other wheels, it needs packages the machines lack (nvidia-cutlass-dsl,
-  cuda-tile, nccl4py, nvidia-cudnn-frontend) and it JIT-compiles the MoE kernels with nvcc on
-  first use). Its GPU test compares it with the reference wherever flashinfer is installed.
+  the TensorRT-LLM MoE kernels) on SM90+, for unquantized bfloat16 / float16 weights with SwiGLU
+  (gate/up halves or interleaved rows). Written against the flashinfer-python 0.7.2 API; its
+  GPU test (tests/test_layer.py) compares it with the reference wherever flashinfer is
+  installed. Tried on the H100 with scripts/gpu_flashinfer_try.sh (flashinfer-python
+  0.7.2.post1 and apache-tvm-ffi 0.1.15 carried as wheels, without the dependencies that do not
+  fit the transfer limit: nvidia-cutlass-dsl, cuda-tile, nccl4py, nvidia-cudnn-frontend): it
+  imports and reports available, T = 0 passes, and the first real call JIT-compiles the SM90
+  CUTLASS MoE module with nvcc, which had not finished after 380 s
+  (benchmarks/results/20261122T0105Z_H100_flashinfer_try.log): no MoE output of it was
+  checked there.
 - `flashinfer_trtllm`, `flashinfer_mxfp4`, `flashinfer_cutedsl`: FlashInfer's TensorRT-LLM-gen,
   MXFP4 and CuTe-DSL MoE kernels exist for SM100 (Blackwell data-centre GPUs) only. They are
   registered so that selecting one says why it cannot run, and `auto` never picks them: their
@@ -125,13 +129,14 @@ class FlashInferCutlassRunner(Runner):
             return Availability(False, f"needs {LIBRARY}, which is not installed ({INSTALL_HINT})")
         return Availability(True)
 
-    def _up_gate(self, w13: torch.Tensor) -> torch.Tensor:
-        """w13 [E, 2I, H] (gate rows, then up rows) -> [E, 2I, H] up rows first, the order of the
-        TensorRT-LLM SwiGLU epilogue; cached per weight tensor version."""
-        key = (w13.data_ptr(), w13._version, tuple(w13.shape))
+    def _up_gate(self, w13: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """w13 [E, 2I, H] (gate rows then up rows, or interleaved gate, up, gate, ...) -> [E, 2I,
+        H] up rows first, the order of the TensorRT-LLM SwiGLU epilogue; cached per weight
+        tensor version."""
+        key = (w13.data_ptr(), w13._version, tuple(w13.shape), interleaved)
         cached = self._w31.get(key)
         if cached is None:
-            gate, up = w13.chunk(2, dim=1)
+            gate, up = (w13[:, 0::2], w13[:, 1::2]) if interleaved else w13.chunk(2, dim=1)
             self._w31.clear()
             cached = self._w31[key] = torch.cat([up, gate], dim=1).contiguous()
         return cached
@@ -140,8 +145,6 @@ class FlashInferCutlassRunner(Runner):
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
     ) -> RunnerOutput:
         self.check(dispatch_out, weights, act)
-        if act.interleaved:
-            raise RunnerError("runner 'flashinfer_cutlass' needs gate/up halves, not interleaved")
         from flashinfer.fused_moe import cutlass_fused_moe
         from flashinfer.fused_moe.core import ActivationType
 
@@ -157,7 +160,7 @@ class FlashInferCutlassRunner(Runner):
             input=x.contiguous(),
             token_selected_experts=ids,
             token_final_scales=scales,
-            fc1_expert_weights=self._up_gate(weights.w13),
+            fc1_expert_weights=self._up_gate(weights.w13, act.interleaved),
             fc2_expert_weights=weights.w2.contiguous(),
             output_dtype=x.dtype,
             quant_scales=None,
