@@ -12,8 +12,10 @@ Parts (--parts, comma-separated, in this order):
                received rows (same routing every call), which combine sends back. Target:
                ratio <= 1.25 (max over ranks of both). Every --normal-chunks setting is timed
                side by side (the first is the headline). Also a per-phase breakdown (CUDA
-               events): plan, gather (packing chunk 0), count_sync (counts exchange + the host
-               read), payload_a2a (the other chunks' packing and every call), unpack, combine;
+               events): NCCL path: plan, gather (packing chunk 0), count_sync (counts exchange
+               + the host read), payload_a2a (the other chunks' packing and every call),
+               unpack, combine; p2p path: p2p_counts (plan, offsets, the host read: the rows
+               travel after it, overlapped), unpack, combine;
                raw one-way times of the two transport layouts (metadata in each payload row,
                as the dispatcher sends it, vs a separate message); and with --profile a
                torch.profiler trace per rank.
@@ -439,7 +441,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="normal part: comma-separated settings to time side by side: default "
                         "(the dispatcher's), auto (by payload size) or 1..4 all-to-all calls "
                         "per dispatch, optionally with /none, /plan or /pack: what is replayed "
-                        "from CUDA graphs; the first is the headline")
+                        "from CUDA graphs; or nccl / p2p: the transport; the first is the "
+                        "headline")
     p.add_argument("--profile", metavar="DIR",
                    help="normal part: write a torch.profiler trace per rank into DIR")
     p.add_argument("--iters", type=int, default=20, help="timed samples per point")

@@ -33,8 +33,8 @@ normal (prefill, throughput; variable sizes, one host synchronisation):
   symmetric memory, so no split sizes wait for the host and no collective is launched; a
   call over the buffers' room (p2p_tokens per rank) takes the NCCL path. Measured on
   4 x H200 (deepseek-v3, 4096 tokens per rank, bf16): dispatch + combine 1.04-1.10 x the raw
-  NCCL all-to-all of the same bytes, against 1.19-1.21 x for the NCCL path in the same run
-  (benchmarks/results/*_H200x4_deepseek-v3_ep_bench.json).
+  NCCL all-to-all of the same bytes over four runs, against 1.19-1.31 x for the NCCL path in
+  the same runs (benchmarks/results/20261122T00*_H200x4_deepseek-v3_ep_bench*.json).
 
 low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturable):
   every rank sends a fixed [R, C] block of rows (unused rows ignored); the receiver lays them out
@@ -362,7 +362,7 @@ class AllToAllDispatcher(Dispatcher):
                                        use_graphs=normal_graphs != "none")
             elif normal_transport == "p2p":
                 raise ConfigError(f"normal_transport 'p2p' cannot run here: {why}; allowed "
-                                  f"here: 'nccl' (or 'auto', which picks it)")
+                                  f"here: 'nccl', or 'auto' (which then uses nccl)")
         self.normal_transport = "p2p" if self.p2p is not None else "nccl"
         self.p2p_fallbacks = 0  # p2p calls that did not fit the buffers (took the NCCL path)
         log_once(logging.INFO, f"alltoall normal mode: transport {self.normal_transport} "
