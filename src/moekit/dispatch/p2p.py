@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.dispatch.exchange import PackJob, _Replayed, bucket
+from moekit.dispatch.exchange import PackJob, PlanExchange, _Replayed, bucket
 from moekit.dispatch.layout import MAX_CHUNKS, normal_plan
 from moekit.dispatch.slots import SlotMap
 
@@ -183,7 +183,9 @@ class P2PExchange:
         bufs = shared_buffers(self.group, dev, self.R, self.cap_rows, pack.row_bytes, hidden,
                               dtype)
         ids = ids_TK.to(torch.int32).contiguous()
-        payload = pack.payload if pack.payload.stride(-1) == 1 else pack.payload.contiguous()
+        payload = pack.payload
+        if not PlanExchange._packable(pack):  # rows must be whole 4-byte words, aligned
+            payload = payload.clone(memory_format=torch.contiguous_format)
         weights = pack.weights.contiguous()
         key = (dev, bucket(T), K, pack.payload.dtype, pack.payload.shape[1], pack.row_bytes,
                pack.payload_bytes, pack.E, hidden, dtype)
