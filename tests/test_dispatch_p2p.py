@@ -35,9 +35,9 @@ def _simulate(Ts, R=3, E_logical=9, K=3, H=12, cap_tokens=64, seed=0):
         w = topks[i].weights.float().contiguous()
         plan = normal_plan(ids, slots, R, E, 1, impl="triton",
                            ticket=torch.zeros(1, dtype=torch.int32))
-        ranks.append(dict(x=x, w=w, plan=plan, header=plan.counts.clone(),
-                          recv=torch.zeros(cap_rows, row_bytes, dtype=torch.uint8),
-                          back=torch.full((cap_rows, H), float("nan"), dtype=torch.float16)))
+        ranks.append({"x": x, "w": w, "plan": plan, "header": plan.counts.clone(),
+                      "recv": torch.zeros(cap_rows, row_bytes, dtype=torch.uint8),
+                      "back": torch.full((cap_rows, H), float("nan"), dtype=torch.float16)})
     ptrs = torch.tensor([[r[k].data_ptr() for r in ranks] for k in ("header", "recv", "back")])
     for me, rk in enumerate(ranks):
         rk["counts"] = torch.zeros(2, R, NC, dtype=torch.int64)
@@ -126,7 +126,7 @@ def run_p2p_case() -> dict:
     placement = ExpertPlacement(torch.arange(E), R)
     out = {}
     for fp8 in (False, True):
-        kw = dict(group=dist.group.WORLD, mode="normal", fp8_dispatch=fp8)
+        kw = {"group": dist.group.WORLD, "mode": "normal", "fp8_dispatch": fp8}
         ds = {"nccl": AllToAllDispatcher(placement, normal_transport="nccl", **kw),
               "p2p": AllToAllDispatcher(placement, normal_transport="p2p", p2p_tokens=320, **kw),
               "p2p/eager": AllToAllDispatcher(placement, normal_transport="p2p",
