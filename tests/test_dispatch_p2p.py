@@ -16,7 +16,7 @@ from tests.dist_utils import ep_inputs
 NC = MAX_CHUNKS + 1
 
 
-def _simulate(Ts, R=3, E_logical=9, K=3, H=12, cap_tokens=64, seed=0):
+def _simulate(Ts, R=3, E_logical=9, K=3, H=12, cap_tokens=64, seed=0, routing="masked"):
     """Every step of a p2p round trip for R simulated ranks: headers, offsets, remote packing,
     push back, the final sums. Returns per rank: (x, plan, counts, dst, recv rows, result)."""
     from moekit.dispatch._kernels import launch_p2p_offsets, launch_pack_rows, launch_push_back
@@ -25,7 +25,7 @@ def _simulate(Ts, R=3, E_logical=9, K=3, H=12, cap_tokens=64, seed=0):
     torch.manual_seed(seed)
     E = E_logical // R
     slots = SlotMap(ExpertPlacement.contiguous(E_logical, R), E_logical)
-    _, topks = ep_inputs(seed, Ts, E_logical, K, H, "masked")
+    _, topks = ep_inputs(seed, Ts, E_logical, K, H, routing, skew_experts=E_logical // R)
     cap_rows = R * cap_tokens
     row_bytes = H * 2 + 8 * K
     ranks = []
@@ -66,13 +66,16 @@ def _simulate(Ts, R=3, E_logical=9, K=3, H=12, cap_tokens=64, seed=0):
     return ranks, E
 
 
-@pytest.mark.parametrize("Ts", [(20, 7, 33), (0, 15, 4), (40, 40, 40)])
-def test_p2p_kernels_round_trip_matches_nccl_layout(Ts):
+@pytest.mark.parametrize("Ts, R, routing", [((20, 7, 33), 3, "masked"), ((0, 15, 4), 3, "masked"),
+                                             ((40, 40, 40), 3, "random"),
+                                             ((9, 30, 0, 17), 4, "skewed")])
+def test_p2p_kernels_round_trip_matches_nccl_layout(Ts, R, routing):
     """Each rank receives exactly the rows the NCCL path would (source order, then its send
     order: payload, local ids, weights), the counts match the exchange's, and the return
-    trip brings every partial back to its token (result = 2 x * ranks the token reaches)."""
-    R, K, H = 3, 3, 12
-    ranks, E = _simulate(Ts, R=R, K=K, H=H)
+    trip brings every partial back to its token (result = 2 x * ranks the token reaches).
+    'skewed': every token goes to rank 0 only."""
+    K, H = 3, 12
+    ranks, E = _simulate(Ts, R=R, E_logical=3 * R, K=K, H=H, routing=routing)
     row_bytes = H * 2 + 8 * K
     sends = []
     for rk in ranks:  # the NCCL path's send buffer of each rank (the reference twin)
