@@ -773,3 +773,30 @@ def test_ep_bench_runs_on_gloo(tmp_path):
     assert [r["batch"] for r in layer] == ["prefill", "decode"]
     assert all(r["ep_ms_max"] > 0 and r["tp_ms_max"] > 0 for r in layer)
     assert layer[0]["global_tokens"] == 48 and layer[0]["ep_runner"] == "torch"
+
+
+def test_packing_stage_is_shared_and_growth_drops_stale_graphs():
+    """The NCCL path's packing stage: one per (device, ranks, layout) in the process, shared by
+    every exchange; when a larger bucket grows it, every exchange forgets the graphs that
+    captured the old one (CPU tensors stand in for the device ones)."""
+    from types import SimpleNamespace
+
+    from moekit.dispatch import exchange as ex
+    from moekit.dispatch.exchange import PackJob, PlanExchange
+
+    slots = SlotMap(ExpertPlacement.contiguous(8, 2), 8)
+    a, b = PlanExchange(slots, 2, 4, None), PlanExchange(slots, 2, 4, None)
+    dev = torch.device("cpu")
+    job = PackJob(torch.zeros(3, 16), torch.zeros(3, 2), 4, 64, 80)
+    layout = ("test-layout", id(a))  # a key no other test uses
+    small = a._stage(dev, 32, job, layout)
+    assert b._stage(dev, 16, job, layout) is small  # shared, and big enough
+    assert small.send.shape == (32 * 2, 80) and small.rows.shape == (32, 2)
+    a._graphs["g"] = SimpleNamespace(stage=small)
+    b._graphs["g"] = SimpleNamespace(stage=small)
+    b._graphs["other"] = SimpleNamespace(stage=None)
+    big = b._stage(dev, 64, job, layout)
+    assert big is not small and big.tokens == 64
+    assert "g" not in a._graphs and "g" not in b._graphs and "other" in b._graphs
+    assert a._stage(dev, 40, job, layout) is big
+    ex._STAGES.pop((dev, 2, layout))
