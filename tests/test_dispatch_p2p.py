@@ -188,3 +188,28 @@ def test_p2p_transport_errors_name_the_option():
     d = AllToAllDispatcher(placement, normal_transport="auto")
     assert d.normal_transport == "nccl"  # auto without a group: NCCL path (a copy)
     assert "CUDA" in p2p_unavailable(None, torch.device("cpu"))
+
+
+def test_p2p_unavailable_reasons(monkeypatch):
+    """Each condition of the p2p transport, with torch.distributed and CUDA faked."""
+    import torch.distributed as dist
+
+    from moekit.dispatch import p2p
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert "NCCL process group" in p2p.p2p_unavailable(object(), cuda)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert "one host" in p2p.p2p_unavailable(object(), cuda)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "1 visible, 4 ranks" in p2p.p2p_unavailable(object(), cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: b != 2)
+    assert "GPU 0 cannot reach [2]" in p2p.p2p_unavailable(object(), cuda)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert p2p.p2p_unavailable(object(), cuda) is None
+    assert "2+ ranks" in p2p.p2p_unavailable(None, cuda)

@@ -58,8 +58,16 @@ def p2p_unavailable(group, device: torch.device) -> str | None:
     if world is None or world != local:
         return ("needs every rank on one host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE); "
                 f"got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}")
+    R, n = dist.get_world_size(group), torch.cuda.device_count()
+    if n < R:
+        return (f"needs every rank to see every GPU of the group: {n} visible, {R} ranks "
+                "(CUDA_VISIBLE_DEVICES narrowed per process?)")
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    blocked = [d for d in range(n) if d != me and not torch.cuda.can_device_access_peer(me, d)]
+    if blocked:
+        return f"needs peer access between the GPUs (NVLink or PCIe P2P); GPU {me} cannot reach {blocked}"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError as e:
         return f"torch symmetric memory is missing ({e})"
     return None
