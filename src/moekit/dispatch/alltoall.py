@@ -352,7 +352,7 @@ class AllToAllDispatcher(Dispatcher):
         check_choice("normal_transport", normal_transport, TRANSPORTS)
         if not isinstance(p2p_tokens, int) or p2p_tokens < 1:
             raise ConfigError(f"p2p_tokens must be a positive integer, got {p2p_tokens!r}")
-        self.p2p = None
+        self.p2p, why = None, "nccl was asked for" if normal_transport == "nccl" else "impl 'torch'"
         if normal_transport != "nccl" and impl != "torch":
             dev = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -366,8 +366,9 @@ class AllToAllDispatcher(Dispatcher):
         self.normal_transport = "p2p" if self.p2p is not None else "nccl"
         self.p2p_fallbacks = 0  # p2p calls that did not fit the buffers (took the NCCL path)
         log_once(logging.INFO, f"alltoall normal mode: transport {self.normal_transport} "
-                 f"(asked: {normal_transport}"
-                 + (f"; p2p buffers for {p2p_tokens} tokens per rank)" if self.p2p else ")"))
+                 f"(asked: {normal_transport}; "
+                 + (f"p2p buffers for {p2p_tokens} tokens per rank)" if self.p2p
+                    else f"not p2p: {why})"))
 
     @classmethod
     def availability(cls, platform: Platform, parallel: ParallelConfig) -> Availability:
