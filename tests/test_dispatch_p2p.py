@@ -162,10 +162,13 @@ def run_p2p_case() -> dict:
 
 
 @pytest.mark.multigpu
-def test_p2p_transport_matches_nccl():
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_p2p_transport_matches_nccl(ranks):
     from tests.dist_utils import get_pool
 
-    results = get_pool(2, "nccl").run(run_p2p_case)
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs")
+    results = get_pool(ranks, "nccl").run(run_p2p_case)
     for res in results:
         for per in res.values():
             assert per["p2p"][0] >= 3, res  # graphs were captured and replayed
@@ -185,6 +188,8 @@ def test_p2p_transport_errors_name_the_option():
         AllToAllDispatcher(placement, normal_transport="p2p")
     with pytest.raises(ConfigError, match="p2p_tokens"):
         AllToAllDispatcher(placement, p2p_tokens=0)
+    with pytest.raises(ConfigError, match="impl 'torch' allows"):
+        AllToAllDispatcher(placement, normal_transport="p2p", impl="torch")
     d = AllToAllDispatcher(placement, normal_transport="auto")
     assert d.normal_transport == "nccl"  # auto without a group: NCCL path (a copy)
     assert "CUDA" in p2p_unavailable(None, torch.device("cpu"))
@@ -213,3 +218,25 @@ def test_p2p_unavailable_reasons(monkeypatch):
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     assert p2p.p2p_unavailable(object(), cuda) is None
     assert "2+ ranks" in p2p.p2p_unavailable(None, cuda)
+
+
+def test_host_wait_for_counts_has_a_deadline(monkeypatch):
+    """A rank that never reaches the dispatch makes the others raise, not spin for ever."""
+    from moekit.dispatch import exchange
+
+    class Pending:  # the graph never finishes
+        def query(self):
+            return False
+
+    monkeypatch.setattr(exchange, "WAIT_S", 0.05)
+    flag = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="did not reach this dispatch"):
+        exchange._Replayed(torch.zeros(3, dtype=torch.int64), flag, 1, Pending()).result()
+    flag[0] = 1
+    assert exchange._Replayed(torch.arange(3), flag, 1, Pending()).result() == [0, 1, 2]
+
+
+def test_agreed_needs_no_collective_off_nccl():
+    from moekit.dispatch.p2p import agreed
+
+    assert agreed(None, "why") == "why" and agreed(None, None) is None

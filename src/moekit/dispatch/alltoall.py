@@ -30,11 +30,12 @@ normal (prefill, throughput; variable sizes, one host synchronisation):
   normal_transport (default 'auto'): 'p2p' where it can run (CUDA, an NCCL group of ranks on
   one host): the same rows, layout and handle, but the plan, the counts and the packing
   happen on the device, each row written straight into its destination's receive buffer in
-  symmetric memory, so no split sizes wait for the host and no collective is launched; a
-  call over the buffers' room (p2p_tokens per rank) takes the NCCL path. Measured on
-  4 x H200 (deepseek-v3, 4096 tokens per rank, bf16): dispatch + combine 1.04-1.10 x the raw
-  NCCL all-to-all of the same bytes over four runs, against 1.19-1.31 x for the NCCL path in
-  the same runs (benchmarks/results/20261122T00*_H200x4_deepseek-v3_ep_bench*.json).
+  symmetric memory, so the rows do not wait for the host and no collective is launched; a
+  call in which some rank would send or receive more than R * p2p_tokens rows takes the
+  NCCL path. Measured on 4 x H200 (deepseek-v3, 4096 tokens per rank, bf16): dispatch +
+  combine 1.04-1.10 x the raw NCCL all-to-all of the same bytes over four runs, against
+  1.19-1.31 x for the NCCL path in the same runs
+  (benchmarks/results/20261122T00*_H200x4_deepseek-v3_ep_bench*.json).
 
 low_latency (decode; fixed shapes, no host synchronisation, CUDA-graph capturable):
   every rank sends a fixed [R, C] block of rows (unused rows ignored); the receiver lays them out
@@ -70,7 +71,7 @@ from moekit.config import DEEPEP_MODES, ConfigError, ParallelConfig, check_choic
 from moekit.dispatch.base import Dispatcher
 from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, all_to_all
 from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
-from moekit.dispatch.p2p import P2PExchange, p2p_unavailable
+from moekit.dispatch.p2p import P2PExchange, agreed, p2p_unavailable
 from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
@@ -297,8 +298,9 @@ class AllToAllDispatcher(Dispatcher):
     packing), 'plan' (plan and counts exchange) or 'none'; normal_transport: 'nccl'
     (all_to_all_single), 'p2p' (NVLink writes into symmetric memory, one host:
     `moekit.dispatch.p2p`) or 'auto' (p2p where it can run); p2p_tokens: tokens per rank the
-    p2p buffers have room for (R * p2p_tokens rows each way; a call over it takes the NCCL
-    path); impl: row kernels, 'auto' | 'torch' | 'triton'."""
+    p2p buffers have room for (R * p2p_tokens rows each way: a call in which some rank would
+    send or receive more rows takes the NCCL path); impl: row kernels, 'auto' | 'torch' |
+    'triton'."""
 
     name = "alltoall"
 
@@ -352,11 +354,14 @@ class AllToAllDispatcher(Dispatcher):
         check_choice("normal_transport", normal_transport, TRANSPORTS)
         if not isinstance(p2p_tokens, int) or p2p_tokens < 1:
             raise ConfigError(f"p2p_tokens must be a positive integer, got {p2p_tokens!r}")
+        if normal_transport == "p2p" and impl == "torch":
+            raise ConfigError("normal_transport 'p2p' runs Triton kernels; impl 'torch' allows "
+                              "normal_transport 'nccl' or 'auto'")
         self.p2p, why = None, "nccl was asked for" if normal_transport == "nccl" else "impl 'torch'"
         if normal_transport != "nccl" and impl != "torch":
             dev = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
-            why = p2p_unavailable(group, dev)
+            why = agreed(group, p2p_unavailable(group, dev))
             if why is None:
                 self.p2p = P2PExchange(self.slots, size, self.num_local, group, p2p_tokens,
                                        use_graphs=normal_graphs != "none")
@@ -456,11 +461,16 @@ class AllToAllDispatcher(Dispatcher):
         payload = layout.pack_tokens(x_TH)
         w = topk.weights if topk.weights.dtype == torch.float32 else topk.weights.float()
         job = PackJob(payload, w, E, layout.payload_bytes, layout.row_bytes)
-        if (self.p2p is not None and x_TH.is_cuda and _use_triton(x_TH, self.impl)
-                and (layout.fp8 or H * x_TH.element_size() % 4 == 0)):
-            out = self._dispatch_p2p(x_TH, topk, layout, job)
-            if out is not None:
-                return out
+        if self.p2p is not None:
+            if x_TH.is_cuda and _use_triton(x_TH, self.impl) and (
+                    layout.fp8 or H * x_TH.element_size() % 4 == 0):
+                out = self._dispatch_p2p(x_TH, topk, layout, job)
+                if out is not None:
+                    return out
+            else:
+                log_once(logging.WARNING, "alltoall normal mode: p2p needs CUDA tokens, the "
+                         "Triton kernels and rows of whole 4-byte words (fp8, or an even H in "
+                         "16-bit); these calls take the NCCL path")
         prep = self.exchange(topk.ids, nc, self.impl, job if self.normal_graphs == "pack" else None)
         plan, reader = prep.plan, prep.reader
         if ph is not None:

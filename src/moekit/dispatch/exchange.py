@@ -25,6 +25,7 @@ copied them): none 1.49-1.51, plan 1.36-1.38, pack 1.33-1.37
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, replace
 
@@ -36,6 +37,7 @@ from moekit.dispatch.rows import _use_triton
 from moekit.dispatch.slots import SlotMap
 
 GRAPH_MODES = ("pack", "plan", "none")  # what normal mode replays from CUDA graphs
+WAIT_S = 600  # the longest a rank waits for the others (host spins; p2p device barriers)
 
 
 def all_to_all(out, inp, group, out_splits=None, in_splits=None, async_op=False):
@@ -93,9 +95,13 @@ class _Replayed:
 
     def result(self) -> list:
         flag = self.flag.numpy()
+        deadline = time.monotonic() + WAIT_S
         while flag[0] != self.seq:
             if self.event.query() and flag[0] != self.seq:
                 raise RuntimeError("normal-mode plan graph finished without its counts")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"normal mode: no counts after {WAIT_S} s (a rank of the EP "
+                                   "group did not reach this dispatch)")
         return self.host.tolist()
 
 

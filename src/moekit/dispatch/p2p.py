@@ -1,7 +1,8 @@
 """Normal mode over NVLink peer-to-peer writes (normal_transport 'p2p'): the ranks of one host
 write token rows straight into each other's receive buffers in symmetric memory
-(torch.distributed._symmetric_memory), so no split sizes go through the host and no
-collective is launched per call.
+(torch.distributed._symmetric_memory): no collective is launched per call, and the rows
+travel without waiting for the host (which reads the counts while they move, to size the
+runner's input).
 
 R = EP ranks, NC = MAX_CHUNKS + 1 (the counts header: rows per destination in column 0, T in
 the last), cap_rows = R * tokens (the room of each buffer, in rows).
@@ -22,9 +23,14 @@ Combine: one kernel writes each received row's partial sum into its source rank'
 buffer, at the row the source packed it from; barrier; the source sums its tokens' rows
 (gather_reduce), as the NCCL path does.
 
-A batch that does not fit (verdict false) moves nothing here; the dispatcher then takes the
-NCCL path for that call (every rank reaches the same verdict). The receive buffer is reused by
-the next dispatch: combine a dispatch before the next one (checked).
+A batch that does not fit (verdict false: some rank would send or receive more than cap_rows
+rows) moves nothing here; the dispatcher then takes the NCCL path for that call (every rank
+reaches the same verdict). The buffers are shared by every dispatcher of the process with the
+same layout and reused by the next dispatch: combine a dispatch before the next one (checked;
+overlapping two batches, dispatch A, dispatch B, combine A, needs normal_transport 'nccl').
+Partials return in the tokens' dtype (a runner that returns float32 is rounded there before
+the sum; the NCCL path sends its dtype). A rank that does not reach a barrier within WAIT_S
+stops the others' kernels (a device trap) instead of hanging them.
 Ordering: a rank writes into a peer's buffers only after a barrier that the peer reaches after
 its previous use of them (stream order), and reads its own only after the barrier that
 follows the writes.
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.dispatch.exchange import PackJob, PlanExchange, _Replayed, bucket
+from moekit.dispatch.exchange import WAIT_S, PackJob, PlanExchange, _Replayed, bucket
 from moekit.dispatch.layout import MAX_CHUNKS, normal_plan
 from moekit.dispatch.slots import SlotMap
 
@@ -67,10 +73,25 @@ def p2p_unavailable(group, device: torch.device) -> str | None:
     if blocked:
         return f"needs peer access between the GPUs (NVLink or PCIe P2P); GPU {me} cannot reach {blocked}"
     try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
+        from torch.distributed import _symmetric_memory as symm_mem
     except ImportError as e:
         return f"torch symmetric memory is missing ({e})"
+    if not (hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")):
+        return f"this torch {torch.__version__} lacks symm_mem.empty / rendezvous"
     return None
+
+
+def agreed(group, why: str | None) -> str | None:
+    """p2p_unavailable's answer made the same on every rank of the (NCCL) group: one all-reduce
+    at set-up, so that no rank takes p2p while another takes NCCL."""
+    if group is None or dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
+        return why
+    ok = torch.tensor([0 if why else 1], dtype=torch.int32,
+                      device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if why is None and not int(ok.item()):
+        return "another rank of the EP group cannot use it"
+    return why
 
 
 def _symmetric(nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, object, list]:
@@ -107,8 +128,9 @@ class PeerBuffers:
         self.generation = 0
 
     def barrier(self) -> None:
-        """Every rank's stream reaches this point before any goes on (device side)."""
-        self.handle.barrier(channel=0)
+        """Every rank's stream reaches this point before any goes on (device side; a rank
+        missing for WAIT_S traps the kernel)."""
+        self.handle.barrier(channel=0, timeout_ms=WAIT_S * 1000)
 
 
 _SHARED: dict = {}
@@ -231,7 +253,9 @@ class P2PExchange:
         bufs = route.buffers
         if route.generation != bufs.generation:
             raise RuntimeError("p2p normal mode: combine each dispatch before the next one (the "
-                               "receive buffers are shared); this dispatch was overwritten")
+                               "receive buffers are shared by every dispatcher of this layout); "
+                               "this dispatch was overwritten. Overlapping batches need "
+                               "normal_transport='nccl'")
         if out_NH.shape[1] != bufs.hidden:
             raise ValueError(f"combine: runner output has {out_NH.shape[1]} columns, the "
                              f"tokens {bufs.hidden}")
