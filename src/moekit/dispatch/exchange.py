@@ -125,6 +125,15 @@ class PackJob:
                 send[:, self.payload_bytes:].view(torch.int32))
 
 
+def packable(pack: PackJob) -> bool:
+    """Payload rows in whole 4-byte words at 4-byte aligned addresses (what the packing
+    kernels read in place from a graph)."""
+    p = pack.payload
+    nbytes, es = p.shape[1] * p.element_size(), p.element_size()
+    return (p.stride(1) == 1 and nbytes % 4 == 0 and (p.stride(0) * es) % 4 == 0
+            and p.data_ptr() % 4 == 0)
+
+
 @dataclass
 class Prepared:
     """A normal-mode dispatch after the plan: the plan, the counts reader and, when the graph
@@ -205,14 +214,6 @@ class PlanExchange:
                 and _use_triton(ids_TK, impl) and ids_TK.shape[1] > 0
                 and not torch.cuda.is_current_stream_capturing())
 
-    @staticmethod
-    def _packable(pack: PackJob) -> bool:
-        """Payload rows in whole 4-byte words at 4-byte aligned addresses."""
-        p = pack.payload
-        nbytes, es = p.shape[1] * p.element_size(), p.element_size()
-        return (p.stride(1) == 1 and nbytes % 4 == 0 and (p.stride(0) * es) % 4 == 0
-                and p.data_ptr() % 4 == 0)
-
     def __call__(self, ids_TK: torch.Tensor, num_chunks: int, impl: str = "auto",
                  pack: PackJob | None = None) -> Prepared:
         """ids_TK [T, K] logical -> Prepared: the NormalPlan over the first T tokens and the
@@ -220,7 +221,7 @@ class PlanExchange:
         rows too."""
         if not self._graphed(ids_TK, impl):
             return self._eager(ids_TK, num_chunks, impl)
-        if pack is not None and not self._packable(pack):
+        if pack is not None and not packable(pack):
             pack = None
         dev = ids_TK.device
         T, K = ids_TK.shape

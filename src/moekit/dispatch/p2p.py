@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.dispatch.exchange import WAIT_S, PackJob, PlanExchange, _Replayed, bucket
+from moekit.dispatch.exchange import WAIT_S, PackJob, _Replayed, bucket, packable
 from moekit.dispatch.layout import MAX_CHUNKS, normal_plan
 from moekit.dispatch.slots import SlotMap
 
@@ -214,7 +214,7 @@ class P2PExchange:
                               dtype)
         ids = ids_TK.to(torch.int32).contiguous()
         payload = pack.payload
-        if not PlanExchange._packable(pack):  # rows must be whole 4-byte words, aligned
+        if not packable(pack):  # rows must be whole 4-byte words, aligned
             payload = payload.clone(memory_format=torch.contiguous_format)
         weights = pack.weights.contiguous()
         key = (dev, bucket(T), K, pack.payload.dtype, pack.payload.shape[1], pack.row_bytes,
