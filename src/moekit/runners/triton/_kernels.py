@@ -300,6 +300,17 @@ def _dequant_nibbles(
 # the same values as the subtraction / product of `_dequant_nibbles`' 16-bit path.
 
 
+def _asm_scale_and_store(fmt: str, scaled: bool, s01: str, s23: str) -> list[str]:
+    """The end of a dequantization block: (scaled) l0 h0 times the scales of elements (0, 1)
+    in operand s01, l1 h1 times s23; then the four results to $0..$3."""
+    lines = []
+    if scaled:
+        lines += [f"fma.rn.{fmt}x2 {r}, {r}, {sc}, nz;"
+                  for r, sc in (("l0", s01), ("l1", s23), ("h0", s01), ("h1", s23))]
+    return lines + ["mov.b32 $0, l0;", "mov.b32 $1, l1;", "mov.b32 $2, h0;", "mov.b32 $3, h1;",
+                    "}"]
+
+
 def _asm_int4(fmt: str, scaled: bool) -> str:
     """PTX for int4 nibbles -> (c - zero) [* scale] in `fmt` ('bf16' or 'f16'). Operands: $0 $1
     lo nibbles, $2 $3 hi nibbles (outputs), $4 the 4 bytes, $5 $6 -(magic + zero) of elements
@@ -324,15 +335,7 @@ def _asm_int4(fmt: str, scaled: bool) -> str:
         f"fma.rn.{fmt}x2 h0, h0, one, $5;",
         f"fma.rn.{fmt}x2 h1, h1, one, $6;",
     ]
-    if scaled:
-        lines += [
-            f"fma.rn.{fmt}x2 l0, l0, $7, nz;",
-            f"fma.rn.{fmt}x2 l1, l1, $8, nz;",
-            f"fma.rn.{fmt}x2 h0, h0, $7, nz;",
-            f"fma.rn.{fmt}x2 h1, h1, $8, nz;",
-        ]
-    lines += ["mov.b32 $0, l0;", "mov.b32 $1, l1;", "mov.b32 $2, h0;", "mov.b32 $3, h1;", "}"]
-    return "\n".join(lines)
+    return "\n".join(lines + _asm_scale_and_store(fmt, scaled, "$7", "$8"))
 
 
 def _asm_e2m1(fmt: str, scaled: bool) -> str:
@@ -362,15 +365,7 @@ def _asm_e2m1(fmt: str, scaled: bool) -> str:
             f"lop3.b32 {dst}, b, 0x80008000, a, 0xea;",
             f"fma.rn.{fmt}x2 {dst}, {dst}, p, nz;",
         ]
-    if scaled:
-        lines += [
-            f"fma.rn.{fmt}x2 l0, l0, $5, nz;",
-            f"fma.rn.{fmt}x2 l1, l1, $6, nz;",
-            f"fma.rn.{fmt}x2 h0, h0, $5, nz;",
-            f"fma.rn.{fmt}x2 h1, h1, $6, nz;",
-        ]
-    lines += ["mov.b32 $0, l0;", "mov.b32 $1, l1;", "mov.b32 $2, h0;", "mov.b32 $3, h1;", "}"]
-    return "\n".join(lines)
+    return "\n".join(lines + _asm_scale_and_store(fmt, scaled, "$5", "$6"))
 
 
 _ASM_INT4_BF16 = tl.constexpr(_asm_int4("bf16", True))
