@@ -136,24 +136,16 @@ def test_portable_dequant_vs_reference_cpu(quant, SG, half):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("asm", [True, False], ids=["ptx", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("quant,SG,half", CASES)
-def test_asm_dequant_bit_exact_gpu(quant, SG, half, dtype):
+def test_dequant_bit_exact_gpu(quant, SG, half, dtype, asm):
+    """Both dequantization paths (inline PTX and the portable twin) bit-exact on the GPU."""
     if half and quant in BF16_ONLY and dtype != torch.bfloat16:
         pytest.skip(f"{quant} takes the 16-bit path in bfloat16 only")
-    (lo, hi), (rlo, rhi) = _run(quant, SG, dtype, half, asm=True)
+    (lo, hi), (rlo, rhi) = _run(quant, SG, dtype, half, asm=asm)
     assert _same_bits(lo, rlo), (lo - rlo).abs().max()
     assert _same_bits(hi, rhi), (hi - rhi).abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("quant,SG,half", CASES)
-def test_portable_dequant_bit_exact_gpu(quant, SG, half, dtype):
-    if half and quant in BF16_ONLY and dtype != torch.bfloat16:
-        pytest.skip(f"{quant} takes the 16-bit path in bfloat16 only")
-    (plo, phi), (rlo, rhi) = _run(quant, SG, dtype, half, asm=False)
-    assert _same_bits(plo, rlo) and _same_bits(phi, rhi)
 
 
 def test_asm_only_where_it_can_run(monkeypatch):
