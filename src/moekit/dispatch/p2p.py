@@ -81,16 +81,23 @@ def p2p_unavailable(group, device: torch.device) -> str | None:
     return None
 
 
+_AGREED: dict = {}  # group name -> the group's answer (every dispatcher of a group shares it)
+
+
 def agreed(group, why: str | None) -> str | None:
     """p2p_unavailable's answer made the same on every rank of the (NCCL) group: one all-reduce
-    at set-up, so that no rank takes p2p while another takes NCCL."""
+    the first time a group asks (every rank builds its dispatchers in the same order), so that
+    no rank takes p2p while another takes NCCL."""
     if group is None or dist.get_world_size(group) < 2 or dist.get_backend(group) != "nccl":
         return why
+    if group.group_name in _AGREED:
+        return _AGREED[group.group_name]
     ok = torch.tensor([0 if why else 1], dtype=torch.int32,
                       device=torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if why is None and not int(ok.item()):
-        return "another rank of the EP group cannot use it"
+        why = "another rank of the EP group cannot use it"
+    _AGREED[group.group_name] = why
     return why
 
 
