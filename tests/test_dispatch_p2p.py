@@ -115,8 +115,8 @@ def test_p2p_offsets_refuse_batches_over_the_buffers():
 def run_p2p_case() -> dict:
     """Normal mode with normal_transport 'p2p' (graphs and eager) against 'nccl', call after
     call with changing T on every rank (ranks 2, 3 repeat ranks 0, 1: empty ranks, every
-    token to rank 0, a batch over the p2p buffers, which falls back to NCCL), bf16 and fp8 rows: the same received rows, ids,
-    weights and combine, bit for bit."""
+    token to rank 0, a batch over the p2p buffers, which falls back to NCCL), bf16 and fp8
+    rows: the same received rows, ids, weights and combine, bit for bit."""
     import torch.distributed as dist
 
     from moekit.dispatch.alltoall import AllToAllDispatcher
