@@ -33,8 +33,6 @@ float16, T = 1 and 16.
                 for each N ('maxnregN_us')
     --noswap    also time each packed 4-bit point with the looked-up configs but swap_ab off
                 ('noswap_us')
-    --unfused-h also time each w8a8 point with `PIPELINE.fuse_h_quant` off (h stored in bf16
-                and quantized by a separate kernel; 'unfused_h_us')
     --out NAME  result file name under $OUT (default triton_quant.json)
     --once MODEL:FORMAT:T   only run that call a few times (no graphs, no timing) and exit:
                 a target for a profiler (ncu)
@@ -125,18 +123,15 @@ def profile(out_dir: Path) -> None:
                     bm = max(c1.block_m, c2.block_m)
                     row["align_us"] = time_ms(lambda: align_block_size(tk.ids, E, bm), dev) * 1e3
                     rows = ops.Rows.sorted(align_block_size(tk.ids, E, bm), E)
-                group = ops.h_quant_group(wq, c1, x)  # h written quantized by gate_up
-                h, hs = ops.h_buffers(rows, wq, x, group)
-                h = ops.gate_up(x, rows, wq, shape.act, c1, K, h, h_scale=hs)
+                h = ops.gate_up(x, rows, wq, shape.act, c1, K)
                 out = torch.zeros(T, H, device=dev, dtype=dtype)
                 y = torch.empty(T * K, H, device=dev, dtype=dtype)
                 dst = out if c2.reduce == "atomic" else y
-                row["h_quant_fused"] = bool(group)
                 row["gate_up_us"] = time_ms(
-                    lambda: ops.gate_up(x, rows, wq, shape.act, c1, K, h, h_scale=hs), dev) * 1e3
+                    lambda: ops.gate_up(x, rows, wq, shape.act, c1, K, h), dev) * 1e3
                 row["down_us"] = time_ms(
-                    lambda: ops.down(h, rows, wq, c2, dst, tk.weights, K, h_scale=hs), dev) * 1e3
-                if not spec.weight_only and not group:
+                    lambda: ops.down(h, rows, wq, c2, dst, tk.weights, K), dev) * 1e3
+                if not spec.weight_only:
                     row["quant_x_us"] = time_ms(lambda: ops.quantize_input(x, spec), dev) * 1e3
                     row["quant_h_us"] = time_ms(lambda: ops.quantize_input(h, spec), dev) * 1e3
                 row["layer_us"] = time_ms(lambda: ops.fused_moe(x, tk, wq, shape.act), dev) * 1e3
@@ -230,7 +225,6 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     noswap = "--noswap" in args
-    unfused_h = "--unfused-h" in args
     maxnregs = [int(n) for n in (_option(args, "--maxnreg") or "").split(",") if n]
     out_name = _option(args, "--out") or "triton_quant.json"
     if "--profile" in args and torch.cuda.is_available():
@@ -330,14 +324,6 @@ def main() -> int:
                             r_ms[nreg] = time_ms(lambda: call(wq), dev, **reps) / R
                         finally:
                             ops.PIPELINE = saved
-                    u_ms = None
-                    if unfused_h and not spec.weight_only:
-                        saved = ops.PIPELINE
-                        ops.PIPELINE = replace(saved, fuse_h_quant=False)
-                        try:
-                            u_ms = time_ms(lambda: call(wq), dev, **reps) / R
-                        finally:
-                            ops.PIPELINE = saved
                     n_ms = None
                     if noswap and fmt in PACKED:
                         cf = tuple(replace(c, swap_ab=False)
@@ -366,8 +352,6 @@ def main() -> int:
                     p["asm_speedup"] = round(p_ms / q_ms, 3)
                 if n_ms is not None:
                     p["noswap_us"] = round(n_ms * 1e3, 2)
-                if u_ms is not None:
-                    p["unfused_h_us"] = round(u_ms * 1e3, 2)
                 for nreg, ms in r_ms.items():
                     p[f"maxnreg{nreg}_us"] = round(ms * 1e3, 2)
                 result["points"].append(p)
@@ -378,7 +362,6 @@ def main() -> int:
                     + (f"  portable {p['portable_us']:8.1f} us ({p['asm_speedup']:.2f}x)"
                        if p_ms is not None else "")
                     + (f"  noswap {p['noswap_us']:8.1f} us" if n_ms is not None else "")
-                    + (f"  unfused h {p['unfused_h_us']:8.1f} us" if u_ms is not None else "")
                     + "".join(f"  maxnreg={n} {ms * 1e3:8.1f} us" for n, ms in r_ms.items()),
                     flush=True,
                 )

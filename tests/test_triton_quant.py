@@ -349,36 +349,6 @@ def test_fused_act_quant_gpu(model, tp, ep, monkeypatch):
     assert rel_err(fused, separate) < W8A8_TOL[torch.bfloat16]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 37, 300])
-@pytest.mark.parametrize("act", [ActivationSpec("silu"),
-                                 ActivationSpec("swiglu_oai", interleaved=True)])
-def test_h_quant_fused_gpu(T, act, monkeypatch):
-    """fp8 block-wise with token-group activations: gate_up writing h quantized
-    (`PIPELINE.fuse_h_quant`, block_n a multiple of the group) gives the output of a bf16 h
-    quantized by the separate `quantize_act` kernel, bit for bit. I = 320 leaves a partial
-    last group; direct (T = 1) and sorted rows, and the masked format."""
-    E, K, H, I = 6, 2, 256, 320
-    w = make_experts(Fp8W8A8("block"), E, H, I, bias=act.name == "swiglu_oai")
-    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE) * 3
-    topk = make_topk(T, K, E, masked=0.2)
-    cfgs = (GemmConfig(16, 128, 128), GemmConfig(16, 64, 128, reduce="kernel"))  # no atomics
-    assert ops.h_quant_group(w, cfgs[0], x) == 128
-    assert ops.h_quant_group(w, cfgs[1], x) == 0  # block_n 64: a group spans two programs
-    x_ECH = torch.randn(E, 24, H, device=DEVICE, dtype=DTYPE)
-    counts = torch.randint(0, 25, (E,), device=DEVICE, dtype=torch.int32)
-    valid = torch.arange(24, device=DEVICE)[None, :] < counts[:, None]
-    outs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, fuse_h_quant=fuse))
-        outs[fuse] = (ops.fused_moe(x, topk, w, act, configs=cfgs),
-                      ops.fused_moe_masked(x_ECH, counts, w, act, configs=cfgs)[valid])
-    assert torch.equal(outs[True][0], outs[False][0])
-    assert torch.equal(outs[True][1], outs[False][1])
-    ref = TorchRunner().run(StandardDispatchOutput(x, topk), w, act).out
-    assert rel_err(outs[True][0], ref) < W8A8_TOL[DTYPE]
-
-
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run")
 def test_tiny_tune_quantized(tmp_path):
     """`moekit tune --quantization`: tables keyed by the format, found by the runner's lookup."""

@@ -438,45 +438,39 @@ def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
     from moekit.runners.triton import ops
 
     rows = p.rows(cfg.block_m)
-    group = ops.h_quant_group(p.w, cfg, p.x)  # h written quantized for down (fp8 block)
-    outs = []
-    for r in rows:
-        h, hs = ops.h_buffers(r, p.w, p.x, group)
-        if h is None:
-            h = torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
-        outs.append((h, hs))
+    outs = [
+        torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
+        for r in rows
+    ]
 
     def fn():
-        for r, (h, hs) in zip(rows, outs):
-            ops.gate_up(p.x, r, p.w, p.shape.act, cfg, p.shape.top_k, h, warmup=warmup,
-                        h_scale=hs)  # fmt: skip
+        for r, o in zip(rows, outs):
+            ops.gate_up(p.x, r, p.w, p.shape.act, cfg, p.shape.top_k, o, warmup=warmup)
 
     return fn, outs
 
 
 def _down_fn(p: _Point, h_cfg: GemmConfig, hs, cfg: GemmConfig, warmup: bool = False):
-    """The down GEMM on gate_up outputs `hs` ((h, h_scale or None) per routing, aligned for
-    h_cfg.block_m) plus the reduction. Its block_m must divide h_cfg's alignment block;
-    otherwise it gets its own alignment and the first rows of hs are reused (timing only)."""
+    """The down GEMM on gate_up outputs `hs` (aligned for h_cfg.block_m) plus the reduction.
+    Its block_m must divide h_cfg's alignment block; otherwise it gets its own alignment and
+    the first rows of hs are reused (timing only)."""
     from moekit.runners.triton import ops
 
     T, H, K = p.T, p.shape.hidden, p.shape.top_k
     bm = max(cfg.block_m, h_cfg.block_m)
     rows = p.rows(bm)
-    if bm != h_cfg.block_m:
-        hs = [tuple(t if t is None else _padded_rows(t, r.slots()) for t in pair)
-              for pair, r in zip(hs, rows)]  # fmt: skip
+    hs = [h if bm == h_cfg.block_m else _padded_rows(h, r.slots()) for h, r in zip(hs, rows)]
     atomic = cfg.reduce == "atomic"
     out = torch.empty(T, H, device=p.device, dtype=p.x.dtype)
     y = None if atomic else torch.empty(T * K, H, device=p.device, dtype=p.x.dtype)
 
     def fn():
-        for r, (h, h_scale), t in zip(rows, hs, p.topks):
+        for r, h, t in zip(rows, hs, p.topks):
             if atomic:
                 out.zero_()  # (in the layer, the gate_up launch zeroes it)
-                ops.down(h, r, p.w, cfg, out, t.weights, K, warmup, h_scale)
+                ops.down(h, r, p.w, cfg, out, t.weights, K, warmup)
             else:
-                ops.down(h, r, p.w, cfg, y, t.weights, K, warmup, h_scale)
+                ops.down(h, r, p.w, cfg, y, t.weights, K, warmup)
                 if not warmup:
                     ops.sum_topk(y, t.ids, p.shape.num_experts, out)
 

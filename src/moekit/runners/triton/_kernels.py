@@ -712,8 +712,6 @@ def _gate_up_kernel(
     stride_wse,
     stride_wsn,
     stride_xs,
-    hs_ptr,
-    stride_hs,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -738,8 +736,6 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    H_GROUP: tl.constexpr = 0,
-    H_DTYPE: tl.constexpr = None,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -753,10 +749,6 @@ def _gate_up_kernel(
     global scales ([E, ...], strides stride_wse / stride_wsn per expert / per scale row, K
     groups contiguous; WROWS weight rows share a scale row); w8a8: x holds the quantized
     activations and xs their scales (row stride stride_xs; 0 for one value per call).
-    H_GROUP > 0: h is written quantized for the down GEMM (`_store_h_quant`): fp8 e4m3 in
-    h_ptr and one scale per row and group of H_GROUP columns in hs_ptr [slots, N / H_GROUP]
-    (row stride stride_hs), from the values rounded to H_DTYPE first; BLOCK_N is a multiple
-    of H_GROUP.
     """
     pid = tl.program_id(0)
     if ZERO_OUT:
@@ -901,29 +893,7 @@ def _gate_up_kernel(
 
     n_out = n0 + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
-    h_mask = row_ok[:, None] & (n_out[None, :] < N)
-    if H_GROUP > 0:
-        _store_h_quant(act, h_ptrs, h_mask, hs_ptr + slot * stride_hs, n0 // H_GROUP, row_ok,
-                       N, BLOCK_M, BLOCK_N, H_GROUP, H_DTYPE)  # fmt: skip
-    else:
-        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=h_mask)
-
-
-@triton.jit
-def _store_h_quant(act, h_ptrs, h_mask, hs_rows, g0, row_ok, N, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, G: tl.constexpr, H_DTYPE: tl.constexpr):  # fmt: skip
-    """Store the activation tile act [BLOCK_M, BLOCK_N] (float32) quantized as
-    `moekit.quant.quantize_act` 'token_group' quantizes h after it is stored in H_DTYPE
-    (bit-identical on a GPU): per row and group of G columns, s = max(amax |h|, 1e-10) / 448
-    into hs_rows [BLOCK_M] (+ group index, from g0), q = h / s clamped to +-448 as e4m3."""
-    NG: tl.constexpr = BLOCK_N // G
-    h = tl.where(h_mask, act.to(H_DTYPE).to(tl.float32), 0.0)  # columns past N: not in a group
-    h = tl.reshape(h, [BLOCK_M, NG, G])
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=2), 1e-10), 448.0)  # [BLOCK_M, NG]
-    q = tl.minimum(tl.maximum(tl.div_rn(h, s[:, :, None]), -448.0), 448.0)
-    tl.store(h_ptrs, tl.reshape(q, [BLOCK_M, BLOCK_N]).to(tl.float8e4nv), mask=h_mask)
-    g = g0 + tl.arange(0, NG)
-    tl.store(hs_rows[:, None] + g[None, :], s, mask=row_ok[:, None] & (g[None, :] * G < N))
+    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (n_out[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "blocks_per_expert", "num_pid_m"])

@@ -100,14 +100,10 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md). fuse_h_quant: with fp8 per-token-group activations, the
-    gate_up GEMM writes h already quantized for the down GEMM (fp8 + group scales) when its
-    block_n is a multiple of the group, instead of a separate `quantize_act` launch over a
-    bf16 h (bit-identical on a GPU)."""
+    benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
-    fuse_h_quant: bool = True
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None

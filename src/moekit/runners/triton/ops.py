@@ -346,34 +346,6 @@ def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: to
     )
 
 
-def h_quant_group(w: ExpertWeights, gate_up_cfg: GemmConfig, x: torch.Tensor) -> int:
-    """The activation group size when the gate_up GEMM writes h already quantized for the
-    down GEMM (`_kernels._store_h_quant`): fp8_w8a8 with fp8 'token_group' activations,
-    gate_up's block_n a multiple of the group, on a GPU (the Triton interpreter casts to fp8
-    wrongly), `PIPELINE.fuse_h_quant` on. 0: h is stored in x's dtype and the down GEMM
-    quantizes it (`quantize_input`)."""
-    spec = w.spec
-    if not (PIPELINE.fuse_h_quant and w.is_quantized and x.device.type == "cuda"):
-        return 0
-    if spec.name != "fp8_w8a8" or spec.act_scheme != "token_group":
-        return 0
-    group = spec.act_group_size or 128
-    if spec.act_dtype != torch.float8_e4m3fn or gate_up_cfg.block_n % group:
-        return 0
-    return group
-
-
-def h_buffers(rows: "Rows", w: ExpertWeights, x: torch.Tensor, group: int):
-    """(h [slots, I], h_scale [slots, ceil(I / group)] float32 or None): the gate_up GEMM's
-    output, quantized fp8 with its group scales when `group` (`h_quant_group`), else in x's
-    dtype (None: `gate_up` allocates it)."""
-    if not group:
-        return None, None
-    I = w.intermediate_size
-    h = torch.empty(rows.slots(), I, dtype=torch.float8_e4m3fn, device=x.device)
-    return h, torch.empty(rows.slots(), triton.cdiv(I, group), device=x.device)
-
-
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
     """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
     packed / weight-only formats load through pointers (dequantized in registers)."""
@@ -399,14 +371,12 @@ def gate_up(
     out: torch.Tensor | None = None,
     zero: torch.Tensor | None = None,
     warmup: bool = False,
-    h_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
-    rows the GEMM leaves unwritten). `h_scale` (with `out` fp8, from `h_buffers`): h is
-    written quantized for the down GEMM, its group scales into h_scale."""
+    rows the GEMM leaves unwritten)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     wq = WeightQuant(w, "w13") if w.is_quantized else None
@@ -424,7 +394,7 @@ def gate_up(
         if zero is not None:
             zero.zero_()
         return out
-    xs = x_in = x
+    xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
@@ -436,19 +406,11 @@ def gate_up(
         w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, cfg.block_k])
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
-    h_meta = {}
-    if h_scale is not None:
-        group = w.spec.act_group_size or 128
-        if out.dtype != torch.float8_e4m3fn or cfg.block_n % group:
-            raise ValueError("gate_up: a quantized h needs an fp8 output and block_n a "
-                             f"multiple of the group {group} (see h_buffers)")
-        h_meta = dict(H_GROUP=group, H_DTYPE=getattr(triton.language, _dtype_name(x_in)))
     args = (
         x, w.w13, w_desc, b13, out, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
-        h_scale if h_scale is not None else out, h_scale.stride(0) if h_scale is not None else 0,
     )  # fmt: skip
     meta = dict(
         ACT=_ACT_CODES[act.name],
@@ -460,7 +422,6 @@ def gate_up(
         **(wq.meta(cfg.block_k, fused, out.dtype, wq.asm_dequant(cfg, tile_rows, x.dtype))
            if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
-        **h_meta,
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
@@ -475,12 +436,10 @@ def down(
     topk_weights: torch.Tensor | None = None,
     top_k: int = 1,
     warmup: bool = False,
-    h_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
-    ('atomic'). Masked rows: unweighted into out [E * capacity, H]. `h_scale`: h is already
-    quantized (fp8 with these group scales, written by `gate_up`)."""
+    ('atomic'). Masked rows: unweighted into out [E * capacity, H]."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
@@ -491,10 +450,10 @@ def down(
     grid = (row_args[-1] * triton.cdiv(H, cfg.block_n),)
     if grid[0] == 0:
         return out
-    hs = h if h_scale is None else h_scale
+    hs = h
     dot_dtype = h.dtype
-    fused = h_scale is None and _fuse_act_quant(wq, rows, cfg, h)
-    if wq is not None and wq.quant == k.Q_W8A8 and not fused and h_scale is None:
+    fused = _fuse_act_quant(wq, rows, cfg, h)
+    if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         h, hs = quantize_input(h, w.spec)  # unwritten rows of h are zeros for dynamic_tensor
     use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
@@ -582,14 +541,13 @@ def fused_moe(
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
         rows = Rows.sorted(align, w.num_experts)
-    h, hs = h_buffers(rows, w, x_TH, h_quant_group(w, cfg1, x_TH))
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-        h = gate_up(x_TH, rows, w, act, cfg1, K, h, zero=out, h_scale=hs)
-        return down(h, rows, w, cfg2, out, weights, K, h_scale=hs)
-    h = gate_up(x_TH, rows, w, act, cfg1, K, h, h_scale=hs)
+        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out)
+        return down(h, rows, w, cfg2, out, weights, K)
+    h = gate_up(x_TH, rows, w, act, cfg1, K)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K, h_scale=hs)
+    down(h, rows, w, cfg2, y, weights, K)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 
@@ -626,7 +584,6 @@ def fused_moe_masked(
     counts = counts_E.to(device=x.device, dtype=torch.int32).contiguous()
     cfg1, cfg2 = configs or masked_configs(C, w)
     rows = Rows.masked(counts, C, E)
-    h, hs = h_buffers(rows, w, x, h_quant_group(w, cfg1, x))
-    h = gate_up(x, rows, w, act, cfg1, 1, h, h_scale=hs)
-    down(h, rows, w, cfg2, out.view(E * C, H), h_scale=hs)
+    h = gate_up(x, rows, w, act, cfg1, 1)
+    down(h, rows, w, cfg2, out.view(E * C, H))
     return out
