@@ -736,7 +736,6 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    GDC_LAUNCH: tl.constexpr = False,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -750,11 +749,7 @@ def _gate_up_kernel(
     global scales ([E, ...], strides stride_wse / stride_wsn per expert / per scale row, K
     groups contiguous; WROWS weight rows share a scale row); w8a8: x holds the quantized
     activations and xs their scales (row stride stride_xs; 0 for one value per call).
-    GDC_LAUNCH: let the next kernel (down, launched programmatically dependent) start on the
-    SMs this grid leaves free; it waits for this grid's writes before reading anything.
     """
-    if GDC_LAUNCH:
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if ZERO_OUT:
         zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
@@ -958,7 +953,6 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    GDC_WAIT: tl.constexpr = False,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -967,11 +961,8 @@ def _down_kernel(
     (out [T, H], zeroed before). Masked rows: stored unweighted at out[slot] (out [E*C, H]).
     USE_TMA: h_desc (h [slots, I], block [BLOCK_M, BLOCK_K]) and w_desc (w2 viewed [E * H, I],
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
-    (w8a8: h holds the quantized intermediate, xs its scales). GDC_WAIT (a programmatic
-    dependent launch after gate_up): first wait until the previous kernel's writes are visible.
+    (w8a8: h holds the quantized intermediate, xs its scales).
     """
-    if GDC_WAIT:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)

@@ -100,16 +100,13 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md). pdl: launch the down GEMM as a programmatic dependent launch
-    of gate_up (CUDA compute capability 9.0+): its programs are placed while gate_up's last
-    ones still run and wait on the GPU for gate_up's writes, which hides one launch gap."""
+    benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
-    pdl: bool = True
 
 
 PIPELINE = PipelineConfig()

@@ -246,13 +246,6 @@ def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
     )
 
 
-def pdl_ok(t: torch.Tensor) -> bool:
-    """Whether gate_up -> down go as a programmatic dependent launch (`PIPELINE.pdl`): on a
-    CUDA GPU of compute capability 9.0+, not under the interpreter."""
-    return (PIPELINE.pdl and t.device.type == "cuda" and not interpret_mode()
-            and torch.cuda.get_device_capability(t.device) >= (9, 0))  # fmt: skip
-
-
 def _launch(kernel, grid, args, meta, warmup: bool):
     if meta.get("PACK") == 2 and PIPELINE.packed_maxnreg and meta.get("ASM"):
         meta = dict(meta, maxnreg=PIPELINE.packed_maxnreg)
@@ -429,7 +422,6 @@ def gate_up(
         **(wq.meta(cfg.block_k, fused, out.dtype, wq.asm_dequant(cfg, tile_rows, x.dtype))
            if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
-        GDC_LAUNCH=pdl_ok(x),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
@@ -484,8 +476,6 @@ def down(
            if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
-    if pdl_ok(h):
-        meta.update(GDC_WAIT=True, launch_pdl=True)
     _launch(k._down_kernel, grid, args, meta, warmup)
     return out
 
