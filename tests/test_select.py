@@ -76,10 +76,11 @@ def fake_runner(name: str, *, needs_gpu=True, sm=None, lib=None, formats=("stand
 
 @pytest.fixture
 def fakes(monkeypatch):
-    """Replace the registry with fake runners: triton, triton_kernel (GPU), cutlass (GPU, SM90,
-    standard + masked), deep_gemm (SM90 + sgl-deep-gemm), torch (anywhere)."""
+    """Replace the registry with fake runners: triton (GPU, unquantized + fp8_w8a8),
+    triton_kernel (GPU), cutlass (GPU, SM90, standard + masked), deep_gemm (SM90 +
+    sgl-deep-gemm), torch (anywhere)."""
     runners = {
-        "triton": fake_runner("triton", lib="triton"),
+        "triton": fake_runner("triton", lib="triton", weight_formats=("unquantized", "fp8_w8a8")),
         "triton_kernel": fake_runner("triton_kernel", lib="triton"),
         "cutlass": fake_runner("cutlass", sm=90, formats=("standard", "masked")),
         "deep_gemm": fake_runner("deep_gemm", sm=90, lib="sgl-deep-gemm",
@@ -127,7 +128,7 @@ def test_requested_format_and_workload_rules(fakes):
     with pytest.raises(ConfigError, match="dispatch format 'masked'"):
         select_runner(shaped(8, format="masked"), RunnerConfig("triton"), H100, tables=NO_TABLES)
     with pytest.raises(ConfigError, match="weight format 'fp8_w8a8'"):
-        select_runner(shaped(8, weight_format="fp8_w8a8"), RunnerConfig("triton"), H100,
+        select_runner(shaped(8, weight_format="fp8_w8a8"), RunnerConfig("triton_kernel"), H100,
                       tables=NO_TABLES)
 
 
