@@ -13,8 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Activation codes (constexpr ACT of the gate_up kernels).
+# Activation codes (constexpr ACT of the gate_up kernels), by ActivationSpec.name.
 ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI = 0, 1, 2
+ACT_CODES = {"silu": ACT_SILU, "gelu": ACT_GELU, "swiglu_oai": ACT_SWIGLU_OAI}
 
 
 @triton.jit

@@ -24,10 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.runners._triton_common import (  # noqa: F401 - ACT_* re-exported for ops
-    ACT_GELU,
-    ACT_SILU,
-    ACT_SWIGLU_OAI,
+from moekit.runners._triton_common import (
     activate,
     desc_w_tile,
     load_a_tile,

@@ -23,6 +23,7 @@ import triton
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
 from moekit.runners._triton_base import interpret_mode
+from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.align import AlignOutput, align_block_size
 from moekit.runners.triton.configs import (
@@ -34,7 +35,6 @@ from moekit.runners.triton.configs import (
     quant_tag,
 )
 
-_ACT_CODES = {"silu": k.ACT_SILU, "gelu": k.ACT_GELU, "swiglu_oai": k.ACT_SWIGLU_OAI}
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -386,8 +386,8 @@ def gate_up(
         dyn = wq is not None and wq.quant == k.Q_W8A8 and wq.ascale == k.S_TENSOR
         alloc = torch.zeros if dyn else torch.empty
         out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
-    if act.name not in _ACT_CODES:
-        raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(_ACT_CODES)}")
+    if act.name not in ACT_CODES:
+        raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
     row_args = rows.args(cfg.block_m, top_k)
     grid = (row_args[-1] * triton.cdiv(I, cfg.block_n),)
     if grid[0] == 0:
@@ -413,7 +413,7 @@ def gate_up(
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
     )  # fmt: skip
     meta = dict(
-        ACT=_ACT_CODES[act.name],
+        ACT=ACT_CODES[act.name],
         HAS_BIAS=w.b13 is not None,
         INTERLEAVED=act.interleaved,
         ROWS=rows.mode,

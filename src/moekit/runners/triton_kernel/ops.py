@@ -21,6 +21,7 @@ import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
+from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import (  # shared with the triton runner
     check_weight_tensors,
     kernel_inputs,
@@ -30,7 +31,6 @@ from moekit.runners.triton_kernel import _kernels as k
 from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_for
 from moekit.runners.triton_kernel.routing import Routing, route
 
-ACT_CODES = {"silu": k.ACT_SILU, "gelu": k.ACT_GELU, "swiglu_oai": k.ACT_SWIGLU_OAI}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
