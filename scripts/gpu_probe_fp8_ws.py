@@ -65,23 +65,66 @@ def _grouped_kernel(
     tl.store(c, acc.to(tl.bfloat16))
 
 
+@triton.jit
+def _persistent_kernel(
+    a_desc, b_desc, as_ptr, bs_ptr, c_ptr, be_ptr, M, N, K,
+    stride_ask, stride_bse, stride_bsn, stride_cm,
+    SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, WS: tl.constexpr, NSTAGE: tl.constexpr, NUM_SMS: tl.constexpr,
+):  # fmt: skip
+    """_grouped_kernel with NUM_SMS programs looping over the tiles, the warp specialization on
+    the tile loop (the form Triton's own persistent matmul uses; flatten=True drops it)."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_pid_n
+    for tile in tl.range(
+        tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, warp_specialize=WS, num_stages=NSTAGE
+    ):
+        first = (tile // width) * GROUP_M
+        gsz = min(num_pid_m - first, GROUP_M)
+        pid_m = first + (tile % width) % gsz
+        pid_n = (tile % width) // gsz
+        e = tl.load(be_ptr + pid_m)
+        m0 = pid_m * BM
+        n0 = pid_n * BN
+        offs_m = m0 + tl.arange(0, BM)
+        offs_n = n0 + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for ki in range(K // BK):
+            a = a_desc.load([m0, ki * BK])
+            b = b_desc.load([e * N + n0, ki * BK])
+            if SCALE:
+                sa = tl.load(as_ptr + ki * stride_ask + offs_m)
+                sb = tl.load(bs_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + ki)
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+            else:
+                acc = tl.dot(a, b.T, acc)
+        c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c, acc.to(tl.bfloat16))
+
+
 SHAPES = {  # name: (E, rows an expert at T = 4096, N, K)
     "qwen3_gate_up": (128, 256, 1536, 2048),
     "qwen3_down": (128, 256, 2048, 768),
     "deepseek_gate_up": (32, 1024, 4096, 7168),
     "deepseek_down": (32, 1024, 7168, 2048),
 }
-# (label, dtype, SCALE, WS, num_warps, BM, BN, stages)
+# (label, dtype, SCALE, WS, num_warps, BM, BN, stages, persistent)
 VARIANTS = [
-    ("fp8 plain nw8 128x256", "fp8", 0, False, 8, 128, 256, 4),
-    ("fp8 block nw8 128x128", "fp8", 1, False, 8, 128, 128, 4),
-    ("fp8 block ws nw4 128x128 s3", "fp8", 1, True, 4, 128, 128, 3),
-    ("fp8 block ws nw4 128x128 s4", "fp8", 1, True, 4, 128, 128, 4),
-    ("fp8 block ws nw4 128x128 s5", "fp8", 1, True, 4, 128, 128, 5),
+    ("fp8 plain nw8 128x256", "fp8", 0, False, 8, 128, 256, 4, False),
+    ("fp8 block nw8 128x128", "fp8", 1, False, 8, 128, 128, 4, False),
+    ("fp8 block ws nw4 128x128 s3", "fp8", 1, True, 4, 128, 128, 3, False),
+    ("fp8 block ws nw4 128x128 s4", "fp8", 1, True, 4, 128, 128, 4, False),
+    ("fp8 block ws nw4 128x128 s5", "fp8", 1, True, 4, 128, 128, 5, False),
+    ("bf16 plain ws nw4 128x128 s3", "bf16", 0, True, 4, 128, 128, 3, False),
+    ("fp8 plain ws nw4 128x128 s3", "fp8", 0, True, 4, 128, 128, 3, False),
+    ("fp8 block persistent ws nw4 128x128 s3", "fp8", 1, True, 4, 128, 128, 3, True),
+    ("fp8 plain persistent ws nw4 128x128 s3", "fp8", 0, True, 4, 128, 128, 3, True),
 ]
-# Seen on the H100 (first call): a warp-specialized unscaled fp8 128x256 tile (smem 229 KB)
-# hung the GPU; every (shape, variant) now runs in its own process under a time limit.
-VARIANT_TIMEOUT_S = 45
+# Seen on the H100: every warp-specialized variant of _grouped_kernel timed out (a hung GPU),
+# unscaled ones too; each (shape, variant) runs in its own process under a time limit.
+# PROBE_SHAPES / PROBE_VARIANTS (comma lists of names / indices) narrow a run.
+VARIANT_TIMEOUT_S = int(os.environ.get("PROBE_TIMEOUT_S", "45"))
 
 
 def _graph_us(fn, reps: int = 5) -> float:
@@ -106,25 +149,50 @@ def _graph_us(fn, reps: int = 5) -> float:
 def _one(name: str, vi: int) -> dict:
     """Time and check variant VARIANTS[vi] on shape SHAPES[name] (in this process)."""
     E, rows, N, K = SHAPES[name]
-    label, _dt, scale, ws, nw, bm, bn, st = VARIANTS[vi]
+    label, dt, scale, ws, nw, bm, bn, st, persistent = VARIANTS[vi]
     dev = torch.device("cuda")
     M = E * rows
     torch.manual_seed(0)
-    a8 = (torch.randn(M, K, device=dev) * 8).to(torch.float8_e4m3fn)
-    b8 = (torch.randn(E * N, K, device=dev) * 10).to(torch.float8_e4m3fn)
+    dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
+    a8 = (torch.randn(M, K, device=dev) * 8).to(dtype)
+    b8 = (torch.randn(E * N, K, device=dev) * 10).to(dtype)
     a_s = torch.rand(K // 128, M, device=dev) * 0.1 + 0.05
     b_s = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 0.001
     be = torch.arange(M // bm, device=dev, dtype=torch.int32) * bm // rows
     c = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
     da = TensorDescriptor.from_tensor(a8, [bm, 128])
     db = TensorDescriptor.from_tensor(b8, [bn, 128])
-    grid = ((M // bm) * (N // bn),)
+    tiles = (M // bm) * (N // bn)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    kernel, grid = (
+        (_persistent_kernel, (min(sms, tiles),)) if persistent else (_grouped_kernel, (tiles,))
+    )
+    extra = {"NUM_SMS": min(sms, tiles)} if persistent else {}
 
     def launch():
-        _grouped_kernel[grid](
-            da, db, a_s, b_s, c, be, M, N, K, a_s.stride(0), b_s.stride(0), b_s.stride(1),
-            c.stride(0), SCALE=scale, BM=bm, BN=bn, BK=128, GROUP_M=8, WS=ws, NSTAGE=st,
+        kernel[grid](
+            da,
+            db,
+            a_s,
+            b_s,
+            c,
+            be,
+            M,
+            N,
+            K,
+            a_s.stride(0),
+            b_s.stride(0),
+            b_s.stride(1),
+            c.stride(0),
+            SCALE=scale,
+            BM=bm,
+            BN=bn,
+            BK=128,
+            GROUP_M=8,
+            WS=ws,
+            NSTAGE=st,
             num_warps=nw,
+            **extra,
         )
 
     us = _graph_us(launch)
@@ -135,7 +203,7 @@ def _one(name: str, vi: int) -> dict:
             r = slice(e * rows, (e + 1) * rows)
             sa = a_s[:, r].T.repeat_interleave(128, dim=1)
             sb = b_s[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
-            want = (a8[r].float() * sa) @ (b8[e * N:(e + 1) * N].float() * sb).T
+            want = (a8[r].float() * sa) @ (b8[e * N : (e + 1) * N].float() * sb).T
             got = c[r].float()
             errs.append(((got - want).abs().max() / want.abs().max()).item())
         rec["max_rel_err"] = max(errs)
@@ -149,8 +217,9 @@ def _child(name: str, vi: int) -> dict:
 
     cmd = [sys.executable, __file__, "--one", name, str(vi)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=VARIANT_TIMEOUT_S,
-                           check=False)
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=VARIANT_TIMEOUT_S, check=False
+        )
     except subprocess.TimeoutExpired:
         return {"variant": VARIANTS[vi][0], "error": f"timed out after {VARIANT_TIMEOUT_S} s"}
     for line in r.stdout.splitlines():
@@ -166,18 +235,24 @@ def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print("RESULT " + json.dumps(_one(sys.argv[2], int(sys.argv[3]))), flush=True)
         return
+    only = os.environ.get("PROBE_SHAPES")
+    pick = os.environ.get("PROBE_VARIANTS")
+    indices = [int(v) for v in pick.split(",")] if pick else range(len(VARIANTS))
     shapes = []
     for name, (E, rows, N, K) in SHAPES.items():
+        if only and name not in only.split(","):
+            continue
         recs = []
-        for vi in range(len(VARIANTS)):
+        for vi in indices:
             recs.append(_child(name, vi))
             print(name, recs[-1], flush=True)
         base = recs[0].get("us")
         for r in recs:
             if base and "us" in r:
                 r["over_fp8_plain"] = r["us"] / base
-        shapes.append({"shape": name, "E": E, "rows_per_expert": rows, "N": N, "K": K,
-                       "variants": recs})
+        shapes.append(
+            {"shape": name, "E": E, "rows_per_expert": rows, "N": N, "K": K, "variants": recs}
+        )
     res = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
