@@ -21,11 +21,11 @@ try:  # Triton is optional: the twins below run everywhere.
     import triton
     import triton.language as tl
 
+    from moekit.runners._triton_common import ACT_CODES, activate as activate_tl
+
     HAS_TRITON = True
 except Exception:  # noqa: BLE001
     HAS_TRITON = False
-
-_ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 
 
 # ---------------------------------------------------------------------------- torch twins
@@ -104,14 +104,7 @@ if HAS_TRITON:
             brow = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b
             gate += tl.load(brow + gate_cols, mask=mask, other=0.0).to(tl.float32)
             up += tl.load(brow + up_cols, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            out = gate * tl.sigmoid(gate) * up
-        elif ACT == 1:
-            out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
-        else:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            out = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        out = activate_tl(gate, up, alpha, limit, ACT)
         out_row = a_ptr + m.to(tl.int64) * stride_a
         tl.store(out_row + cols, out.to(a_ptr.dtype.element_ty), mask=mask)
 
@@ -182,7 +175,7 @@ def activation_triton(
         bias.stride(0),
         float(act.alpha),
         float(act.limit),
-        ACT=_ACT_CODES[act.name],
+        ACT=ACT_CODES[act.name],
         INTERLEAVED=act.interleaved,
         HAS_BIAS=b13_EN is not None,
         BLOCK=block,
