@@ -120,6 +120,14 @@ VARIANTS = {
     "int8-w8a8-swap": Variant(
         "int8_w8a8", (GemmConfig(16, 16, 32, swap_ab=True), GemmConfig(16, 16, 64, swap_ab=True))
     ),
+    # split-K down: K shares by the step (scales of each share's own groups), bias once
+    "int4-g32-split4-bias": Variant(
+        "int4-g32-sym", (GemmConfig(16, 32, 64), GemmConfig(16, 32, 32, reduce="atomic", split_k=4)),
+        OAI, True,
+    ),
+    "fp8-block-split2": Variant(
+        "fp8-block", (GemmConfig(16, 32, 128), GemmConfig(16, 16, 64, reduce="atomic", split_k=2))
+    ),
 }
 
 

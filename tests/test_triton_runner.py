@@ -49,6 +49,11 @@ MIXED_BM = (GemmConfig(32, 16, 32, group_m=2), GemmConfig(16, 16, 16, group_m=1)
 
 TMA = (GemmConfig(16, 16, 16, tma=True), GemmConfig(16, 16, 16, tma=True, reduce="atomic"))
 TMA_SWAP = (GemmConfig(32, 16, 32, tma=True, swap_ab=True), GemmConfig(16, 32, 16, tma=True))
+# split-K down: 2 shares of 3 K steps of 16 (I = 48 below), 8 shares of ceil(3 / 8) = 1 step
+# (five programs of each tile get no step and add zeros)
+SPLIT_K = (GemmConfig(16, 16, 16), GemmConfig(16, 32, 16, reduce="atomic", split_k=2))
+SPLIT_K8_TMA = (GemmConfig(16, 16, 16), GemmConfig(16, 16, 16, reduce="atomic", split_k=8,
+                                                    tma=True, swap_ab=True))
 
 CASES = [
     Case("T0", T=0),
@@ -68,6 +73,9 @@ CASES = [
     Case("tma", configs=TMA, T=9, H=64, I=48, masked=0.2, bias=True),
     Case("tma-swap-interleaved", configs=TMA_SWAP, T=6, H=64, I=40, act="swiglu_oai",
          interleaved=True, bias=True, dtype=torch.float16),  # fmt: skip
+    Case("split-k-bias", configs=SPLIT_K, T=9, H=40, I=48, masked=0.2, bias=True),
+    Case("T1-split-k8-tma", configs=SPLIT_K8_TMA, T=1, K=3, H=64, I=48, bias=True,
+         dtype=torch.float16),  # fmt: skip
 ]
 
 
@@ -212,7 +220,7 @@ def test_presets_bf16_gpu(model, tp, ep):
 
 
 VARIANTS = {"swap": SWAP, "atomic": ATOMIC, "mixed": MIXED_BM, "tma": TMA, "tma-swap": TMA_SWAP,
-            "lookup": None}  # fmt: skip
+            "split-k": SPLIT_K, "split-k8-tma": SPLIT_K8_TMA, "lookup": None}  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -266,6 +266,12 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
 # block_n 64 (gate_up 16 x 64 / 2 warps: packed bytes through ldmatrix, triton_notes.md).
 TWO_WARPS_MAX_TILE = 16 * 64
 
+# The down search also tries these split_k (on its two best atomic configs) when a used expert
+# gets at most SPLIT_K_MAX_ROWS rows: decode batches, where the down GEMM has only a few
+# hundred weight tiles for 132 SMs and each program streams its tile's K steps one by one.
+SPLIT_K_TRIES = (2, 4)
+SPLIT_K_MAX_ROWS = 16
+
 
 def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: TileBytes | int = 2):
     """Round 2: warps and pipeline stages around one tile, and the other group_m. Warps 4
@@ -498,9 +504,11 @@ def _search(
     variants: Callable[[GemmConfig], list[GemmConfig]],
     advance: Callable[[int], None],
     limit: int | None = None,
+    split_ks: tuple[int, ...] = (),
 ) -> tuple[GemmConfig, float, dict]:
     """Two-round search; returns (best config, its time in us, {config: us or error}).
-    `limit` (tests): only the first `limit` tiles, and no second round."""
+    down also tries the atomic reduction on the three best, then each of `split_ks` on the two
+    best atomic ones. `limit` (tests): only the first `limit` tiles, and no later round."""
     tried: dict[GemmConfig, float | str] = {}
 
     def run(cands):
@@ -521,9 +529,11 @@ def _search(
     for _, c in ok[:2]:
         second += variants(c)
     run(second if limit is None else [])
-    if gemm == "down":
+    if gemm == "down" and limit is None:
         ok = _ranked(tried)
-        run([replace(c, reduce="atomic") for _, c in ok[:3]] if limit is None else [])
+        run([replace(c, reduce="atomic") for _, c in ok[:3]])
+        atomic = [c for _, c in _ranked(tried) if c.reduce == "atomic"][:2]
+        run([replace(c, split_k=s) for c in atomic for s in split_ks])
     ok = _ranked(tried)
     best_t, best = ok[0]
     summary = {
@@ -536,7 +546,7 @@ def _short(c: GemmConfig) -> str:
     s = f"m{c.block_m}n{c.block_n}k{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
     return s + ("T" if c.swap_ab else "") + ("A" if c.reduce == "atomic" else "") + (
         "M" if c.tma else ""
-    )
+    ) + (f"K{c.split_k}" if c.split_k > 1 else "")
 
 
 def tune_point(
@@ -574,6 +584,7 @@ def tune_point(
     best2, t2, tried2 = _search(
         "down", p, down_fn, tile_candidates("down", rows, n2, k2, tile_elem, quant),
         lambda c: schedule_variants("down", c, n2, k2, tile_elem), advance, limit,
+        SPLIT_K_TRIES if rows <= SPLIT_K_MAX_ROWS else (),
     )  # fmt: skip
 
     cfgs = (best1, best2)

@@ -578,6 +578,39 @@ def _w8a8_step(
 
 
 @triton.jit
+def _fused_act_quant(a, QUANT: tl.constexpr, ASCALE: tl.constexpr):
+    """(a, a_s): the activation tile quantized here (`_quant_a_tile`) when the kernel
+    quantizes its own input (w8a8 with ASCALE == S_GROUP_FUSED), else a unchanged (a_s
+    unused)."""
+    if QUANT == 1 and ASCALE == 3:
+        a, a_s = _quant_a_tile(a)
+    else:
+        a_s = 0.0
+    return a, a_s
+
+
+@triton.jit
+def _stored_mma(
+    a, a_s_fused, b, acc, s_base, a_s_base, ki, K,
+    QUANT: tl.constexpr, ASCALE: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc += a @ b for weights stored as the dot operand (unquantized, or w8a8 with the per-
+    group scales of K step ki applied here: `_step_scales`, `_w8a8_step`); a_s_fused: the
+    activation scales from `_fused_act_quant`."""
+    if QUANT == 1:
+        a_s, w_s = _step_scales(s_base, s_base, a_s_base, 1.0, ki, K, QUANT, ASCALE, WSCALE,
+                                GROUP, 1, False, BLOCK_K, False)  # fmt: skip
+        if ASCALE == 3:
+            a_s = a_s_fused
+        acc = _w8a8_step(a, b, acc, a_s, w_s, ASCALE, WSCALE, INT_DOT, SWAP_AB)
+    else:
+        acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.constexpr):
     """Epilogue of a w8a8 GEMM: acc [BM, cols] times the scales that do not change along K
     (activation per tensor / row: a_s_base [BM]; weight per tensor / row: w_s_base [cols])."""
@@ -803,14 +836,9 @@ def _gate_up_kernel(
                     b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
                 else:
                     b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                if QUANT == 1:
-                    c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE,
-                                          WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
-                    if ASCALE == 3:
-                        a, c1 = _quant_a_tile(a)
-                    acc = _w8a8_step(a, b, acc, c1, c2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
-                else:
-                    acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
+                                  GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
             if not USE_TMA:
                 w_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
@@ -856,21 +884,13 @@ def _gate_up_kernel(
                 else:
                     bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                     bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                if QUANT == 1:
-                    cg1, cg2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki, K, QUANT,
-                                            ASCALE, WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K,
-                                            False)  # fmt: skip
-                    cu1, cu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki, K, QUANT,
-                                            ASCALE, WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K,
-                                            False)  # fmt: skip
-                    if ASCALE == 3:
-                        a, cg1 = _quant_a_tile(a)
-                        cu1 = cg1
-                    acc_g = _w8a8_step(a, bg, acc_g, cg1, cg2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
-                    acc_u = _w8a8_step(a, bu, acc_u, cu1, cu2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
-                else:
-                    acc_g = _mma(a, bg, acc_g, SWAP_AB, DOT_PRECISION)
-                    acc_u = _mma(a, bu, acc_u, SWAP_AB, DOT_PRECISION)
+                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+                acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
+                                    DOT_PRECISION)  # fmt: skip
+                acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
+                                    DOT_PRECISION)  # fmt: skip
             if not USE_TMA:
                 g_ptrs += BLOCK_K // PACK
                 u_ptrs += BLOCK_K // PACK
@@ -941,7 +961,7 @@ def _down_kernel(
     HALF: tl.constexpr,
     ASM: tl.constexpr,
     INT_DOT: tl.constexpr,
-
+    SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -958,9 +978,13 @@ def _down_kernel(
     (out [T, H], zeroed before). Masked rows: stored unweighted at out[slot] (out [E*C, H]).
     USE_TMA: h_desc (h [slots, I], block [BLOCK_M, BLOCK_K]) and w_desc (w2 viewed [E * H, I],
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
-    (w8a8: h holds the quantized intermediate, xs its scales).
+    (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
+    consecutive programs share one output tile, each adding the product over its share of
+    the K steps (the bias with the first share).
     """
     pid = tl.program_id(0)
+    split = pid % SPLIT_K
+    pid = pid // SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     if ROWS == 0:
@@ -974,9 +998,13 @@ def _down_kernel(
         return
 
     n0 = pid_n * BLOCK_N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * share
+    k_hi = tl.minimum(k_steps, k_lo + share)
     offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_wk = tl.arange(0, BLOCK_K // PACK)
+    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
               + offs_wk[:, None])  # fmt: skip
@@ -990,9 +1018,9 @@ def _down_kernel(
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                             GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-    for ki in range(0, tl.cdiv(K, BLOCK_K)):
+    for ki in range(k_lo, k_hi):
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
@@ -1006,14 +1034,10 @@ def _down_kernel(
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
                               ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-        elif QUANT == 1:
-            c1, c2 = _step_scales(s_base, z_base, a_s_base, gscale, ki, K, QUANT, ASCALE, WSCALE,
-                                  GROUP, SG, HAS_ZERO, BLOCK_K, False)  # fmt: skip
-            if ASCALE == 3:
-                a, c1 = _quant_a_tile(a)
-            acc = _w8a8_step(a, b, acc, c1, c2, ASCALE, WSCALE, INT_DOT, SWAP_AB)
         else:
-            acc = _mma(a, b, acc, SWAP_AB, DOT_PRECISION)
+            a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+            acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
+                              GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
         if not USE_TMA:
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // PACK
@@ -1023,7 +1047,8 @@ def _down_kernel(
         acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
 
     if HAS_BIAS:
-        acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)[None, :]
+        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
     n_out = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (n_out[None, :] < N)
     if ROWS == 1:

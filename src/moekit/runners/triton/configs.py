@@ -31,6 +31,7 @@ from moekit.log import log_once
 
 GEMMS = ("gate_up", "down")
 REDUCE_MODES = ("kernel", "atomic")
+SPLIT_K_OPTIONS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,11 @@ class GemmConfig:
     reduce (down only): 'kernel' stores each pair's row and sums over K in a second kernel,
     'atomic' adds rows into the output (zeroed by the gate_up launch) with atomics;
     tma: load weight tiles (and, in down, the h tiles) through TMA descriptors (where strides
-    allow; pointer loads otherwise).
+    allow; pointer loads otherwise);
+    split_k (down with reduce 'atomic' only): programs per output tile, each adding the
+    product over its share of the K steps (more programs for decode batches, where a few
+    hundred weight tiles leave SMs idle; masked rows, which store instead of adding, run
+    unsplit).
     """
 
     block_m: int = 64
@@ -56,6 +61,7 @@ class GemmConfig:
     swap_ab: bool = False
     reduce: str = "kernel"
     tma: bool = False
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -69,6 +75,15 @@ class GemmConfig:
         if self.reduce not in REDUCE_MODES:
             raise ValueError(
                 f"GemmConfig.reduce: unknown {self.reduce!r}; allowed: {', '.join(REDUCE_MODES)}"
+            )
+        if self.split_k not in SPLIT_K_OPTIONS:
+            raise ValueError(
+                f"GemmConfig.split_k must be one of {SPLIT_K_OPTIONS}, got {self.split_k!r}"
+            )
+        if self.split_k > 1 and self.reduce != "atomic":
+            raise ValueError(
+                f"GemmConfig.split_k={self.split_k} needs reduce='atomic' (the K shares are "
+                f"added into the output), got reduce={self.reduce!r}"
             )
 
     def to_dict(self) -> dict:

@@ -446,8 +446,10 @@ def down(
     wq = WeightQuant(w, "w2") if w.is_quantized else None
     if wq is not None:
         cfg = wq.clamp(cfg)
+    atomic = (not masked) and cfg.reduce == "atomic"
+    split_k = cfg.split_k if atomic else 1
     row_args = rows.args(cfg.block_m, top_k)
-    grid = (row_args[-1] * triton.cdiv(H, cfg.block_n),)
+    grid = (row_args[-1] * triton.cdiv(H, cfg.block_n) * split_k,)
     if grid[0] == 0:
         return out
     hs = h
@@ -470,7 +472,8 @@ def down(
     meta = dict(
         HAS_BIAS=w.b2 is not None,
         ROWS=rows.mode,
-        ATOMIC=(not masked) and cfg.reduce == "atomic",
+        ATOMIC=atomic,
+        SPLIT_K=split_k,
         DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
         **(wq.meta(cfg.block_k, fused, dot_dtype, wq.asm_dequant(cfg, cfg.block_n, dot_dtype))
            if wq is not None else _NO_QUANT_META),
