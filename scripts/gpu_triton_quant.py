@@ -21,7 +21,8 @@ float16, T = 1 and 16.
                 configs the runner looks up ($OUT/triton_quant_profile.json)
     --tune FMT:T1,T2;...   first: `moekit.tune.tune` for those formats and batch sizes on the
                 shapes into $MOEKIT_CONFIG_DIR/triton (stops starting new ones after
-                MOEKIT_TUNE_BUDGET_S seconds)
+                MOEKIT_TUNE_BUDGET_S seconds; MOEKIT_TUNE_FORCE=1 re-tunes batch sizes the
+                tables already have)
     --formats a,b   measure only these formats (names of FORMATS), in this order
     --batches 1,4,16   measure these batch sizes (default 1,16,64,4096)
     --models m1,m2     shapes among qwen3-30b-a3b, deepseek-v3, gpt-oss-120b (default the
@@ -33,6 +34,8 @@ float16, T = 1 and 16.
                 for each N ('maxnregN_us')
     --noswap    also time each packed 4-bit point with the looked-up configs but swap_ab off
                 ('noswap_us')
+    --nosplit   also time each point whose looked-up down config splits K (split_k > 1)
+                with split_k = 1, the bf16 call too ('nosplit_us', 'bf16_nosplit_us')
     --out NAME  result file name under $OUT (default triton_quant.json)
     --once MODEL:FORMAT:T   only run that call a few times (no graphs, no timing) and exit:
                 a target for a profiler (ncu)
@@ -175,7 +178,7 @@ def tune_tables(plan: str) -> None:
             t1 = time.perf_counter()
             try:
                 rep = tune(shape, [int(b) for b in sizes.split(",")], progress=False,
-                           quantization=FORMATS[fmt],
+                           quantization=FORMATS[fmt], force=os.environ.get("MOEKIT_TUNE_FORCE") == "1",
                            note=f"scripts/gpu_triton_quant.py --tune ({model} {fmt})")  # fmt: skip
                 for r in rep.results:
                     print(f"tune {model} {fmt} T={r.num_tokens}: gate_up {r.gate_up} "
@@ -225,6 +228,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     noswap = "--noswap" in args
+    nosplit = "--nosplit" in args
     maxnregs = [int(n) for n in (_option(args, "--maxnreg") or "").split(",") if n]
     out_name = _option(args, "--out") or "triton_quant.json"
     if "--profile" in args and torch.cuda.is_available():
@@ -329,6 +333,12 @@ def main() -> int:
                         cf = tuple(replace(c, swap_ab=False)
                                    for c in ops.configs_for(T, K, wq, dtype, dev))  # fmt: skip
                         n_ms = time_ms(lambda: call(wq, cfgs=cf), dev, **reps) / R
+                    s_ms = {}
+                    for name, wt in (("bf16_nosplit_us", w_bf16), ("nosplit_us", wq)):
+                        cf = ops.configs_for(T, K, wt, dtype, dev)
+                        if nosplit and cf[1].split_k > 1:
+                            cf = (cf[0], replace(cf[1], split_k=1))
+                            s_ms[name] = time_ms(lambda: call(wt, cfgs=cf), dev, **reps) / R
                 except Exception as err:  # noqa: BLE001 - report and go on with the others
                     msg = f"{type(err).__name__}: {str(err)[:300]}"
                     result["skipped"].append(f"{model} {fmt} T={T}: {msg}")
@@ -354,6 +364,8 @@ def main() -> int:
                     p["noswap_us"] = round(n_ms * 1e3, 2)
                 for nreg, ms in r_ms.items():
                     p[f"maxnreg{nreg}_us"] = round(ms * 1e3, 2)
+                for name, ms in s_ms.items():
+                    p[name] = round(ms * 1e3, 2)
                 result["points"].append(p)
                 print(
                     f"{model:14} {fmt:11} T={T:5}  bf16 {p['bf16_us']:8.1f} us  quant "
@@ -362,7 +374,8 @@ def main() -> int:
                     + (f"  portable {p['portable_us']:8.1f} us ({p['asm_speedup']:.2f}x)"
                        if p_ms is not None else "")
                     + (f"  noswap {p['noswap_us']:8.1f} us" if n_ms is not None else "")
-                    + "".join(f"  maxnreg={n} {ms * 1e3:8.1f} us" for n, ms in r_ms.items()),
+                    + "".join(f"  maxnreg={n} {ms * 1e3:8.1f} us" for n, ms in r_ms.items())
+                    + "".join(f"  {n} {ms * 1e3:8.1f}" for n, ms in s_ms.items()),
                     flush=True,
                 )
             # one correctness check per format and shape (T = 16)
