@@ -5,7 +5,9 @@
 # $OUT/cfg.tgz (unpack over src/moekit/configs to ship them). Measuring with the new tables:
 # scripts/gpu_triton_quant.py --nosplit (same run, split against unsplit down).
 #
-# Usage: scripts/gpu_decode_tune.sh [STAGES]   STAGES: comma list of tests,tune (default both)
+# Usage: scripts/gpu_decode_tune.sh [STAGES]   STAGES: comma list of tests,tune,measure
+#   (default all; measure: gpu_triton_quant.py --nosplit with the re-tuned tables, bf16 and the
+#   formats of MEASURE_FORMATS on qwen3-30b-a3b, deepseek-v3, gpt-oss-120b)
 #   BATCHES  batch sizes to re-tune (default 1,4,16)
 #   QUANT_PLAN  --tune plan of gpu_triton_quant.py (default int4-g128, mxfp4, nvfp4 at BATCHES,
 #               fp8-block at 1,16)
@@ -14,7 +16,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src}
 OUT=${OUT:-/tmp/gpu_decode_out}
 mkdir -p "$OUT"
-STAGES=${1:-tests,tune}
+STAGES=${1:-tests,tune,measure}
+CFG=/tmp/moekit_cfg
 BATCHES=${BATCHES:-1,4,16}
 QUANT_PLAN=${QUANT_PLAN:-int4-g128:$BATCHES;mxfp4:$BATCHES;nvfp4:$BATCHES;fp8-block:1,16}
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -35,7 +38,6 @@ if has tests; then
 fi
 
 if has tune; then
-  CFG=/tmp/moekit_cfg
   slug=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
   mkdir -p "$CFG/triton"
   cp src/moekit/configs/triton/*"device=$slug,"* "$CFG/triton/" 2>/dev/null
@@ -51,4 +53,12 @@ if has tune; then
     --batches 1 --models qwen3-30b-a3b --out quant_after_tune.json 2>&1 | grep "^tune"
   tar czf "$OUT/cfg.tgz" -C "$CFG" triton
   ls -la "$OUT"
+fi
+
+if has measure; then
+  echo "== measure with the re-tuned tables (split vs unsplit down in the same run)"
+  MOEKIT_CONFIG_DIR=$CFG MOEKIT_QUANT_BUDGET_S=${MEASURE_BUDGET_S:-110} timeout 240 python3 \
+    scripts/gpu_triton_quant.py --nosplit --formats "${MEASURE_FORMATS:-int4-g128,mxfp4,nvfp4,fp8-block}" \
+    --batches "$BATCHES" --models qwen3-30b-a3b,deepseek-v3,gpt-oss-120b --out decode_nosplit.json \
+    2>&1 | grep -v Warning | tail -60
 fi
