@@ -33,7 +33,7 @@ from moekit.runners.triton import ops
 from moekit.tune import random_weights, shape_for, uniform_topk
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_triton_quant import FORMATS, ROTATE_BYTES, weight_bytes  # noqa: E402
+from gpu_triton_quant import FORMATS, ROTATE_BYTES, weight_bytes
 
 ROUNDS = int(os.environ.get("AB_ROUNDS", "5"))
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
@@ -78,9 +78,9 @@ def main() -> None:
             variants = {"shipped": shipped, "new": new,
                         "new_unsplit": (new[0], replace(new[1], split_k=1))}  # fmt: skip
 
-            def call(cfgs, w=w, x=x, topks=topks):
+            def call(cfgs, w=w, x=x, topks=topks, act=shape.act):
                 for t in topks:
-                    ops.fused_moe(x, t, w, shape.act, configs=cfgs)
+                    ops.fused_moe(x, t, w, act, configs=cfgs)
 
             times = {name: [] for name in variants}
             for _ in range(ROUNDS):
