@@ -76,6 +76,7 @@ FORMATS = {  # priority order
     "int8_w8a16": make_spec("int8_w8a16"),
     "fp8-tensor": Fp8W8A8("tensor"),
 }
+ALL_FORMATS = dict(FORMATS)  # --tune names any of these, whatever --formats keeps
 TARGETS = {"fp8_large": 1.5, "fp8_small": 1.7, "w4_small": 2.5, "w4_floor": 1.3}
 ROTATE_BYTES = 200e6
 
@@ -178,7 +179,7 @@ def tune_tables(plan: str) -> None:
             t1 = time.perf_counter()
             try:
                 rep = tune(shape, [int(b) for b in sizes.split(",")], progress=False,
-                           quantization=FORMATS[fmt], force=os.environ.get("MOEKIT_TUNE_FORCE") == "1",
+                           quantization=ALL_FORMATS[fmt], force=os.environ.get("MOEKIT_TUNE_FORCE") == "1",
                            note=f"scripts/gpu_triton_quant.py --tune ({model} {fmt})")  # fmt: skip
                 for r in rep.results:
                     print(f"tune {model} {fmt} T={r.num_tokens}: gate_up {r.gate_up} "
