@@ -109,7 +109,7 @@ SHAPES = {  # name: (E, rows an expert at T = 4096, N, K)
     "deepseek_gate_up": (32, 1024, 4096, 7168),
     "deepseek_down": (32, 1024, 7168, 2048),
 }
-# (label, dtype, SCALE, WS, num_warps, BM, BN, stages, persistent)
+# (label, dtype, SCALE, WS, num_warps, BM, BN, stages, persistent[, BK]); BK default 128
 VARIANTS = [
     ("fp8 plain nw8 128x256", "fp8", 0, False, 8, 128, 256, 4, False),
     ("fp8 block nw8 128x128", "fp8", 1, False, 8, 128, 128, 4, False),
@@ -120,6 +120,12 @@ VARIANTS = [
     ("fp8 plain ws nw4 128x128 s3", "fp8", 0, True, 4, 128, 128, 3, False),
     ("fp8 block persistent ws nw4 128x128 s3", "fp8", 1, True, 4, 128, 128, 3, True),
     ("fp8 plain persistent ws nw4 128x128 s3", "fp8", 0, True, 4, 128, 128, 3, True),
+    ("bf16 plain nw8 128x256 k64 s3", "bf16", 0, False, 8, 128, 256, 3, False, 64),
+    ("bf16 plain nw8 128x256 k64 s4", "bf16", 0, False, 8, 128, 256, 4, False, 64),
+    ("bf16 plain nw8 128x128 k64 s4", "bf16", 0, False, 8, 128, 128, 4, False, 64),
+    # the triton runner's gate_up on gathered rows (pointer loads of x by token), the config
+    # it looks up for T = 4096, same routing sizes: for the qwen3 / deepseek gate_up shapes
+    ("runner bf16 gate_up", "runner", 0, False, 0, 0, 0, 0, False),
 ]
 # Seen on the H100: every warp-specialized variant of _grouped_kernel timed out (a hung GPU),
 # unscaled ones too; each (shape, variant) runs in its own process under a time limit.
@@ -149,8 +155,11 @@ def _graph_us(fn, reps: int = 5) -> float:
 def _one(name: str, vi: int) -> dict:
     """Time and check variant VARIANTS[vi] on shape SHAPES[name] (in this process)."""
     E, rows, N, K = SHAPES[name]
-    label, dt, scale, ws, nw, bm, bn, st, persistent = VARIANTS[vi]
+    label, dt, scale, ws, nw, bm, bn, st, persistent, *rest = VARIANTS[vi]
+    bk = rest[0] if rest else 128
     dev = torch.device("cuda")
+    if dt == "runner":
+        return _runner_gate_up(name, label)
     M = E * rows
     torch.manual_seed(0)
     dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
@@ -160,8 +169,8 @@ def _one(name: str, vi: int) -> dict:
     b_s = torch.rand(E, N // 128, K // 128, device=dev) * 0.01 + 0.001
     be = torch.arange(M // bm, device=dev, dtype=torch.int32) * bm // rows
     c = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-    da = TensorDescriptor.from_tensor(a8, [bm, 128])
-    db = TensorDescriptor.from_tensor(b8, [bn, 128])
+    da = TensorDescriptor.from_tensor(a8, [bm, bk])
+    db = TensorDescriptor.from_tensor(b8, [bn, bk])
     tiles = (M // bm) * (N // bn)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     kernel, grid = (
@@ -208,6 +217,25 @@ def _one(name: str, vi: int) -> dict:
             errs.append(((got - want).abs().max() / want.abs().max()).item())
         rec["max_rel_err"] = max(errs)
     return rec
+
+
+def _runner_gate_up(name: str, label: str) -> dict:
+    """The triton runner's gate_up (bf16) at T = 4096 on the model of SHAPES[name], with the
+    config it looks up, timed like the variants (one uniform routing, CUDA-graph replay)."""
+    from moekit.runners.triton import ops
+    from moekit.tune import _gate_up_fn, _Point, random_weights, shape_for
+
+    model = {"qwen3": ("qwen3-30b-a3b", 1), "deepseek": ("deepseek-v3", 8)}[name.split("_")[0]]
+    shape = shape_for(model[0], model[1], model[1])
+    w = random_weights(shape, "cuda")
+    p = _Point(shape, w, 4096, "cuda", seed=0)
+    p.topks = p.topks[:1]
+    cfg = ops.configs_for(4096, shape.top_k, w, torch.bfloat16, torch.device("cuda"))[0]
+    fn, _ = _gate_up_fn(p, cfg)
+    us = _graph_us(fn)
+    M = 4096 * shape.top_k
+    flops = 2 * M * 2 * shape.intermediate * shape.hidden
+    return {"variant": label, "us": us, "tflops": flops / us / 1e6, "config": str(cfg)}
 
 
 def _child(name: str, vi: int) -> dict:
