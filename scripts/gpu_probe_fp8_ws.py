@@ -126,6 +126,8 @@ VARIANTS = [
     # the triton runner's gate_up on gathered rows (pointer loads of x by token), the config
     # it looks up for T = 4096, same routing sizes: for the qwen3 / deepseek gate_up shapes
     ("runner bf16 gate_up", "runner", 0, False, 0, 0, 0, 0, False),
+    # cuBLAS on one dense [M, K] x [K, N] bf16 product of the same FLOPs: the rate ceiling
+    ("cublas bf16 dense", "cublas", 0, False, 0, 0, 0, 0, False),
 ]
 # Seen on the H100: every warp-specialized variant of _grouped_kernel timed out (a hung GPU),
 # unscaled ones too; each (shape, variant) runs in its own process under a time limit.
@@ -160,6 +162,12 @@ def _one(name: str, vi: int) -> dict:
     dev = torch.device("cuda")
     if dt == "runner":
         return _runner_gate_up(name, label)
+    if dt == "cublas":
+        a = torch.randn(E * rows, K, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+        c = torch.empty(E * rows, N, device=dev, dtype=torch.bfloat16)
+        us = _graph_us(lambda: torch.mm(a, b.T, out=c))
+        return {"variant": label, "us": us, "tflops": 2 * E * rows * N * K / us / 1e6}
     M = E * rows
     torch.manual_seed(0)
     dtype = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
