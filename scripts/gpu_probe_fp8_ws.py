@@ -204,7 +204,7 @@ def _one(name: str, vi: int) -> dict:
             SCALE=scale,
             BM=bm,
             BN=bn,
-            BK=128,
+            BK=bk,
             GROUP_M=8,
             WS=ws,
             NSTAGE=st,
