@@ -3,7 +3,7 @@ float16, tiny shapes), GPU (marked) in bfloat16 on the preset shapes and under C
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -118,6 +118,21 @@ def test_masked_matches_reference(act, bias, dtype):
     ref = masked_reference(x, counts, w, spec)
     valid = torch.arange(C, device=DEVICE)[None, :] < counts.clamp(max=C)[:, None]
     assert rel_err(out[valid], ref[valid]) < TOLERANCE[dtype]
+
+
+def test_masked_runs_split_k_configs_unsplit():
+    """The masked format stores rows (no atomics): a split-K down config runs unsplit there."""
+    E, C, H, I = 3, 16, 40, 48
+    w = make_weights(E, H, I, torch.float32, True)
+    x = torch.randn(E, C, H, device=DEVICE)
+    counts = torch.tensor([5, 16, 0], dtype=torch.int32, device=DEVICE)
+    act = ActivationSpec()
+    split = ops.fused_moe_masked(x, counts, w, act, configs=SPLIT_K)
+    plain = ops.fused_moe_masked(x, counts, w, act,
+                                 configs=(SPLIT_K[0], replace(SPLIT_K[1], split_k=1)))  # fmt: skip
+    valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
+    assert torch.equal(split[valid], plain[valid])
+    assert rel_err(split[valid], masked_reference(x, counts, w, act)[valid]) < TOLERANCE[torch.float32]
 
 
 def test_masked_empty_capacity():
