@@ -28,6 +28,32 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moekit.runners._triton_common import tile_coords
+
+
+@triton.jit
+def _k_step(acc, a_desc, b_desc, as_ptr, bs_ptr, e, m0, n0, ki, N, stride_ask, stride_bse,
+            stride_bsn, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr):  # fmt: skip
+    """acc [BM, BN] += A [m0:, ki * BK:] @ B [e * N + n0:, ki * BK:]^T, times the step's
+    scales when SCALE (A's [K / 128, M] float32, transposed; B's [E, N / 128, K / 128])."""
+    a = a_desc.load([m0, ki * BK])
+    b = b_desc.load([e * N + n0, ki * BK])
+    if SCALE:
+        sa = tl.load(as_ptr + ki * stride_ask + m0 + tl.arange(0, BM))
+        sb = tl.load(bs_ptr + e * stride_bse + ((n0 + tl.arange(0, BN)) // 128) * stride_bsn + ki)
+        acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+    else:
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, c_ptr, m0, n0, stride_cm, BM: tl.constexpr, BN: tl.constexpr):
+    rows = m0 + tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(tl.bfloat16))
+
 
 @triton.jit
 def _grouped_kernel(
@@ -36,33 +62,15 @@ def _grouped_kernel(
     SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, WS: tl.constexpr, NSTAGE: tl.constexpr,
 ):  # fmt: skip
-    """C [M, N] bf16 = A [M, K] @ B [E * N, K]^T rows of expert be[m // BM]; SCALE: A's scales
-    [K / 128, M] (float32, transposed) x B's [E, N / 128, K / 128] applied every K step."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    width = GROUP_M * num_pid_n
-    first = (pid // width) * GROUP_M
-    gsz = min(num_pid_m - first, GROUP_M)
-    pid_m = first + (pid % width) % gsz
-    pid_n = (pid % width) // gsz
+    """C [M, N] bf16 = A [M, K] @ B [E * N, K]^T rows of expert be[m // BM], one tile a
+    program (`_k_step`), the warp specialization on the K loop."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     e = tl.load(be_ptr + pid_m)
-    m0 = pid_m * BM
-    n0 = pid_n * BN
-    offs_m = m0 + tl.arange(0, BM)
-    offs_n = n0 + tl.arange(0, BN)
     acc = tl.zeros([BM, BN], tl.float32)
     for ki in tl.range(0, K // BK, warp_specialize=WS, num_stages=NSTAGE):
-        a = a_desc.load([m0, ki * BK])
-        b = b_desc.load([e * N + n0, ki * BK])
-        if SCALE:
-            sa = tl.load(as_ptr + ki * stride_ask + offs_m)
-            sb = tl.load(bs_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + ki)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        else:
-            acc = tl.dot(a, b.T, acc)
-    c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, acc.to(tl.bfloat16))
+        acc = _k_step(acc, a_desc, b_desc, as_ptr, bs_ptr, e, pid_m * BM, pid_n * BN, ki, N,
+                      stride_ask, stride_bse, stride_bsn, SCALE, BM, BN, BK)  # fmt: skip
+    _store_tile(acc, c_ptr, pid_m * BM, pid_n * BN, stride_cm, BM, BN)
 
 
 @triton.jit
@@ -76,31 +84,16 @@ def _persistent_kernel(
     the tile loop (the form Triton's own persistent matmul uses; flatten=True drops it)."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
-    width = GROUP_M * num_pid_n
     for tile in tl.range(
         tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, warp_specialize=WS, num_stages=NSTAGE
     ):
-        first = (tile // width) * GROUP_M
-        gsz = min(num_pid_m - first, GROUP_M)
-        pid_m = first + (tile % width) % gsz
-        pid_n = (tile % width) // gsz
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         e = tl.load(be_ptr + pid_m)
-        m0 = pid_m * BM
-        n0 = pid_n * BN
-        offs_m = m0 + tl.arange(0, BM)
-        offs_n = n0 + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], tl.float32)
         for ki in range(K // BK):
-            a = a_desc.load([m0, ki * BK])
-            b = b_desc.load([e * N + n0, ki * BK])
-            if SCALE:
-                sa = tl.load(as_ptr + ki * stride_ask + offs_m)
-                sb = tl.load(bs_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + ki)
-                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-            else:
-                acc = tl.dot(a, b.T, acc)
-        c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c, acc.to(tl.bfloat16))
+            acc = _k_step(acc, a_desc, b_desc, as_ptr, bs_ptr, e, pid_m * BM, pid_n * BN, ki, N,
+                          stride_ask, stride_bse, stride_bsn, SCALE, BM, BN, BK)  # fmt: skip
+        _store_tile(acc, c_ptr, pid_m * BM, pid_n * BN, stride_cm, BM, BN)
 
 
 SHAPES = {  # name: (E, rows an expert at T = 4096, N, K)
