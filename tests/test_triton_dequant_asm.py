@@ -158,7 +158,7 @@ def test_asm_only_where_it_can_run(monkeypatch):
     wq = ops.WeightQuant(w, "w13")
     cfg = GemmConfig(16, 64, 128)
     assert wq.asm_dequant(cfg, 64, torch.bfloat16) is False  # CPU tensors
-    assert wq.meta(128, False, torch.float16, False)["ASM"] is False
+    assert wq.meta(cfg, 64, torch.float16)["ASM"] is False
     assert ops._NO_QUANT_META["ASM"] is False
     import re
 

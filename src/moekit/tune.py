@@ -11,7 +11,8 @@ stopped (batch sizes already in the output files are skipped unless `force`).
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
 a schedule typical of the regime (tiles sized by the weight format's bytes: `tile_bytes`), then
 warps (also 2 for small weight-only tiles) / stages / group_m for the two best tiles; for
-`down` the reduction 'atomic' is tried on the three best. Kernels are compiled in parallel
+`down` the reduction 'atomic' is tried on the three best, and at decode batches split-K on the
+two best atomic ones (`SPLIT_K_TRIES`). Kernels are compiled in parallel
 threads before they are timed. `measure` times the runner as shipped (the configs it looks up)
 against the floor, with uniform or Zipf-skewed routing.
 """

@@ -166,14 +166,17 @@ class WeightQuant:
             return False
         return cfg.block_k // 2 * tile_rows >= 4 * 32 * cfg.num_warps
 
-    def meta(self, block_k: int, fused_act_quant: bool = False, act_dtype=None,
-             asm: bool = False) -> dict:  # fmt: skip
-        sg = max(1, block_k // self.group) if self.quant >= k.Q_INT4 else 1
+    def meta(self, cfg: GemmConfig, tile_rows: int, act_dtype: torch.dtype,
+             fused_act_quant: bool = False) -> dict:  # fmt: skip
+        """The format's constexpr kernel arguments for a GEMM launched with `cfg`, whose
+        programs read weight tiles of `tile_rows` rows, with activations of `act_dtype`."""
+        sg = max(1, cfg.block_k // self.group) if self.quant >= k.Q_INT4 else 1
         ascale = k.S_GROUP_FUSED if fused_act_quant else self.ascale
         return dict(
             QUANT=self.quant, ASCALE=ascale, WSCALE=self.wscale, WROWS=self.wrows,
             GROUP=self.group, SG=sg, HAS_ZERO=self.zero is not None, PACK=self.pack,
-            HALF=self.half_dequant(act_dtype), ASM=asm, INT_DOT=self.int_dot,
+            HALF=self.half_dequant(act_dtype), ASM=self.asm_dequant(cfg, tile_rows, act_dtype),
+            INT_DOT=self.int_dot,
         )  # fmt: skip
 
 
@@ -419,8 +422,7 @@ def gate_up(
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         DOT_PRECISION=_precision(out),
-        **(wq.meta(cfg.block_k, fused, out.dtype, wq.asm_dequant(cfg, tile_rows, x.dtype))
-           if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg, tile_rows, out.dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
@@ -475,8 +477,7 @@ def down(
         ATOMIC=atomic,
         SPLIT_K=split_k,
         DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
-        **(wq.meta(cfg.block_k, fused, dot_dtype, wq.asm_dequant(cfg, cfg.block_n, dot_dtype))
-           if wq is not None else _NO_QUANT_META),
+        **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
