@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import math
 import shlex
 import sys
@@ -32,7 +31,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 
 MIN_JOB_S = 45  # a job needs about this long (more when Triton / DeepGEMM compile first)
 
@@ -64,124 +62,90 @@ def gmean(xs: list[float]) -> float:
 # ---------------------------------------------------------------------------- smoke
 
 
-SKIP_EXCHANGE_PROBE = r"""
-import os, sys
-from moekit.runners import deep_gemm as rd
-print("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API=" + os.environ.get("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API", ""))
-print("  torch tensors through tvm-ffi's torch fallback:", rd._read_back("torch") or "read correctly")
-"""
-
-
-def header_fingerprint() -> None:
-    """The torch header lines that sgl-deep-gemm's binary cites in its own assertion strings
-    (TensorImpl.h:1338 and :1799): equal lines here suggest it was built against this torch."""
-    inc = Path(torch.__file__).parent / "include" / "c10" / "core" / "TensorImpl.h"
-    try:
-        lines = inc.read_text().splitlines()
-    except OSError as err:
-        print(f"torch headers: {err}")
-        return
-    for no, words in ((1338, "is_mkldnn()"), (1799, "extra_meta_ && extra_meta_->symbolic_shape")):
-        line = lines[no - 1].strip() if len(lines) >= no else "<none>"
-        print(f"  this torch's TensorImpl.h:{no} {'has' if words in line else 'LACKS'} "
-              f"'{words}' (the binary asserts it there): {line[:90]}")
-
-
 def smoke(work: Path) -> bool:
-    """DeepGEMM on this GPU: versions, how this torch's tensors reach the binary (the probe of
-    moekit.runners.deep_gemm, and tvm-ffi's torch fallback in a subprocess), then, when a way
-    works, its four grouped GEMMs (bf16/fp8 x contiguous/masked) against torch."""
-    import subprocess
-
-    try:
-        import deep_gemm
-        import tvm_ffi
-    except Exception:  # noqa: BLE001
-        print("deep_gemm: import failed:")
-        traceback.print_exc(file=sys.stdout)
-        return False
-    print(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} from {deep_gemm.__file__}; "
-          f"tvm_ffi {getattr(tvm_ffi, '__version__', '?')}; torch {torch.__version__}; "
-          f"torch.Tensor.__dlpack_c_exchange_api__: "
-          f"{hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to run")
-        return False
-    header_fingerprint()
-    from moekit.runners import deep_gemm as rd
-
-    t0 = time.perf_counter()
-    passing, problem = rd.probe_installed()  # in a child process
-    print(f"probe_installed ({time.perf_counter() - t0:.1f} s): passing={passing} "
-          f"problem={problem}")
-    env = dict(os.environ, TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API="1")
-    r = subprocess.run([sys.executable, "-c", SKIP_EXCHANGE_PROBE], env=env, capture_output=True,
-                       text=True, timeout=120, check=False)
-    print(f"(child exit {r.returncode}) " + r.stdout + r.stderr[-1500:])
-    for way in rd.PASSING:  # in this process (a crash here ends only this step)
-        print(f"  tensors handed over as {way}: {rd._read_back(way) or 'read correctly'}",
-              flush=True)
-    if problem is not None:
-        return False
-
+    """DeepGEMM's kernels on this GPU, built and launched by moekit (`deep_gemm_jit`): the four
+    grouped GEMMs (bf16 / fp8 x contiguous / masked) against torch, with build time, then the
+    timing of each (CUDA events, 20 calls) in TFLOP/s."""
     from moekit.quant.act_quant import quantize_act
-    from moekit.quant.quantize import quantize
+    from moekit.quant.quantize import dequantize, quantize
+    from moekit.runners import deep_gemm_jit as jit
 
-    t = rd._converter(passing)
-    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
-    print(f"M alignment of the contiguous layout: {align}")
-    E, N, K, per = 4, 1536, 2048, align
-    M = E * per
+    print(f"deep_gemm headers: {jit.include_dir()}; nvcc: {jit.nvcc()}; problem: {jit.problem()}")
+    if jit.problem() or not torch.cuda.is_available():
+        return False
+    from concurrent.futures import ThreadPoolExecutor
+
     dev = "cuda"
-    a = torch.randn(M, K, device=dev).to(torch.bfloat16)
-    b = (torch.randn(E, N, K, device=dev) / K**0.5).to(torch.bfloat16)
-    m_idx = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(per)
-    ref = torch.cat([a[e * per:(e + 1) * per].float() @ b[e].float().T for e in range(E)])
-    qa = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=128)
-    qb = quantize(b, "fp8_w8a8")
-    counts = torch.tensor([per, per // 2, 1, 0], device=dev, dtype=torch.int32)
-    a3 = a.view(E, per, K)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    problems = ((4, 1536, 2048, 128), (32, 4096, 7168, 512))
+    t0 = time.perf_counter()
+    cfgs = [jit.choose(fp8, masked, N, K, E, per, sms) for E, N, K, per in problems
+            for fp8 in (False, True) for masked in (False, True)]  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(jit.library, cfgs))
+    print(f"built {len(cfgs)} kernels in parallel in {time.perf_counter() - t0:.1f} s")
     ok = True
-    for name in ("bf16 contiguous", "fp8 contiguous", "bf16 masked", "fp8 masked"):
-        try:
-            masked = name.endswith("masked")
-            d = torch.zeros((E, per, N) if masked else (M, N), device=dev, dtype=torch.bfloat16)
-            if name == "bf16 contiguous":
-                call = lambda: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(  # noqa: E731
-                    t(a), t(b), t(d), t(m_idx))
-            elif name == "fp8 contiguous":
-                call = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
-                    (t(qa[0]), t(qa[1])), (t(qb.data), t(qb.scale)), t(d), t(m_idx),
-                    disable_ue8m0_cast=True)
-            elif name == "bf16 masked":
-                call = lambda: deep_gemm.m_grouped_bf16_gemm_nt_masked(  # noqa: E731
-                    t(a3), t(b), t(d), t(counts), per)
-            else:
-                q3, s3 = qa[0].view(E, per, K), qa[1].view(E, per, -1)
-                call = lambda: deep_gemm.m_grouped_fp8_gemm_nt_masked(  # noqa: E731
-                    (t(q3), t(s3)), (t(qb.data), t(qb.scale)), t(d), t(counts), per,
-                    disable_ue8m0_cast=True)
-            times = []
-            for _ in range(2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                call()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            if masked:
-                ref3 = ref.view(E, per, N)
-                valid = torch.arange(per, device=dev).unsqueeze(0) < counts.unsqueeze(1)
-                got, want = d[valid].float(), ref3[valid]
-            else:
-                got, want = d.float(), ref
-            err = ((got - want).norm() / want.norm()).item()
-            print(f"{name} E={E} M={M} N={N} K={K}: first call {times[0]:.2f} s (JIT), second "
-                  f"{times[1] * 1e3:.3f} ms, rel err {err:.2e}")
-            ok &= err < (3e-2 if name.startswith("fp8") else 1e-2)
-        except Exception:  # noqa: BLE001
-            ok = False
-            print(f"{name}: failed:")
-            traceback.print_exc(file=sys.stdout)
+    for E, N, K, per in problems:
+        M = E * per
+        a = torch.randn(M, K, device=dev).to(torch.bfloat16)
+        b = (torch.randn(E, N, K, device=dev) / K**0.5).to(torch.bfloat16)
+        layout = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(per)
+        q, s = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=128)
+        qb = quantize(b, "fp8_w8a8")
+        # fp8 is checked against the same math on its dequantized operands (exact up to the
+        # bf16 output), bf16 against float32 matmuls
+        a8 = (q.float().view(M, -1, 128) * s.unsqueeze(-1)).view(M, K)
+        b8 = dequantize(qb).float()
+
+        def grouped(x, w):
+            return torch.cat([x[e * per:(e + 1) * per].float() @ w[e].float().T
+                              for e in range(E)])  # fmt: skip
+
+        refs = {False: grouped(a, b), True: grouped(a8, b8)}
+        counts = torch.randint(0, per + 1, (E,), device=dev, dtype=torch.int32)
+        counts[0] = per
+        for fp8 in (False, True):
+            for masked in (False, True):
+                name = f"{'fp8' if fp8 else 'bf16'} {'masked' if masked else 'contiguous'}"
+                try:
+                    cfg = jit.choose(fp8, masked, N, K, E, per, sms)
+                    t0 = time.perf_counter()
+                    jit.library(cfg)
+                    built = time.perf_counter() - t0
+                    d = torch.zeros(M, N, device=dev, dtype=torch.bfloat16)
+                    lay = counts if masked else layout
+                    if fp8:
+                        groups = E if masked else 1
+                        sfa = s.view(groups, -1, s.shape[-1]).transpose(1, 2).contiguous()
+                        args = (cfg, q, qb.data.view(E * N, K), d, lay, per if masked else M,
+                                sfa, qb.scale)
+                    else:
+                        args = (cfg, a, b.view(E * N, K), d, lay, per if masked else M)
+                    jit.launch(*args)
+                    torch.cuda.synchronize()
+                    if masked:
+                        valid = (torch.arange(per, device=dev).unsqueeze(0)
+                                 < counts.unsqueeze(1)).reshape(-1)
+                        got, want = d[valid].float(), refs[fp8][valid]
+                    else:
+                        got, want = d.float(), refs[fp8]
+                    err = ((got - want).norm() / want.norm()).item()
+                    start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    start.record()
+                    for _ in range(20):
+                        jit.launch(*args)
+                    stop.record()
+                    torch.cuda.synchronize()
+                    ms = start.elapsed_time(stop) / 20
+                    rows = int(counts.sum()) if masked else M
+                    print(f"{name} E={E} M={M} N={N} K={K} {cfg}: built in {built:.1f} s, "
+                          f"{ms * 1e3:.1f} us, {2 * rows * N * K / ms / 1e9:.0f} TFLOP/s, "
+                          f"rel err {err:.2e}", flush=True)
+                    ok &= err < 1e-2
+                except Exception:  # noqa: BLE001
+                    ok = False
+                    print(f"{name}: failed:")
+                    traceback.print_exc(file=sys.stdout)
     return ok
 
 

@@ -55,43 +55,42 @@ CASES = [
     "backend, platform, ok, words", CASES, ids=[f"{c[0]}-{c[1].device_name}" for c in CASES]
 )
 def test_availability(backend, platform, ok, words, monkeypatch):
-    # the platform's rules alone: the probe of the binary installed here is tested below
-    monkeypatch.setattr(registry.runner_class("deep_gemm"), "probe", lambda: ("torch", None))
+    # the platform's rules alone: this machine's toolchain is tested below
+    monkeypatch.setattr(registry.runner_class("deep_gemm"), "toolchain_problem", lambda: None)
     avail = registry.availability(backend, platform)
     assert bool(avail) is ok, avail.reason
     for w in words:
         assert w in avail.reason
 
 
-def test_deep_gemm_unavailable_when_its_binary_misreads_tensors(monkeypatch):
-    why = "the installed sgl-deep-gemm 0.2.2 binary misreads this torch 2.11's tensors: dim == 2"
-    monkeypatch.setattr(registry.runner_class("deep_gemm"), "probe", lambda: (None, why))
+def test_deep_gemm_unavailable_without_its_toolchain(monkeypatch):
+    why = "needs nvcc (CUDA 12.3+) to build DeepGEMM's kernels: set CUDA_HOME or add it to PATH"
+    monkeypatch.setattr(registry.runner_class("deep_gemm"), "toolchain_problem", lambda: why)
     avail = registry.availability("deep_gemm", H100_LIBS)
     assert not avail and avail.reason == why
-    # the platform's rules come first: no GPU / no library says so, not the probe
+    # the platform's rules come first: no GPU / no library says so, not the toolchain
     assert "sgl-deep-gemm" in registry.availability("deep_gemm", H100).reason
 
 
-def test_deep_gemm_probe_has_nothing_to_probe_without_gpu_or_package():
-    from moekit.runners import deep_gemm
+def test_deep_gemm_toolchain_here(monkeypatch, tmp_path):
+    """The toolchain check names what is missing: the package's headers, then nvcc."""
+    from moekit.runners import deep_gemm_jit as jit
 
-    if torch.cuda.is_available() and detect().has("sgl-deep-gemm"):
-        pytest.skip("deep_gemm installed on a GPU here: the probe runs (GPU tests)")
-    assert deep_gemm.probe_installed() == (None, None)
-
-
-@pytest.mark.gpu
-def test_deep_gemm_probe_on_this_gpu():
-    """On a GPU with sgl-deep-gemm: the probe either finds a way of handing tensors over that the
-    binary reads correctly, or explains why none works; availability follows it."""
-    from moekit.runners import deep_gemm
-
-    if not torch.cuda.is_available() or not detect().has("sgl-deep-gemm"):
-        pytest.skip("needs a CUDA GPU and sgl-deep-gemm")
-    passing, problem = deep_gemm.probe_installed()
-    assert (passing in deep_gemm.PASSING) != (problem is not None), (passing, problem)
-    if torch.cuda.get_device_capability()[0] == 9:
-        assert bool(registry.availability("deep_gemm", detect())) == (problem is None)
+    if jit.include_dir() is None:
+        assert "include/deep_gemm" in jit.problem()
+    fake = tmp_path / "deep_gemm" / "include" / "deep_gemm" / "impls"
+    fake.mkdir(parents=True)
+    (fake / "sm90_fp8_gemm_1d2d.cuh").write_text("")
+    (tmp_path / "deep_gemm" / "__init__.py").write_text("")
+    (tmp_path / "fake_deep_gemm").symlink_to(tmp_path / "deep_gemm")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(jit, "PACKAGE", "fake_deep_gemm")  # never imported, unlike deep_gemm
+    assert jit.include_dir() == tmp_path / "fake_deep_gemm" / "include"
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(jit, "DEFAULT_CUDA_HOMES", (str(tmp_path),))
+    assert "nvcc" in jit.problem()
 
 
 @pytest.mark.parametrize("platform", [CPU, A100, H100, H100_LIBS, B200, B200_FI, RTX5090],

@@ -347,8 +347,8 @@ def test_auto_never_picks_sm100_only_backends(platform, T):
 
 
 def test_real_rules_for_impossible_choices(monkeypatch):
-    # the platform's rules, not the probe of the binary installed here
-    monkeypatch.setattr(registry.runner_class("deep_gemm"), "probe", lambda: ("torch", None))
+    # the platform's rules, not this machine's toolchain
+    monkeypatch.setattr(registry.runner_class("deep_gemm"), "toolchain_problem", lambda: None)
     gptoss = workload_for(preset("gpt-oss-120b"), 16)
     assert "multiples of 128" in why_not("deep_gemm", gptoss, H100)
     assert "sgl-deep-gemm" in why_not("deep_gemm", shaped(1), H100_NO_DG)
