@@ -46,18 +46,17 @@ def _cfg(**kw):
 def test_launch_checks_shapes_before_building():
     cfg = _cfg()
     a, b = torch.zeros(256, 128), torch.zeros(512, 128)
-    d, layout = torch.zeros(256, 256), torch.zeros(256, dtype=torch.int32)
+    d, layout = torch.zeros(256, 256), torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"a: expected a contiguous \[256, 128\]"):
         jit.launch(cfg, a[:100], b, d, layout, 256)
     with pytest.raises(ValueError, match="b: expected"):
         jit.launch(cfg, a, b[:256], d, layout, 256)
     with pytest.raises(ValueError, match="multiple of block_m=128"):
-        jit.launch(cfg, a[:200], b, d[:200], layout[:200], 200)
+        jit.launch(cfg, a[:200], b, d[:200], layout, 200)
     with pytest.raises(ValueError, match="layout"):
         jit.launch(cfg, a, b, d, layout.long(), 256)
-    masked = _cfg(masked=True, block_m=64)
-    with pytest.raises(ValueError, match="layout"):  # masked: one count per group
-        jit.launch(masked, torch.zeros(128, 128), b, torch.zeros(128, 256), layout, 64)
+    with pytest.raises(ValueError, match=r"layout: int32 \[2\]"):  # one entry per group
+        jit.launch(cfg, a, b, d, torch.zeros(256, dtype=torch.int32), 256)
     fp8 = _cfg(fp8=True)
     with pytest.raises(ValueError, match="sfa"):
         jit.launch(fp8, a, b, d, layout, 256, sfa=torch.zeros(256, 1), sfb=torch.zeros(2, 2, 1))

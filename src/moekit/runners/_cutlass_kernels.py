@@ -5,6 +5,9 @@ plain-PyTorch twin of the same signature (used on CPU, and by the tests as the r
   expert -1 skipped (left undefined).
 - `weighted_reduce`: grouped expert outputs y [M, >=H] (+ per-expert bias b2) -> out [T, H]
   = sum_k weight[t, k] * y[row[t, k]], in float32, masked pairs (row -1) contribute 0.
+- `gather_rows`: a GEMM's input rows x[token[m]] -> [M, H], optionally quantized to fp8 e4m3
+  per row and 128 columns with the scales written MN-major (DeepGEMM's layout); rows of expert -1
+  skipped (left undefined), so padding costs no memory traffic.
 
 Numerics follow the reference runner: bias add and activation in float32, the result rounded to
 the activation dtype; the top-k sum in float32.
@@ -16,6 +19,8 @@ import torch
 
 from moekit.experts import ActivationSpec
 from moekit.runners.torch import activate
+
+FP8_GROUP = 128  # columns per activation scale of `gather_rows` (DeepGEMM's 1x128)
 
 try:  # Triton is optional: the twins below run everywhere.
     import triton
@@ -142,6 +147,92 @@ if HAS_TRITON:
         tl.store(out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
+    @triton.jit
+    def _gather_rows_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        token_ptr,
+        expert_ptr,
+        H,
+        n_groups,
+        rows_per_group,
+        stride_x,
+        stride_q,
+        qmax,
+        eps,
+        GATHER: tl.constexpr,
+        QUANT: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        GROUP: tl.constexpr,
+    ):
+        """One program: row m, column groups [BLOCK_G * pid1, +BLOCK_G) of GROUP columns."""
+        m = tl.program_id(0)
+        e = tl.load(expert_ptr + m)
+        g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        j = tl.arange(0, GROUP)
+        col = g[:, None] * GROUP + j[None, :]
+        mask = (col < H) & (e >= 0)
+        src = m
+        if GATHER:
+            src = tl.load(token_ptr + m)
+        x = tl.load(x_ptr + src.to(tl.int64) * stride_x + col, mask=mask, other=0.0)
+        out = q_ptr + m.to(tl.int64) * stride_q + col
+        if QUANT:
+            xf = x.to(tl.float32)
+            s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), eps), qmax)
+            y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, None]), -qmax), qmax)
+            tl.store(out, y.to(q_ptr.dtype.element_ty), mask=mask)
+            grp = m // rows_per_group
+            s_off = (grp * n_groups + g).to(tl.int64) * rows_per_group + m % rows_per_group
+            tl.store(s_ptr + s_off, s, mask=(g < n_groups) & (e >= 0))
+        else:
+            tl.store(out, x, mask=mask)
+
+
+def gather_rows_triton(
+    x_TH: torch.Tensor,
+    token_M: torch.Tensor | None,
+    expert_M: torch.Tensor,
+    quant: bool,
+    rows_per_group: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of `gather_rows_torch`; rows of expert -1 are left unwritten."""
+    from moekit.quant.act_quant import ACT_DTYPES, EPS
+
+    M, H = expert_M.shape[0], x_TH.shape[1]
+    dev = x_TH.device
+    n_groups = triton.cdiv(H, FP8_GROUP)
+    q = torch.empty(M, H, dtype=torch.float8_e4m3fn if quant else x_TH.dtype, device=dev)
+    s = None
+    if quant:
+        s = torch.empty(M // rows_per_group, n_groups, rows_per_group, device=dev)
+    if M == 0 or H == 0:
+        return q, s
+    if x_TH.stride(1) != 1:
+        x_TH = x_TH.contiguous()
+    block_g = max(1, min(8, triton.next_power_of_2(n_groups)))
+    _gather_rows_kernel[(M, triton.cdiv(n_groups, block_g))](
+        x_TH,
+        q,
+        s if quant else q,
+        token_M if token_M is not None else expert_M,
+        expert_M,
+        H,
+        n_groups,
+        rows_per_group,
+        x_TH.stride(0),
+        q.stride(0),
+        ACT_DTYPES[torch.float8_e4m3fn],
+        EPS,
+        GATHER=token_M is not None,
+        QUANT=quant,
+        BLOCK_G=block_g,
+        GROUP=FP8_GROUP,
+    )
+    return q, s
+
+
 def _block(n: int, cap: int = 1024) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -221,6 +312,29 @@ def weighted_reduce_triton(
     return out
 
 
+def gather_rows_torch(
+    x_TH: torch.Tensor,
+    token_M: torch.Tensor | None,
+    expert_M: torch.Tensor,
+    quant: bool,
+    rows_per_group: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rows [M, H] = x[token_M] (x itself when token_M is None); rows of expert -1 are zeros.
+    quant: (fp8 e4m3 [M, H], float32 scales MN-major [M / rows_per_group, H / 128,
+    rows_per_group]: the scale of row m, group g at [m // R, g, m % R]), as
+    `quantize_act(rows, 'token_group', group_size=128)`; else (rows in x's dtype, None)."""
+    from moekit.quant.act_quant import quantize_act_ref
+
+    rows = x_TH if token_M is None else x_TH[token_M]
+    rows = torch.where((expert_M >= 0).unsqueeze(1), rows, torch.zeros_like(rows))
+    if not quant:
+        return rows.contiguous(), None
+    q, s = quantize_act_ref(rows, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
+    M = rows.shape[0]
+    s = s.view(M // rows_per_group, rows_per_group, -1).transpose(1, 2).contiguous()
+    return q, s
+
+
 # ---------------------------------------------------------------------------- dispatch
 
 
@@ -239,3 +353,8 @@ def weighted_reduce(
 ):
     fn = weighted_reduce_triton if use_triton else weighted_reduce_torch
     return fn(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype)
+
+
+def gather_rows(x_TH, token_M, expert_M, quant, rows_per_group, *, use_triton: bool):
+    fn = gather_rows_triton if use_triton else gather_rows_torch
+    return fn(x_TH, token_M, expert_M, quant, rows_per_group)

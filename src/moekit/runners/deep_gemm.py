@@ -165,28 +165,26 @@ class DeepGemmRunner(Runner):
         return False
 
     @staticmethod
-    def _gemm(a: torch.Tensor, w: torch.Tensor, scale, layout: torch.Tensor, m: int,
-              masked: bool, fp8: bool, rows_per_group: int) -> torch.Tensor:  # fmt: skip
-        """a [rows, K] bf16 x w [E, N, K]^T -> [rows, N] bf16 (see `deep_gemm_jit.launch` for
-        the two layouts). fp8: w float8_e4m3fn with float32 scales [E, N/128, K/128]; a is
-        quantized here per token and 128 columns."""
+    def _input(x, token_M, expert_M, fp8: bool, rows_per_group: int):
+        """A GEMM's input rows x[token_M] (x's own rows when token_M is None), rows of expert
+        -1 skipped: bf16 (rows, None), or fp8 (rows, scales MN-major [groups, K/128, R])."""
+        if not fp8 and token_M is None:
+            return x, None
+        return kernels.gather_rows(x, token_M, expert_M, fp8, rows_per_group,
+                                   use_triton=kernels.use_triton_for(x))  # fmt: skip
+
+    @staticmethod
+    def _gemm(a, sfa, w, scale, layout, m: int, masked: bool, rows_per_group: int):
+        """a [rows, K] (bf16, or fp8 with its scales sfa) x w [E, N, K]^T -> [rows, N] bf16
+        (the layouts: `deep_gemm_jit.launch`). fp8 weights carry float32 block scales
+        [E, N/128, K/128]."""
         E, N, K = w.shape
         dev = a.device
-        cfg = jit.choose(fp8, masked, N, K, E, rows_per_group, _num_sms(dev))
+        cfg = jit.choose(sfa is not None, masked, N, K, E, rows_per_group, _num_sms(dev))
         d = torch.empty(a.shape[0], N, dtype=torch.bfloat16, device=dev)
-        if a.shape[0] == 0:
-            return d
-        with torch.cuda.device(dev):
-            if fp8:
-                from moekit.quant.act_quant import quantize_act
-
-                q, s = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=ACT_GROUP)
-                groups = E if masked else 1
-                # the kernel reads activation scales MN-major: [groups, K/128, m]
-                sfa = s.view(groups, -1, s.shape[-1]).transpose(1, 2).contiguous()
-                jit.launch(cfg, q, w.view(E * N, K), d, layout, m, sfa, scale.float())
-            else:
-                jit.launch(cfg, a, w.view(E * N, K), d, layout, m)
+        if a.shape[0]:
+            with torch.cuda.device(dev):
+                jit.launch(cfg, a, w.view(E * N, K), d, layout, m, sfa, scale)
         return d
 
     # ------------------------------------------------------------------ formats
@@ -198,12 +196,15 @@ class DeepGemmRunner(Runner):
         if T == 0:
             return torch.zeros(0, H, dtype=x_TH.dtype, device=x_TH.device)
         rows = group_rows(topk.ids, w.num_experts, align=CONTIGUOUS_ALIGN)
-        x_rows = x_TH[rows.token_M].contiguous()
-        M = rows.num_rows
-        layout = rows.expert_M.to(torch.int32)
-        h = self._gemm(x_rows, w.w13, w.w13_scale, layout, M, False, fp8, CONTIGUOUS_ALIGN)
-        a = kernels.activation(h, rows.expert_M, w.b13, act, use_triton=kernels.HAS_TRITON)
-        y = self._gemm(a, w.w2, w.w2_scale, layout, M, False, fp8, CONTIGUOUS_ALIGN)
+        M, expert_M = rows.num_rows, rows.expert_M
+        # end row of each expert's pairs; each group starts on a 128-row tile
+        padded = (rows.counts_E + CONTIGUOUS_ALIGN - 1) // CONTIGUOUS_ALIGN * CONTIGUOUS_ALIGN
+        ends = (rows.ends_E - padded + rows.counts_E).to(torch.int32)
+        xa, xs = self._input(x_TH, rows.token_M, expert_M, fp8, M)
+        h = self._gemm(xa, xs, w.w13, w.w13_scale, ends, M, False, CONTIGUOUS_ALIGN)
+        a = kernels.activation(h, expert_M, w.b13, act, use_triton=kernels.HAS_TRITON)
+        aa, as_ = self._input(a, None, expert_M, fp8, M)
+        y = self._gemm(aa, as_, w.w2, w.w2_scale, ends, M, False, CONTIGUOUS_ALIGN)
         return kernels.weighted_reduce(
             y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype,
             use_triton=kernels.HAS_TRITON,
@@ -222,12 +223,14 @@ class DeepGemmRunner(Runner):
         Cp = -(-C // tile) * tile  # the kernel stores whole row tiles: pad C to one
         x = x_ECH if Cp == C else torch.nn.functional.pad(x_ECH, (0, 0, 0, Cp - C))
         x = x.contiguous().view(E * Cp, -1)
-        h = self._gemm(x, w.w13, w.w13_scale, counts, Cp, True, fp8, expected_m)
-        slot = torch.arange(Cp, device=x_ECH.device).unsqueeze(0)
-        expert = torch.arange(E, device=x_ECH.device, dtype=torch.int32).unsqueeze(1)
+        expert = torch.arange(E, device=x.device, dtype=torch.int32).unsqueeze(1)
+        slot = torch.arange(Cp, device=x.device).unsqueeze(0)
         expert_M = torch.where(slot < counts.unsqueeze(1), expert, -1).reshape(-1)
+        xa, xs = self._input(x, None, expert_M, fp8, Cp)
+        h = self._gemm(xa, xs, w.w13, w.w13_scale, counts, Cp, True, expected_m)
         a = kernels.activation(h, expert_M, w.b13, act, use_triton=kernels.HAS_TRITON)
-        y = self._gemm(a, w.w2, w.w2_scale, counts, Cp, True, fp8, expected_m)
+        aa, as_ = self._input(a, None, expert_M, fp8, Cp)
+        y = self._gemm(aa, as_, w.w2, w.w2_scale, counts, Cp, True, expected_m)
         y = y.view(E, Cp, -1)[:, :C]
         if w.b2 is not None:
             y = (y.float() + w.b2.float().unsqueeze(1)).to(x_ECH.dtype)

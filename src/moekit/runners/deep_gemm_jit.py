@@ -71,7 +71,7 @@ class KernelConfig:
     """One compiled kernel: d [rows, n] = a [rows, k] @ b[group] [n, k].T over `groups` experts.
     fp8: e4m3 operands with float32 scales (activations per row and 128 columns, weights per
     128 x 128 block), else bf16. masked: the [groups, C, k] layout (rows per group given), else
-    contiguous rows with a group id each."""
+    groups of contiguous rows, each starting on a row tile (end row per group given)."""
 
     fp8: bool
     masked: bool
@@ -203,10 +203,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def launch(cfg: KernelConfig, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
            layout: torch.Tensor, m: int, sfa: torch.Tensor | None = None,
            sfb: torch.Tensor | None = None) -> None:  # fmt: skip
-    """d = a @ b[group].T (see KernelConfig). Contiguous: a [m, k], d [m, n], layout int32 [m]
-    (group of each row, -1 = padding; m a multiple of block_m, every block_m rows one group).
-    Masked: a [groups * m, k], d [groups * m, n], layout int32 [groups] (rows used per group;
-    m a multiple of block_m). b [groups * n, k]. fp8: sfa float32 [(groups,) k / 128, m]
+    """d = a @ b[group].T (see KernelConfig); layout int32 [groups].
+    Contiguous: a [m, k], d [m, n]; layout[g] = end row of group g, which starts at the previous
+    end rounded up to block_m (the kernel visits only those row tiles; other rows of d are left
+    unwritten). Masked: a [groups * m, k], d [groups * m, n]; layout[g] = rows used by group g
+    (m a multiple of block_m). b [groups * n, k]. fp8: sfa float32 [(groups,) k / 128, m]
     (MN-major), sfb float32 [groups, n / 128, k / 128]."""
     rows = cfg.groups * m if cfg.masked else m
     want = {"a": (a, (rows, cfg.k)), "b": (b, (cfg.groups * cfg.n, cfg.k)),
@@ -216,8 +217,8 @@ def launch(cfg: KernelConfig, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
             raise ValueError(f"{name}: expected a contiguous {list(shape)}, got {list(t.shape)}")
     if m % cfg.block_m:
         raise ValueError(f"rows per block: m={m} must be a multiple of block_m={cfg.block_m}")
-    if layout.dtype != torch.int32 or layout.numel() != (cfg.groups if cfg.masked else m):
-        raise ValueError("layout: int32 rows per group (masked) or group per row (contiguous)")
+    if layout.dtype != torch.int32 or layout.numel() != cfg.groups:
+        raise ValueError(f"layout: int32 [{cfg.groups}] (rows or end row per group)")
     if cfg.fp8 and (sfa is None or sfb is None or sfa.shape[-1] != m or sfa.stride(-2) != m):
         raise ValueError("fp8 needs sfa [(groups,) k / 128, m] (MN-major) and sfb")
     lib = library(cfg)

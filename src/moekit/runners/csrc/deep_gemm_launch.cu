@@ -8,8 +8,10 @@
 //
 //   MK_FP8     1: sm90_fp8_gemm_1d2d (fp8 e4m3 operands, float32 scales: activations per row
 //                 and 128 columns, weights per 128x128 block); 0: sm90_bf16_gemm (bf16)
-//   MK_MASKED  1: masked layout (A [G*C, K], layout = rows per group [G]);
-//              0: contiguous layout (A [M, K], layout = group of each row [M], -1 = padding)
+//   MK_MASKED  1: masked layout (A [G*C, K], layout = rows used per group [G]);
+//              0: contiguous layout (A [M, K], layout = end row of each group [G]: group g
+//                 starts at its predecessor's end rounded up to MK_BLOCK_M), so the kernel
+//                 visits only the row tiles that hold pairs (DeepGEMM's "psum" layout)
 //   MK_N, MK_K, MK_GROUPS, MK_BLOCK_M, MK_BLOCK_N, MK_STAGES, MK_SWIZZLE_D, MK_NUM_SMS
 #include <cstdint>
 #include <cstdio>
@@ -30,7 +32,8 @@ constexpr uint32_t kElemBytes = MK_FP8 ? 1 : 2;
 constexpr uint32_t kBlockK = 128 / kElemBytes;  // one 128-byte swizzle atom of K per stage
 constexpr uint32_t kTMAThreads = 128;
 constexpr uint32_t kMathThreads = MK_BLOCK_M <= 64 ? 128 : 256;
-constexpr GemmType kGemmType = MK_MASKED ? GemmType::MGroupedMasked : GemmType::MGroupedContiguous;
+constexpr GemmType kGemmType =
+    MK_MASKED ? GemmType::MGroupedMasked : GemmType::MGroupedContiguousWithPsumLayout;
 
 constexpr uint32_t align_up(uint32_t x, uint32_t a) { return (x + a - 1) / a * a; }
 
@@ -126,7 +129,7 @@ uint32_t mk_smem_bytes() { return smem_bytes(); }
 //   a     [rows, K] (fp8 / bf16), rows = m (contiguous) or MK_GROUPS * m (masked, m = C)
 //   sfa   fp8: float32 [MK_GROUPS (masked) or 1, K / 128, sfa_pitch] (scales of column m at m)
 //   b     [MK_GROUPS * MK_N, K]; sfb fp8: float32 [MK_GROUPS, MK_N / 128, K / 128]
-//   d     [rows, MK_N] bf16; layout int32 [m] (contiguous) or [MK_GROUPS] (masked)
+//   d     [rows, MK_N] bf16; layout int32 [MK_GROUPS] (see MK_MASKED)
 // Returns 0, or a CUDA error code / -1 with mk_last_error() saying what failed.
 int mk_launch(void* a, void* sfa, void* b, void* sfb, void* d, int* layout, uint32_t m,
               uint32_t sfa_pitch, void* stream) {
