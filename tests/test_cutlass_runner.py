@@ -182,33 +182,44 @@ def test_weighted_reduce_ignores_garbage_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("gather", [True, False])
-def test_gather_rows_kernel_matches_twin(dtype, gather):
-    """The copy path (bf16 inputs of the deep_gemm runner) on every device; rows of expert -1
-    are left unwritten by the kernel. H = 200: a partial last group of columns."""
+@pytest.mark.parametrize("mode", ["gather", "rows", "silu", "swiglu_oai+bias"])
+def test_gemm_rows_kernel_matches_twin(dtype, mode):
+    """The bf16 / fp16 / fp32 paths (copy, gather, activation) on every device; rows of expert
+    -1 and rows past `used` are left unwritten by the kernel. C = 200: a partial last group of
+    128 columns."""
     if not kernels.HAS_TRITON:
         pytest.skip("triton not importable")
-    T, M, H = 5, 12, 200
-    x = torch.randn(T, H).to(KDEV, dtype)
-    token = torch.randint(0, T, (M,)).to(KDEV) if gather else None
-    src = x if gather else torch.randn(M, H).to(KDEV, dtype)
-    expert = torch.randint(-1, 3, (M,), dtype=torch.int32).to(KDEV)
-    got, s = kernels.gather_rows_triton(src, token, expert, False, M)
-    ref, _ = kernels.gather_rows_torch(src, token, expert, False, M)
-    keep = expert >= 0
-    assert s is None and torch.equal(got[keep], ref[keep])
+    T, M, C, E = 5, 12, 200, 3
+    expert = torch.randint(-1, E, (M,), dtype=torch.int32).to(KDEV)
+    kw = {}
+    if mode == "gather":
+        src = torch.randn(T, C).to(KDEV, dtype)
+        kw["token_M"] = torch.randint(0, T, (M,)).to(KDEV)
+    elif mode == "rows":
+        src = torch.randn(M, C).to(KDEV, dtype)
+    else:
+        src = (torch.randn(M, 2 * C) * 2).to(KDEV, dtype)
+        name, bias = mode.split("+")[0], mode.endswith("bias")
+        kw["act"] = ActivationSpec(name, interleaved=name == "swiglu_oai")
+        kw["b13_EN"] = torch.randn(E, 2 * C).to(KDEV, dtype) if bias else None
+    used = torch.tensor([M - 2], dtype=torch.int32).to(KDEV)
+    got, s = kernels.gemm_rows_triton(src, expert, used=used, **kw)
+    ref, _ = kernels.gemm_rows_torch(src, expert, **kw)
+    keep = (expert >= 0) & (torch.arange(M).to(KDEV) < M - 2)
+    assert s is None and got.shape == (M, C)
+    assert rel_err(got[keep], ref[keep]) <= TOLERANCE[dtype]
 
 
-def test_gather_rows_twin_quantizes_like_quantize_act():
-    """The fp8 path's twin: quantize_act_ref of the gathered rows, scales MN-major per group of
-    R rows (DeepGEMM's layout); rows of expert -1 are zeros."""
+def test_gemm_rows_twin_quantizes_like_quantize_act():
+    """The fp8 path's twin: quantize_act_ref of the rows, scales MN-major per group of R rows
+    (DeepGEMM's layout); rows of expert -1 are zeros."""
     from moekit.quant.act_quant import quantize_act_ref
 
     T, H, R = 6, 256, 4
     x = torch.randn(T, H) * 5
     token = torch.tensor([0, 5, 2, 2, 1, 0, 3, 4])
     expert = torch.tensor([0, 0, -1, 1, 1, 1, -1, 2], dtype=torch.int32)
-    q, s = kernels.gather_rows_torch(x, token, expert, True, R)
+    q, s = kernels.gemm_rows_torch(x, expert, token_M=token, quant=True, rows_per_group=R)
     rows = torch.where((expert >= 0).unsqueeze(1), x[token], 0.0)
     q_ref, s_ref = quantize_act_ref(rows, "token_group", torch.float8_e4m3fn, group_size=128)
     assert s.shape == (2, 2, R)  # [M / R, H / 128, R]
@@ -218,15 +229,20 @@ def test_gather_rows_twin_quantizes_like_quantize_act():
 
 
 @pytest.mark.gpu
-def test_gather_rows_fp8_kernel_matches_twin_gpu():
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_gemm_rows_fp8_kernel_matches_twin_gpu(act):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     T, M, H, R = 50, 256, 7168, 128
-    x = (torch.randn(T, H, device="cuda") * 3).to(torch.bfloat16)
-    token = torch.randint(0, T, (M,), device="cuda")
     expert = torch.randint(-1, 4, (M,), dtype=torch.int32, device="cuda")
-    q, s = kernels.gather_rows_triton(x, token, expert, True, R)
-    q_ref, s_ref = kernels.gather_rows_torch(x, token, expert, True, R)
+    if act is None:
+        src = (torch.randn(T, H, device="cuda") * 3).to(torch.bfloat16)
+        kw = {"token_M": torch.randint(0, T, (M,), device="cuda")}
+    else:
+        src = (torch.randn(M, 2 * H, device="cuda") * 3).to(torch.bfloat16)
+        kw = {"act": ActivationSpec(act)}
+    q, s = kernels.gemm_rows_triton(src, expert, quant=True, rows_per_group=R, **kw)
+    q_ref, s_ref = kernels.gemm_rows_torch(src, expert, quant=True, rows_per_group=R, **kw)
     keep = expert >= 0
     assert torch.equal(q[keep].float(), q_ref[keep].float())
     keep_s = keep.view(M // R, 1, R).expand_as(s)

@@ -5,9 +5,11 @@ plain-PyTorch twin of the same signature (used on CPU, and by the tests as the r
   expert -1 skipped (left undefined).
 - `weighted_reduce`: grouped expert outputs y [M, >=H] (+ per-expert bias b2) -> out [T, H]
   = sum_k weight[t, k] * y[row[t, k]], in float32, masked pairs (row -1) contribute 0.
-- `gather_rows`: a GEMM's input rows x[token[m]] -> [M, H], optionally quantized to fp8 e4m3
-  per row and 128 columns with the scales written MN-major (DeepGEMM's layout); rows of expert -1
-  skipped (left undefined), so padding costs no memory traffic.
+- `gemm_rows`: a grouped GEMM's input rows: x[token[m]] (the gather before the first GEMM) or
+  the activation of h [M, 2I] (+ b13; before the second), optionally quantized to fp8 e4m3 per
+  row and 128 columns with the scales written MN-major (DeepGEMM's layout). Rows of expert -1 are
+  skipped (left undefined) and the programs stop at the rows in use, so padding and the slack of
+  the static row bound cost no memory traffic.
 
 Numerics follow the reference runner: bias add and activation in float32, the result rounded to
 the activation dtype; the top-k sum in float32.
@@ -20,7 +22,7 @@ import torch
 from moekit.experts import ActivationSpec
 from moekit.runners.torch import activate
 
-FP8_GROUP = 128  # columns per activation scale of `gather_rows` (DeepGEMM's 1x128)
+FP8_GROUP = 128  # columns per activation scale of `gemm_rows` (DeepGEMM's 1x128)
 
 try:  # Triton is optional: the twins below run everywhere.
     import triton
@@ -148,84 +150,129 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _gather_rows_kernel(
-        x_ptr,
+    def _gemm_rows_kernel(
+        src_ptr,
         q_ptr,
         s_ptr,
         token_ptr,
         expert_ptr,
-        H,
+        b_ptr,
+        used_ptr,
+        C,
         n_groups,
         rows_per_group,
-        stride_x,
+        stride_src,
         stride_q,
+        stride_b,
+        alpha,
+        limit,
         qmax,
         eps,
         GATHER: tl.constexpr,
+        ACT: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         QUANT: tl.constexpr,
         BLOCK_G: tl.constexpr,
         GROUP: tl.constexpr,
     ):
-        """One program: row m, column groups [BLOCK_G * pid1, +BLOCK_G) of GROUP columns."""
-        m = tl.program_id(0)
-        e = tl.load(expert_ptr + m)
+        """Programs (P, column blocks): rows pid0, pid0 + P, ... below *used_ptr; columns
+        [BLOCK_G * pid1, +BLOCK_G) groups of GROUP. ACT < 0: copy / gather; else activate."""
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        j = tl.arange(0, GROUP)
-        col = g[:, None] * GROUP + j[None, :]
-        mask = (col < H) & (e >= 0)
-        src = m
-        if GATHER:
-            src = tl.load(token_ptr + m)
-        x = tl.load(x_ptr + src.to(tl.int64) * stride_x + col, mask=mask, other=0.0)
-        out = q_ptr + m.to(tl.int64) * stride_q + col
-        if QUANT:
-            xf = x.to(tl.float32)
-            s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), eps), qmax)
-            y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, None]), -qmax), qmax)
-            tl.store(out, y.to(q_ptr.dtype.element_ty), mask=mask)
-            grp = m // rows_per_group
-            s_off = (grp * n_groups + g).to(tl.int64) * rows_per_group + m % rows_per_group
-            tl.store(s_ptr + s_off, s, mask=(g < n_groups) & (e >= 0))
-        else:
-            tl.store(out, x, mask=mask)
+        col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        used = tl.load(used_ptr)
+        for row_idx in range(tl.program_id(0), used, tl.num_programs(0)):
+            m = tl.cast(row_idx, tl.int64)  # (a plain int in the interpreter)
+            e = tl.load(expert_ptr + m)
+            mask = (col < C) & (e >= 0)
+            src = m
+            if GATHER:
+                src = tl.load(token_ptr + m)
+            row = src_ptr + src.to(tl.int64) * stride_src
+            if ACT >= 0:
+                if INTERLEAVED:
+                    gate_cols, up_cols = 2 * col, 2 * col + 1
+                else:
+                    gate_cols, up_cols = col, col + C
+                gate = tl.load(row + gate_cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(row + up_cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    brow = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b
+                    gate += tl.load(brow + gate_cols, mask=mask, other=0.0).to(tl.float32)
+                    up += tl.load(brow + up_cols, mask=mask, other=0.0).to(tl.float32)
+                x = activate_tl(gate, up, alpha, limit, ACT).to(src_ptr.dtype.element_ty)
+            else:
+                x = tl.load(row + col, mask=mask, other=0.0)
+            out = q_ptr + m * stride_q + col
+            if QUANT:
+                xf = x.to(tl.float32)
+                s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), eps), qmax)
+                y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, None]), -qmax), qmax)
+                tl.store(out, y.to(q_ptr.dtype.element_ty), mask=mask)
+                grp = m // rows_per_group
+                s_off = (grp * n_groups + g) * rows_per_group + m % rows_per_group
+                tl.store(s_ptr + s_off, s, mask=(g < n_groups) & (e >= 0))
+            else:
+                tl.store(out, x, mask=mask)
 
 
-def gather_rows_triton(
-    x_TH: torch.Tensor,
-    token_M: torch.Tensor | None,
+ROW_PROGRAMS = 8192  # programs along the rows of `gemm_rows_triton` (each loops over its rows)
+
+
+def gemm_rows_triton(
+    src: torch.Tensor,
     expert_M: torch.Tensor,
-    quant: bool,
-    rows_per_group: int,
+    *,
+    token_M: torch.Tensor | None = None,
+    act: ActivationSpec | None = None,
+    b13_EN: torch.Tensor | None = None,
+    quant: bool = False,
+    rows_per_group: int = 1,
+    used: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of `gather_rows_torch`; rows of expert -1 are left unwritten."""
+    """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
+    [1] on the device: the rows in use, default all) are left unwritten."""
     from moekit.quant.act_quant import ACT_DTYPES, EPS
 
-    M, H = expert_M.shape[0], x_TH.shape[1]
-    dev = x_TH.device
-    n_groups = triton.cdiv(H, FP8_GROUP)
-    q = torch.empty(M, H, dtype=torch.float8_e4m3fn if quant else x_TH.dtype, device=dev)
-    s = None
-    if quant:
-        s = torch.empty(M // rows_per_group, n_groups, rows_per_group, device=dev)
-    if M == 0 or H == 0:
+    M = expert_M.shape[0]
+    C = src.shape[1] // 2 if act is not None else src.shape[1]
+    dev = src.device
+    n_groups = triton.cdiv(C, FP8_GROUP)
+    q = torch.empty(M, C, dtype=torch.float8_e4m3fn if quant else src.dtype, device=dev)
+    s = torch.empty(M // rows_per_group, n_groups, rows_per_group, device=dev) if quant else None
+    if M == 0 or C == 0:
         return q, s
-    if x_TH.stride(1) != 1:
-        x_TH = x_TH.contiguous()
+    if src.stride(1) != 1:
+        src = src.contiguous()
+    bias = b13_EN if b13_EN is not None else src
+    if b13_EN is not None and b13_EN.stride(1) != 1:
+        bias = b13_EN.contiguous()
+    if used is None:
+        used = torch.full((1,), M, dtype=torch.int32, device=dev)
     block_g = max(1, min(8, triton.next_power_of_2(n_groups)))
-    _gather_rows_kernel[(M, triton.cdiv(n_groups, block_g))](
-        x_TH,
+    grid = (min(M, ROW_PROGRAMS), triton.cdiv(n_groups, block_g))
+    _gemm_rows_kernel[grid](
+        src,
         q,
         s if quant else q,
         token_M if token_M is not None else expert_M,
         expert_M,
-        H,
+        bias,
+        used,
+        C,
         n_groups,
         rows_per_group,
-        x_TH.stride(0),
+        src.stride(0),
         q.stride(0),
+        bias.stride(0),
+        float(act.alpha) if act is not None else 0.0,
+        float(act.limit) if act is not None else 0.0,
         ACT_DTYPES[torch.float8_e4m3fn],
         EPS,
         GATHER=token_M is not None,
+        ACT=ACT_CODES[act.name] if act is not None else -1,
+        INTERLEAVED=act is not None and act.interleaved,
+        HAS_BIAS=b13_EN is not None,
         QUANT=quant,
         BLOCK_G=block_g,
         GROUP=FP8_GROUP,
@@ -312,20 +359,27 @@ def weighted_reduce_triton(
     return out
 
 
-def gather_rows_torch(
-    x_TH: torch.Tensor,
-    token_M: torch.Tensor | None,
+def gemm_rows_torch(
+    src: torch.Tensor,
     expert_M: torch.Tensor,
-    quant: bool,
-    rows_per_group: int,
+    *,
+    token_M: torch.Tensor | None = None,
+    act: ActivationSpec | None = None,
+    b13_EN: torch.Tensor | None = None,
+    quant: bool = False,
+    rows_per_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rows [M, H] = x[token_M] (x itself when token_M is None); rows of expert -1 are zeros.
-    quant: (fp8 e4m3 [M, H], float32 scales MN-major [M / rows_per_group, H / 128,
-    rows_per_group]: the scale of row m, group g at [m // R, g, m % R]), as
-    `quantize_act(rows, 'token_group', group_size=128)`; else (rows in x's dtype, None)."""
+    """rows [M, C]: src[token_M] (src itself when token_M is None), or with `act` the
+    activation of h = src [M, 2C] (+ b13 of the row's expert) rounded to src's dtype; rows of
+    expert -1 are zeros. quant: (fp8 e4m3 [M, C], float32 scales MN-major [M / R, C / 128, R]:
+    the scale of row m, group g at [m // R, g, m % R]), as `quantize_act(rows, 'token_group',
+    group_size=128)`; else (rows in src's dtype, None)."""
     from moekit.quant.act_quant import quantize_act_ref
 
-    rows = x_TH if token_M is None else x_TH[token_M]
+    if act is not None:
+        rows = activation_torch(src, expert_M, b13_EN, act)
+    else:
+        rows = src if token_M is None else src[token_M]
     rows = torch.where((expert_M >= 0).unsqueeze(1), rows, torch.zeros_like(rows))
     if not quant:
         return rows.contiguous(), None
@@ -355,6 +409,7 @@ def weighted_reduce(
     return fn(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype)
 
 
-def gather_rows(x_TH, token_M, expert_M, quant, rows_per_group, *, use_triton: bool):
-    fn = gather_rows_triton if use_triton else gather_rows_torch
-    return fn(x_TH, token_M, expert_M, quant, rows_per_group)
+def gemm_rows(src, expert_M, *, use_triton: bool, used=None, **kw):
+    if use_triton:
+        return gemm_rows_triton(src, expert_M, used=used, **kw)
+    return gemm_rows_torch(src, expert_M, **kw)

@@ -165,13 +165,11 @@ class DeepGemmRunner(Runner):
         return False
 
     @staticmethod
-    def _input(x, token_M, expert_M, fp8: bool, rows_per_group: int):
-        """A GEMM's input rows x[token_M] (x's own rows when token_M is None), rows of expert
-        -1 skipped: bf16 (rows, None), or fp8 (rows, scales MN-major [groups, K/128, R])."""
-        if not fp8 and token_M is None:
-            return x, None
-        return kernels.gather_rows(x, token_M, expert_M, fp8, rows_per_group,
-                                   use_triton=kernels.use_triton_for(x))  # fmt: skip
+    def _rows(src, expert_M, fp8: bool, rows_per_group: int, **kw):
+        """A GEMM's input rows (`_cutlass_kernels.gemm_rows`): bf16 (rows, None), or fp8
+        (rows, scales MN-major [M / rows_per_group, K/128, rows_per_group])."""
+        return kernels.gemm_rows(src, expert_M, quant=fp8, rows_per_group=rows_per_group,
+                                 use_triton=kernels.use_triton_for(src), **kw)  # fmt: skip
 
     @staticmethod
     def _gemm(a, sfa, w, scale, layout, m: int, masked: bool, rows_per_group: int):
@@ -200,10 +198,10 @@ class DeepGemmRunner(Runner):
         # end row of each expert's pairs; each group starts on a 128-row tile
         padded = (rows.counts_E + CONTIGUOUS_ALIGN - 1) // CONTIGUOUS_ALIGN * CONTIGUOUS_ALIGN
         ends = (rows.ends_E - padded + rows.counts_E).to(torch.int32)
-        xa, xs = self._input(x_TH, rows.token_M, expert_M, fp8, M)
+        used = rows.ends_E[-1:]  # rows past the last group are the static bound's slack
+        xa, xs = self._rows(x_TH, expert_M, fp8, M, token_M=rows.token_M, used=used)
         h = self._gemm(xa, xs, w.w13, w.w13_scale, ends, M, False, CONTIGUOUS_ALIGN)
-        a = kernels.activation(h, expert_M, w.b13, act, use_triton=kernels.HAS_TRITON)
-        aa, as_ = self._input(a, None, expert_M, fp8, M)
+        aa, as_ = self._rows(h, expert_M, fp8, M, act=act, b13_EN=w.b13, used=used)
         y = self._gemm(aa, as_, w.w2, w.w2_scale, ends, M, False, CONTIGUOUS_ALIGN)
         return kernels.weighted_reduce(
             y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype,
@@ -226,10 +224,9 @@ class DeepGemmRunner(Runner):
         expert = torch.arange(E, device=x.device, dtype=torch.int32).unsqueeze(1)
         slot = torch.arange(Cp, device=x.device).unsqueeze(0)
         expert_M = torch.where(slot < counts.unsqueeze(1), expert, -1).reshape(-1)
-        xa, xs = self._input(x, None, expert_M, fp8, Cp)
+        xa, xs = self._rows(x, expert_M, fp8, Cp) if fp8 else (x, None)
         h = self._gemm(xa, xs, w.w13, w.w13_scale, counts, Cp, True, expected_m)
-        a = kernels.activation(h, expert_M, w.b13, act, use_triton=kernels.HAS_TRITON)
-        aa, as_ = self._input(a, None, expert_M, fp8, Cp)
+        aa, as_ = self._rows(h, expert_M, fp8, Cp, act=act, b13_EN=w.b13)
         y = self._gemm(aa, as_, w.w2, w.w2_scale, counts, Cp, True, expected_m)
         y = y.view(E, Cp, -1)[:, :C]
         if w.b2 is not None:
