@@ -12,6 +12,7 @@
 //              0: contiguous layout (A [M, K], layout = end row of each group [G]: group g
 //                 starts at its predecessor's end rounded up to MK_BLOCK_M), so the kernel
 //                 visits only the row tiles that hold pairs (DeepGEMM's "psum" layout)
+//   MK_MULTICAST 1, or 2: pairs of CTAs (a cluster) share each A tile through TMA multicast
 //   MK_N, MK_K, MK_GROUPS, MK_BLOCK_M, MK_BLOCK_N, MK_STAGES, MK_SWIZZLE_D, MK_NUM_SMS
 #include <cstdint>
 #include <cstdio>
@@ -50,18 +51,19 @@ constexpr uint32_t smem_bytes() {
     }
     return d + MK_STAGES * stage + sfb + MK_STAGES * 2 * 8;
 }
+static_assert(MK_NUM_SMS % MK_MULTICAST == 0, "the grid must hold whole clusters");
 static_assert(smem_bytes() <= 232448, "configuration exceeds the SM90 shared memory per block");
 
 #if MK_FP8
 constexpr auto kKernel = &sm90_fp8_gemm_1d2d_impl<
     cute::UMMA::Major::K, 0, MK_N, MK_K, MK_GROUPS, MK_BLOCK_M, MK_BLOCK_N, kBlockK,
-    128, 128, MK_SWIZZLE_D, MK_STAGES, kTMAThreads, kMathThreads, 1, false, MK_NUM_SMS,
-    kGemmType, cutlass::bfloat16_t, epilogue::transform::EpilogueIdentity, 128>;
+    128, 128, MK_SWIZZLE_D, MK_STAGES, kTMAThreads, kMathThreads, MK_MULTICAST, (MK_MULTICAST > 1),
+    MK_NUM_SMS, kGemmType, cutlass::bfloat16_t, epilogue::transform::EpilogueIdentity, 128>;
 #else
 constexpr auto kKernel = &sm90_bf16_gemm_impl<
     cute::UMMA::Major::K, cute::UMMA::Major::K, 0, MK_N, MK_K, MK_GROUPS, MK_BLOCK_M,
-    MK_BLOCK_N, kBlockK, 128, 128, MK_SWIZZLE_D, MK_STAGES, kTMAThreads, kMathThreads, 1,
-    false, MK_NUM_SMS, kGemmType, false, cutlass::bfloat16_t>;
+    MK_BLOCK_N, kBlockK, 128, 128, MK_SWIZZLE_D, MK_STAGES, kTMAThreads, kMathThreads,
+    MK_MULTICAST, (MK_MULTICAST > 1), MK_NUM_SMS, kGemmType, false, cutlass::bfloat16_t>;
 #endif
 
 char g_error[512] = "";
@@ -164,14 +166,29 @@ int mk_launch(void* a, void* sfa, void* b, void* sfb, void* d, int* layout, uint
     if (not make_map(&map_sfa, "sfa", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, sfa, sfa_pitch,
                      (MK_MASKED ? MK_GROUPS : 1) * sf_k, sfa_pitch, MK_BLOCK_M, 1, 0))
         return -1;
-    kKernel<<<MK_NUM_SMS, kTMAThreads + kMathThreads, smem_bytes(), s>>>(
-        static_cast<float*>(sfb), layout, m, MK_N, MK_K, map_a, map_b, map_d, map_sfa);
+#endif
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(MK_NUM_SMS);
+    config.blockDim = dim3(kTMAThreads + kMathThreads);
+    config.dynamicSmemBytes = smem_bytes();
+    config.stream = s;
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = MK_MULTICAST;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+#if MK_FP8
+    cudaError_t e = cudaLaunchKernelEx(&config, kKernel, static_cast<float*>(sfb), layout, m,
+                                       uint32_t(MK_N), uint32_t(MK_K), map_a, map_b, map_d,
+                                       map_sfa);
 #else
     (void)sfa, (void)sfb, (void)sfa_pitch;
-    kKernel<<<MK_NUM_SMS, kTMAThreads + kMathThreads, smem_bytes(), s>>>(
-        layout, m, MK_N, MK_K, map_a, map_b, map_d);
+    cudaError_t e = cudaLaunchKernelEx(&config, kKernel, layout, m, uint32_t(MK_N),
+                                       uint32_t(MK_K), map_a, map_b, map_d);
 #endif
-    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess)
+        e = cudaGetLastError();
     if (e != cudaSuccess) {
         snprintf(g_error, sizeof(g_error), "kernel launch: %s", cudaGetErrorString(e));
         return int(e);
