@@ -27,8 +27,8 @@ def test_choose_fits_shared_memory(fp8, masked, rows, n, k, groups):
     assert cfg.block_m == (64 if masked and rows <= 64 else 128)
     assert (cfg.block_n * 2) % cfg.swizzle_d == 0 and cfg.swizzle_d in (32, 64, 128)
     assert f"-DMK_N={n}" in cfg.defines() and f"-DMK_FP8={int(fp8)}" in cfg.defines()
-    assert cfg.multicast == (1 if masked else 2)  # CTA pairs share A tiles (contiguous only)
-    assert jit.choose(fp8, masked, n, k, groups, rows, num_sms=131).multicast == 1
+    assert cfg.multicast == 1 and "-DMK_MULTICAST=1" in cfg.defines()
+    assert jit.choose(fp8, masked, n, k, groups, rows, 132, multicast=2).multicast == 2
 
 
 def test_smem_counts_every_buffer():

@@ -119,19 +119,19 @@ def row_tile(masked: bool, rows_per_group: int) -> int:
 
 
 def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group: int,
-           num_sms: int, multicast: int | None = None) -> KernelConfig:  # fmt: skip
+           num_sms: int, multicast: int = 1) -> KernelConfig:  # fmt: skip
     """The configuration for a problem: `row_tile` rows, 128 columns, as many pipeline stages
-    as shared memory holds (at most MAX_STAGES); the contiguous layout shares each A tile over
-    CTA pairs (multicast 2: 1.06-1.19x fp8, 0.95-1.30x bf16 on the H100 for the deepseek / qwen3
-    GEMMs, scripts/gpu_profile_deep_gemm.py multicast), the masked one does not (untimed)."""
+    as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A tile) is
+    left off by default: alone, the deepseek / qwen3 GEMMs ran 1.06-1.19x faster in fp8 and
+    0.95-1.30x in bf16 with it (H100, scripts/gpu_profile_deep_gemm.py multicast), but inside the
+    layer the sweep was slower at 6 of 8 large-batch points
+    (benchmarks/results/20261122T0425Z_H100_select_result_multicast2.json)."""
     bm = row_tile(masked, rows_per_group)
     bn = 128
     stages = MAX_STAGES
     while stages > 2 and _smem_bytes(fp8, bm, bn, k, stages) > SMEM_LIMIT:
         stages -= 1
     swizzle_d = next((s for s in (128, 64, 32) if (bn * 2) % s == 0), 0)
-    if multicast is None:
-        multicast = 2 if not masked and num_sms % 2 == 0 else 1
     return KernelConfig(fp8, masked, n, k, groups, bm, bn, stages, swizzle_d, num_sms, multicast)
 
 
