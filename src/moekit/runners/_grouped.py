@@ -59,13 +59,16 @@ def group_rows(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> Groupe
     T, K = ids_TK.shape
     E, dev = num_experts, ids_TK.device
     n = T * K
-    flat = ids_TK.reshape(-1).long()
+    flat = ids_TK.reshape(-1)
     valid = (flat >= 0) & (flat < E)
-    key = torch.where(valid, flat, torch.full_like(flat, E))
+    # int32 keys: half the radix passes of int64. The counts come from where each expert's run
+    # starts in the sorted keys (a scatter_add of ones serialises on the one bucket that all
+    # masked pairs share; bincount would read its size back to the host).
+    key = torch.where(valid, flat, E).to(torch.int32)
     sorted_key, order = torch.sort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:E]
+    starts = torch.searchsorted(sorted_key, torch.arange(E + 1, dtype=torch.int32, device=dev))
+    counts = starts[1:] - starts[:-1]
+    sorted_key = sorted_key.long()
     padded = counts if align == 1 else (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0)
     r = torch.arange(n, device=dev)

@@ -125,7 +125,7 @@ def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group:
     left off by default: alone, the deepseek / qwen3 GEMMs ran 1.06-1.19x faster in fp8 and
     0.95-1.30x in bf16 with it (H100, scripts/gpu_profile_deep_gemm.py multicast), but inside the
     layer the sweep was slower at 6 of 8 large-batch points
-    (benchmarks/results/20261122T0425Z_H100_select_result_multicast2.json)."""
+    (benchmarks/results/20261122T0413Z_H100_select_result_multicast2.json)."""
     bm = row_tile(masked, rows_per_group)
     bn = 128
     stages = MAX_STAGES
