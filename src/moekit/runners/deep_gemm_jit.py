@@ -121,11 +121,11 @@ def row_tile(masked: bool, rows_per_group: int) -> int:
 def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group: int,
            num_sms: int, multicast: int = 1) -> KernelConfig:  # fmt: skip
     """The configuration for a problem: `row_tile` rows, 128 columns, as many pipeline stages
-    as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A tile) is
-    left off by default: alone, the deepseek / qwen3 GEMMs ran 1.06-1.19x faster in fp8 and
-    0.95-1.30x in bf16 with it (H100, scripts/gpu_profile_deep_gemm.py multicast), but inside the
-    layer the sweep was slower at 6 of 8 large-batch points
-    (benchmarks/results/20261122T0413Z_H100_select_result_multicast2.json)."""
+    as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A tile, a
+    cluster launch) is off by default: the H100 sweep with it was slower at 6 of 8 large-batch
+    points (benchmarks/results/20261122T0413Z_H100_select_result_multicast2.json); its gain over
+    clusters of one alone (1.06-1.19x fp8, scripts/gpu_profile_deep_gemm.py multicast) is smaller
+    than what the cluster launch itself costs against a plain launch."""
     bm = row_tile(masked, rows_per_group)
     bn = 128
     stages = MAX_STAGES
