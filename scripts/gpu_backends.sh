@@ -4,9 +4,8 @@
 #
 # Steps (GPU_BACKENDS_STEPS, default all, in this order):
 #   env      nvidia-smi, torch/CUDA, `moekit env` (every backend with its availability reason)
-#   smoke    DeepGEMM alone: versions, whether its binary reads this torch's tensors (the runner's
-#            probe, both ways of handing them over, tvm-ffi's torch fallback), then its four
-#            grouped GEMMs (bf16/fp8 x contiguous/masked) against torch with JIT time
+#   smoke    DeepGEMM's kernels alone, built by moekit (runners/deep_gemm_jit.py): the four
+#            grouped GEMMs (bf16/fp8 x contiguous/masked) against torch, build time, TFLOP/s
 #   tests    pytest of the deep_gemm / availability / selection tests, GPU-marked ones included
 #            (GPU_BACKENDS_TESTS to name other files)
 #   sweep    per job: every backend but `torch` timed over the batch sizes (CUDA-graph replay),
