@@ -8,16 +8,17 @@ built against (0.2.2 misreads torch 2.11's tensors).
 Weights: unquantized bfloat16 (DeepGEMM's bf16 kernel) or fp8_w8a8 with 128x128 block scales and
 per-token-group (1x128) activation scales (DeepSeek-V3's recipe; `moekit.quant.Fp8W8A8` with
 weight_scale='block'; DeepGEMM's 1d2d kernel). Layouts:
-  standard -> DeepGEMM's contiguous layout (prefill): the (token, expert) pairs sorted by expert,
-              each expert's rows padded to 128 (the kernel's row tile), `m_indices` = the expert
-              of each row (-1 for padding). Built on the device by `group_rows` (static row
-              bound, no host sync);
+  standard -> DeepGEMM's contiguous "psum" layout (prefill): the (token, expert) pairs sorted
+              by expert by `group_rows` (on the device, static row bound, no host sync), each
+              expert's rows starting on a 128-row tile; the kernel gets each expert's end row
+              and visits only the tiles that hold pairs;
   masked   -> DeepGEMM's masked layout (decode, what a low-latency all-to-all delivers):
               x [E, C, H] with counts [E]; C is padded to the kernel's row tile (64 when
               `expected_m` <= 64, else 128). `expected_m` (rows per expert to tune for) defaults
               to C.
-Activation (+ b13) and the weighted top-k reduce (+ b2) are our Triton kernels
-(`_cutlass_kernels`); activations are quantized with `moekit.quant.act_quant.quantize_act`.
+Each GEMM's input rows (the gather of x; the activation of h with b13) and their fp8
+quantization come from one Triton kernel (`_cutlass_kernels.gemm_rows`), the weighted top-k sum
+(+ b2) from the cutlass runner's.
 
 Limits (say so, do not guess): SM90 only (DeepGEMM's SM100 recipes want UE8M0 scale layouts that
 this runner does not build); H and I multiples of 128; bfloat16 activations; nvcc needed. The
