@@ -73,6 +73,36 @@ def weighted_reduce_torch(
     return y.view(T, K, hidden).sum(dim=1).to(out_dtype)
 
 
+def gemm_rows_torch(
+    src: torch.Tensor,
+    expert_M: torch.Tensor,
+    *,
+    token_M: torch.Tensor | None = None,
+    act: ActivationSpec | None = None,
+    b13_EN: torch.Tensor | None = None,
+    quant: bool = False,
+    rows_per_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rows [M, C]: src[token_M] (src itself when token_M is None), or with `act` the
+    activation of h = src [M, 2C] (+ b13 of the row's expert) rounded to src's dtype; rows of
+    expert -1 are zeros. quant: (fp8 e4m3 [M, C], float32 scales MN-major [M / R, C / 128, R]:
+    the scale of row m, group g at [m // R, g, m % R]), as `quantize_act(rows, 'token_group',
+    group_size=128)`; else (rows in src's dtype, None)."""
+    from moekit.quant.act_quant import quantize_act_ref
+
+    if act is not None:
+        rows = activation_torch(src, expert_M, b13_EN, act)
+    else:
+        rows = src if token_M is None else src[token_M]
+    rows = torch.where((expert_M >= 0).unsqueeze(1), rows, torch.zeros_like(rows))
+    if not quant:
+        return rows.contiguous(), None
+    q, s = quantize_act_ref(rows, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
+    M = rows.shape[0]
+    s = s.view(M // rows_per_group, rows_per_group, -1).transpose(1, 2).contiguous()
+    return q, s
+
+
 # ---------------------------------------------------------------------------- Triton kernels
 
 if HAS_TRITON:
@@ -216,70 +246,6 @@ if HAS_TRITON:
                 tl.store(out, x, mask=mask)
 
 
-ROW_PROGRAMS = 8192  # programs along the rows of `gemm_rows_triton` (each loops over its rows)
-
-
-def gemm_rows_triton(
-    src: torch.Tensor,
-    expert_M: torch.Tensor,
-    *,
-    token_M: torch.Tensor | None = None,
-    act: ActivationSpec | None = None,
-    b13_EN: torch.Tensor | None = None,
-    quant: bool = False,
-    rows_per_group: int = 1,
-    used: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
-    [1] on the device: the rows in use, default all) are left unwritten."""
-    from moekit.quant.act_quant import ACT_DTYPES, EPS
-
-    M = expert_M.shape[0]
-    C = src.shape[1] // 2 if act is not None else src.shape[1]
-    dev = src.device
-    n_groups = triton.cdiv(C, FP8_GROUP)
-    q = torch.empty(M, C, dtype=torch.float8_e4m3fn if quant else src.dtype, device=dev)
-    s = torch.empty(M // rows_per_group, n_groups, rows_per_group, device=dev) if quant else None
-    if M == 0 or C == 0:
-        return q, s
-    if src.stride(1) != 1:
-        src = src.contiguous()
-    bias = b13_EN if b13_EN is not None else src
-    if b13_EN is not None and b13_EN.stride(1) != 1:
-        bias = b13_EN.contiguous()
-    if used is None:
-        used = torch.full((1,), M, dtype=torch.int32, device=dev)
-    block_g = max(1, min(8, triton.next_power_of_2(n_groups)))
-    grid = (min(M, ROW_PROGRAMS), triton.cdiv(n_groups, block_g))
-    _gemm_rows_kernel[grid](
-        src,
-        q,
-        s if quant else q,
-        token_M if token_M is not None else expert_M,
-        expert_M,
-        bias,
-        used,
-        C,
-        n_groups,
-        rows_per_group,
-        src.stride(0),
-        q.stride(0),
-        bias.stride(0),
-        float(act.alpha) if act is not None else 0.0,
-        float(act.limit) if act is not None else 0.0,
-        ACT_DTYPES[torch.float8_e4m3fn],
-        EPS,
-        GATHER=token_M is not None,
-        ACT=ACT_CODES[act.name] if act is not None else -1,
-        INTERLEAVED=act is not None and act.interleaved,
-        HAS_BIAS=b13_EN is not None,
-        QUANT=quant,
-        BLOCK_G=block_g,
-        GROUP=FP8_GROUP,
-    )
-    return q, s
-
-
 def _block(n: int, cap: int = 1024) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -359,7 +325,10 @@ def weighted_reduce_triton(
     return out
 
 
-def gemm_rows_torch(
+ROW_PROGRAMS = 8192  # programs along the rows of `gemm_rows_triton` (each loops over its rows)
+
+
+def gemm_rows_triton(
     src: torch.Tensor,
     expert_M: torch.Tensor,
     *,
@@ -368,24 +337,55 @@ def gemm_rows_torch(
     b13_EN: torch.Tensor | None = None,
     quant: bool = False,
     rows_per_group: int = 1,
+    used: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rows [M, C]: src[token_M] (src itself when token_M is None), or with `act` the
-    activation of h = src [M, 2C] (+ b13 of the row's expert) rounded to src's dtype; rows of
-    expert -1 are zeros. quant: (fp8 e4m3 [M, C], float32 scales MN-major [M / R, C / 128, R]:
-    the scale of row m, group g at [m // R, g, m % R]), as `quantize_act(rows, 'token_group',
-    group_size=128)`; else (rows in src's dtype, None)."""
-    from moekit.quant.act_quant import quantize_act_ref
+    """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
+    [1] on the device: the rows in use, default all) are left unwritten."""
+    from moekit.quant.act_quant import ACT_DTYPES, EPS
 
-    if act is not None:
-        rows = activation_torch(src, expert_M, b13_EN, act)
-    else:
-        rows = src if token_M is None else src[token_M]
-    rows = torch.where((expert_M >= 0).unsqueeze(1), rows, torch.zeros_like(rows))
-    if not quant:
-        return rows.contiguous(), None
-    q, s = quantize_act_ref(rows, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
-    M = rows.shape[0]
-    s = s.view(M // rows_per_group, rows_per_group, -1).transpose(1, 2).contiguous()
+    M = expert_M.shape[0]
+    C = src.shape[1] // 2 if act is not None else src.shape[1]
+    dev = src.device
+    n_groups = triton.cdiv(C, FP8_GROUP)
+    q = torch.empty(M, C, dtype=torch.float8_e4m3fn if quant else src.dtype, device=dev)
+    s = torch.empty(M // rows_per_group, n_groups, rows_per_group, device=dev) if quant else None
+    if M == 0 or C == 0:
+        return q, s
+    if src.stride(1) != 1:
+        src = src.contiguous()
+    bias = b13_EN if b13_EN is not None else src
+    if b13_EN is not None and b13_EN.stride(1) != 1:
+        bias = b13_EN.contiguous()
+    if used is None:
+        used = torch.full((1,), M, dtype=torch.int32, device=dev)
+    block_g = max(1, min(8, triton.next_power_of_2(n_groups)))
+    grid = (min(M, ROW_PROGRAMS), triton.cdiv(n_groups, block_g))
+    _gemm_rows_kernel[grid](
+        src,
+        q,
+        s if quant else q,
+        token_M if token_M is not None else expert_M,
+        expert_M,
+        bias,
+        used,
+        C,
+        n_groups,
+        rows_per_group,
+        src.stride(0),
+        q.stride(0),
+        bias.stride(0),
+        float(act.alpha) if act is not None else 0.0,
+        float(act.limit) if act is not None else 0.0,
+        ACT_DTYPES[torch.float8_e4m3fn],
+        EPS,
+        GATHER=token_M is not None,
+        ACT=ACT_CODES[act.name] if act is not None else -1,
+        INTERLEAVED=act is not None and act.interleaved,
+        HAS_BIAS=b13_EN is not None,
+        QUANT=quant,
+        BLOCK_G=block_g,
+        GROUP=FP8_GROUP,
+    )
     return q, s
 
 
