@@ -188,6 +188,7 @@ if HAS_TRITON:
         expert_ptr,
         b_ptr,
         used_ptr,
+        M,
         C,
         n_groups,
         rows_per_group,
@@ -203,14 +204,18 @@ if HAS_TRITON:
         INTERLEAVED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         QUANT: tl.constexpr,
+        HAS_USED: tl.constexpr,
         BLOCK_G: tl.constexpr,
         GROUP: tl.constexpr,
     ):
-        """Programs (P, column blocks): rows pid0, pid0 + P, ... below *used_ptr; columns
-        [BLOCK_G * pid1, +BLOCK_G) groups of GROUP. ACT < 0: copy / gather; else activate."""
+        """Programs (P, column blocks): rows pid0, pid0 + P, ... below *used_ptr (HAS_USED)
+        or M; columns [BLOCK_G * pid1, +BLOCK_G) groups of GROUP. ACT < 0: copy / gather; else
+        activate."""
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        used = tl.load(used_ptr)
+        used = M
+        if HAS_USED:
+            used = tl.load(used_ptr)
         for row_idx in range(tl.program_id(0), used, tl.num_programs(0)):
             m = tl.cast(row_idx, tl.int64)  # (a plain int in the interpreter)
             e = tl.load(expert_ptr + m)
@@ -356,8 +361,6 @@ def gemm_rows_triton(
     bias = b13_EN if b13_EN is not None else src
     if b13_EN is not None and b13_EN.stride(1) != 1:
         bias = b13_EN.contiguous()
-    if used is None:
-        used = torch.full((1,), M, dtype=torch.int32, device=dev)
     block_g = max(1, min(8, triton.next_power_of_2(n_groups)))
     grid = (min(M, ROW_PROGRAMS), triton.cdiv(n_groups, block_g))
     _gemm_rows_kernel[grid](
@@ -367,7 +370,8 @@ def gemm_rows_triton(
         token_M if token_M is not None else expert_M,
         expert_M,
         bias,
-        used,
+        used if used is not None else expert_M,
+        M,
         C,
         n_groups,
         rows_per_group,
@@ -383,6 +387,7 @@ def gemm_rows_triton(
         INTERLEAVED=act is not None and act.interleaved,
         HAS_BIAS=b13_EN is not None,
         QUANT=quant,
+        HAS_USED=used is not None,
         BLOCK_G=block_g,
         GROUP=FP8_GROUP,
     )

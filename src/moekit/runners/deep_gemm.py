@@ -48,7 +48,7 @@ LIBRARY = "sgl-deep-gemm"
 INSTALL_HINT = "pip install sgl-deep-gemm==0.2.2 apache-tvm-ffi==0.1.11 (moekit[deep_gemm])"
 SHAPE_ALIGN = 128  # H and I must be multiples of this (fp8 128-wide scale groups, TMA tiles)
 FP8_BLOCK = (128, 128)
-ACT_GROUP = 128
+ACT_GROUP = kernels.FP8_GROUP  # activation scale group: DeepGEMM's 1x128
 CONTIGUOUS_ALIGN = 128  # rows per expert in the contiguous layout: the kernel's row tile
 
 

@@ -135,6 +135,7 @@ def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group:
     return KernelConfig(fp8, masked, n, k, groups, bm, bn, stages, swizzle_d, num_sms, multicast)
 
 
+@functools.lru_cache(maxsize=None)
 def _nvcc_version(path: str) -> str:
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "?"
