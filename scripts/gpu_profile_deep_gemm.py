@@ -21,10 +21,14 @@ from moekit.runners import registry
 from moekit.stages import StandardDispatchOutput
 
 CASES = [  # name, E local, E global, K, H, I, T, fp8
-    ("deepseek-ep8 fp8", 32, 256, 8, 7168, 2048, 16384, True),
-    ("deepseek-ep8 fp8", 32, 256, 8, 7168, 2048, 4096, True),
+    ("qwen3 fp8", 128, 128, 8, 2048, 768, 4096, True),
     ("qwen3 fp8", 128, 128, 8, 2048, 768, 16384, True),
+    ("qwen3 bf16", 128, 128, 8, 2048, 768, 4096, False),
+    ("qwen3 bf16", 128, 128, 8, 2048, 768, 16384, False),
+    ("deepseek-ep8 fp8", 32, 256, 8, 7168, 2048, 4096, True),
+    ("deepseek-ep8 fp8", 32, 256, 8, 7168, 2048, 16384, True),
     ("deepseek-ep8 bf16", 32, 256, 8, 7168, 2048, 16384, False),
+    ("mixtral-tp2 bf16", 8, 8, 2, 4096, 3584, 4096, False),
 ]
 
 
@@ -94,8 +98,12 @@ def profile_runner() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner.run(d, w, act)
             torch.cuda.synchronize()
-        print(f"\n=== {name} T={T} (local pairs {(ids >= 0).sum().item()})")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+        from moekit.bench import time_ms
+
+        graph_us = time_ms(lambda: runner.run(d, w, act), "cuda") * 1e3
+        print(f"\n=== {name} T={T} (local pairs {(ids >= 0).sum().item()}): "
+              f"CUDA-graph replay {graph_us:.0f} us")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24,
                                         max_name_column_width=70))
 
 

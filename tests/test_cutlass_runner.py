@@ -106,6 +106,21 @@ def test_group_rows_matches_reference(case, align):
         assert torch.equal(getattr(got, field), getattr(ref, field)), field
 
 
+@pytest.mark.parametrize("align", [1, 4, 128])
+@pytest.mark.parametrize("case", CASES[:6], ids=lambda c: c.name)
+def test_group_rows_triton_matches_reference(case, align):
+    """The GPU path (the triton runner's alignment + `rows_layout_triton`) gives the same layout
+    as the twin, rows past the used ones included (expert -1, token 0)."""
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton not importable")
+    topk = make_topk(case)
+    got = group_rows(topk.ids.to(KDEV), case.E, align, use_triton=True)
+    ref = group_rows_reference(topk.ids, case.E, align)
+    assert got.num_rows == ref.num_rows == max_rows(case.T * case.K, case.E, align)
+    for field in ("token_M", "expert_M", "row_TK", "ends_E", "counts_E"):
+        assert torch.equal(getattr(got, field).cpu(), getattr(ref, field)), field
+
+
 @pytest.mark.parametrize("align", [1, 8])
 def test_group_rows_invariants(align):
     T, E, K = 37, 10, 4
@@ -162,8 +177,8 @@ def test_weighted_reduce_kernel_matches_twin(dtype, bias):
     y = torch.randn(rows.num_rows, Hp).to(KDEV, dtype)
     w = torch.rand(T, K).to(KDEV)
     b2 = torch.randn(E, H).to(KDEV, dtype) if bias else None
-    got = kernels.weighted_reduce_triton(y, rows.row_TK, w, rows.expert_M, b2, H, dtype)
-    ref = kernels.weighted_reduce_torch(y, rows.row_TK, w, rows.expert_M, b2, H, dtype)
+    got = kernels.weighted_reduce_triton(y, rows.row_TK, w, ids, b2, H, dtype)
+    ref = kernels.weighted_reduce_torch(y, rows.row_TK, w, ids, b2, H, dtype)
     assert got.shape == (T, H)
     assert rel_err(got, ref) <= TOLERANCE[dtype]
 
@@ -175,10 +190,13 @@ def test_weighted_reduce_ignores_garbage_rows():
     rows = group_rows(ids, E)
     y = torch.randn(rows.num_rows, H)
     y[rows.ends_E[-1]:] = float("nan")
-    out = kernels.weighted_reduce_torch(y, rows.row_TK, torch.rand(T, K), rows.expert_M, None, H,
-                                        torch.float32)
-    assert torch.isfinite(out).all()
-    assert (out[2] == 0).all()
+    for reduce in (kernels.weighted_reduce_torch, kernels.weighted_reduce_triton):
+        if reduce is kernels.weighted_reduce_triton and not kernels.HAS_TRITON:
+            continue
+        out = reduce(y.to(KDEV), rows.row_TK.to(KDEV), torch.rand(T, K).to(KDEV), ids.to(KDEV),
+                     torch.randn(E, H).to(KDEV), H, torch.float32)  # fmt: skip
+        assert torch.isfinite(out).all()
+        assert (out[2] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

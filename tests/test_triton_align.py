@@ -94,14 +94,23 @@ def check_invariants(out, ids: torch.Tensor, E: int) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_align_matches_twin_and_invariants(case: Case):
     ids = make_ids(case)
-    out = align_block_size(ids, case.E, case.block_m, case.tuning)
-    ref = align_block_size_torch(ids, case.E, case.block_m)
+    out = align_block_size(ids, case.E, case.block_m, case.tuning, groups=True)
+    ref = align_block_size_torch(ids, case.E, case.block_m, groups=True)
     n = int(ref.num_rows.item())
     assert int(out.num_rows.item()) == n
     assert torch.equal(out.sorted_ids[:n].cpu(), ref.sorted_ids[:n].cpu())
     assert torch.equal(out.block_expert.cpu(), ref.block_expert.cpu())
+    assert torch.equal(out.counts.cpu(), ref.counts.cpu())
+    assert torch.equal(out.ends.cpu(), ref.ends.cpu())
     check_invariants(out, ids, case.E)
     check_invariants(ref, ids, case.E)
+    # the groups: pairs per expert, and each segment ends where its blocks end
+    flat = ids.reshape(-1).long().cpu()
+    valid = (flat >= 0) & (flat < case.E)
+    assert torch.equal(ref.counts.long(), torch.bincount(flat[valid], minlength=case.E))
+    blocks = ref.block_expert.long().cpu()
+    for e in range(case.E):
+        assert int(ref.ends[e]) == case.block_m * int((blocks[: n // case.block_m] <= e).sum())
 
 
 def test_ids_out_of_range_are_left_out():

@@ -3,8 +3,10 @@ plain-PyTorch twin of the same signature (used on CPU, and by the tests as the r
 
 - `activation`: gate/up pre-activations h [M, 2I] (+ per-expert bias b13) -> a [M, I], rows of
   expert -1 skipped (left undefined).
-- `weighted_reduce`: grouped expert outputs y [M, >=H] (+ per-expert bias b2) -> out [T, H]
-  = sum_k weight[t, k] * y[row[t, k]], in float32, masked pairs (row -1) contribute 0.
+- `weighted_reduce`: grouped expert outputs y [M, >=H] (+ bias b2 of expert ids[t, k]) ->
+  out [T, H] = sum_k weight[t, k] * y[row[t, k]], in float32, masked pairs (row -1) contribute 0.
+- `rows_layout_triton`: `_grouped.GroupedRows` from the triton runner's alignment (GPU path of
+  `_grouped.group_rows`).
 - `gemm_rows`: a grouped GEMM's input rows: x[token[m]] (the gather before the first GEMM) or
   the activation of h [M, 2I] (+ b13; before the second), optionally quantized to fp8 e4m3 per
   row and 128 columns with the scales written MN-major (DeepGEMM's layout). Rows of expert -1 are
@@ -16,6 +18,8 @@ the activation dtype; the top-k sum in float32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -55,19 +59,21 @@ def weighted_reduce_torch(
     y_MH: torch.Tensor,
     row_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    expert_M: torch.Tensor,
+    ids_TK: torch.Tensor,
     b2_EH: torch.Tensor | None,
     hidden: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """out [T, hidden] = sum_k weights[t, k] * (y[row[t, k], :hidden] + b2[expert]), rows >= 0."""
+    """out [T, hidden] = sum_k weights[t, k] * (y[row[t, k], :hidden] + b2[ids[t, k]]) over the
+    pairs with row >= 0 (a masked pair has row -1; its id is not read)."""
     T, K = row_TK.shape
     if T == 0:
         return torch.zeros(0, hidden, dtype=out_dtype, device=y_MH.device)
     rows = row_TK.reshape(-1).clamp(min=0)
     y = y_MH[rows, :hidden].float()
     if b2_EH is not None:
-        y = y + b2_EH.float()[expert_M.long()[rows].clamp(min=0)]
+        experts = torch.where(row_TK >= 0, ids_TK.long(), 0).reshape(-1)
+        y = y + b2_EH.float()[experts]
     valid = (row_TK.reshape(-1) >= 0).unsqueeze(-1)
     y = torch.where(valid, y * weights_TK.reshape(-1, 1).float(), torch.zeros((), device=y.device))
     return y.view(T, K, hidden).sum(dim=1).to(out_dtype)
@@ -151,7 +157,7 @@ if HAS_TRITON:
         out_ptr,
         row_ptr,
         w_ptr,
-        expert_ptr,
+        ids_ptr,
         b_ptr,
         H,
         K,
@@ -159,25 +165,55 @@ if HAS_TRITON:
         stride_o,
         stride_b,
         HAS_BIAS: tl.constexpr,
+        KP: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """Program (t, column block): the K rows of token t loaded at once as a [KP, BLOCK]
+        tile (KP = K rounded up to a power of two), weighted and summed in float32."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < H
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k in range(K):
-            row = tl.load(row_ptr + t * K + k)
-            ok = row >= 0
-            safe = tl.maximum(row, 0)
-            w = tl.load(w_ptr + t * K + k)
-            y = tl.load(y_ptr + safe * stride_y + cols, mask=cmask & ok, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                e = tl.maximum(tl.load(expert_ptr + safe), 0).to(tl.int64)
-                y += tl.load(b_ptr + e * stride_b + cols, mask=cmask & ok, other=0.0).to(tl.float32)
-            acc += tl.where(ok, w, 0.0) * y
+        k = tl.arange(0, KP)
+        pair = t.to(tl.int64) * K + k
+        row = tl.load(row_ptr + pair, mask=k < K, other=-1)
+        ok = row >= 0
+        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+        mask = ok[:, None] & cmask[None, :]
+        y_off = tl.maximum(row, 0).to(tl.int64)[:, None] * stride_y + cols[None, :]
+        y = tl.load(y_ptr + y_off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int64)
+            y += tl.load(b_ptr + e[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+        acc = tl.sum(w[:, None] * y, axis=0)
         out_row = out_ptr + t.to(tl.int64) * stride_o
         tl.store(out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
+    @triton.jit
+    def _rows_layout_kernel(
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_rows_ptr,
+        token_ptr,
+        expert_ptr,
+        row_ptr,
+        M,
+        P,
+        K,
+        BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """`GroupedRows` from the triton runner's alignment: per row its token and expert (0 / -1
+        on padding and unused rows), and the row of each pair (row_ptr, pre-filled with -1)."""
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        in_m = r < M
+        pair = tl.load(sorted_ids_ptr + r, mask=in_m & (r < tl.load(num_rows_ptr)), other=P)
+        ok = pair < P
+        e = tl.load(block_expert_ptr + r // BLOCK_M, mask=ok, other=-1)
+        tl.store(token_ptr + r, tl.where(ok, pair // K, 0).to(tl.int64), mask=in_m)
+        tl.store(expert_ptr + r, e, mask=in_m)
+        tl.store(row_ptr + pair, r.to(tl.int64), mask=ok)
 
     @triton.jit
     def _gemm_rows_kernel(
@@ -205,25 +241,28 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         QUANT: tl.constexpr,
         HAS_USED: tl.constexpr,
+        BLOCK_R: tl.constexpr,
         BLOCK_G: tl.constexpr,
         GROUP: tl.constexpr,
     ):
-        """Programs (P, column blocks): rows pid0, pid0 + P, ... below *used_ptr (HAS_USED)
-        or M; columns [BLOCK_G * pid1, +BLOCK_G) groups of GROUP. ACT < 0: copy / gather; else
-        activate."""
+        """Programs (P, column blocks): tiles [BLOCK_R rows, BLOCK_G groups, GROUP columns], row
+        tiles pid0, pid0 + P, ... below *used_ptr (HAS_USED) or M; the column groups
+        [BLOCK_G * pid1, +BLOCK_G). ACT < 0: copy / gather; else activate."""
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        col = (g[:, None] * GROUP + tl.arange(0, GROUP)[None, :])[None, :, :]  # [1, G, GROUP]
         used = M
         if HAS_USED:
             used = tl.load(used_ptr)
-        for row_idx in range(tl.program_id(0), used, tl.num_programs(0)):
-            m = tl.cast(row_idx, tl.int64)  # (a plain int in the interpreter)
-            e = tl.load(expert_ptr + m)
-            mask = (col < C) & (e >= 0)
-            src = m
+        step = tl.num_programs(0) * BLOCK_R
+        for r0 in range(tl.program_id(0) * BLOCK_R, used, step):
+            m = r0 + tl.arange(0, BLOCK_R)
+            e = tl.load(expert_ptr + m, mask=m < used, other=-1)
+            ok = e >= 0
+            mask = ok[:, None, None] & (col < C)
+            src = m.to(tl.int64)
             if GATHER:
-                src = tl.load(token_ptr + m)
-            row = src_ptr + src.to(tl.int64) * stride_src
+                src = tl.load(token_ptr + m, mask=ok, other=0).to(tl.int64)
+            row = src_ptr + src[:, None, None] * stride_src
             if ACT >= 0:
                 if INTERLEAVED:
                     gate_cols, up_cols = 2 * col, 2 * col + 1
@@ -232,21 +271,23 @@ if HAS_TRITON:
                 gate = tl.load(row + gate_cols, mask=mask, other=0.0).to(tl.float32)
                 up = tl.load(row + up_cols, mask=mask, other=0.0).to(tl.float32)
                 if HAS_BIAS:
-                    brow = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b
+                    brow = b_ptr + tl.maximum(e, 0).to(tl.int64)[:, None, None] * stride_b
                     gate += tl.load(brow + gate_cols, mask=mask, other=0.0).to(tl.float32)
                     up += tl.load(brow + up_cols, mask=mask, other=0.0).to(tl.float32)
                 x = activate_tl(gate, up, alpha, limit, ACT).to(src_ptr.dtype.element_ty)
             else:
                 x = tl.load(row + col, mask=mask, other=0.0)
-            out = q_ptr + m * stride_q + col
+            out = q_ptr + m.to(tl.int64)[:, None, None] * stride_q + col
             if QUANT:
                 xf = x.to(tl.float32)
-                s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), eps), qmax)
-                y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, None]), -qmax), qmax)
+                s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=2), eps), qmax)  # [R, G]
+                y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, :, None]), -qmax), qmax)
                 tl.store(out, y.to(q_ptr.dtype.element_ty), mask=mask)
-                grp = m // rows_per_group
-                s_off = (grp * n_groups + g) * rows_per_group + m % rows_per_group
-                tl.store(s_ptr + s_off, s, mask=(g < n_groups) & (e >= 0))
+                grp = (m // rows_per_group).to(tl.int64)
+                s_off = (grp[:, None] * n_groups + g[None, :]) * rows_per_group + (
+                    m % rows_per_group
+                )[:, None]
+                tl.store(s_ptr + s_off, s, mask=ok[:, None] & (g < n_groups)[None, :])
             else:
                 tl.store(out, x, mask=mask)
 
@@ -296,7 +337,7 @@ def weighted_reduce_triton(
     y_MH: torch.Tensor,
     row_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    expert_M: torch.Tensor,
+    ids_TK: torch.Tensor,
     b2_EH: torch.Tensor | None,
     hidden: int,
     out_dtype: torch.dtype,
@@ -311,13 +352,14 @@ def weighted_reduce_triton(
     bias = b2_EH if b2_EH is not None else y_MH
     if b2_EH is not None and b2_EH.stride(1) != 1:
         bias = b2_EH.contiguous()
-    block = _block(hidden)
+    kp = triton.next_power_of_2(K)
+    block = _block(hidden, cap=max(16, 8192 // kp))
     _weighted_reduce_kernel[(T, triton.cdiv(hidden, block))](
         y_MH,
         out,
         row_TK.contiguous(),
         weights_TK.float().contiguous(),
-        expert_M,
+        ids_TK.contiguous(),
         bias,
         hidden,
         K,
@@ -325,12 +367,43 @@ def weighted_reduce_triton(
         out.stride(0),
         bias.stride(0),
         HAS_BIAS=b2_EH is not None,
+        KP=kp,
         BLOCK=block,
+        num_warps=8 if kp * block >= 4096 else 4,
     )
     return out
 
 
-ROW_PROGRAMS = 8192  # programs along the rows of `gemm_rows_triton` (each loops over its rows)
+def rows_layout_triton(lay, ids_shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From `moekit.runners.triton.align.AlignOutput` `lay` of ids [T, K]: token_M [M] int64,
+    expert_M [M] int32 and row_TK [T, K] int64 of `moekit.runners._grouped.GroupedRows`."""
+    T, K = ids_shape
+    M, dev = lay.max_rows, lay.sorted_ids.device
+    token = torch.empty(M, dtype=torch.int64, device=dev)
+    expert = torch.empty(M, dtype=torch.int32, device=dev)
+    row = torch.full((T * K,), -1, dtype=torch.int64, device=dev)
+    if M:
+        block = 1024
+        _rows_layout_kernel[(triton.cdiv(M, block),)](
+            lay.sorted_ids, lay.block_expert, lay.num_rows, token, expert, row, M,
+            lay.num_pairs, K, BLOCK_M=lay.block_m, BLOCK=block,
+        )  # fmt: skip
+    return token, expert, row.view(T, K)
+
+
+@dataclass(frozen=True)
+class RowsTiling:
+    """Tiles of `gemm_rows_triton`: block_r rows x block_g groups of FP8_GROUP columns per step
+    (at most: block_g shrinks to the groups there are), num_warps per program, at most
+    programs along the rows (each loops over its row tiles)."""
+
+    block_r: int = 8
+    block_g: int = 4
+    num_warps: int = 4
+    programs: int = 4096
+
+
+ROWS_TILING = RowsTiling()
 
 
 def gemm_rows_triton(
@@ -343,6 +416,7 @@ def gemm_rows_triton(
     quant: bool = False,
     rows_per_group: int = 1,
     used: torch.Tensor | None = None,
+    tiling: RowsTiling = ROWS_TILING,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
     [1] on the device: the rows in use, default all) are left unwritten."""
@@ -361,8 +435,8 @@ def gemm_rows_triton(
     bias = b13_EN if b13_EN is not None else src
     if b13_EN is not None and b13_EN.stride(1) != 1:
         bias = b13_EN.contiguous()
-    block_g = max(1, min(8, triton.next_power_of_2(n_groups)))
-    grid = (min(M, ROW_PROGRAMS), triton.cdiv(n_groups, block_g))
+    block_g = min(tiling.block_g, triton.next_power_of_2(n_groups))
+    grid = (min(triton.cdiv(M, tiling.block_r), tiling.programs), triton.cdiv(n_groups, block_g))
     _gemm_rows_kernel[grid](
         src,
         q,
@@ -388,8 +462,10 @@ def gemm_rows_triton(
         HAS_BIAS=b13_EN is not None,
         QUANT=quant,
         HAS_USED=used is not None,
+        BLOCK_R=tiling.block_r,
         BLOCK_G=block_g,
         GROUP=FP8_GROUP,
+        num_warps=tiling.num_warps,
     )
     return q, s
 
@@ -408,10 +484,10 @@ def activation(h_MN, expert_M, b13_EN, act, *, use_triton: bool):
 
 
 def weighted_reduce(
-    y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype, *, use_triton: bool
+    y_MH, row_TK, weights_TK, ids_TK, b2_EH, hidden, out_dtype, *, use_triton: bool
 ):
     fn = weighted_reduce_triton if use_triton else weighted_reduce_torch
-    return fn(y_MH, row_TK, weights_TK, expert_M, b2_EH, hidden, out_dtype)
+    return fn(y_MH, row_TK, weights_TK, ids_TK, b2_EH, hidden, out_dtype)
 
 
 def gemm_rows(src, expert_M, *, use_triton: bool, used=None, **kw):

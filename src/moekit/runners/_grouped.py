@@ -7,6 +7,7 @@ captured in a CUDA graph.
 
 Row layout (M rows): expert 0's pairs, then expert 1's, ..., each group padded up to a multiple of
 `align` rows; after the last group come unused rows (masked pairs, or slack of the static bound).
+Padding and unused rows have expert -1 and token 0.
 `group_rows_reference` is the plain-Python twin used by the tests.
 """
 
@@ -42,20 +43,24 @@ class GroupedRows:
 
 
 def max_rows(num_pairs: int, num_experts: int, align: int) -> int:
-    """Static row bound M for `num_pairs` = T*K pairs over E experts with groups padded to
-    `align`: pairs + (align - 1) per non-empty group, rounded up to `align`."""
-    if align == 1:
-        return num_pairs
+    """Static row bound M for `num_pairs` = P pairs over E experts with groups padded to
+    `align`: sum_e ceil(c_e / align) <= n + (P - n) // align groups of `align` rows, n =
+    min(E, P) experts in use (the triton runner's `align.max_blocks`)."""
     busy = min(num_experts, num_pairs)
-    rows = num_pairs + busy * (align - 1)
-    return -(-rows // align) * align
+    return (busy + (num_pairs - busy) // align) * align
 
 
-def group_rows(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> GroupedRows:
+def group_rows(
+    ids_TK: torch.Tensor, num_experts: int, align: int = 1, *, use_triton: bool = False
+) -> GroupedRows:
     """Sort the pairs of `ids_TK` [T, K] (int, -1 = masked) by expert, on ids' device, without
-    host synchronisation. Ids outside [0, E) are treated as masked."""
+    host synchronisation. Ids outside [0, E) are treated as masked. `use_triton`: the triton
+    runner's alignment kernels and one layout kernel (5 launches) where they apply (align a
+    power of two, E <= 1024), else the torch ops below (about 25 launches)."""
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
+    if use_triton and align & (align - 1) == 0 and 1 <= num_experts <= 1024:
+        return _group_rows_triton(ids_TK, num_experts, align)
     T, K = ids_TK.shape
     E, dev = num_experts, ids_TK.device
     n = T * K
@@ -78,7 +83,7 @@ def group_rows(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> Groupe
         # Valid rows keep their sorted position; masked pairs sort last (key E).
         M = n
         dest = r
-        token_M = order // K
+        token_M = torch.where(valid_r, order // K, 0)
         expert_M = expert_r.to(torch.int32)
     else:
         M = max_rows(n, E, align)
@@ -102,6 +107,16 @@ def group_rows(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> Groupe
         ends_E=ends.to(torch.int32),
         counts_E=counts.to(torch.int32),
     )
+
+
+def _group_rows_triton(ids_TK: torch.Tensor, num_experts: int, align: int) -> GroupedRows:
+    from moekit.runners._cutlass_kernels import rows_layout_triton
+    from moekit.runners.triton.align import align_block_size
+
+    ids = ids_TK if ids_TK.dtype == torch.int32 else ids_TK.to(torch.int32)
+    lay = align_block_size(ids, num_experts, align, groups=True)
+    token_M, expert_M, row_TK = rows_layout_triton(lay, ids_TK.shape)
+    return GroupedRows(token_M, expert_M, row_TK, lay.ends, lay.counts)
 
 
 def group_rows_reference(ids_TK: torch.Tensor, num_experts: int, align: int = 1) -> GroupedRows:
@@ -129,11 +144,6 @@ def group_rows_reference(ids_TK: torch.Tensor, num_experts: int, align: int = 1)
         counts.append(len(pairs[e]))
         nxt = -(-nxt // align) * align
         ends.append(nxt)
-    if align == 1:
-        # Unused rows at the end read the tokens of the masked pairs, in pair order.
-        masked = [t for t in range(T) for k in range(K) if not 0 <= ids[t][k] < E]
-        for i, t in enumerate(masked):
-            token[nxt + i] = t
     return GroupedRows(
         token_M=torch.tensor(token, dtype=torch.int64),
         expert_M=torch.tensor(expert, dtype=torch.int32),

@@ -292,7 +292,7 @@ class CutlassRunner(Runner):
             return torch.zeros(0, H, dtype=x_TH.dtype, device=x_TH.device)
         pw = self._weights(w, act, x_TH.dtype)
         tri = self._kernels_on(x_TH)
-        rows = group_rows(topk.ids, w.num_experts)
+        rows = group_rows(topk.ids, w.num_experts, use_triton=tri)
         x_rows = x_TH[rows.token_M]
         if pw.Hp != H:
             x_rows = F.pad(x_rows, (0, pw.Hp - H))
@@ -300,7 +300,7 @@ class CutlassRunner(Runner):
         a = kernels.activation(h, rows.expert_M, pw.b13, act, use_triton=tri)
         y = torch._grouped_mm(a, pw.w2.transpose(-1, -2), rows.ends_E)
         return kernels.weighted_reduce(
-            y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype, use_triton=tri
+            y, rows.row_TK, topk.weights, topk.ids, w.b2, H, x_TH.dtype, use_triton=tri
         )
 
     def run_masked(
@@ -363,14 +363,14 @@ class CutlassRunner(Runner):
         if T == 0:
             return torch.zeros(0, H, dtype=x_TH.dtype, device=x_TH.device)
         tri = self._kernels_on(x_TH)
-        rows = group_rows(topk.ids, w.num_experts, align=FP8_ALIGN)
+        rows = group_rows(topk.ids, w.num_experts, align=FP8_ALIGN, use_triton=tri)
         valid = rows.expert_M >= 0
         x_rows = x_TH[rows.token_M]
         y = self._fp8_expert_pass(
             x_rows, rows.ends_E, rows.expert_M, valid, w, act, tri, x_all=x_TH
         )
         return kernels.weighted_reduce(
-            y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype, use_triton=tri
+            y, rows.row_TK, topk.weights, topk.ids, w.b2, H, x_TH.dtype, use_triton=tri
         )
 
     def _run_masked_fp8(self, x_ECH, counts_E, w, act) -> torch.Tensor:

@@ -9,9 +9,9 @@ Weights: unquantized bfloat16 (DeepGEMM's bf16 kernel) or fp8_w8a8 with 128x128 
 per-token-group (1x128) activation scales (DeepSeek-V3's recipe; `moekit.quant.Fp8W8A8` with
 weight_scale='block'; DeepGEMM's 1d2d kernel). Layouts:
   standard -> DeepGEMM's contiguous "psum" layout (prefill): the (token, expert) pairs sorted
-              by expert by `group_rows` (on the device, static row bound, no host sync), each
-              expert's rows starting on a 128-row tile; the kernel gets each expert's end row
-              and visits only the tiles that hold pairs;
+              by expert by `group_rows` (the triton runner's alignment kernels; on the device,
+              static row bound, no host sync), each expert's rows starting on a 128-row tile;
+              the kernel gets each expert's end row and visits only the tiles that hold pairs;
   masked   -> DeepGEMM's masked layout (decode, what a low-latency all-to-all delivers):
               x [E, C, H] with counts [E]; C is padded to the kernel's row tile (64 when
               `expected_m` <= 64, else 128). `expected_m` (rows per expert to tune for) defaults
@@ -194,19 +194,19 @@ class DeepGemmRunner(Runner):
         T, H = x_TH.shape
         if T == 0:
             return torch.zeros(0, H, dtype=x_TH.dtype, device=x_TH.device)
-        rows = group_rows(topk.ids, w.num_experts, align=CONTIGUOUS_ALIGN)
+        tri = kernels.use_triton_for(x_TH)
+        rows = group_rows(topk.ids, w.num_experts, align=CONTIGUOUS_ALIGN, use_triton=tri)
         M, expert_M = rows.num_rows, rows.expert_M
-        # end row of each expert's pairs; each group starts on a 128-row tile
-        padded = (rows.counts_E + CONTIGUOUS_ALIGN - 1) // CONTIGUOUS_ALIGN * CONTIGUOUS_ALIGN
-        ends = (rows.ends_E - padded + rows.counts_E).to(torch.int32)
+        # end row of each expert's pairs (its padded end less its padding); each group starts
+        # on a 128-row tile
+        ends = rows.ends_E - torch.remainder(-rows.counts_E, CONTIGUOUS_ALIGN)
         used = rows.ends_E[-1:]  # rows past the last group are the static bound's slack
         xa, xs = self._rows(x_TH, expert_M, fp8, M, token_M=rows.token_M, used=used)
         h = self._gemm(xa, xs, w.w13, w.w13_scale, ends, M, False, CONTIGUOUS_ALIGN)
         aa, as_ = self._rows(h, expert_M, fp8, M, act=act, b13_EN=w.b13, used=used)
         y = self._gemm(aa, as_, w.w2, w.w2_scale, ends, M, False, CONTIGUOUS_ALIGN)
         return kernels.weighted_reduce(
-            y, rows.row_TK, topk.weights, rows.expert_M, w.b2, H, x_TH.dtype,
-            use_triton=kernels.HAS_TRITON,
+            y, rows.row_TK, topk.weights, topk.ids, w.b2, H, x_TH.dtype, use_triton=tri
         )
 
     def run_masked(self, x_ECH, counts_E, w: ExpertWeights, act: ActivationSpec) -> torch.Tensor:

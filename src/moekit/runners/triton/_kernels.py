@@ -55,18 +55,27 @@ def _write_layout(
     cnt,
     sorted_ids_ptr,
     num_rows_ptr,
+    counts_ptr,
+    ends_ptr,
     P,
+    E,
     BLOCK_M: tl.constexpr,
     EP: tl.constexpr,
     PAD_STEP: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     """From the per-expert counts cnt [EP] (0 past E): write the padded row total and the
-    padding sentinels (value P) at the end of each expert's segment. Returns the first and
-    the end padded row of each expert ([EP] each)."""
+    padding sentinels (value P) at the end of each expert's segment; with GROUPS also the
+    counts [E] and padded end rows [E]. Returns the first and the end padded row of each
+    expert ([EP] each)."""
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)
     pad_start = pad_end - padded
     tl.store(num_rows_ptr, tl.sum(padded, 0))
+    if GROUPS:
+        ee = tl.arange(0, EP)
+        tl.store(counts_ptr + ee, cnt, mask=ee < E)
+        tl.store(ends_ptr + ee, pad_end, mask=ee < E)
     # padding sentinels: rows [pad_start + cnt, pad_end) of each expert
     fill_from = pad_start + cnt
     fill_len = padded - cnt
@@ -101,6 +110,8 @@ def _align_small_kernel(
     sorted_ids_ptr,
     block_expert_ptr,
     num_rows_ptr,
+    counts_ptr,
+    ends_ptr,
     P,
     E,
     max_blocks,
@@ -109,13 +120,15 @@ def _align_small_kernel(
     EP: tl.constexpr,
     PAD_STEP: tl.constexpr,
     BLOCKS_STEP: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     """One program does the whole alignment (P <= CHUNK)."""
     sorted_e, sorted_pair, rank, hist = sort_chunk(ids_ptr, 0, P, E, CHUNK, EP)
     cnt = tl.where(tl.arange(0, EP) < E, hist, 0)
     pad_start, pad_end = _write_layout(
-        cnt, sorted_ids_ptr, num_rows_ptr, P, BLOCK_M, EP, PAD_STEP
-    )
+        cnt, sorted_ids_ptr, num_rows_ptr, counts_ptr, ends_ptr, P, E, BLOCK_M, EP, PAD_STEP,
+        GROUPS,
+    )  # fmt: skip
     _write_block_experts(block_expert_ptr, pad_end, E, 0, max_blocks, BLOCK_M, BLOCKS_STEP)
     dest = tl.gather(pad_start, sorted_e, 0) + rank
     tl.store(sorted_ids_ptr + dest, sorted_pair, mask=sorted_e < E)
@@ -143,6 +156,8 @@ def _align_scan_kernel(
     pad_end_ptr,
     sorted_ids_ptr,
     num_rows_ptr,
+    counts_ptr,
+    ends_ptr,
     num_chunks,
     P,
     E,
@@ -150,6 +165,7 @@ def _align_scan_kernel(
     EP: tl.constexpr,
     PAD_STEP: tl.constexpr,
     CB: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     """Pass 2 of 3 (one program): totals per expert, the padded layout (pad_end [EP] stored for
     pass 3), and base[c, e] = the row where chunk c's pairs of expert e start. Chunks are
@@ -163,8 +179,9 @@ def _align_scan_kernel(
         cnt += tl.sum(tile, 0)
     cnt = tl.where(ee < E, cnt, 0)
     pad_start, pad_end = _write_layout(
-        cnt, sorted_ids_ptr, num_rows_ptr, P, BLOCK_M, EP, PAD_STEP
-    )
+        cnt, sorted_ids_ptr, num_rows_ptr, counts_ptr, ends_ptr, P, E, BLOCK_M, EP, PAD_STEP,
+        GROUPS,
+    )  # fmt: skip
     tl.store(pad_end_ptr + ee, pad_end)
     running = pad_start
     for c0 in range(0, num_chunks, CB):

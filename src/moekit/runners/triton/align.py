@@ -38,13 +38,16 @@ class AlignOutput:
     """sorted_ids [max_rows] int32: pair index p = t*K + k of each row, P on padding rows (rows
     at or past num_rows are not written); block_expert [max_blocks] int32: the expert of each
     block of block_m rows, -1 past the used ones; num_rows [1] int32: rows in use (a multiple of
-    block_m)."""
+    block_m). With `groups=True`: counts [E] int32, the pairs of each expert, and ends [E]
+    int32, the padded end row of each expert's segment (cumulative); else None."""
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
     num_rows: torch.Tensor
     block_m: int
     num_pairs: int
+    counts: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -75,21 +78,30 @@ def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
         raise ValueError(f"the triton runner supports 1..1024 local experts, got {num_experts}")
 
 
-def _empty(P: int, E: int, block_m: int, device) -> AlignOutput:
+def _empty(P: int, E: int, block_m: int, device, groups: bool = False) -> AlignOutput:
     blocks = max_blocks(P, E, block_m)
+    zeros = lambda: torch.zeros(E, dtype=torch.int32, device=device)  # noqa: E731
     return AlignOutput(
         sorted_ids=torch.empty(blocks * block_m, dtype=torch.int32, device=device),
         block_expert=torch.empty(blocks, dtype=torch.int32, device=device),
         num_rows=torch.zeros(1, dtype=torch.int32, device=device),
         block_m=block_m,
         num_pairs=P,
+        counts=zeros() if groups else None,
+        ends=zeros() if groups else None,
     )
 
 
 def align_block_size(
-    ids_TK: torch.Tensor, num_experts: int, block_m: int, tuning: AlignTuning = ALIGN_TUNING
+    ids_TK: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    tuning: AlignTuning = ALIGN_TUNING,
+    *,
+    groups: bool = False,
 ) -> AlignOutput:
-    """Sort the pairs of `ids_TK` [T, K] int32 (ids in [0, E) or masked) by expert, on device."""
+    """Sort the pairs of `ids_TK` [T, K] int32 (ids in [0, E) or masked) by expert, on device;
+    `groups`: also the per-expert counts and padded ends."""
     import triton
 
     from moekit.runners.triton import _kernels as k
@@ -99,18 +111,20 @@ def align_block_size(
     if not ids.is_contiguous():
         ids = ids.contiguous()
     P, E = ids.numel(), num_experts
-    out = _empty(P, E, block_m, ids.device)
+    out = _empty(P, E, block_m, ids.device, groups)
     if P == 0:
         return out
+    counts = out.counts if groups else out.num_rows  # (not written without groups)
+    ends = out.ends if groups else out.num_rows
     EP = _next_pow2(E + 1)
     pad_step = min(block_m, 16)
     blocks_step = max(16, min(128, 4096 // EP))
     if P <= tuning.single_max:
         chunk = _next_pow2(max(P, 16))
         k._align_small_kernel[(1,)](
-            ids, out.sorted_ids, out.block_expert, out.num_rows, P, E, out.max_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step, BLOCKS_STEP=blocks_step,
-            num_warps=4 if chunk <= 512 else 8,
+            ids, out.sorted_ids, out.block_expert, out.num_rows, counts, ends, P, E,
+            out.max_blocks, BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step,
+            BLOCKS_STEP=blocks_step, GROUPS=groups, num_warps=4 if chunk <= 512 else 8,
         )  # fmt: skip
         return out
     chunk = tuning.chunk(P)
@@ -127,8 +141,9 @@ def align_block_size(
         ids, expert, pair, rank, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps
     )
     k._align_scan_kernel[(1,)](
-        hist, base, pad_end, out.sorted_ids, out.num_rows, C, P, E,
-        BLOCK_M=block_m, EP=EP, PAD_STEP=pad_step, CB=max(1, min(64, 8192 // EP)), num_warps=8,
+        hist, base, pad_end, out.sorted_ids, out.num_rows, counts, ends, C, P, E,
+        BLOCK_M=block_m, EP=EP, PAD_STEP=pad_step, CB=max(1, min(64, 8192 // EP)),
+        GROUPS=groups, num_warps=8,
     )  # fmt: skip
     k._align_scatter_kernel[(C,)](
         expert, pair, rank, base, pad_end, out.sorted_ids, out.block_expert, E,
@@ -138,12 +153,14 @@ def align_block_size(
     return out
 
 
-def align_block_size_torch(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> AlignOutput:
+def align_block_size_torch(
+    ids_TK: torch.Tensor, num_experts: int, block_m: int, *, groups: bool = False
+) -> AlignOutput:
     """Reference twin of `align_block_size` in plain PyTorch (reads counts on the host)."""
     _check(ids_TK, num_experts, block_m)
     ids = ids_TK.reshape(-1).long()
     P, E = ids.numel(), num_experts
-    out = _empty(P, E, block_m, ids.device)
+    out = _empty(P, E, block_m, ids.device, groups)
     valid = (ids >= 0) & (ids < E)
     counts = torch.bincount(ids[valid], minlength=E).tolist()
     order = torch.argsort(torch.where(valid, ids, E), stable=True)
@@ -160,4 +177,8 @@ def align_block_size_torch(ids_TK: torch.Tensor, num_experts: int, block_m: int)
     out.block_expert.fill_(-1)
     out.block_expert[: len(experts)] = torch.tensor(experts, dtype=torch.int32, device=ids.device)
     out.num_rows.fill_(used)
+    if groups:
+        n = torch.tensor(counts, dtype=torch.int32, device=ids.device)
+        out.counts.copy_(n)
+        out.ends.copy_(torch.cumsum((n + block_m - 1) // block_m * block_m, 0))
     return out
