@@ -46,8 +46,9 @@ def main() -> None:
     out = {}
     tilings = [kernels.RowsTiling(r, g, w) for r, g, w in itertools.product(
         (8, 16, 32) if not quick else (8,), (2, 4, 8), (4, 8))]  # fmt: skip
-    if kernels.ROWS_TILING not in tilings:
-        tilings.append(kernels.ROWS_TILING)
+    for t in (kernels.ROWS_TILING, kernels.ROWS_TILING_ACT):
+        if t not in tilings:
+            tilings.append(t)
     for name, T, K, E, Eg, H, I in SHAPES:
         ids = torch.rand(T, Eg, device="cuda").argsort(dim=1)[:, :K].int()
         ids = torch.where(ids < E, ids, -1)
@@ -92,7 +93,7 @@ def main() -> None:
                         ok = ok and torch.equal(s[0][:, keep], ref_s[0][:, keep])
                     times[str(t)] = (time_us(call), ok)
                 best = min(times, key=lambda k: times[k][0])
-                dflt = str(kernels.ROWS_TILING)
+                dflt = str(kernels.ROWS_TILING if job == "gather" else kernels.ROWS_TILING_ACT)
                 res[f"{job} quant={quant}"] = {
                     "default": times[dflt], "best": (best, times[best]),
                     "GB/s default": q_bytes / times[dflt][0] / 1e3,

@@ -6,7 +6,9 @@ With `multicast`: the contiguous GEMMs alone with TMA multicast of A over CTA pa
 without (same inputs, outputs compared, alternated timing rounds).
 
 Usage (repo root, device machine, sgl-deep-gemm installed):
-  python scripts/gpu_profile_deep_gemm.py [profile] [multicast]
+  python scripts/gpu_profile_deep_gemm.py [profile] [multicast] [tiles]
+
+With `tiles`: the contiguous GEMMs of the presets with other row / column tiles.
 """
 
 from __future__ import annotations
@@ -80,6 +82,96 @@ def multicast() -> None:
                   f"outputs equal: {same}", flush=True)
 
 
+def variant(fp8: bool, n: int, k: int, groups: int, bm: int, bn: int, sms: int):
+    """A KernelConfig with row tile bm and column tile bn (as many stages as fit), or None."""
+    import dataclasses
+
+    from moekit.runners import deep_gemm_jit as jit
+
+    base = jit.choose(fp8, False, n, k, groups, 1024, sms)
+    stages = jit.MAX_STAGES
+    while stages > 2 and jit._smem_bytes(fp8, bm, bn, k, stages) > jit.SMEM_LIMIT:
+        stages -= 1
+    if jit._smem_bytes(fp8, bm, bn, k, stages) > jit.SMEM_LIMIT:
+        return None
+    swizzle = next((s for s in (128, 64, 32) if (bn * 2) % s == 0), 0)
+    return dataclasses.replace(base, block_m=bm, block_n=bn, stages=stages, swizzle_d=swizzle)
+
+
+def tiles() -> None:
+    """The contiguous GEMMs of the presets at T = 4096 and 16384 (uniform routing, psum layout)
+    with column tiles 128 .. 256 and row tiles 64 / 128: time and TFLOP/s per variant."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moekit.quant.act_quant import quantize_act
+    from moekit.quant.quantize import quantize
+    from moekit.runners import deep_gemm_jit as jit
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    probs = [  # name, E, N, K, pairs
+        ("qwen3 gate_up", 128, 1536, 2048, 4096 * 8), ("qwen3 down", 128, 2048, 768, 4096 * 8),
+        ("qwen3 gate_up", 128, 1536, 2048, 16384 * 8), ("qwen3 down", 128, 2048, 768, 16384 * 8),
+        ("deepseek gate_up", 32, 4096, 7168, 16384), ("deepseek down", 32, 7168, 2048, 16384),
+        ("mixtral gate_up", 8, 7168, 4096, 8192), ("mixtral down", 8, 4096, 3584, 8192),
+    ]  # fmt: skip
+    jobs = []
+    for name, E, N, K, pairs in probs:
+        for fp8 in (True, False):
+            bns = (128, 160, 192) if fp8 else (128, 192, 256)
+            for bm in (128, 64):
+                for bn in bns:
+                    cfg = variant(fp8, N, K, E, bm, bn, sms)
+                    if cfg is not None:
+                        jobs.append((name, E, N, K, pairs, fp8, cfg))
+    with ThreadPoolExecutor(16) as pool:  # build every variant in parallel
+        built = list(pool.map(lambda j: _try_build(j[-1]), jobs))
+    for (name, E, N, K, pairs, fp8, cfg), err in zip(jobs, built):
+        if err:
+            print(f"{name} pairs={pairs} {'fp8' if fp8 else 'bf16'} bm={cfg.block_m} "
+                  f"bn={cfg.block_n}: BUILD FAILED {err}", flush=True)
+    done = {}
+    for (name, E, N, K, pairs, fp8, cfg), err in zip(jobs, built):
+        if err:
+            continue
+        torch.manual_seed(0)
+        counts = torch.bincount(torch.randint(0, E, (pairs,)), minlength=E)
+        starts = torch.cumsum((counts + 127) // 128 * 128, 0) - (counts + 127) // 128 * 128
+        ends = (starts + counts).int().cuda()
+        M = int(((counts + 127) // 128 * 128).sum())
+        key = (name, pairs, fp8)
+        if key not in done:
+            a = torch.randn(M, K, device="cuda").bfloat16()
+            b = (torch.randn(E, N, K, device="cuda") / K**0.5).bfloat16()
+            q, sc = quantize_act(a, "token_group", torch.float8_e4m3fn, group_size=128)
+            qb = quantize(b, "fp8_w8a8")
+            done.clear()
+            done[key] = (a, b, q, sc.t().contiguous().unsqueeze(0), qb, {})
+        a, b, q, sfa, qb, outs = done[key]
+        d = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        args = ((cfg, q, qb.data.view(E * N, K), d, ends, M, sfa, qb.scale) if fp8
+                else (cfg, a, b.view(E * N, K), d, ends, M))  # fmt: skip
+        jit.launch(*args)
+        torch.cuda.synchronize()
+        ref = outs.setdefault("ref", d)
+        rows = torch.cat([torch.arange(int(s), int(s + c)) for s, c in zip(starts, counts)])
+        diff = (d[rows].float() - ref[rows].float()).abs().max().item()
+        us = min(time_us(lambda: jit.launch(*args)) for _ in range(3))
+        tf = 2 * pairs * N * K / us / 1e6
+        print(f"{name} pairs={pairs} {'fp8' if fp8 else 'bf16'} bm={cfg.block_m} "
+              f"bn={cfg.block_n} stages={cfg.stages}: {us:.1f} us, {tf:.0f} TFLOP/s "
+              f"(useful), max |diff| vs first {diff:.3g}", flush=True)
+
+
+def _try_build(cfg) -> str | None:
+    from moekit.runners import deep_gemm_jit as jit
+
+    try:
+        jit.library(cfg)
+    except Exception as e:  # noqa: BLE001
+        return str(e).splitlines()[-1][:200]
+    return None
+
+
 def profile_runner() -> None:
     runner = registry.runner_class("deep_gemm")()
     act = ActivationSpec("silu")
@@ -113,5 +205,7 @@ if __name__ == "__main__":
     what = sys.argv[1:] or ["profile"]
     if "multicast" in what:
         multicast()
+    if "tiles" in what:
+        tiles()
     if "profile" in what:
         profile_runner()

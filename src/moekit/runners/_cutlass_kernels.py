@@ -165,28 +165,24 @@ if HAS_TRITON:
         stride_o,
         stride_b,
         HAS_BIAS: tl.constexpr,
-        KP: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Program (t, column block): the K rows of token t loaded at once as a [KP, BLOCK]
-        tile (KP = K rounded up to a power of two), weighted and summed in float32."""
+        """Program (t, column block): the K rows of token t in turn, weighted and summed in
+        float32. (Loading the K rows as one [K, BLOCK] tile was 1.6-5x slower on the H100.)"""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < H
-        k = tl.arange(0, KP)
-        pair = t.to(tl.int64) * K + k
-        row = tl.load(row_ptr + pair, mask=k < K, other=-1)
-        ok = row >= 0
-        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
-        mask = ok[:, None] & cmask[None, :]
-        y_off = tl.maximum(row, 0).to(tl.int64)[:, None] * stride_y + cols[None, :]
-        y = tl.load(y_ptr + y_off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            e = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int64)
-            y += tl.load(b_ptr + e[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-        acc = tl.sum(w[:, None] * y, axis=0)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(K):
+            row = tl.load(row_ptr + t * K + k)
+            ok = row >= 0
+            safe = tl.maximum(row, 0)
+            w = tl.load(w_ptr + t * K + k)
+            y = tl.load(y_ptr + safe * stride_y + cols, mask=cmask & ok, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                e = tl.maximum(tl.load(ids_ptr + t * K + k), 0).to(tl.int64)
+                y += tl.load(b_ptr + e * stride_b + cols, mask=cmask & ok, other=0.0).to(tl.float32)
+            acc += tl.where(ok, w, 0.0) * y
         out_row = out_ptr + t.to(tl.int64) * stride_o
         tl.store(out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
@@ -352,8 +348,7 @@ def weighted_reduce_triton(
     bias = b2_EH if b2_EH is not None else y_MH
     if b2_EH is not None and b2_EH.stride(1) != 1:
         bias = b2_EH.contiguous()
-    kp = triton.next_power_of_2(K)
-    block = _block(hidden, cap=max(16, 8192 // kp))
+    block = _block(hidden)
     _weighted_reduce_kernel[(T, triton.cdiv(hidden, block))](
         y_MH,
         out,
@@ -367,9 +362,7 @@ def weighted_reduce_triton(
         out.stride(0),
         bias.stride(0),
         HAS_BIAS=b2_EH is not None,
-        KP=kp,
         BLOCK=block,
-        num_warps=8 if kp * block >= 4096 else 4,
     )
     return out
 
@@ -397,13 +390,16 @@ class RowsTiling:
     (at most: block_g shrinks to the groups there are), num_warps per program, at most
     programs along the rows (each loops over its row tiles)."""
 
-    block_r: int = 8
-    block_g: int = 4
+    block_r: int = 16
+    block_g: int = 2
     num_warps: int = 4
     programs: int = 4096
 
 
-ROWS_TILING = RowsTiling()
+# Fastest on the H100 among block_r 8/16/32 x block_g 2/4/8 x 4/8 warps
+# (scripts/gpu_probe_rows.py, qwen3 and deepseek-v3 EP8 shapes, fp8 and bf16).
+ROWS_TILING = RowsTiling()  # the gather before gate_up
+ROWS_TILING_ACT = RowsTiling(block_r=8)  # the activation before down
 
 
 def gemm_rows_triton(
@@ -416,7 +412,7 @@ def gemm_rows_triton(
     quant: bool = False,
     rows_per_group: int = 1,
     used: torch.Tensor | None = None,
-    tiling: RowsTiling = ROWS_TILING,
+    tiling: RowsTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
     [1] on the device: the rows in use, default all) are left unwritten."""
@@ -435,6 +431,8 @@ def gemm_rows_triton(
     bias = b13_EN if b13_EN is not None else src
     if b13_EN is not None and b13_EN.stride(1) != 1:
         bias = b13_EN.contiguous()
+    if tiling is None:
+        tiling = ROWS_TILING if act is None else ROWS_TILING_ACT
     block_g = min(tiling.block_g, triton.next_power_of_2(n_groups))
     grid = (min(triton.cdiv(M, tiling.block_r), tiling.programs), triton.cdiv(n_groups, block_g))
     _gemm_rows_kernel[grid](
