@@ -4,6 +4,8 @@ The kernels themselves run in tests/test_deep_gemm_runner.py (GPU)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -26,6 +28,9 @@ def test_choose_fits_shared_memory(fp8, masked, rows, n, k, groups):
     assert cfg.stages == jit.MAX_STAGES or deeper > jit.SMEM_LIMIT
     assert cfg.block_m == (64 if masked and rows <= 64 else 128)
     assert (cfg.block_n * 2) % cfg.swizzle_d == 0 and cfg.swizzle_d in (32, 64, 128)
+    assert cfg.block_n == jit.block_n(fp8, masked, n)
+    # DeepGEMM's static assert: a column tile spans at most two 128-wide weight scale blocks
+    assert cfg.block_n <= 128 or math.gcd(cfg.block_n, 128) == cfg.block_n - 128
     assert f"-DMK_N={n}" in cfg.defines() and f"-DMK_FP8={int(fp8)}" in cfg.defines()
     assert cfg.multicast == 1 and "-DMK_MULTICAST=1" in cfg.defines()
     assert jit.choose(fp8, masked, n, k, groups, rows, 132, multicast=2).multicast == 2
@@ -35,6 +40,8 @@ def test_smem_counts_every_buffer():
     # fp8, 128 x 128 tiles, K = 7168: D 32 KiB, per stage A 16 KiB + B 16 KiB + A scales 512 B,
     # B scales 56 floats, two 8-byte barriers per stage
     assert jit._smem_bytes(True, 128, 128, 7168, 5) == 32768 + 5 * (32768 + 512) + 224 + 80
+    # fp8 with 192 columns: two rows of B scales (a tile straddles two 128-wide blocks)
+    assert jit._smem_bytes(True, 128, 192, 7168, 4) == 49152 + 4 * (40960 + 512) + 448 + 64
     # bf16: 64 columns of K per stage (one 128-byte swizzle atom)
     assert jit._smem_bytes(False, 64, 128, 2048, 4) == 16384 + 4 * (192 * 128) + 64
 

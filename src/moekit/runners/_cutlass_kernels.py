@@ -220,6 +220,7 @@ if HAS_TRITON:
         expert_ptr,
         b_ptr,
         used_ptr,
+        src_s_ptr,
         M,
         C,
         n_groups,
@@ -236,6 +237,7 @@ if HAS_TRITON:
         INTERLEAVED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         QUANT: tl.constexpr,
+        PREQUANT: tl.constexpr,
         HAS_USED: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -243,7 +245,8 @@ if HAS_TRITON:
     ):
         """Programs (P, column blocks): tiles [BLOCK_R rows, BLOCK_G groups, GROUP columns], row
         tiles pid0, pid0 + P, ... below *used_ptr (HAS_USED) or M; the column groups
-        [BLOCK_G * pid1, +BLOCK_G). ACT < 0: copy / gather; else activate."""
+        [BLOCK_G * pid1, +BLOCK_G). ACT < 0: copy / gather; else activate. PREQUANT: src is
+        already quantized (fp8, its scales [rows, n_groups] at src_s_ptr): copy both."""
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         col = (g[:, None] * GROUP + tl.arange(0, GROUP)[None, :])[None, :, :]  # [1, G, GROUP]
         used = M
@@ -274,16 +277,20 @@ if HAS_TRITON:
             else:
                 x = tl.load(row + col, mask=mask, other=0.0)
             out = q_ptr + m.to(tl.int64)[:, None, None] * stride_q + col
-            if QUANT:
+            s_mask = ok[:, None] & (g < n_groups)[None, :]
+            s_off = ((m // rows_per_group).to(tl.int64)[:, None] * n_groups + g[None, :]) * (
+                rows_per_group
+            ) + (m % rows_per_group)[:, None]
+            if PREQUANT:
+                tl.store(out, x, mask=mask)
+                s = tl.load(src_s_ptr + src[:, None] * n_groups + g[None, :], mask=s_mask)
+                tl.store(s_ptr + s_off, s, mask=s_mask)
+            elif QUANT:
                 xf = x.to(tl.float32)
                 s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=2), eps), qmax)  # [R, G]
                 y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, :, None]), -qmax), qmax)
                 tl.store(out, y.to(q_ptr.dtype.element_ty), mask=mask)
-                grp = (m // rows_per_group).to(tl.int64)
-                s_off = (grp[:, None] * n_groups + g[None, :]) * rows_per_group + (
-                    m % rows_per_group
-                )[:, None]
-                tl.store(s_ptr + s_off, s, mask=ok[:, None] & (g < n_groups)[None, :])
+                tl.store(s_ptr + s_off, s, mask=s_mask)
             else:
                 tl.store(out, x, mask=mask)
 
@@ -433,6 +440,13 @@ def gemm_rows_triton(
         bias = b13_EN.contiguous()
     if tiling is None:
         tiling = ROWS_TILING if act is None else ROWS_TILING_ACT
+    src_s = None
+    if quant and token_M is not None:
+        # Gathering: each token is read by up to K rows, so quantize the tokens once and copy
+        # fp8 rows (the same values: the quantization is per row).
+        from moekit.quant.act_quant import quantize_act
+
+        src, src_s = quantize_act(src, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
     block_g = min(tiling.block_g, triton.next_power_of_2(n_groups))
     grid = (min(triton.cdiv(M, tiling.block_r), tiling.programs), triton.cdiv(n_groups, block_g))
     _gemm_rows_kernel[grid](
@@ -443,6 +457,7 @@ def gemm_rows_triton(
         expert_M,
         bias,
         used if used is not None else expert_M,
+        src_s if src_s is not None else q,
         M,
         C,
         n_groups,
@@ -459,6 +474,7 @@ def gemm_rows_triton(
         INTERLEAVED=act is not None and act.interleaved,
         HAS_BIAS=b13_EN is not None,
         QUANT=quant,
+        PREQUANT=src_s is not None,
         HAS_USED=used is not None,
         BLOCK_R=tiling.block_r,
         BLOCK_G=block_g,

@@ -118,16 +118,28 @@ def row_tile(masked: bool, rows_per_group: int) -> int:
     return 64 if masked and rows_per_group <= 64 else 128
 
 
+def block_n(fp8: bool, masked: bool, n: int) -> int:
+    """Columns per tile. Contiguous layout, H100 (scripts/gpu_profile_deep_gemm.py tiles, the
+    qwen3 / deepseek-v3 EP8 / mixtral GEMMs at T = 4096 and 16384): fp8 192 was the fastest or
+    within 1% at all 8 GEMMs (0-8% over 128); bf16 256 gained 1-8% where n >= 4096 and lost up
+    to 7% on qwen3's n = 1536 / 2048. The masked layout (decode) keeps 128 (not measured)."""
+    if masked:
+        return 128
+    if fp8:
+        return 192
+    return 256 if n >= 4096 else 128
+
+
 def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group: int,
            num_sms: int, multicast: int = 1) -> KernelConfig:  # fmt: skip
-    """The configuration for a problem: `row_tile` rows, 128 columns, as many pipeline stages
-    as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A tile, a
+    """The configuration for a problem: `row_tile` rows, `block_n` columns, as many pipeline
+    stages as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A tile, a
     cluster launch) is off by default: the H100 sweep with it was slower at 6 of 8 large-batch
     points (benchmarks/results/20261122T0413Z_H100_select_result_multicast2.json); its gain over
     clusters of one alone (1.06-1.19x fp8, scripts/gpu_profile_deep_gemm.py multicast) is smaller
     than what the cluster launch itself costs against a plain launch."""
     bm = row_tile(masked, rows_per_group)
-    bn = 128
+    bn = block_n(fp8, masked, n)
     stages = MAX_STAGES
     while stages > 2 and _smem_bytes(fp8, bm, bn, k, stages) > SMEM_LIMIT:
         stages -= 1
