@@ -112,8 +112,9 @@ def main() -> None:
         red_us = time_us(lambda: kernels.weighted_reduce_triton(y, rows.row_TK, w, ids, None, H,
                                                                 torch.bfloat16))  # fmt: skip
         red_bytes = (pairs + T) * H * 2
+        diff = (red.float() - red_ref.float()).abs().max().item()
         res["weighted_reduce"] = {"us": red_us, "GB/s": red_bytes / red_us / 1e3,
-                                  "max_abs_diff": (red.float() - red_ref.float()).abs().max().item()}  # fmt: skip
+                                  "max_abs_diff": diff}  # fmt: skip
         print(f"{key} group_rows {res['group_rows_us']}; weighted_reduce {red_us:.1f} us "
               f"({red_bytes / red_us / 1e3:.0f} GB/s); used rows {n_rows} of {M}", flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "rows_probe.json")

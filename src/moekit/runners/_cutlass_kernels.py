@@ -9,9 +9,10 @@ plain-PyTorch twin of the same signature (used on CPU, and by the tests as the r
   `_grouped.group_rows`).
 - `gemm_rows`: a grouped GEMM's input rows: x[token[m]] (the gather before the first GEMM) or
   the activation of h [M, 2I] (+ b13; before the second), optionally quantized to fp8 e4m3 per
-  row and 128 columns with the scales written MN-major (DeepGEMM's layout). Rows of expert -1 are
-  skipped (left undefined) and the programs stop at the rows in use, so padding and the slack of
-  the static row bound cost no memory traffic.
+  row and 128 columns with the scales written MN-major (DeepGEMM's layout; a gather quantizes
+  the tokens once and copies fp8 rows). Rows of expert -1 are skipped (left undefined) and the
+  programs stop at the rows in use, so padding and the slack of the static row bound cost no
+  memory traffic.
 
 Numerics follow the reference runner: bias add and activation in float32, the result rounded to
 the activation dtype; the top-k sum in float32.

@@ -133,11 +133,11 @@ def block_n(fp8: bool, masked: bool, n: int) -> int:
 def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group: int,
            num_sms: int, multicast: int = 1) -> KernelConfig:  # fmt: skip
     """The configuration for a problem: `row_tile` rows, `block_n` columns, as many pipeline
-    stages as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A tile, a
-    cluster launch) is off by default: the H100 sweep with it was slower at 6 of 8 large-batch
-    points (benchmarks/results/20261122T0413Z_H100_select_result_multicast2.json); its gain over
-    clusters of one alone (1.06-1.19x fp8, scripts/gpu_profile_deep_gemm.py multicast) is smaller
-    than what the cluster launch itself costs against a plain launch."""
+    stages as shared memory holds (at most MAX_STAGES). multicast 2 (CTA pairs share each A
+    tile, a cluster launch) is off by default: the H100 sweep with it was slower at 6 of 8
+    large-batch points (benchmarks/results/20261122T0413Z_H100_select_result_multicast2.json);
+    its gain over clusters of one alone (1.06-1.19x fp8, scripts/gpu_profile_deep_gemm.py
+    multicast) is smaller than what the cluster launch itself costs against a plain launch."""
     bm = row_tile(masked, rows_per_group)
     bn = block_n(fp8, masked, n)
     stages = MAX_STAGES

@@ -80,7 +80,10 @@ def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
 
 def _empty(P: int, E: int, block_m: int, device, groups: bool = False) -> AlignOutput:
     blocks = max_blocks(P, E, block_m)
-    zeros = lambda: torch.zeros(E, dtype=torch.int32, device=device)  # noqa: E731
+
+    def zeros():
+        return torch.zeros(E, dtype=torch.int32, device=device)
+
     return AlignOutput(
         sorted_ids=torch.empty(blocks * block_m, dtype=torch.int32, device=device),
         block_expert=torch.empty(blocks, dtype=torch.int32, device=device),
