@@ -26,7 +26,7 @@ def moe(**kw):
         (dict(activation="relu"), ["--activation", "relu", "gelu, silu, swiglu_oai"]),
         (dict(scoring_func="tanh"), ["--scoring-func", "sigmoid, softmax"]),
         (dict(dtype="float8"), ["--dtype", "bfloat16"]),
-        (dict(weight_format="fp3"), ["--weight-format", "mxfp4"]),
+        (dict(weight_format="fp3"), ["--quantization", "mxfp4"]),
         (dict(num_expert_group=4), ["--num-expert-group", "--topk-group"]),
         (dict(num_expert_group=3, topk_group=1), ["--num-expert-group (3)", "divide"]),
         (dict(num_expert_group=4, topk_group=5), ["--topk-group (5)", "at most"]),

@@ -46,8 +46,12 @@ class ConfigError(ValueError):
     """A configuration value or combination that cannot work; the message says which and why."""
 
 
+# Config fields whose command-line option has another name.
+CLI_NAMES = {"weight_format": "quantization"}
+
+
 def _flag(option: str) -> str:
-    return "--" + option.replace("_", "-")
+    return "--" + CLI_NAMES.get(option, option).replace("_", "-")
 
 
 def check_choice(option: str, value: object, allowed: tuple[str, ...] | set[str]) -> None:
