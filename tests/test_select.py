@@ -171,6 +171,25 @@ def test_auto_default_preference_switches_at_threshold(fakes):
     assert "deep_gemm > cutlass" in large.reason and "cutlass > deep_gemm" in small.reason
 
 
+def test_auto_default_puts_deep_gemm_first_for_large_fp8_block(fakes):
+    """Without a table: fp8 with block scales at or above the threshold -> deep_gemm where it
+    can run; small batches, other scale layouts, the masked format and a missing library keep
+    the plain order."""
+    cfg = RunnerConfig("auto", adaptive_moe_batch_threshold=1024)
+    block = shaped(4096, weight_format="fp8_w8a8", weight_spec=make_spec("fp8_w8a8"))
+    d = select_runner(block, cfg, H100, tables=NO_TABLES)
+    assert d.backend == "deep_gemm" and "fp8 weights with block scales" in d.reason
+    assert select_runner(replace(block, num_tokens=1023), cfg, H100, tables=NO_TABLES).backend == (
+        "triton"
+    )
+    channel = replace(block, weight_spec=make_spec("fp8_w8a8", weight_scale="channel"))
+    assert select_runner(channel, cfg, H100, tables=NO_TABLES).backend == "triton"
+    masked = replace(block, format="masked")  # the rule is for the standard format only
+    assert "block scales" not in select_runner(masked, cfg, H100, tables=NO_TABLES).reason
+    d = select_runner(block, cfg, H100_NO_DG, tables=NO_TABLES)
+    assert d.backend == "triton" and "skipped deep_gemm: needs sgl-deep-gemm" in d.reason
+
+
 def test_auto_skips_unusable_and_says_why(fakes):
     del fakes["triton"]
     d = select_runner(shaped(8), RunnerConfig("auto"), A100, tables=NO_TABLES)
