@@ -19,6 +19,9 @@ from moekit.experts import ActivationSpec
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_profile_deep_gemm import time_us as profile_time_us  # noqa: E402
+
 SHAPES = [  # name, T, K, E local, E global, H, I
     ("qwen3", 4096, 8, 128, 128, 2048, 768),
     ("qwen3", 16384, 8, 128, 128, 2048, 768),
@@ -26,19 +29,11 @@ SHAPES = [  # name, T, K, E local, E global, H, I
 ]
 
 
-def time_us(fn, rounds: int = 20) -> float:
+def time_us(fn) -> float:
+    """Best of three timings of `fn` (gpu_profile_deep_gemm.time_us), after a warm-up call."""
     fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(rounds):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(stop) * 1e3 / rounds)
-    return best
+    return min(profile_time_us(fn) for _ in range(3))
 
 
 def main() -> None:
