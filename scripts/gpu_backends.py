@@ -8,8 +8,9 @@
       Per job ("qwen3-30b-a3b --tp-size 2 --quantization fp8_w8a8 ..."): time every backend over
       the batch sizes (moekit.select_tune: CUDA-graph replay, correctness vs the reference) and
       write the selection table into $MOEKIT_CONFIG_DIR/select; then time `auto` (which now reads
-      that table) on the same inputs; save both as one bench JSON + PNG (moekit.report) in
-      DIR/results and print `auto` against the fastest backend at each T.
+      that table) on the same inputs, in turns with the backends that won a point (their times
+      in the results are from this second pass); save both as one bench JSON + PNG
+      (moekit.report) in DIR/results and print `auto` against the fastest backend at each T.
   python3 scripts/gpu_backends.py explain --work DIR --jobs ... --batch-sizes ...
       What `auto` picks for each job and T, with the reason, and every backend's status.
 
@@ -242,7 +243,7 @@ def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) 
     from moekit import select_table
     from moekit.report import metadata, result_dict, save
     from moekit.select_tune import sweep_spec, tune_select
-    from moekit.sweep import SweepResult, all_backends, run_sweep
+    from moekit.sweep import SweepResult, all_backends, run_sweep, winners
 
     ok = True
     todo = jobs_of(jobs)
@@ -286,18 +287,24 @@ def sweep(work: Path, jobs: str, batch_sizes: tuple[int, ...], deadline: float) 
                 raise RuntimeError("no backend could be measured")
             print(f"  table {report.path}: fastest {report.table.crossovers()}")
             select_table.reload()
-            auto_spec = replace(spec, backends=("auto",))
+            # auto again with the backends that won a point, timed in turns with them (one
+            # layer, alternating rounds), so that auto / fastest compares like with like
+            won = sorted({r.backend for r in winners(report.result.records).values()})
+            auto_spec = replace(spec, backends=("auto", *won))
             auto = run_sweep(auto_spec, ceilings=report.result.ceilings, on_point=on_point)
+            first = [r for r in report.result.records if r.backend not in won]
             merged = SweepResult(
                 spec=replace(spec, backends=spec.backends + ("auto",)),
                 ceilings=report.result.ceilings,
-                records=report.result.records + auto.records,
+                records=first + auto.records,
                 skipped={**report.result.skipped, **auto.skipped},
                 auto_choice=auto.auto_choice,
                 seconds=report.result.seconds + auto.seconds,
                 notes=report.result.notes + auto.notes + [
                     "every backend timed by `moekit tune --select` (its selection table written); "
-                    "then `auto` timed on the same inputs with that table in place"],
+                    f"then `auto` timed on the same inputs with that table in place, in turns with "
+                    f"the backends that won a point ({', '.join(won)}), whose times shown here "
+                    f"are from that second pass"],
             )
             argv = ["moekit", "bench", "--model", job.model, "--tp-size", str(job.tp_size),
                     "--ep-size", str(job.ep_size), "--quantization", job.quantization,

@@ -290,3 +290,26 @@ def test_fp8_matmul_rate_beats_bf16_on_hopper():
     fp8 = measure_matmul_rate("cuda", "float8_e4m3fn")
     bf16 = measure_ceilings("cuda", torch.bfloat16).matmul_flops_per_s
     assert fp8 is not None and fp8 > 1.3 * bf16
+
+
+def test_interleaved_timing_rotates_the_order_and_keeps_each_median():
+    """Samples of several functions are taken in rounds whose order rotates (so no function
+    always runs right after the same one), and each function gets its own median."""
+    import time as _time
+
+    from moekit.bench import time_ms_interleaved
+
+    calls = []
+
+    def make(name, seconds):
+        def fn():
+            calls.append(name)
+            _time.sleep(seconds)
+
+        return fn
+
+    fns = {"slow": make("slow", 0.004), "fast": make("fast", 0.001)}
+    ms = time_ms_interleaved(fns, "cpu", rounds=3, warmup=1, samples=3)
+    assert calls[:2] == ["slow", "fast"]  # warm-up
+    assert calls[2:] == ["slow", "fast", "fast", "slow", "slow", "fast"]
+    assert ms["fast"] >= 1.0 and ms["slow"] >= 4.0 and ms["slow"] > ms["fast"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -68,33 +68,65 @@ def time_ms(
     sample times enough replays to last about `min_sample_ms` with CUDA events. CPU: wall clock.
     To time over inputs larger than L2, let `fn` run over several input sets and divide.
     """
+    return time_ms_interleaved({"fn": fn}, device, cuda_graph=cuda_graph, rounds=1,
+                               warmup=warmup, samples=samples,
+                               min_sample_ms=min_sample_ms)["fn"]  # fmt: skip
+
+
+def time_ms_interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    device: torch.device | str,
+    *,
+    cuda_graph: bool | Mapping[str, bool] = True,
+    rounds: int = 5,
+    warmup: int = 5,
+    samples: int = 25,
+    min_sample_ms: float = 1.0,
+) -> dict[str, float]:
+    """Median time of one call of each `fns[name]` in milliseconds, as `time_ms`, with the
+    samples taken in turns: `rounds` rounds, each a share of every function's samples, the
+    order rotated from round to round. What ran just before a kernel (the GPU's clocks and power
+    state, the caches) then weighs on every function alike: on the H100 the same deep_gemm call
+    timed 9% faster right after a `triton` call than after itself
+    (benchmarks/deep_gemm_notes.md). `cuda_graph`: one flag, or one per name."""
     device = torch.device(device)
-    for _ in range(warmup):
-        fn()
+    names = list(fns)
+    graph = cuda_graph if isinstance(cuda_graph, Mapping) else dict.fromkeys(names, cuda_graph)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
     _sync(device)
+    per_round = max(1, -(-samples // max(1, rounds)))
+    times: dict[str, list[float]] = {name: [] for name in names}
     if device.type != "cuda":
-        times = []
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    run = capture_graph(fn, device).replay if cuda_graph else fn
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    fns[name]()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        return {name: statistics.median(t) for name, t in times.items()}
+    runs = {name: capture_graph(fns[name], device).replay if graph[name] else fns[name]
+            for name in names}  # fmt: skip
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    reps = max(1, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)))
-    times = []
-    for _ in range(samples):
+    reps = {}
+    for name, run in runs.items():
         start.record()
-        for _ in range(reps):
-            run()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+        reps[name] = max(1, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)))
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            run = runs[name]
+            for _ in range(per_round):
+                start.record()
+                for _ in range(reps[name]):
+                    run()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / reps[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure_ceilings(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Ceilings:

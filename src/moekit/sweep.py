@@ -5,8 +5,9 @@ What is timed: `MoE.forward_topk(x_TH, topk)` on rank 0 of the parallel layout, 
 id remap), the runner and combine are. Per-rank shapes: E_local = E / ep experts (routing is over
 all E experts and ids not on rank 0 are masked to -1), I_local = I / (tp / ep).
 
-Each point (backend, T) gets: the median time (CUDA-graph replay where the runner is graph safe,
-`moekit.bench.time_ms`), the roofline cost of the actual routing on this rank
+Each point (backend, T) gets: the median time (CUDA-graph replay where the runner is graph safe;
+the backends of one T timed in alternating rounds, `moekit.bench.time_ms_interleaved`), the
+roofline cost of the actual routing on this rank
 (`moekit.bench.moe_cost`: FLOPs of the local (token, expert) pairs, bytes of the touched local
 experts' weights + activations in and out), and time / floor with ceilings measured in the same
 run. Each backend's output is compared with the reference runner `torch` (relative norm error).
@@ -23,7 +24,7 @@ from typing import Callable
 import torch
 
 from moekit import hardware
-from moekit.bench import Ceilings, Cost, ceilings_for_format, moe_cost, time_ms
+from moekit.bench import Ceilings, Cost, ceilings_for_format, moe_cost, time_ms_interleaved
 from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.experts import ExpertWeights
 from moekit.layer import MoE, RunnerCache
@@ -39,8 +40,9 @@ GPU_BATCH_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 CPU_BATCH_SIZES = (1, 4, 16, 64, 256)
 # The shape a CPU run uses instead of the preset's: H, I per moe-tp rank, at most this many E.
 CPU_SHAPE = dict(hidden_size=256, intermediate_size=128, max_experts=16)
-# CPU timing is wall clock with few samples; CUDA uses time_ms's defaults.
-CPU_TIMING = dict(warmup=2, samples=7)
+# CPU timing is wall clock with few samples, in one round; CUDA uses time_ms_interleaved's
+# defaults.
+CPU_TIMING = dict(warmup=2, samples=7, rounds=1)
 # Rotate over enough input sets that the bytes one replay touches exceed this many L2 caches.
 L2_ROTATION_FACTOR = 4
 MAX_INPUT_SETS = 16
@@ -407,6 +409,7 @@ def run_sweep(
         module.runners = reference
         with torch.no_grad():
             ref_out = module.forward_topk(*sets[0]).float()
+        timed: dict[str, tuple[Record, Callable[[], None], bool]] = {}
         for backend in run:
             if on_point:
                 on_point(backend, T, None)
@@ -420,19 +423,37 @@ def run_sweep(
                 max_expert_load=max_load,
                 input_sets=len(sets),
             )
+            records.append(rec)
             try:
-                _measure(module, caches[backend], sets, rec, ref_out, spec, started, work,
-                         floor_s, calls_per_point, timing)
+                fn, graph = _prepare(module, caches[backend], sets, rec, ref_out, spec, started,
+                                     work, calls_per_point)  # fmt: skip
                 rec.suspicious = rec.rel_err is not None and rec.rel_err > tol
+                timed[backend] = (rec, fn, graph)
             except BudgetExceeded as err:
                 rec.error = str(err)
             except Exception as err:  # noqa: BLE001 - one failing point must not end the sweep
                 rec.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
                 if on_cuda:
                     torch.cuda.synchronize()
-            records.append(rec)
-            if on_point:
+            if on_point and rec.error:
                 on_point(backend, T, rec)
+        if timed:
+            try:
+                # every backend's samples in alternating rounds (see time_ms_interleaved)
+                ms = time_ms_interleaved({b: fn for b, (_, fn, _) in timed.items()}, spec.device,
+                                         cuda_graph={b: g for b, (_, _, g) in timed.items()},
+                                         **timing)  # fmt: skip
+            except Exception as err:  # noqa: BLE001
+                ms = {}
+                for rec, _, _ in timed.values():
+                    rec.error = f"timing: {type(err).__name__}: {err}".splitlines()[0][:300]
+                if on_cuda:
+                    torch.cuda.synchronize()
+            for backend, (rec, _, _) in timed.items():
+                if backend in ms:
+                    _fill(rec, ms[backend] / len(sets), floor_s)
+                if on_point:
+                    on_point(backend, T, rec)
         del sets, ref_out
     module.runners = reference
     return SweepResult(
@@ -445,14 +466,16 @@ def run_sweep(
     )
 
 
-def _measure(module, cache, sets, rec, ref_out, spec, started, work, floor_s, calls, timing):
-    """Fill `rec` for one backend at one T: correctness vs the reference, then the timing."""
-    module.runners = cache
+def _prepare(module, cache, sets, rec, ref_out, spec, started, work, calls):
+    """Check one backend at one T: its decision, correctness against the reference and (with a
+    time budget) the cost of timing it. Returns the function to time (one call over every
+    input set, on this backend) and whether it may run in a CUDA graph."""
     name = cache.decide(work).backend
     if rec.backend == "auto":
         rec.chosen = name
     graph = spec.device == "cuda" and _graph_safe(name)
     rec.cuda_graph = graph
+    module.runners = cache
     with torch.no_grad():
         out = module.forward_topk(*sets[0])  # the first call may compile kernels
         rec.rel_err = rel_err(out.float(), ref_out)
@@ -470,11 +493,17 @@ def _measure(module, cache, sets, rec, ref_out, spec, started, work, floor_s, ca
                     f"{max(left, 0):.1f} s left of the {spec.time_budget_s:.0f} s time budget"
                 )
 
-        def fn():
-            for x, topk in sets:
-                module.forward_topk(x, topk)
+    @torch.no_grad()
+    def fn():
+        module.runners = cache  # (at capture under CUDA graphs; each call otherwise)
+        for x, topk in sets:
+            module.forward_topk(x, topk)
 
-        ms = time_ms(fn, spec.device, cuda_graph=graph, **timing) / len(sets)
+    return fn, graph
+
+
+def _fill(rec: Record, ms: float, floor_s: float) -> None:
+    """The timing of one call (ms) and what follows from it."""
     rec.ms = ms
     s = ms * 1e-3
     rec.floor_ms = floor_s * 1e3
