@@ -313,3 +313,22 @@ def test_interleaved_timing_rotates_the_order_and_keeps_each_median():
     assert calls[:2] == ["slow", "fast"]  # warm-up
     assert calls[2:] == ["slow", "fast", "fast", "slow", "slow", "fast"]
     assert ms["fast"] >= 1.0 and ms["slow"] >= 4.0 and ms["slow"] > ms["fast"]
+
+
+def test_a_backend_whose_timing_fails_does_not_lose_the_others():
+    """Timed together, one failing function: the others are timed one at a time and the failing
+    one's record says why."""
+    from moekit.sweep import Record, _time_together
+
+    def ok():
+        return None
+
+    def bad():
+        raise RuntimeError("kernel launch failed")
+
+    recs = {b: Record(backend=b, T=4, flops=1.0, bytes=1.0) for b in ("ok", "bad")}
+    timed = {"ok": (recs["ok"], ok, False), "bad": (recs["bad"], bad, False)}
+    ms = _time_together(timed, "cpu", {"warmup": 1, "samples": 2, "rounds": 1})
+    assert set(ms) == {"ok"} and ms["ok"] >= 0
+    assert recs["bad"].error == "timing: RuntimeError: kernel launch failed"
+    assert recs["ok"].error is None

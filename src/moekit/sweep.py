@@ -437,23 +437,12 @@ def run_sweep(
                     torch.cuda.synchronize()
             if on_point and rec.error:
                 on_point(backend, T, rec)
-        if timed:
-            try:
-                # every backend's samples in alternating rounds (see time_ms_interleaved)
-                ms = time_ms_interleaved({b: fn for b, (_, fn, _) in timed.items()}, spec.device,
-                                         cuda_graph={b: g for b, (_, _, g) in timed.items()},
-                                         **timing)  # fmt: skip
-            except Exception as err:  # noqa: BLE001
-                ms = {}
-                for rec, _, _ in timed.values():
-                    rec.error = f"timing: {type(err).__name__}: {err}".splitlines()[0][:300]
-                if on_cuda:
-                    torch.cuda.synchronize()
-            for backend, (rec, _, _) in timed.items():
-                if backend in ms:
-                    _fill(rec, ms[backend] / len(sets), floor_s)
-                if on_point:
-                    on_point(backend, T, rec)
+        ms = _time_together(timed, spec.device, timing) if timed else {}
+        for backend, (rec, _, _) in timed.items():
+            if backend in ms:
+                _fill(rec, ms[backend] / len(sets), floor_s)
+            if on_point:
+                on_point(backend, T, rec)
         del sets, ref_out
     module.runners = reference
     return SweepResult(
@@ -500,6 +489,29 @@ def _prepare(module, cache, sets, rec, ref_out, spec, started, work, calls):
             module.forward_topk(x, topk)
 
     return fn, graph
+
+
+def _time_together(timed, device, timing) -> dict[str, float]:
+    """ms of one call of each prepared backend ({name: (record, fn, graph)}), the backends timed
+    in alternating rounds (`time_ms_interleaved`); one at a time when their CUDA graphs do not
+    fit in memory together. A backend whose timing fails gets the error in its record."""
+    fns = {b: fn for b, (_, fn, _) in timed.items()}
+    graphs = {b: g for b, (_, _, g) in timed.items()}
+    try:
+        return time_ms_interleaved(fns, device, cuda_graph=graphs, **timing)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - find out below which backend fails
+        pass
+    out = {}
+    for b in fns:
+        try:
+            out.update(time_ms_interleaved({b: fns[b]}, device, cuda_graph=graphs[b], **timing))
+        except Exception as err:  # noqa: BLE001 - one failing point must not end the sweep
+            timed[b][0].error = f"timing: {type(err).__name__}: {err}".splitlines()[0][:300]
+            if device == "cuda":
+                torch.cuda.synchronize()
+    return out
 
 
 def _fill(rec: Record, ms: float, floor_s: float) -> None:
