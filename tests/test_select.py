@@ -171,10 +171,10 @@ def test_auto_default_preference_switches_at_threshold(fakes):
     assert "deep_gemm > cutlass" in large.reason and "cutlass > deep_gemm" in small.reason
 
 
-def test_auto_default_puts_deep_gemm_first_for_large_fp8_block(fakes):
-    """Without a table: fp8 with block scales at or above the threshold -> deep_gemm where it
-    can run; small batches, other scale layouts, the masked format and a missing library keep
-    the plain order."""
+def test_auto_default_puts_deep_gemm_first_for_fp8_block(fakes):
+    """Without a table: fp8 with block scales -> deep_gemm where it can run, in the standard
+    format at or above the threshold and in the masked format at every size; small standard
+    batches, other scale layouts and a missing library keep the plain order."""
     cfg = RunnerConfig("auto", adaptive_moe_batch_threshold=1024)
     block = shaped(4096, weight_format="fp8_w8a8", weight_spec=make_spec("fp8_w8a8"))
     d = select_runner(block, cfg, H100, tables=NO_TABLES)
@@ -184,8 +184,12 @@ def test_auto_default_puts_deep_gemm_first_for_large_fp8_block(fakes):
     )
     channel = replace(block, weight_spec=make_spec("fp8_w8a8", weight_scale="channel"))
     assert select_runner(channel, cfg, H100, tables=NO_TABLES).backend == "triton"
-    masked = replace(block, format="masked")  # the rule is for the standard format only
-    assert "block scales" not in select_runner(masked, cfg, H100, tables=NO_TABLES).reason
+    masked = replace(block, format="masked", num_tokens=64)  # E * C rows, below the threshold
+    d = select_runner(masked, cfg, H100, tables=NO_TABLES)
+    assert d.backend == "deep_gemm" and "block scales (masked format)" in d.reason
+    assert "block scales" not in select_runner(
+        replace(masked, weight_format="unquantized", weight_spec=None), cfg, H100,
+        tables=NO_TABLES).reason  # fmt: skip
     d = select_runner(block, cfg, H100_NO_DG, tables=NO_TABLES)
     assert d.backend == "triton" and "skipped deep_gemm: needs sgl-deep-gemm" in d.reason
 

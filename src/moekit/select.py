@@ -12,7 +12,8 @@ How a backend is chosen (`select_runner`):
      dispatch format, dtype, shape) are ranked by the measured selection table of this device and
      shape (`moekit.select_table`; nearest measured batch size); without a table, by the default
      preference order, which switches at the adaptive threshold like rule 1 (and puts deep_gemm
-     first for fp8 block-scaled weights at or above it).
+     first for fp8 block-scaled weights: in the standard format at or above the threshold, in
+     the masked format at every size).
 
 Each new decision is logged once. Decisions are cached per `Workload` by the layer
 (`moekit.layer.RunnerCache`); the workload includes the batch size, so under CUDA graphs each
@@ -62,12 +63,15 @@ AUTO_PREFERENCE_LARGE = {
     "cpu": ("torch",),
 }
 ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
-# Large batches of fp8 weights with 128x128 block scales (standard format): DeepGEMM's kernels
-# overlap the per-block scaling with the next MMA, which the Triton runners cannot (see
-# benchmarks/triton_notes.md). Measured at eeab84c on qwen3-30b-a3b and deepseek-v3 EP8
-# (BENCHMARKS.md): deep_gemm 1.4-2.2x faster than fp8 `triton` at T >= 4096 on the H100 and H200,
-# level or ahead at T = 1024. So without a table it leads these workloads when it can run.
-FP8_BLOCK_LARGE_FIRST = "deep_gemm"
+# fp8 weights with 128x128 block scales: DeepGEMM's kernels overlap the per-block scaling with
+# the next MMA, which the Triton runners cannot (see benchmarks/triton_notes.md). Standard
+# format, measured on qwen3-30b-a3b and deepseek-v3 EP8 (BENCHMARKS.md): deep_gemm 1.4-2.2x
+# faster than fp8 `triton` at T >= 4096 on the H100 and H200, level at T = 1024, slower below.
+# Masked format (low-latency dispatch), deepseek-v3 EP8's local shape on the H100
+# (scripts/gpu_probe_masked.py, results/20261122T0610Z_H100_masked_probe.json): 4-25% faster
+# than `triton` at 1 to 64 rows per expert. So without a table it leads these workloads (the
+# standard format from the adaptive threshold on) where it can run.
+FP8_BLOCK_FIRST = "deep_gemm"
 
 
 @dataclass(frozen=True)
@@ -159,17 +163,16 @@ def _preference(work: Workload, config: RunnerConfig) -> tuple[tuple[str, ...], 
         f"T {'>=' if large else '<'} {config.adaptive_moe_batch_threshold} "
         f"(--adaptive-moe-batch-threshold)"
     )
-    if large and FP8_BLOCK_LARGE_FIRST in order and _fp8_block_standard(work):
-        order = (FP8_BLOCK_LARGE_FIRST, *(b for b in order if b != FP8_BLOCK_LARGE_FIRST))
-        why += ", fp8 weights with block scales"
+    if FP8_BLOCK_FIRST in order and _fp8_block(work) and (large or work.format == "masked"):
+        order = (FP8_BLOCK_FIRST, *(b for b in order if b != FP8_BLOCK_FIRST))
+        why += f", fp8 weights with block scales ({work.format} format)"
     return order, why
 
 
-def _fp8_block_standard(work: Workload) -> bool:
+def _fp8_block(work: Workload) -> bool:
     spec = work.weight_spec
     return (
-        work.format == "standard"
-        and work.weight_format == "fp8_w8a8"
+        work.weight_format == "fp8_w8a8"
         and spec is not None
         and getattr(spec, "weight_scale", None) == "block"
     )
