@@ -171,25 +171,28 @@ def test_auto_default_preference_switches_at_threshold(fakes):
     assert "deep_gemm > cutlass" in large.reason and "cutlass > deep_gemm" in small.reason
 
 
-def test_auto_default_puts_deep_gemm_first_for_fp8_block(fakes):
-    """Without a table: fp8 with block scales -> deep_gemm where it can run, in the standard
-    format at or above the threshold and in the masked format at every size; small standard
+def test_auto_default_puts_deep_gemm_first_where_it_leads(fakes):
+    """Without a table: deep_gemm where it can run for fp8 with block scales at or above the
+    threshold (standard format) and for the masked format at every size; small standard
     batches, other scale layouts and a missing library keep the plain order."""
     cfg = RunnerConfig("auto", adaptive_moe_batch_threshold=1024)
     block = shaped(4096, weight_format="fp8_w8a8", weight_spec=make_spec("fp8_w8a8"))
     d = select_runner(block, cfg, H100, tables=NO_TABLES)
-    assert d.backend == "deep_gemm" and "fp8 weights with block scales" in d.reason
+    assert d.backend == "deep_gemm" and "fp8 weights with block scales: deep_gemm first" in (
+        d.reason
+    )
     assert select_runner(replace(block, num_tokens=1023), cfg, H100, tables=NO_TABLES).backend == (
         "triton"
     )
     channel = replace(block, weight_spec=make_spec("fp8_w8a8", weight_scale="channel"))
     assert select_runner(channel, cfg, H100, tables=NO_TABLES).backend == "triton"
     masked = replace(block, format="masked", num_tokens=64)  # E * C rows, below the threshold
-    d = select_runner(masked, cfg, H100, tables=NO_TABLES)
-    assert d.backend == "deep_gemm" and "block scales (masked format)" in d.reason
-    assert "block scales" not in select_runner(
-        replace(masked, weight_format="unquantized", weight_spec=None), cfg, H100,
-        tables=NO_TABLES).reason  # fmt: skip
+    for w in (masked, replace(masked, weight_format="unquantized", weight_spec=None)):
+        d = select_runner(w, cfg, H100, tables=NO_TABLES)
+        assert d.backend == "deep_gemm" and "masked format: deep_gemm first" in d.reason
+    bf16_masked = replace(masked, weight_format="unquantized", weight_spec=None)
+    d = select_runner(bf16_masked, cfg, H100_NO_DG, tables=NO_TABLES)
+    assert d.backend == "cutlass" and "skipped deep_gemm: needs sgl-deep-gemm" in d.reason
     d = select_runner(block, cfg, H100_NO_DG, tables=NO_TABLES)
     assert d.backend == "triton" and "skipped deep_gemm: needs sgl-deep-gemm" in d.reason
 
@@ -199,8 +202,9 @@ def test_auto_skips_unusable_and_says_why(fakes):
     d = select_runner(shaped(8), RunnerConfig("auto"), A100, tables=NO_TABLES)
     assert d.backend == "triton_kernel"
     assert "skipped triton: " in d.reason
-    d = select_runner(shaped(8, format="masked"), RunnerConfig("auto"), H100, tables=NO_TABLES)
-    assert d.backend == "cutlass"  # triton_kernel: standard only in the fakes
+    d = select_runner(shaped(8, format="masked"), RunnerConfig("auto"), H100_NO_DG,
+                      tables=NO_TABLES)  # fmt: skip
+    assert d.backend == "cutlass"  # deep_gemm: no library; triton_kernel: standard only here
 
 
 def test_auto_on_cpu_picks_the_reference(fakes):

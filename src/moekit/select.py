@@ -12,8 +12,7 @@ How a backend is chosen (`select_runner`):
      dispatch format, dtype, shape) are ranked by the measured selection table of this device and
      shape (`moekit.select_table`; nearest measured batch size); without a table, by the default
      preference order, which switches at the adaptive threshold like rule 1 (and puts deep_gemm
-     first for fp8 block-scaled weights: in the standard format at or above the threshold, in
-     the masked format at every size).
+     first in the masked format, and for fp8 block-scaled weights at or above the threshold).
 
 Each new decision is logged once. Decisions are cached per `Workload` by the layer
 (`moekit.layer.RunnerCache`); the workload includes the batch size, so under CUDA graphs each
@@ -63,15 +62,18 @@ AUTO_PREFERENCE_LARGE = {
     "cpu": ("torch",),
 }
 ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
-# fp8 weights with 128x128 block scales: DeepGEMM's kernels overlap the per-block scaling with
-# the next MMA, which the Triton runners cannot (see benchmarks/triton_notes.md). Standard
-# format, measured on qwen3-30b-a3b and deepseek-v3 EP8 (BENCHMARKS.md): deep_gemm 1.4-2.2x
-# faster than fp8 `triton` at T >= 4096 on the H100 and H200, level at T = 1024, slower below.
-# Masked format (low-latency dispatch), deepseek-v3 EP8's local shape on the H100
-# (scripts/gpu_probe_masked.py, results/20261122T0610Z_H100_masked_probe.json): 4-25% faster
-# than `triton` at 1 to 64 rows per expert. So without a table it leads these workloads (the
-# standard format from the adaptive threshold on) where it can run.
-FP8_BLOCK_FIRST = "deep_gemm"
+# Where deep_gemm leads without a table (when it can run the workload):
+# - fp8 weights with 128x128 block scales, standard format, at or above the adaptive threshold:
+#   DeepGEMM's kernels overlap the per-block scaling with the next MMA, which the Triton runners
+#   cannot (benchmarks/triton_notes.md); measured on qwen3-30b-a3b and deepseek-v3 EP8
+#   (BENCHMARKS.md): 1.4-2.2x faster than fp8 `triton` at T >= 4096 on the H100 and H200,
+#   level at T = 1024, slower below;
+# - the masked format (low-latency dispatch), bf16 or fp8 block-wise: deepseek-v3 EP8's local
+#   shape at 1-64 rows per expert (scripts/gpu_probe_masked.py, results/
+#   20261122T0610Z_H100_masked_probe.json, ..._T0630Z_H200_masked_probe.json): fp8 4-25%
+#   (H100) and 18-34% (H200) faster than `triton`; bf16 within 1.5% to 8% faster (H100) and
+#   10-21% faster (H200).
+DEEP_GEMM_FIRST = "deep_gemm"
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,16 @@ def _preference(work: Workload, config: RunnerConfig) -> tuple[tuple[str, ...], 
         f"T {'>=' if large else '<'} {config.adaptive_moe_batch_threshold} "
         f"(--adaptive-moe-batch-threshold)"
     )
-    if FP8_BLOCK_FIRST in order and _fp8_block(work) and (large or work.format == "masked"):
-        order = (FP8_BLOCK_FIRST, *(b for b in order if b != FP8_BLOCK_FIRST))
-        why += f", fp8 weights with block scales ({work.format} format)"
+    if DEEP_GEMM_FIRST in order:
+        if work.format == "masked":
+            lead = "masked format"
+        elif large and _fp8_block(work):
+            lead = "fp8 weights with block scales"
+        else:
+            lead = None
+        if lead:
+            order = (DEEP_GEMM_FIRST, *(b for b in order if b != DEEP_GEMM_FIRST))
+            why += f", {lead}: {DEEP_GEMM_FIRST} first"
     return order, why
 
 
