@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 
+from moekit.report import metadata
 from moekit.select_tune import sweep_spec
 from moekit.sweep import run_sweep
 
@@ -27,7 +29,7 @@ def main() -> None:
     runs = [("both, one layer", spec), ("auto alone, new layer", replace(spec, backends=("auto",))),
             ("deep_gemm alone, new layer", replace(spec, backends=("deep_gemm",))),
             ("both again, new layer", spec)]  # fmt: skip
-    out = {}
+    out = {"meta": metadata(command=" ".join(["python", *sys.argv]))}
     for name, s in runs:
         res = run_sweep(s)
         rows = {f"{r.backend} T={r.T}": (r.ms, r.chosen) for r in res.records}

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
 from moekit.bench import time_ms_interleaved
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant import quantize_experts
+from moekit.report import metadata
 from moekit.runners import registry
 from moekit.stages import MaskedDispatchOutput
 
@@ -29,7 +31,7 @@ def main() -> None:
     act = ActivationSpec("silu")
     base = ExpertWeights((torch.randn(E, 2 * I, H, device="cuda") / H**0.5).bfloat16(),
                          (torch.randn(E, H, I, device="cuda") / I**0.5).bfloat16())  # fmt: skip
-    out = {}
+    out = {"meta": metadata(command=" ".join(["python", *sys.argv]))}
     for fmt in ("unquantized", "fp8_w8a8"):
         w = base if fmt == "unquantized" else quantize_experts(base, "fp8_w8a8")
         ref_runner = registry.runner_class("torch")()

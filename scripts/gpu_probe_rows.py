@@ -16,6 +16,7 @@ import sys
 import torch
 
 from moekit.experts import ActivationSpec
+from moekit.report import metadata
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows
 
@@ -38,7 +39,7 @@ def time_us(fn) -> float:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    out = {}
+    out = {"meta": metadata(command=" ".join(["python", *sys.argv]))}
     tilings = [kernels.RowsTiling(r, g, w) for r, g, w in itertools.product(
         (8, 16, 32) if not quick else (8,), (2, 4, 8), (4, 8))]  # fmt: skip
     for t in (kernels.ROWS_TILING, kernels.ROWS_TILING_ACT):

@@ -203,6 +203,10 @@ if __name__ == "__main__":
     import sys
 
     what = sys.argv[1:] or ["profile"]
+    from moekit.report import git_commit
+
+    print(f"# {' '.join(sys.argv)} on {torch.cuda.get_device_name()} at commit {git_commit()[0]}",
+          flush=True)  # fmt: skip
     if "multicast" in what:
         multicast()
     if "tiles" in what:

@@ -332,3 +332,11 @@ def test_a_backend_whose_timing_fails_does_not_lose_the_others():
     assert set(ms) == {"ok"} and ms["ok"] >= 0
     assert recs["bad"].error == "timing: RuntimeError: kernel launch failed"
     assert recs["ok"].error is None
+
+
+def test_metadata_names_the_commit_and_a_scripts_own_command():
+    meta = report.metadata(["moekit", "bench", "--model", "qwen3-30b-a3b"])
+    assert meta["command"] == "moekit bench --model qwen3-30b-a3b"
+    assert meta["commit"] == report.git_commit()[0] and meta["commit"]
+    probe = report.metadata(command="python scripts/gpu_probe_masked.py")
+    assert probe["command"] == "python scripts/gpu_probe_masked.py"

@@ -59,8 +59,14 @@ def git_commit(root: Path | None = None) -> tuple[str, bool | None]:
     return "unknown", None
 
 
-def metadata(argv: list[str] | None = None, plat: hardware.Platform | None = None) -> dict:
-    """Where and how a run happens: device, library versions, git commit, command line, time."""
+def metadata(
+    argv: list[str] | None = None,
+    plat: hardware.Platform | None = None,
+    *,
+    command: str | None = None,
+) -> dict:
+    """Where and how a run happens: device, library versions, git commit, command line, time.
+    `command` replaces the `moekit ...` line built from argv (a script's own command)."""
     plat = plat or hardware.detect()
     commit, dirty = git_commit()
     libs = {"torch": torch.__version__}
@@ -79,7 +85,7 @@ def metadata(argv: list[str] | None = None, plat: hardware.Platform | None = Non
         "python": py_platform.python_version(),
         "commit": commit,
         "dirty": dirty,
-        "command": " ".join(shlex.quote(a) for a in ["moekit", *argv[1:]]),
+        "command": command or " ".join(shlex.quote(a) for a in ["moekit", *argv[1:]]),
     }
 
 

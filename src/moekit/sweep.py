@@ -432,7 +432,7 @@ def run_sweep(
             except BudgetExceeded as err:
                 rec.error = str(err)
             except Exception as err:  # noqa: BLE001 - one failing point must not end the sweep
-                rec.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                rec.error = _error_text(err)
                 if on_cuda:
                     torch.cuda.synchronize()
             if on_point and rec.error:
@@ -508,10 +508,15 @@ def _time_together(timed, device, timing) -> dict[str, float]:
         try:
             out.update(time_ms_interleaved({b: fns[b]}, device, cuda_graph=graphs[b], **timing))
         except Exception as err:  # noqa: BLE001 - one failing point must not end the sweep
-            timed[b][0].error = f"timing: {type(err).__name__}: {err}".splitlines()[0][:300]
+            timed[b][0].error = "timing: " + _error_text(err)
             if device == "cuda":
                 torch.cuda.synchronize()
     return out
+
+
+def _error_text(err: Exception) -> str:
+    """A record's error: the exception's type and the first line of its message."""
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
 def _fill(rec: Record, ms: float, floor_s: float) -> None:

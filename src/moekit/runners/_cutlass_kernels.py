@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.experts import ActivationSpec
+from moekit.quant.act_quant import ACT_DTYPES, EPS, quantize_act, quantize_act_ref
 from moekit.runners.torch import activate
 
 FP8_GROUP = 128  # columns per activation scale of `gemm_rows` (DeepGEMM's 1x128)
@@ -95,8 +96,6 @@ def gemm_rows_torch(
     expert -1 are zeros. quant: (fp8 e4m3 [M, C], float32 scales MN-major [M / R, C / 128, R]:
     the scale of row m, group g at [m // R, g, m % R]), as `quantize_act(rows, 'token_group',
     group_size=128)`; else (rows in src's dtype, None)."""
-    from moekit.quant.act_quant import quantize_act_ref
-
     if act is not None:
         rows = activation_torch(src, expert_M, b13_EN, act)
     else:
@@ -424,8 +423,6 @@ def gemm_rows_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
     [1] on the device: the rows in use, default all) are left unwritten."""
-    from moekit.quant.act_quant import ACT_DTYPES, EPS
-
     M = expert_M.shape[0]
     C = src.shape[1] // 2 if act is not None else src.shape[1]
     dev = src.device
@@ -445,8 +442,6 @@ def gemm_rows_triton(
     if quant and token_M is not None:
         # Gathering: each token is read by up to K rows, so quantize the tokens once and copy
         # fp8 rows (the same values: the quantization is per row).
-        from moekit.quant.act_quant import quantize_act
-
         src, src_s = quantize_act(src, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
     block_g = min(tiling.block_g, triton.next_power_of_2(n_groups))
     grid = (min(triton.cdiv(M, tiling.block_r), tiling.programs), triton.cdiv(n_groups, block_g))

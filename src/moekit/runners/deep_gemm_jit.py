@@ -118,16 +118,31 @@ def row_tile(masked: bool, rows_per_group: int) -> int:
     return 64 if masked and rows_per_group <= 64 else 128
 
 
-def block_n(fp8: bool, masked: bool, n: int) -> int:
-    """Columns per tile. Contiguous layout, H100 (scripts/gpu_profile_deep_gemm.py tiles, the
-    qwen3 / deepseek-v3 EP8 / mixtral GEMMs at T = 4096 and 16384): fp8 192 was the fastest or
-    within 1% at all 8 GEMMs (0-8% over 128); bf16 256 gained 1-8% where n >= 4096 and lost up
-    to 7% on qwen3's n = 1536 / 2048. The masked layout (decode) keeps 128 (not measured)."""
+@dataclass(frozen=True)
+class ColumnTiles:
+    """Columns per tile (`block_n`). Contiguous layout, H100 (scripts/gpu_profile_deep_gemm.py
+    tiles, the qwen3 / deepseek-v3 EP8 / mixtral GEMMs at T = 4096 and 16384): fp8 192 was the
+    fastest or within 1% at all 8 GEMMs (0-8% over 128); bf16 256 gained 1-8% where n >= 4096
+    and lost up to 7% on qwen3's n = 1536 / 2048. The masked layout keeps 128 (its tiles were
+    not compared)."""
+
+    fp8: int = 192
+    bf16: int = 128
+    bf16_wide: int = 256
+    bf16_wide_from_n: int = 4096
+    masked: int = 128
+
+
+COLUMN_TILES = ColumnTiles()
+
+
+def block_n(fp8: bool, masked: bool, n: int, tiles: ColumnTiles = COLUMN_TILES) -> int:
+    """Columns per tile for a GEMM with n output columns (see ColumnTiles)."""
     if masked:
-        return 128
+        return tiles.masked
     if fp8:
-        return 192
-    return 256 if n >= 4096 else 128
+        return tiles.fp8
+    return tiles.bf16_wide if n >= tiles.bf16_wide_from_n else tiles.bf16
 
 
 def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group: int,

@@ -81,8 +81,9 @@ def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
 def _empty(P: int, E: int, block_m: int, device, groups: bool = False) -> AlignOutput:
     blocks = max_blocks(P, E, block_m)
 
-    def zeros():
-        return torch.zeros(E, dtype=torch.int32, device=device)
+    def groups_buffer():  # written by the kernels unless there are no pairs
+        make = torch.zeros if P == 0 else torch.empty
+        return make(E, dtype=torch.int32, device=device)
 
     return AlignOutput(
         sorted_ids=torch.empty(blocks * block_m, dtype=torch.int32, device=device),
@@ -90,8 +91,8 @@ def _empty(P: int, E: int, block_m: int, device, groups: bool = False) -> AlignO
         num_rows=torch.zeros(1, dtype=torch.int32, device=device),
         block_m=block_m,
         num_pairs=P,
-        counts=zeros() if groups else None,
-        ends=zeros() if groups else None,
+        counts=groups_buffer() if groups else None,
+        ends=groups_buffer() if groups else None,
     )
 
 
