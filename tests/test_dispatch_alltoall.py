@@ -296,6 +296,22 @@ def test_slot_map_spreads_copies_like_the_reference():
         SlotMap(ExpertPlacement(torch.tensor([0, 1, 1, 3]), 2), 4)
 
 
+@pytest.mark.parametrize("T, spread", [(0, False), (1, False), (37, False), (37, True)])
+def test_local_ids_kernel_matches_torch_twin(T, spread):
+    # 10 slots over 2 ranks: logical experts 0, 1 and 3 have a second copy on rank 1
+    placement = ExpertPlacement(torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 6]), ep_size=2)
+    slots = SlotMap(placement, 7, spread=spread)
+    _, (topk,) = ep_inputs(T + 5, (T,), 7, 3, 4, "masked")
+    for rank in range(2):
+        ref = slots.local_ids_torch(topk.ids, rank)
+        got = slots.local_ids(topk.ids, rank, impl="triton")
+        assert got.dtype == torch.int32 and got.shape == (T, 3)
+        assert torch.equal(got, ref)
+    if T:  # every routed pair is local on exactly one rank
+        hits = sum((slots.local_ids(topk.ids, r, impl="triton") >= 0).int() for r in range(2))
+        assert torch.equal(hits, (topk.ids >= 0).int())
+
+
 def _global_weights(seed: int, E: int, H: int, I: int, dtype, p2l: torch.Tensor):
     """Logical experts from `seed`, laid out per physical slot (copies share weights)."""
     g = torch.Generator().manual_seed(seed + 7)
@@ -390,6 +406,8 @@ def test_row_kernels_and_plans_on_gpu_bf16():
     ref = recv_plan_torch(got[0][1], got[0][2], 64)
     for x, y in zip(got[0][:3] + ref, got[1]):
         assert torch.equal(x, y)
+    for rank in (0, 3):  # the none dispatcher's local ids: kernel against its twin
+        assert torch.equal(slots.local_ids(topk.ids, rank), slots.local_ids_torch(topk.ids, rank))
     # normal mode: device plan + packing kernel against the twins at the deepseek-v3 row size
     from moekit.dispatch.layout import normal_plan, normal_plan_torch, pack_rows, pack_rows_torch
 

@@ -117,6 +117,30 @@ def _physical_slots(ids_ptr, table_ptr, copies_ptr, t, k, K, L, W, mask, SPREAD:
 
 
 @triton.jit
+def _local_ids_kernel(ids_ptr, table_ptr, copies_ptr, out_ptr, T, L, W, start, E,
+                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr):
+    """Program b maps tokens b*BT .. b*BT + BT-1: out = physical slot - start where the slot is
+    on this rank (in [start, start + E)), -1 elsewhere and for masked ids."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
+    k = tl.arange(0, BK)[None, :]
+    mask = (t < T) & (k < K)
+    slot = _physical_slots(ids_ptr, table_ptr, copies_ptr, t, k, K, L, W, mask, SPREAD)
+    here = (slot >= start) & (slot < start + E)
+    tl.store(out_ptr + t.to(tl.int64) * K + k, tl.where(here, slot - start, -1).to(tl.int32),
+             mask=mask)
+
+
+def launch_local_ids(ids, table, copies, spread, out, start, E):
+    T, K = ids.shape
+    BK = max(2, triton.next_power_of_2(K))
+    BT = max(1, 1024 // BK)
+    _local_ids_kernel[(triton.cdiv(T, BT),)](
+        ids, table, copies, out, T, table.shape[0] - 1, table.shape[1], start, E,
+        K=K, BT=BT, BK=BK, SPREAD=spread, num_warps=4,
+    )
+
+
+@triton.jit
 def _ll_send_plan_kernel(
     ids_ptr, w_ptr, table_ptr, copies_ptr, rows_ptr, send_ids_ptr, send_w_ptr,
     T, L, W, E, C, R, stride_meta,

@@ -63,9 +63,25 @@ class SlotMap:
         t = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
         return table[row, t % copies[row]]
 
-    def local_ids(self, ids_TK: torch.Tensor, ep_rank: int) -> torch.Tensor:
+    def local_ids_torch(self, ids_TK: torch.Tensor, ep_rank: int) -> torch.Tensor:
         """[T, K] int32: the local slot on `ep_rank` for each pair, -1 where it goes elsewhere."""
         slot = self.physical(ids_TK)
         start = ep_rank * self.slots_per_rank
         here = (slot >= start) & (slot < start + self.slots_per_rank)
         return torch.where(here, slot - start, -1).to(torch.int32)
+
+    def local_ids(self, ids_TK: torch.Tensor, ep_rank: int, impl: str = "auto") -> torch.Tensor:
+        """`local_ids_torch` in one Triton kernel on CUDA (the twin is about ten small
+        launches: most of a decode step's dispatch on an EP rank that sees every token)."""
+        from moekit.dispatch.rows import _use_triton
+
+        if not _use_triton(ids_TK, impl) or ids_TK.numel() == 0:
+            return self.local_ids_torch(ids_TK, ep_rank)
+        from moekit.dispatch._kernels import launch_local_ids
+
+        table, copies = self._on(ids_TK.device)
+        out = torch.empty(ids_TK.shape, dtype=torch.int32, device=ids_TK.device)
+        E = self.slots_per_rank
+        launch_local_ids(ids_TK.contiguous(), table, copies, self.redundant and self.spread,
+                         out, ep_rank * E, E)
+        return out
