@@ -51,7 +51,8 @@ def _kernels(fn) -> list[tuple[str, int, float]]:
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name)).get("traceEvents", [])
+        with open(f.name) as trace:
+            events = json.load(trace).get("traceEvents", [])
     acc: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
