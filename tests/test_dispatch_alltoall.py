@@ -818,3 +818,13 @@ def test_packing_stage_is_shared_and_growth_drops_stale_graphs():
     assert "g" not in a._graphs and "g" not in b._graphs and "other" in b._graphs
     assert a._stage(dev, 40, job, layout) is big
     ex._STAGES.pop((dev, 2, layout))
+
+
+def test_local_share_of_each_rank():
+    contiguous = SlotMap(ExpertPlacement.contiguous(8, 4), 8)
+    assert [contiguous.local_share(r) for r in range(4)] == [0.25] * 4
+    # logical 0 has copies on ranks 0 and 1: spread halves it, first-copy keeps it on rank 0
+    placement = ExpertPlacement(torch.tensor([0, 1, 0, 2]), ep_size=2)
+    assert [SlotMap(placement, 3).local_share(r) for r in range(2)] == [0.5, 0.5]
+    first = SlotMap(placement, 3, spread=False)
+    assert [first.local_share(r) for r in range(2)] == pytest.approx([2 / 3, 1 / 3])

@@ -178,3 +178,31 @@ def test_bad_weight_shapes_are_refused():
         ExpertWeights(torch.randn(4, 16, 8), torch.randn(4, 8, 9))
     with pytest.raises(ValueError, match=r"b13 must be \[E, 2I\]"):
         ExpertWeights(torch.randn(4, 16, 8), torch.randn(4, 8, 8), b13=torch.randn(4, 8))
+
+
+def test_ep_rank_looks_up_kernel_configs_for_its_local_tokens(monkeypatch):
+    """An EP rank that sees every token gets about 1 / ep of the pairs: the dispatcher says so
+    (local_share) and the Triton runners look their tables up for T * local_share tokens."""
+    pytest.importorskip("triton")
+    from moekit.runners.triton import ops
+    from moekit.runners.triton_kernel import ops as tk_ops
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,
+                    dtype="float32")  # fmt: skip
+    T = 12
+    x = torch.randn(T, 32)
+    topk = TopKOutput(torch.rand(T, 2), torch.rand(T, 8).argsort(dim=1)[:, :2].int())
+    seen = []
+    for name, mod, fn in (("triton", ops, "configs_for"), ("triton_kernel", tk_ops, "config_for")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda n, *a, _real=real, **k: seen.append(n) or _real(n, *a, **k))
+        module = MoE(cfg, ParallelConfig(tp_size=4, ep_size=4), tp_rank=0,
+                     runner=RunnerConfig(name))  # fmt: skip
+        d = module.dispatcher.dispatch(x, topk)
+        assert d.local_share == 0.25
+        out = module.forward_topk(x, topk)
+        ref = moe_reference_fp64(x, d.topk, module.expert_weights, module.act)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    assert seen == [T * 0.25, T * 0.25]
+    one = MoE(cfg, ParallelConfig(), runner=RunnerConfig("triton"))
+    assert one.dispatcher.dispatch(x, topk).local_share == 1.0

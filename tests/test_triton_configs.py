@@ -52,6 +52,27 @@ def test_nearest_batch_size_in_log_distance():
     assert t.pick(9).block_m == 32
     assert t.pick(300).block_m == 128  # 2.1 from 64, 1.8 from 1024 (absolute would pick 64)
     assert t.pick(10**6).block_m == 128
+    # EP ranks look up tokens' worth of local pairs, below 1 at decode sizes
+    t = Table({0.125: GemmConfig(16), 1: GemmConfig(32), 4: GemmConfig(64)}, "x")
+    assert t.pick(1 * 0.125).block_m == 16 and t.pick(0.01).block_m == 16
+    assert t.pick(4 * 0.125).block_m == 32  # 0.5: log2 distance 2 from 0.125, 1 from 1
+    assert t.pick(16 * 0.125).block_m == 32  # 2: a tie between 1 and 4 takes the smaller
+
+
+def test_fractional_keys_round_trip_and_bad_keys(dirs):
+    user, _ = dirs
+    assert tc.table_key(16, 0.125) == 2 and isinstance(tc.table_key(16, 0.125), int)
+    assert tc.table_key(1, 0.125) == 0.125
+    tc.write_table(user / KEY.filename(), KEY, {0.125: GemmConfig(block_m=16), 2: GemmConfig()},
+                   {})  # fmt: skip
+    data = json.loads((user / KEY.filename()).read_text())
+    assert list(data["configs"]) == ["0.125", "2"]
+    assert tc.find_table(KEY).configs[0.125].block_m == 16
+    data["configs"]["0"] = data["configs"]["2"]
+    (user / KEY.filename()).write_text(json.dumps(data))
+    tc.clear_cache()
+    with pytest.raises(ValueError, match=r"bad triton config file .*batch-size key '0'"):
+        tc.find_table(KEY)
 
 
 def test_user_dir_overrides_shipped_and_exact_version_first(dirs):
@@ -121,8 +142,10 @@ def test_shape_for_per_rank_sizes():
 
     s = shape_for("deepseek-v3", tp_size=8, ep_size=8)
     assert (s.num_experts, s.top_k, s.hidden, s.intermediate) == (32, 8, 7168, 2048)
+    assert s.local_share == 0.125 and s.routed_experts == 256 and "local 0.125" in s.describe()
     s = shape_for("mixtral-8x7b", tp_size=2)
     assert (s.num_experts, s.top_k, s.intermediate) == (8, 2, 7168)
+    assert s.local_share == 1 and s.routed_experts == 8
     s = shape_for("gpt-oss-120b")
     assert s.act.name == "swiglu_oai" and s.act.interleaved and s.has_bias
     with pytest.raises(ConfigError, match="--ep-size"):
@@ -153,6 +176,8 @@ def test_pending_batch_sizes_resume(tmp_path):
     tc.write_table(paths["down"], keys["down"], {1: GemmConfig()}, {})
     assert pending_batch_sizes(paths, [1, 4, 16], False) == [4, 16]
     assert pending_batch_sizes(paths, [1, 4, 16], True) == [1, 4, 16]
+    # an EP shape's T = 8 and 32 are stored under 1 and 4 (local share 1/8)
+    assert pending_batch_sizes(paths, [8, 32], False, local_share=0.125) == [32]
 
 
 def test_cli_rejects_bad_arguments(capsys):
@@ -183,3 +208,26 @@ def test_tiny_tune_writes_tables_and_resumes(tmp_path):
         assert meta["points"]["3"]["floor_us"] > 0
     again = tune(shape, [3], out_dir=tmp_path, device="cpu", progress=False, limit=1)
     assert again.skipped == [3] and not again.results
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
+def test_ep_tune_routes_over_all_experts_and_keys_by_local_tokens(tmp_path):
+    pytest.importorskip("triton")
+    from moekit.bench import Ceilings
+    from moekit.tune import TuneShape, _Point, random_weights, tune
+
+    shape = TuneShape(4, 2, 32, 24, "float32", ActivationSpec("silu"), False, "tiny ep4",
+                      local_share=0.25)  # fmt: skip
+    w = random_weights(shape, "cpu")
+    p = _Point(shape, w, 64, "cpu", seed=1)
+    ids = p.topks[0].ids
+    assert ids.dtype == torch.int32 and int(ids.max()) < 4
+    assert 0.1 < float((ids >= 0).float().mean()) < 0.45  # about a quarter of the pairs local
+    report = tune(shape, [2], out_dir=tmp_path, device="cpu", progress=False, limit=1,
+                  ceilings=Ceilings(1e10, 1e11, "float32"))  # fmt: skip
+    assert [r.num_tokens for r in report.results] == [2]
+    for path in report.paths.values():
+        assert list(tc.read_table(Path(path)).configs) == [0.5]
+        assert json.loads(Path(path).read_text())["meta"]["points"]["0.5"]["tokens"] == 2
+    with pytest.raises(ConfigError, match="local_share"):
+        TuneShape(4, 2, 32, 24, local_share=0)

@@ -24,11 +24,17 @@ FORMATS = (STANDARD, MASKED)
 
 @dataclass
 class StandardDispatchOutput:
-    """x [T, H]; topk with local ids; handle: the dispatcher's own metadata for combine."""
+    """x [T, H]; topk with local ids; handle: the dispatcher's own metadata for combine.
+
+    local_share: the expected share of a row's K pairs that are local under uniform routing
+    (1.0: all; an EP rank that sees every token: about 1 / ep). A size hint for kernel
+    configs, whose tables are keyed by tokens whose every pair is local (T * local_share);
+    results never depend on it."""
 
     x: torch.Tensor
     topk: TopKOutput
     handle: Any = None
+    local_share: float = 1.0
     format: ClassVar[str] = STANDARD
 
 

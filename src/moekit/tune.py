@@ -41,7 +41,10 @@ L2_ROTATE_BYTES = 200e6  # rotate routings until the timed weights exceed about 
 
 @dataclass(frozen=True)
 class TuneShape:
-    """One rank's MoE shape: E local experts, K top-k (<= E), H hidden, I intermediate."""
+    """One rank's MoE shape: E local experts, K top-k (<= E), H hidden, I intermediate.
+    local_share: the share of a token's pairs that are local (1 / ep on an EP rank that sees
+    every token: the routing is then drawn over E / local_share experts, the other ranks' ids
+    -1, and T tokens are stored under the key T * local_share, `configs.table_key`)."""
 
     num_experts: int
     top_k: int
@@ -51,19 +54,31 @@ class TuneShape:
     act: ActivationSpec = ActivationSpec()
     has_bias: bool = False
     label: str = ""
+    local_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.local_share <= 1:
+            raise ConfigError(f"TuneShape.local_share must be in (0, 1], got {self.local_share}")
+
+    @property
+    def routed_experts(self) -> int:
+        """Experts the routing draws from (E on all ranks)."""
+        return round(self.num_experts / self.local_share)
 
     def describe(self) -> str:
         bias = " +bias" if self.has_bias else ""
         inter = " interleaved" if self.act.interleaved else ""
+        share = f" local {self.local_share:g}" if self.local_share < 1 else ""
         return (
             f"{self.label or 'custom'}: E={self.num_experts} K={self.top_k} H={self.hidden} "
-            f"I={self.intermediate} {self.dtype} {self.act.name}{inter}{bias}"
+            f"I={self.intermediate} {self.dtype} {self.act.name}{inter}{bias}{share}"
         )
 
 
 def shape_for(model: str, tp_size: int = 1, ep_size: int = 1, dtype: str = "bfloat16"):
     """The per-rank shape of preset `model` at --tp-size/--ep-size: E_local = E / ep,
-    I_local = I / (tp / ep), K = min(top_k + shared experts, E_local)."""
+    I_local = I / (tp / ep), K = min(top_k + shared experts, E_local), local share 1 / ep (the
+    rank sees every token, as with `--moe-a2a-backend none`)."""
     from moekit.presets import preset
 
     if dtype not in DTYPES:
@@ -92,6 +107,7 @@ def shape_for(model: str, tp_size: int = 1, ep_size: int = 1, dtype: str = "bflo
         act=ActivationSpec.from_config(cfg),
         has_bias=cfg.has_bias,
         label=f"{model} tp{tp_size} ep{ep_size}",
+        local_share=e_local / experts,
     )
 
 
@@ -332,7 +348,7 @@ def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None = None) -
     """How many routings to rotate through so the timed weights do not sit in L2
     (`bytes_per_expert`: of quantized weights; default: the shape's dtype)."""
     elem = DTYPES[shape.dtype].itemsize
-    touched = min(shape.num_experts, T * shape.top_k)
+    touched = max(1, min(shape.num_experts, round(T * shape.top_k * shape.local_share)))
     if bytes_per_expert is None:
         bytes_per_expert = 3 * shape.hidden * shape.intermediate * elem
     weight_bytes = touched * bytes_per_expert
@@ -404,13 +420,16 @@ class _Point:
         per_expert = _weight_bytes_per_expert(w) if w.is_quantized else None
         self.R = rotations(shape, T, per_expert) if self.device.type == "cuda" else 1
         self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
-        E, K = shape.num_experts, shape.top_k
+        E, K, G = shape.num_experts, shape.top_k, shape.routed_experts
         if routing == "uniform":
-            self.topks = [uniform_topk(T, E, K, device, gen) for _ in range(self.R)]
+            self.topks = [uniform_topk(T, G, K, device, gen) for _ in range(self.R)]
         elif routing == "zipf":
-            self.topks = [zipf_topk(T, E, K, device, generator=gen) for _ in range(self.R)]
+            self.topks = [zipf_topk(T, G, K, device, generator=gen) for _ in range(self.R)]
         else:
             raise ConfigError(f"--routing: unknown {routing!r}; allowed: uniform, zipf")
+        if G > E:  # this rank holds experts 0 .. E-1; the other ranks' pairs are masked
+            self.topks = [TopKOutput(t.weights, torch.where(t.ids < E, t.ids, -1))
+                          for t in self.topks]  # fmt: skip
         self._aligns: dict[int, list] = {}
         self.h = None
 
@@ -564,7 +583,7 @@ def tune_point(
     E, H, I, K = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k
     elem = DTYPES[shape.dtype].itemsize
     tile_elem = tile_bytes(w.spec if w.is_quantized else None, elem)  # per-step loads
-    rows = max(1.0, T * K / E)
+    rows = max(1.0, T * K * shape.local_share / E)
     quant = tcfg.quant_tag(w.spec)
     n1, k1 = tcfg.gemm_shape("gate_up", H, I)
     n2, k2 = tcfg.gemm_shape("down", H, I)
@@ -654,12 +673,15 @@ def _existing(path: Path) -> tuple[dict[int, GemmConfig], dict]:
     return dict(table.configs), meta
 
 
-def pending_batch_sizes(paths: dict[str, Path], batch_sizes: Sequence[int], force: bool):
-    """Batch sizes still to tune: those missing from either table (all with force)."""
+def pending_batch_sizes(paths: dict[str, Path], batch_sizes: Sequence[int], force: bool,
+                        local_share: float = 1.0) -> list[int]:  # fmt: skip
+    """Batch sizes still to tune: those whose key (`configs.table_key`) is missing from either
+    table (all with force)."""
     if force:
         return list(batch_sizes)
     have = [set(_existing(p)[0]) for p in paths.values()]
-    return [b for b in batch_sizes if not all(b in h for h in have)]
+    return [b for b in batch_sizes
+            if not all(tcfg.table_key(b, local_share) in h for h in have)]  # fmt: skip
 
 
 @dataclass
@@ -700,7 +722,7 @@ def tune(
     out_dir = Path(out_dir) if out_dir is not None else tcfg.user_dir()
     keys = table_keys(shape, device, spec)
     paths = {g: out_dir / key.filename() for g, key in keys.items()}
-    todo = pending_batch_sizes(paths, batch_sizes, force)
+    todo = pending_batch_sizes(paths, batch_sizes, force, shape.local_share)
     skipped = [b for b in batch_sizes if b not in todo]
     results: list[PointResult] = []
     if not todo:
@@ -726,10 +748,11 @@ def tune(
                 shape, w, T, device, ceilings, lambda n: bar.advance(task, n), T, limit
             )
             results.append(r)
+            key = tcfg.table_key(T, shape.local_share)
             for gemm, path in paths.items():
                 configs, meta = tables[gemm]
-                configs[T] = r.gate_up if gemm == "gate_up" else r.down
-                meta.setdefault("points", {})[str(T)] = r.meta()
+                configs[key] = r.gate_up if gemm == "gate_up" else r.down
+                meta.setdefault("points", {})[str(key)] = dict(r.meta(), tokens=T)
                 meta.update(
                     shape=shape.describe(),
                     top_k=shape.top_k,
@@ -776,7 +799,7 @@ def measure(
     rows = []
     for T in batch_sizes:
         p = _Point(shape, w, T, device, seed=T, routing=routing)
-        cfgs = ops.configs_for(T, shape.top_k, w, dt, device)
+        cfgs = ops.configs_for(T * shape.local_share, shape.top_k, w, dt, device)
 
         def layer():
             for t in p.topks:

@@ -519,7 +519,7 @@ class AllToAllDispatcher(Dispatcher):
         if ph is not None:
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype, bounds)
-        return StandardDispatchOutput(x_recv, local, handle)
+        return StandardDispatchOutput(x_recv, local, handle, self._received_share(topk.top_k))
 
     def _dispatch_p2p(self, x_TH, topk, layout: RowLayout, job: PackJob):
         """dispatch_normal over NVLink writes (`moekit.dispatch.p2p`); None when the batch did
@@ -545,7 +545,16 @@ class AllToAllDispatcher(Dispatcher):
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, res.rows_TR, x_TH.dtype, [(0, T)],
                               res.route)
-        return StandardDispatchOutput(x_recv, local, handle)
+        return StandardDispatchOutput(x_recv, local, handle, self._received_share(topk.top_k))
+
+    def _received_share(self, K: int) -> float:
+        """`StandardDispatchOutput.local_share` of the received rows: a token comes here when
+        one of its K pairs is local, so a row holds K * s / (1 - (1 - s)^K) local pairs on
+        average (s: this rank's share of the pairs)."""
+        s = self.slots.local_share(self.ep_rank)
+        if K == 0 or s <= 0:
+            return 1.0
+        return min(1.0, s / (1.0 - (1.0 - s) ** K))
 
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens. Chunk

@@ -38,12 +38,14 @@ class NoneDispatcher(Dispatcher):
             placement.physical_to_logical, torch.arange(self._slots.num_logical)
         )
         self.group = group
+        self._share = self._slots.local_share(ep_rank)
 
     def dispatch(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
         if self._identity:
             return StandardDispatchOutput(x_TH, topk)
         local_ids = self._slots.local_ids(topk.ids, self.ep_rank)
-        return StandardDispatchOutput(x_TH, TopKOutput(topk.weights, local_ids))
+        return StandardDispatchOutput(x_TH, TopKOutput(topk.weights, local_ids),
+                                      local_share=self._share)
 
     def combine(self, runner_out: StandardRunnerOutput, dispatched) -> torch.Tensor:
         out = runner_out.out

@@ -46,6 +46,7 @@ class SlotMap:
         self.spread = spread
         self._table = table  # [L + 1, width]; row L (for id -1) is -1
         self._copies = torch.cat([copies, torch.ones(1, dtype=torch.int64)])  # [L + 1]
+        self._shares = self._rank_shares()
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._table.device != device:
@@ -62,6 +63,25 @@ class SlotMap:
             return table[:, 0][row]
         t = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
         return table[row, t % copies[row]]
+
+    def local_share(self, ep_rank: int) -> float:
+        """The expected share of uniformly routed pairs whose slot is on `ep_rank`: each
+        logical expert counts 1 / L, split evenly over its copies with `spread`, else all on
+        its first copy. Computed once, on the host."""
+        return self._shares[ep_rank]
+
+    def _rank_shares(self) -> list[float]:
+        table, copies = self._table[: self.num_logical], self._copies[: self.num_logical]
+        shares = []
+        for r in range(self.ep_size):
+            start = r * self.slots_per_rank
+            here = ((table >= start) & (table < start + self.slots_per_rank)).double()
+            if self.spread and self.redundant:
+                per_expert = here.sum(dim=1) / copies.double()
+            else:
+                per_expert = here[:, 0]
+            shares.append(float(per_expert.sum()) / max(self.num_logical, 1))
+        return shares
 
     def local_ids_torch(self, ids_TK: torch.Tensor, ep_rank: int) -> torch.Tensor:
         """[T, K] int32: the local slot on `ep_rank` for each pair, -1 where it goes elsewhere."""

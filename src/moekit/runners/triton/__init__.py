@@ -94,7 +94,8 @@ class TritonRunner(TritonRunnerBase):
             if isinstance(dispatch_out, MaskedDispatchOutput):
                 out = ops.fused_moe_masked(dispatch_out.x, dispatch_out.counts, weights, act)
                 return MaskedRunnerOutput(out)
-            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act)
+            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act,
+                                local_share=dispatch_out.local_share)
             return StandardRunnerOutput(out)
         except ValueError as err:
             raise RunnerError(str(err)) from err

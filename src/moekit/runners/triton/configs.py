@@ -2,8 +2,9 @@
 
 One table per GEMM and weight shape, keyed by (gemm, E, N, K, dtype, device name, Triton
 version, weight format with its block / group shape: `quant_tag`), with a config per batch size
-T inside; the batch size nearest to the call's T (in
-log2 distance) wins. GEMM names and shapes:
+inside; the batch size nearest to the call's (in log2 distance) wins. A batch size counts
+tokens whose every pair is local: an EP rank that sees T tokens with a share s of their pairs
+local looks up T * s (`table_key`; keys below 1 are tuned on such ranks). GEMM names and shapes:
   gate_up: x [*, H] @ w13[e].T -> N = 2I, K = H
   down:    h [*, I] @ w2[e].T  -> N = H,  K = I
 Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
@@ -190,34 +191,53 @@ def gemm_shape(gemm: str, hidden: int, intermediate: int) -> tuple[int, int]:
 class Table:
     """Configs per batch size, and where they came from."""
 
-    configs: dict[int, GemmConfig]
+    configs: dict[int | float, GemmConfig]
     source: str
 
-    def pick(self, num_tokens: int) -> GemmConfig:
+    def pick(self, num_tokens: float) -> GemmConfig:
         """The config of the batch size nearest to num_tokens (`nearest_batch`)."""
         return self.configs[nearest_batch(self.configs, num_tokens)]
 
 
-def nearest_batch(batch_sizes, num_tokens: int, reach: float | None = None) -> int | None:
+def nearest_batch(batch_sizes, num_tokens: float, reach: float | None = None):
     """The batch size nearest to num_tokens in log2 distance (ties: the smaller); None when it
     is more than a factor `reach` away (no limit when reach is None). Tuned tables of both
-    Triton runners are looked up this way."""
-    t = math.log2(max(num_tokens, 1))
+    Triton runners are looked up this way. Sizes and num_tokens may be below 1 (tokens' worth
+    of local pairs on an EP rank: `table_key`)."""
+    t = math.log2(max(num_tokens, MIN_KEY))
     best = min(batch_sizes, key=lambda b: (abs(math.log2(b) - t), b))
     if reach is not None and abs(math.log2(best) - t) > math.log2(reach):
         return None
     return best
 
 
+MIN_KEY = 2.0**-10  # the smallest batch-size key (tokens' worth of local pairs) there is
+
+
+def table_key(num_tokens: int, local_share: float = 1.0) -> int | float:
+    """The batch-size key of T tokens of which a share `local_share` of the pairs is local:
+    T * local_share, an int when whole ('4', '0.125' in the files)."""
+    v = num_tokens * local_share
+    return int(v) if float(v).is_integer() else float(v)
+
+
+def parse_key(text: str) -> int | float:
+    """A batch-size key as written in a table file; ValueError unless at least MIN_KEY."""
+    v = float(text)
+    if not v >= MIN_KEY:
+        raise ValueError(f"batch-size key {text!r} is not a number >= {MIN_KEY}")
+    return table_key(v)
+
+
 def read_table(path: Path) -> Table:
     """Load one JSON table; errors name the file."""
     try:
         data = json.loads(path.read_text())
-        configs = {int(b): GemmConfig.from_dict(c) for b, c in data["configs"].items()}
+        configs = {parse_key(b): GemmConfig.from_dict(c) for b, c in data["configs"].items()}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"bad triton config file {path}: {err}") from err
-    if not configs or min(configs) < 1:
-        raise ValueError(f"bad triton config file {path}: no positive batch-size keys")
+    if not configs:
+        raise ValueError(f"bad triton config file {path}: no batch-size keys")
     return Table(configs, str(path))
 
 
@@ -357,7 +377,7 @@ QUANT_TABLE_REACH = 4
 
 def get_config(
     gemm: str,
-    num_tokens: int,
+    num_tokens: float,
     top_k: int,
     num_experts: int,
     hidden: int,

@@ -500,9 +500,10 @@ def sum_topk(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: to
 
 
 def configs_for(
-    num_tokens: int, top_k: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
+    num_tokens: float, top_k: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
 ) -> tuple[GemmConfig, GemmConfig]:
-    """(gate_up config, down config) for a standard call with `num_tokens` tokens."""
+    """(gate_up config, down config) for a standard call with `num_tokens` tokens' worth of
+    local pairs (T * local_share: may be below 1 on an EP rank)."""
     dev = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
     name = _TL_DTYPES[dtype]
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
@@ -528,9 +529,11 @@ def fused_moe(
     w: ExpertWeights,
     act: ActivationSpec,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
+    local_share: float = 1.0,
 ) -> torch.Tensor:
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
-    contribute 0. `configs` (gate_up, down) overrides the tuned/heuristic lookup."""
+    contribute 0. `configs` (gate_up, down) overrides the tuned/heuristic lookup, which is for
+    T * local_share tokens (`StandardDispatchOutput.local_share`)."""
     _dtype_name(x_TH)
     _check_weights(x_TH, w)
     T, H = x_TH.shape
@@ -538,7 +541,7 @@ def fused_moe(
     if T == 0 or K == 0:
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
-    cfg1, cfg2 = configs or configs_for(T, K, w, x_TH.dtype, x_TH.device)
+    cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
     if T <= PIPELINE.direct_max_tokens:
         cfg1, cfg2 = replace(cfg1, block_m=16), replace(cfg2, block_m=16)
         rows = Rows.direct(ids.view(-1), w.num_experts)

@@ -51,7 +51,9 @@ class TritonKernelRunner(TritonRunnerBase):
         from moekit.runners.triton_kernel import ops
 
         try:
-            return StandardRunnerOutput(ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act))
+            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act,
+                                local_share=dispatch_out.local_share)
+            return StandardRunnerOutput(out)
         except ValueError as err:
             raise RunnerError(str(err)) from err
 
