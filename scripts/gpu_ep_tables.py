@@ -30,14 +30,14 @@ OUT = Path(os.environ.get("OUT", "."))
 CFG = OUT / "cfg"
 os.environ["MOEKIT_CONFIG_DIR"] = str(CFG)  # before moekit reads it
 
-from moekit.bench import time_ms_interleaved  # noqa: E402
-from moekit.config import RunnerConfig  # noqa: E402
-from moekit.layer import RunnerCache  # noqa: E402
-from moekit.report import metadata  # noqa: E402
-from moekit.runners.triton import configs as tcfg  # noqa: E402
-from moekit.select_tune import sweep_spec  # noqa: E402
-from moekit.sweep import _input_sets, _l2_bytes, build_layer  # noqa: E402
-from moekit.tune import BATCH_SIZES, shape_for, tune  # noqa: E402
+from moekit.bench import time_ms_interleaved
+from moekit.config import RunnerConfig
+from moekit.layer import RunnerCache
+from moekit.report import metadata
+from moekit.runners.triton import configs as tcfg
+from moekit.select_tune import sweep_spec
+from moekit.sweep import _input_sets, _l2_bytes, build_layer
+from moekit.tune import BATCH_SIZES, shape_for, tune
 
 
 def _option(name: str, default: str) -> str:
@@ -69,9 +69,9 @@ def main() -> None:
         share = disp._share
         gen = torch.Generator().manual_seed(0)
         for T in batches:
-            sets, cost, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
 
-            def run(s, sets=sets):
+            def run(s, sets=sets, disp=disp, module=module):
                 def fn():
                     disp._share = s
                     try:
