@@ -71,7 +71,7 @@ def main() -> None:
         for T in batches:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
 
-            def run(s, sets=sets, disp=disp, module=module):
+            def run(s, sets=sets, disp=disp, module=module, share=share):
                 def fn():
                     disp._share = s
                     try:
