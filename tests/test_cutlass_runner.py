@@ -153,16 +153,19 @@ def test_group_rows_invariants(align):
     ids=lambda a: a.name,
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_activation_kernel_matches_twin(dtype, act, bias):
+def test_activation_rows_match_twin(dtype, act, bias):
+    """`gemm_rows` with an activation (the rows before the down GEMM), unquantized: every
+    activation, with and without biases, I = 24 (a partial group of 128 columns)."""
     if not kernels.HAS_TRITON:
         pytest.skip("triton not importable")
     M, I, E = 13, 24, 4
     h = (torch.randn(M, 2 * I) * 3).to(KDEV, dtype)
     expert = torch.randint(-1, E, (M,), dtype=torch.int32).to(KDEV)
     b13 = torch.randn(E, 2 * I).to(KDEV, dtype) if bias else None
-    got = kernels.activation_triton(h, expert, b13, act)
-    ref = kernels.activation_torch(h, expert, b13, act)
+    got, _ = kernels.gemm_rows_triton(h, expert, act=act, b13_EN=b13)
+    ref, _ = kernels.gemm_rows_torch(h, expert, act=act, b13_EN=b13)
     keep = expert >= 0  # rows of expert -1 are left unwritten by the kernel
+    assert got.shape == (M, I)
     assert rel_err(got[keep], ref[keep]) <= TOLERANCE[dtype]
 
 

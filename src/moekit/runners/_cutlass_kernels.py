@@ -1,14 +1,13 @@
 """Triton kernels around the grouped GEMMs of the `cutlass` and `deep_gemm` runners, each with a
 plain-PyTorch twin of the same signature (used on CPU, and by the tests as the reference).
 
-- `activation`: gate/up pre-activations h [M, 2I] (+ per-expert bias b13) -> a [M, I], rows of
-  expert -1 skipped (left undefined).
 - `weighted_reduce`: grouped expert outputs y [M, >=H] (+ bias b2 of expert ids[t, k]) ->
   out [T, H] = sum_k weight[t, k] * y[row[t, k]], in float32, masked pairs (row -1) contribute 0.
 - `rows_layout_triton`: `_grouped.GroupedRows` from the triton runner's alignment (GPU path of
   `_grouped.group_rows`).
 - `gemm_rows`: a grouped GEMM's input rows: x[token[m]] (the gather before the first GEMM) or
-  the activation of h [M, 2I] (+ b13; before the second), optionally quantized to fp8 e4m3 per
+  the activation of the gate/up pre-activations h [M, 2I] (+ the row's expert's bias b13;
+  before the second), optionally quantized to fp8 e4m3 per
   row and 128 columns with the scales written MN-major (DeepGEMM's layout; a gather quantizes
   the tokens once and copies fp8 rows). Rows of expert -1 are skipped (left undefined) and the
   programs stop at the rows in use, so padding and the slack of the static row bound cost no
@@ -44,7 +43,7 @@ except Exception:  # noqa: BLE001
 # ---------------------------------------------------------------------------- torch twins
 
 
-def activation_torch(
+def _activation_torch(
     h_MN: torch.Tensor,
     expert_M: torch.Tensor,
     b13_EN: torch.Tensor | None,
@@ -97,7 +96,7 @@ def gemm_rows_torch(
     the scale of row m, group g at [m // R, g, m % R]), as `quantize_act(rows, 'token_group',
     group_size=128)`; else (rows in src's dtype, None)."""
     if act is not None:
-        rows = activation_torch(src, expert_M, b13_EN, act)
+        rows = _activation_torch(src, expert_M, b13_EN, act)
     else:
         rows = src if token_M is None else src[token_M]
     rows = torch.where((expert_M >= 0).unsqueeze(1), rows, torch.zeros_like(rows))
@@ -112,44 +111,6 @@ def gemm_rows_torch(
 # ---------------------------------------------------------------------------- Triton kernels
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _activation_kernel(
-        h_ptr,
-        a_ptr,
-        expert_ptr,
-        b_ptr,
-        I,
-        stride_h,
-        stride_a,
-        stride_b,
-        alpha,
-        limit,
-        ACT: tl.constexpr,
-        INTERLEAVED: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        m = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        e = tl.load(expert_ptr + m)
-        mask = (cols < I) & (e >= 0)
-        if INTERLEAVED:
-            gate_cols = 2 * cols
-            up_cols = 2 * cols + 1
-        else:
-            gate_cols = cols
-            up_cols = cols + I
-        row = h_ptr + m.to(tl.int64) * stride_h
-        gate = tl.load(row + gate_cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(row + up_cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            brow = b_ptr + tl.maximum(e, 0).to(tl.int64) * stride_b
-            gate += tl.load(brow + gate_cols, mask=mask, other=0.0).to(tl.float32)
-            up += tl.load(brow + up_cols, mask=mask, other=0.0).to(tl.float32)
-        out = activate_tl(gate, up, alpha, limit, ACT)
-        out_row = a_ptr + m.to(tl.int64) * stride_a
-        tl.store(out_row + cols, out.to(a_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _weighted_reduce_kernel(
@@ -297,43 +258,6 @@ if HAS_TRITON:
 
 def _block(n: int, cap: int = 1024) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
-
-
-def activation_triton(
-    h_MN: torch.Tensor,
-    expert_M: torch.Tensor,
-    b13_EN: torch.Tensor | None,
-    act: ActivationSpec,
-) -> torch.Tensor:
-    """Triton twin of `activation_torch`; rows of expert -1 are left unwritten."""
-    M, two_i = h_MN.shape
-    I = two_i // 2
-    a = torch.empty(M, I, dtype=h_MN.dtype, device=h_MN.device)
-    if M == 0 or I == 0:
-        return a
-    if h_MN.stride(1) != 1:
-        h_MN = h_MN.contiguous()
-    bias = b13_EN if b13_EN is not None else h_MN
-    if b13_EN is not None and b13_EN.stride(1) != 1:
-        bias = b13_EN.contiguous()
-    block = _block(I)
-    _activation_kernel[(M, triton.cdiv(I, block))](
-        h_MN,
-        a,
-        expert_M,
-        bias,
-        I,
-        h_MN.stride(0),
-        a.stride(0),
-        bias.stride(0),
-        float(act.alpha),
-        float(act.limit),
-        ACT=ACT_CODES[act.name],
-        INTERLEAVED=act.interleaved,
-        HAS_BIAS=b13_EN is not None,
-        BLOCK=block,
-    )
-    return a
 
 
 def weighted_reduce_triton(
@@ -486,11 +410,6 @@ def gemm_rows_triton(
 def use_triton_for(x: torch.Tensor) -> bool:
     """Triton kernels on CUDA tensors when Triton imports; the torch twins elsewhere."""
     return HAS_TRITON and x.is_cuda
-
-
-def activation(h_MN, expert_M, b13_EN, act, *, use_triton: bool):
-    fn = activation_triton if use_triton else activation_torch
-    return fn(h_MN, expert_M, b13_EN, act)
 
 
 def weighted_reduce(

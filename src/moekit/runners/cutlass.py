@@ -297,7 +297,7 @@ class CutlassRunner(Runner):
         if pw.Hp != H:
             x_rows = F.pad(x_rows, (0, pw.Hp - H))
         h = torch._grouped_mm(x_rows, pw.w13.transpose(-1, -2), rows.ends_E)
-        a = kernels.activation(h, rows.expert_M, pw.b13, act, use_triton=tri)
+        a = kernels.gemm_rows(h, rows.expert_M, act=act, b13_EN=pw.b13, use_triton=tri)[0]
         y = torch._grouped_mm(a, pw.w2.transpose(-1, -2), rows.ends_E)
         return kernels.weighted_reduce(
             y, rows.row_TK, topk.weights, topk.ids, w.b2, H, x_TH.dtype, use_triton=tri
@@ -321,7 +321,8 @@ class CutlassRunner(Runner):
         slot = torch.arange(C, device=x.device).unsqueeze(0)
         expert = torch.arange(E, device=x.device, dtype=torch.int32).unsqueeze(1)
         expert_M = torch.where(slot < counts_E.unsqueeze(1), expert, -1).reshape(-1)
-        a = kernels.activation(h.reshape(E * C, -1), expert_M, pw.b13, act, use_triton=tri)
+        a = kernels.gemm_rows(h.reshape(E * C, -1), expert_M, act=act, b13_EN=pw.b13,
+                              use_triton=tri)[0]  # fmt: skip
         y = torch._grouped_mm(a.view(E, C, pw.Ip), pw.w2.transpose(-1, -2))  # [E, C, Hp]
         y = y[..., :H]
         if w.b2 is not None:
@@ -352,7 +353,7 @@ class CutlassRunner(Runner):
         q, s = quantize_rows(x_rows, spec, valid_M=valid_M, static_M=static1, tensor_of=x_all)
         h = scaled_grouped_mm(q, s, w.w13, _channel_scales(w.w13_scale, E, 2 * I), ends,
                               x_rows.dtype)
-        a = kernels.activation(h, expert_M, w.b13, act, use_triton=tri)
+        a = kernels.gemm_rows(h, expert_M, act=act, b13_EN=w.b13, use_triton=tri)[0]
         static2 = w.a2_scale[e] if w.a2_scale is not None else None
         q, s = quantize_rows(a, spec, valid_M=valid_M, static_M=static2)
         return scaled_grouped_mm(q, s, w.w2, _channel_scales(w.w2_scale, E, H), ends, x_rows.dtype)
@@ -399,7 +400,7 @@ class CutlassRunner(Runner):
         q, s = quantize_rows(x, spec, valid_M=valid, static_M=static1)
         h = scaled_grouped_mm(q, s, w.w13, _channel_scales(w.w13_scale, E, 2 * I), ends,
                               x_ECH.dtype)
-        a = kernels.activation(h, expert_M, w.b13, act, use_triton=tri)
+        a = kernels.gemm_rows(h, expert_M, act=act, b13_EN=w.b13, use_triton=tri)[0]
         static2 = w.a2_scale[expert_rows.long()] if w.a2_scale is not None else None
         q, s = quantize_rows(a, spec, valid_M=valid, static_M=static2)
         y = scaled_grouped_mm(q, s, w.w2, _channel_scales(w.w2_scale, E, H), ends, x_ECH.dtype)
