@@ -51,8 +51,10 @@ class TritonKernelRunner(TritonRunnerBase):
         from moekit.runners.triton_kernel import ops
 
         try:
-            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act,
-                                local_share=dispatch_out.local_share)
+            # its tables (T >= 4096, every pair local) are looked up by T: on the H100
+            # sweep at 0ce4834, T * local_share (deepseek-v3 EP8 T = 4096 -> 512, no table
+            # near) took the heuristic and ran 1.94x the floor against 1.45x by T
+            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act)
             return StandardRunnerOutput(out)
         except ValueError as err:
             raise RunnerError(str(err)) from err

@@ -175,10 +175,9 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
 
 
 def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
-              config: KernelConfig | None = None, local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
+              config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
-    contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`, for
-    T * local_share tokens: `StandardDispatchOutput.local_share`)."""
+    contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`)."""
     check_inputs(x_TH, w, act)
     T, H = x_TH.shape
     K = topk.top_k
@@ -189,7 +188,7 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
     if config is None:
         dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
         dtype = str(x_TH.dtype).removeprefix("torch.")
-        config = config_for(T * local_share, K, E, H, I, act.interleaved, act.name, dtype, dev)
+        config = config_for(T, K, E, H, I, act.interleaved, act.name, dtype, dev)
     cfg = config
     r = route(ids, E, cfg.block_m)
     if cfg.reduce == "atomic":
