@@ -519,7 +519,8 @@ class AllToAllDispatcher(Dispatcher):
         if ph is not None:
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, rows_TR, x_TH.dtype, bounds)
-        return StandardDispatchOutput(x_recv, local, handle, self._received_share(topk.top_k))
+        return StandardDispatchOutput(x_recv, local, handle,
+                                      local_share=self._received_share(topk.top_k))
 
     def _dispatch_p2p(self, x_TH, topk, layout: RowLayout, job: PackJob):
         """dispatch_normal over NVLink writes (`moekit.dispatch.p2p`); None when the batch did
@@ -545,7 +546,8 @@ class AllToAllDispatcher(Dispatcher):
             ph.mark("unpack")
         handle = NormalHandle(T, send_splits, recv_splits, res.rows_TR, x_TH.dtype, [(0, T)],
                               res.route)
-        return StandardDispatchOutput(x_recv, local, handle, self._received_share(topk.top_k))
+        return StandardDispatchOutput(x_recv, local, handle,
+                                      local_share=self._received_share(topk.top_k))
 
     def _received_share(self, K: int) -> float:
         """`StandardDispatchOutput.local_share` of the received rows: a token comes here when

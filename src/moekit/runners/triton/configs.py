@@ -199,6 +199,9 @@ class Table:
         return self.configs[nearest_batch(self.configs, num_tokens)]
 
 
+MIN_KEY = 2.0**-10  # the smallest batch-size key (tokens' worth of local pairs) there is
+
+
 def nearest_batch(batch_sizes, num_tokens: float, reach: float | None = None):
     """The batch size nearest to num_tokens in log2 distance (ties: the smaller); None when it
     is more than a factor `reach` away (no limit when reach is None). Tuned tables of both
@@ -209,9 +212,6 @@ def nearest_batch(batch_sizes, num_tokens: float, reach: float | None = None):
     if reach is not None and abs(math.log2(best) - t) > math.log2(reach):
         return None
     return best
-
-
-MIN_KEY = 2.0**-10  # the smallest batch-size key (tokens' worth of local pairs) there is
 
 
 def table_key(num_tokens: int, local_share: float = 1.0) -> int | float:
