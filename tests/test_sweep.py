@@ -253,6 +253,10 @@ def test_json_roundtrip_and_benchmarks_md(tmp_path):
     r1 = next(r for r in new["records"] if r["T"] == 1)
     assert f"| 1 | {r1['ms']:.4g} ({r1['time_over_floor']:.2f}x) | torch | torch |" in md
     assert paths[1].name in md and paths[0].name not in md  # only the newest per key
+    # a probe's result beside them (points keyed by name, not a list) does not stop the page
+    probe = {"meta": {"commit": "abc"}, "points": {"job T=1": {"ms": 1.0}}}
+    (results / "20260301T0000Z_H100_some_probe.json").write_text(json.dumps(probe))
+    assert "Do not edit by hand" in report.update_benchmarks_md(root).read_text()
 
 
 def test_plot_written(tmp_path):

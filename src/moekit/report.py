@@ -393,8 +393,8 @@ def render_script_md(results_dir: Path, root: Path) -> str:
     for path, doc in _newest_first(results_dir):
         rel = (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
         link = f"[{rel}]({rel}) · {_commit_of(doc)}"
-        points = doc.get("points") or []
-        if points and "triton_kernel_ms" in points[0]:
+        points = doc.get("points")  # a list of dicts here; other probes store other shapes
+        if isinstance(points, list) and points and "triton_kernel_ms" in points[0]:
             lines += [f"## `triton_kernel` against `triton` ({doc.get('device')}, "
                       "scripts/gpu_triton_kernel.py)", "", f"{link} · time / floor", "",
                       "| shape | T | triton | triton_kernel | speed-up of triton_kernel |",
