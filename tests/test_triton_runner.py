@@ -55,6 +55,12 @@ SPLIT_K = (GemmConfig(16, 16, 16), GemmConfig(16, 32, 16, reduce="atomic", split
 SPLIT_K8_TMA = (GemmConfig(16, 16, 16), GemmConfig(16, 16, 16, reduce="atomic", split_k=8,
                                                     tma=True, swap_ab=True))
 
+# split-K gate_up: float32 partial sums (2 shares of 3 K steps of 16, H = 48 below; 4 shares of
+# ceil(4 / 4) = 1 step, H = 64), summed and activated by the down GEMM's loads
+SPLIT_GATE_UP = (GemmConfig(16, 16, 16, split_k=2), GemmConfig(16, 32, 16))
+SPLIT_GATE_UP4_TMA = (GemmConfig(16, 16, 16, split_k=4, tma=True, swap_ab=True),
+                      GemmConfig(16, 16, 16, reduce="atomic", split_k=2, tma=True))  # fmt: skip
+
 CASES = [
     Case("T0", T=0),
     Case("T1", T=1),
@@ -76,6 +82,12 @@ CASES = [
     Case("split-k-bias", configs=SPLIT_K, T=9, H=40, I=48, masked=0.2, bias=True),
     Case("T1-split-k8-tma", configs=SPLIT_K8_TMA, T=1, K=3, H=64, I=48, bias=True,
          dtype=torch.float16),  # fmt: skip
+    Case("split-gate_up-bias", configs=SPLIT_GATE_UP, T=9, H=48, I=40, masked=0.2, bias=True,
+         act="gelu"),  # fmt: skip
+    Case("T1-split-gate_up4-oai", configs=SPLIT_GATE_UP4_TMA, T=1, K=3, H=64, I=48, bias=True,
+         act="swiglu_oai", interleaved=True, dtype=torch.float16),  # fmt: skip
+    Case("split-gate_up-oai", configs=SPLIT_GATE_UP, T=10, H=48, I=40, masked=0.3, bias=True,
+         act="swiglu_oai", one_expert=True),  # fmt: skip
 ]
 
 
@@ -133,6 +145,32 @@ def test_masked_runs_split_k_configs_unsplit():
     valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
     assert torch.equal(split[valid], plain[valid])
     assert rel_err(split[valid], masked_reference(x, counts, w, act)[valid]) < TOLERANCE[torch.float32]
+
+
+def test_masked_split_gate_up():
+    """The masked format with a split gate_up: the down GEMM adds and activates the partials
+    of each expert's rows."""
+    E, C, H, I = 3, 16, 48, 40
+    w = make_weights(E, H, I, torch.float32, True)
+    x = torch.randn(E, C, H, device=DEVICE)
+    counts = torch.tensor([5, 16, 0], dtype=torch.int32, device=DEVICE)
+    act = ActivationSpec("swiglu_oai")
+    out = ops.fused_moe_masked(x, counts, w, act, configs=SPLIT_GATE_UP)
+    valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
+    assert rel_err(out[valid], masked_reference(x, counts, w, act)[valid]) < TOLERANCE[torch.float32]
+
+
+def test_split_configs_errors():
+    """A split down needs the atomic reduction; partial sums need the activation."""
+    w = make_weights(2, 32, 16, torch.float32, False)
+    x = torch.randn(3, 32, device=DEVICE)
+    topk = make_topk(3, 2, 2)
+    with pytest.raises(ValueError, match="split_k=2 needs reduce='atomic'"):
+        ops.fused_moe(x, topk, w, ActivationSpec(), configs=(GemmConfig(16), GemmConfig(16, split_k=2)))
+    rows = ops.Rows.direct(topk.ids.int().reshape(-1), 2)
+    h = torch.zeros(2, 6, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="need the activation"):
+        ops.down(h, rows, w, GemmConfig(16), torch.empty(6, 32, device=DEVICE), top_k=2)
 
 
 def test_masked_empty_capacity():

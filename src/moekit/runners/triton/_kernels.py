@@ -225,18 +225,29 @@ ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
 
 @triton.jit
 def _w_tile(
-    ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    ptrs, desc, row0, ki, s_base, k_left,
+    QUANT: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Weight tile [BLOCK_K, rows] (K along dim 0) of an unpacked format as a dot operand, from
-    pointers `ptrs` to the stored data ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values;
-    Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
-    and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
-    if QUANT == 2:
-        q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
-        w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
+    """Weight tile [BLOCK_K, rows] (K along dim 0) of K step ki of an unpacked format as a dot
+    operand: through the TMA descriptor `desc` (rows from row0) when USE_TMA, else through
+    pointers `ptrs` ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values. Q_W8A16 (int8 /
+    fp8 weights, unquantized activations): stored value * scale, computed in float32 and
+    rounded once to DOT_DTYPE, as `moekit.quant.dequantize`; s_base [rows]: pointers to each
+    row's scale (WSCALE == S_GROUP: to its first K group, GROUP columns each, contiguous).
+    Packed formats: `_packed_mma`."""
+    if USE_TMA:
+        q = desc_w_tile(desc, row0, ki * BLOCK_K)
     else:
-        w = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+        q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+    if QUANT == 2:
+        if WSCALE == 2:
+            s = tl.load(s_base + ki * BLOCK_K // GROUP)
+        else:
+            s = tl.load(s_base)
+        w = (q.to(tl.float32) * s[None, :]).to(DOT_DTYPE)
+    else:
+        w = q
     return w
 
 
@@ -666,6 +677,23 @@ def _unswap(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _split_h_tile(
+    ptrs, stride_split, k_left, I, alpha, limit,
+    ACT: tl.constexpr, SPLITS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The down GEMM's input tile [BM, BLOCK_K] from a split gate_up: the sums over the SPLITS
+    float32 partials of the gate columns (`ptrs`) and the up columns (`ptrs + I`), activated
+    and rounded to DOT_DTYPE, as the unsplit gate_up epilogue stores h."""
+    g = load_a_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+    u = load_a_tile(ptrs + I, k_left, EVEN_K, BLOCK_K)
+    for s in tl.static_range(1, SPLITS):
+        g += load_a_tile(ptrs + s * stride_split, k_left, EVEN_K, BLOCK_K)
+        u += load_a_tile(ptrs + s * stride_split + I, k_left, EVEN_K, BLOCK_K)
+    return activate(g, u, alpha, limit, ACT).to(DOT_DTYPE)
+
+
+@triton.jit
 def _tile_rows(
     pid_m,
     row_map_ptr,
@@ -750,6 +778,7 @@ def _gate_up_kernel(
     stride_wn,
     stride_be,
     stride_hm,
+    stride_hs,
     alpha,
     limit,
     ws_ptr,
@@ -764,6 +793,7 @@ def _gate_up_kernel(
     INTERLEAVED: tl.constexpr,
     ROWS: tl.constexpr,
     ZERO_OUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     QUANT: tl.constexpr,
     ASCALE: tl.constexpr,
     WSCALE: tl.constexpr,
@@ -796,10 +826,17 @@ def _gate_up_kernel(
     global scales ([E, ...], strides stride_wse / stride_wsn per expert / per scale row, K
     groups contiguous; WROWS weight rows share a scale row); w8a8: x holds the quantized
     activations and xs their scales (row stride stride_xs; 0 for one value per call).
+    SPLIT_K > 1 (decode batches: more programs per weight tile): consecutive programs share
+    one output tile, each over its share of the K steps, and store float32 partial sums
+    without the activation in h [SPLIT_K, slots, 2I] (split stride stride_hs; gate columns
+    n, up columns I + n; the bias with the first share): the down GEMM adds them up and
+    activates them as it loads its input (`_split_h_tile`).
     """
     pid = tl.program_id(0)
     if ZERO_OUT:
         zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
+    split = pid % SPLIT_K
+    pid = pid // SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     if ROWS == 0:
@@ -817,8 +854,12 @@ def _gate_up_kernel(
         a_rows = token.to(tl.int64)
 
     n0 = pid_n * BLOCK_N
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_wk = tl.arange(0, BLOCK_K // PACK)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * share
+    k_hi = tl.minimum(k_steps, k_lo + share)
+    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
@@ -838,9 +879,9 @@ def _gate_up_kernel(
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
-        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                                 GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        for ki in range(k_lo, k_hi):
             nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
@@ -849,15 +890,12 @@ def _gate_up_kernel(
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                                   HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
-                if USE_TMA:
-                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
-                else:
-                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                b = _w_tile(w_ptrs, w_desc, e_row + 2 * n0, ki, s_base, k_left, QUANT, WSCALE,
+                            GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-            if not USE_TMA:
-                w_ptrs += BLOCK_K // PACK
+            w_ptrs += BLOCK_K // PACK  # (dead where TMA loads the tile)
             a_ptrs += BLOCK_K
             sc1, sc2 = nx1, nx2
         acc = _unswap(acc, SWAP_AB)
@@ -866,7 +904,7 @@ def _gate_up_kernel(
         if HAS_BIAS:
             b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
             bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
-            acc += bias.to(tl.float32)[None, :]
+            acc += tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
         acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
@@ -878,11 +916,11 @@ def _gate_up_kernel(
         zu_base = wz_e + (N + n_rows) * stride_wsn
         acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, 0, K, QUANT, ASCALE, WSCALE,
+        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        for ki in range(k_lo, k_hi):
             ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
@@ -895,12 +933,10 @@ def _gate_up_kernel(
                 acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
                                     SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
-                if USE_TMA:
-                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
-                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
-                else:
-                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                bg = _w_tile(g_ptrs, w_desc, e_row + n0, ki, sg_base, k_left, QUANT, WSCALE,
+                             GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
+                bu = _w_tile(u_ptrs, w_desc, e_row + N + n0, ki, su_base, k_left, QUANT, WSCALE,
+                             GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
@@ -908,9 +944,8 @@ def _gate_up_kernel(
                 acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
                                     DOT_PRECISION)  # fmt: skip
-            if not USE_TMA:
-                g_ptrs += BLOCK_K // PACK
-                u_ptrs += BLOCK_K // PACK
+            g_ptrs += BLOCK_K // PACK  # (dead where TMA loads the tile)
+            u_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
             g1, g2, u1, u2 = ng1, ng2, nu1, nu2
         acc_g = _unswap(acc_g, SWAP_AB)
@@ -920,14 +955,19 @@ def _gate_up_kernel(
             acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
         if HAS_BIAS:
             b_base = b_ptr + expert.to(tl.int64) * stride_be
-            acc_g += tl.load(b_base + n_rows).to(tl.float32)[None, :]
-            acc_u += tl.load(b_base + N + n_rows).to(tl.float32)[None, :]
-
-    act = activate(acc_g, acc_u, alpha, limit, ACT)
+            acc_g += tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)[None, :]
+            acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
 
     n_out = n0 + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
-    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (n_out[None, :] < N))
+    mask = row_ok[:, None] & (n_out[None, :] < N)
+    if SPLIT_K > 1:
+        h_ptrs += split * stride_hs
+        tl.store(h_ptrs, acc_g, mask=mask)
+        tl.store(h_ptrs + N, acc_u, mask=mask)
+    else:
+        act = activate(acc_g, acc_u, alpha, limit, ACT)
+        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "blocks_per_expert", "num_pid_m"])
@@ -957,6 +997,9 @@ def _down_kernel(
     stride_wn,
     stride_be,
     stride_om,
+    stride_hs,
+    alpha,
+    limit,
     ws_ptr,
     wz_ptr,
     wg_ptr,
@@ -967,6 +1010,8 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     ATOMIC: tl.constexpr,
+    SPLIT_IN: tl.constexpr,
+    ACT: tl.constexpr,
     QUANT: tl.constexpr,
     ASCALE: tl.constexpr,
     WSCALE: tl.constexpr,
@@ -997,7 +1042,10 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share).
+    the K steps (the bias with the first share). SPLIT_IN > 1: h holds the gate_up GEMM's
+    float32 partial sums ([SPLIT_IN, slots, 2K]: gate columns, then up columns; split stride
+    stride_hs), which the A loads add up and activate (`_split_h_tile`; ACT, alpha, limit as
+    in `_gate_up_kernel`).
     """
     pid = tl.program_id(0)
     split = pid % SPLIT_K
@@ -1033,7 +1081,7 @@ def _down_kernel(
         gscale = tl.load(wg_ptr + expert)
     else:
         gscale = 1.0
-    DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+    DOT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty if SPLIT_IN > 1 else h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                             GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
@@ -1041,13 +1089,16 @@ def _down_kernel(
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
-        if USE_TMA:
+        if SPLIT_IN > 1:
+            a = _split_h_tile(a_ptrs, stride_hs, k_left, K, alpha, limit, ACT, SPLIT_IN, EVEN_K,
+                              BLOCK_K, DOT_DTYPE)  # fmt: skip
+        elif USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
-            b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if PACK == 1:
-                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+        if PACK == 1:
+            b = _w_tile(b_ptrs, w_desc, expert * N + n0, ki, s_base, k_left, QUANT, WSCALE,
+                        GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
                               ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
@@ -1055,9 +1106,8 @@ def _down_kernel(
             a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
             acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                               GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-        if not USE_TMA:
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K // PACK
+        a_ptrs += BLOCK_K  # (dead where TMA loads the tile)
+        b_ptrs += BLOCK_K // PACK
         sc1, sc2 = nx1, nx2
     acc = _unswap(acc, SWAP_AB)
     if QUANT == 1:

@@ -15,6 +15,7 @@ the intermediate h before down) and multiply fp8 / int8 operands on the tensor c
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -44,9 +45,9 @@ def _dtype_name(t: torch.Tensor) -> str:
     return _TL_DTYPES[t.dtype]
 
 
-def _precision(t: torch.Tensor):
+def _precision(dtype: torch.dtype):
     # float32 inputs: exact products (the default tf32 would lose ~3 decimal digits)
-    return "ieee" if t.dtype == torch.float32 else None
+    return "ieee" if dtype == torch.float32 else None
 
 
 # Weight formats the kernels read (ExpertWeights.format).
@@ -100,12 +101,14 @@ class WeightQuant:
         self.stride_se = scale.numel() // E if E else 0
         self.wscale = self.ascale = k.S_TENSOR
         self.wrows, self.group, self.pack, self.int_dot = 1, 128, spec.pack_factor, False
+        self.wgroup = self.group  # K columns per weight scale (block scales)
         if self.quant == k.Q_W8A8:
             ws = getattr(spec, "weight_scale", "channel")
             self.wscale, self.ascale = _SCALE_KIND[ws], _SCALE_KIND[spec.act_scheme]
             self.int_dot = spec.name == "int8_w8a8"
             if ws == "block":
                 self.wrows, self.group = spec.block_shape
+                self.wgroup = self.group
                 self.stride_sn = scale.shape[-1]
             else:
                 self.stride_sn = 0 if ws == "tensor" else 1
@@ -117,14 +120,27 @@ class WeightQuant:
             self.group = spec.group_size
             self.stride_sn = scale.shape[-1]
 
+    def dequantized(self) -> "WeightQuant":
+        """This w8a8 weight read as a weight-only one (`GemmConfig.dequant`): the stored fp8 /
+        int8 values times their scales (per tensor, row or [wrows, group] block) in the
+        weight-tile load, multiplied with unquantized activations."""
+        wq = copy.copy(self)
+        wq.quant, wq.ascale, wq.int_dot = k.Q_W8A16, k.S_TENSOR, False
+        if self.wscale == k.S_GROUP:
+            wq.group = self.wgroup
+        return wq
+
     def clamp(self, cfg: GemmConfig) -> GemmConfig:
         """The config with block_k fitting the format: w8a8 with per-group scales take one
-        scale group per K step (block_k <= group); every w8a8 dot needs block_k >= 32."""
+        scale group per K step (block_k <= group), as do block-scaled weights read dequantized;
+        every w8a8 dot needs block_k >= 32."""
         bk = cfg.block_k
         if self.quant == k.Q_W8A8:
             if k.S_GROUP in (self.wscale, self.ascale):
                 bk = min(bk, self.group)
             bk = max(bk, 32)
+        if self.quant == k.Q_W8A16 and self.wscale == k.S_GROUP:
+            bk = min(bk, self.group)
         if self.quant in (k.Q_INT4, k.Q_MXFP4, k.Q_NVFP4):
             bk = max(bk, 32)  # packed bytes: at least 16 per row and step
         return cfg if bk == cfg.block_k else replace(cfg, block_k=bk)
@@ -331,6 +347,21 @@ class Rows:
         return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
 
+def _weight_quant(w: ExpertWeights, which: str, cfg: GemmConfig) -> "WeightQuant | None":
+    """How the GEMM with config `cfg` reads weight `which` ('w13' / 'w2'): None when
+    unquantized; w8a8 weights read dequantized when cfg.dequant."""
+    if not w.is_quantized:
+        return None
+    wq = WeightQuant(w, which)
+    return wq.dequantized() if cfg.dequant and wq.quant == k.Q_W8A8 else wq
+
+
+def quantizes_input(w: ExpertWeights, which: str, cfg: GemmConfig) -> bool:
+    """Whether the GEMM with config `cfg` on weight `which` runs on quantized activations."""
+    wq = _weight_quant(w, which, cfg)
+    return wq is not None and wq.quant == k.Q_W8A8
+
+
 def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: torch.Tensor):
     """Whether the GEMM quantizes its input itself (`_kernels._quant_a_tile`) instead of a
     `quantize_input` kernel before it: fp8 per-token-group activations with one group per K
@@ -350,9 +381,10 @@ def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: to
 
 
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
-    """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
-    packed / weight-only formats load through pointers (dequantized in registers)."""
-    return cfg.tma and (wq is None or wq.quant == k.Q_W8A8)
+    """TMA weight loads for the unpacked formats (unquantized, w8a8, and 8-bit weights read
+    dequantized: the tile is scaled in registers after the load); the packed 4-bit formats
+    load through pointers."""
+    return cfg.tma and (wq is None or wq.quant in (k.Q_W8A8, k.Q_W8A16))
 
 
 def _quant_args(wq: "WeightQuant | None", data: torch.Tensor, xs: torch.Tensor) -> tuple:
@@ -379,20 +411,26 @@ def gate_up(
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
-    rows the GEMM leaves unwritten)."""
+    rows the GEMM leaves unwritten), unless cfg.dequant. cfg.split_k > 1: returns instead
+    the float32 partial sums before the activation, [split_k, slots, 2I], for `down`."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
-    wq = WeightQuant(w, "w13") if w.is_quantized else None
+    act_dtype = x.dtype
+    wq = _weight_quant(w, "w13", cfg)
     if wq is not None:
         cfg = wq.clamp(cfg)
+    split = cfg.split_k
     if out is None:
-        dyn = wq is not None and wq.quant == k.Q_W8A8 and wq.ascale == k.S_TENSOR
-        alloc = torch.zeros if dyn else torch.empty
-        out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
+        if split > 1:
+            out = torch.empty(split, rows.slots(), 2 * I, dtype=torch.float32, device=x.device)
+        else:
+            dyn = w.is_quantized and w.spec.act_scheme == "dynamic_tensor"
+            alloc = torch.zeros if dyn else torch.empty
+            out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
     if act.name not in ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
     row_args = rows.args(cfg.block_m, top_k)
-    grid = (row_args[-1] * triton.cdiv(I, cfg.block_n),)
+    grid = (row_args[-1] * triton.cdiv(I, cfg.block_n) * split,)
     if grid[0] == 0:
         if zero is not None:
             zero.zero_()
@@ -412,7 +450,8 @@ def gate_up(
     args = (
         x, w.w13, w_desc, b13, out, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
-        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
+        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(-2),
+        out.stride(0) if split > 1 else 0,
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
     )  # fmt: skip
     meta = dict(
@@ -421,8 +460,9 @@ def gate_up(
         INTERLEAVED=act.interleaved,
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
-        DOT_PRECISION=_precision(out),
-        **(wq.meta(cfg, tile_rows, out.dtype, fused) if wq is not None else _NO_QUANT_META),
+        SPLIT_K=split,
+        DOT_PRECISION=_precision(act_dtype),
+        **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
@@ -438,45 +478,68 @@ def down(
     topk_weights: torch.Tensor | None = None,
     top_k: int = 1,
     warmup: bool = False,
+    act: ActivationSpec | None = None,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
-    ('atomic'). Masked rows: unweighted into out [E * capacity, H]."""
+    ('atomic'). Masked rows: unweighted into out [E * capacity, H]. h: [slots, I], or a split
+    gate_up's float32 partial sums [splits, slots, 2I] (activated here with `act`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
-    wq = WeightQuant(w, "w2") if w.is_quantized else None
+    wq = _weight_quant(w, "w2", cfg)
     if wq is not None:
         cfg = wq.clamp(cfg)
     atomic = (not masked) and cfg.reduce == "atomic"
+    if cfg.split_k > 1 and not masked and not atomic:
+        raise ValueError(
+            f"down config: split_k={cfg.split_k} needs reduce='atomic' (the K shares are added "
+            f"into the output), got reduce={cfg.reduce!r}"
+        )
     split_k = cfg.split_k if atomic else 1
+    split_in = h.shape[0] if h.dim() == 3 else 1
+    if split_in > 1:
+        if act is None:
+            raise ValueError("down: a split gate_up's partial sums need the activation (act=)")
+        if wq is not None and wq.quant == k.Q_W8A8:
+            raise ValueError(
+                f"down: the partial sums of a split gate_up cannot be quantized for "
+                f"{w.spec.describe()}; give the down config dequant=True or the gate_up config "
+                "split_k=1"
+            )
     row_args = rows.args(cfg.block_m, top_k)
     grid = (row_args[-1] * triton.cdiv(H, cfg.block_n) * split_k,)
     if grid[0] == 0:
         return out
     hs = h
-    dot_dtype = h.dtype
+    dot_dtype = out.dtype if split_in > 1 else h.dtype
     fused = _fuse_act_quant(wq, rows, cfg, h)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         h, hs = quantize_input(h, w.spec)  # unwritten rows of h are zeros for dynamic_tensor
-    use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
+    tma_inputs = (w.w2, h) if split_in == 1 else (w.w2,)
+    use_tma = _use_tma(cfg, wq) and _tma_ok(*tma_inputs) and w.w2.is_contiguous()
     h_desc = w_desc = None
     if use_tma:
-        h_desc = _desc(h, [cfg.block_m, cfg.block_k])
+        if split_in == 1:
+            h_desc = _desc(h, [cfg.block_m, cfg.block_k])
         w_desc = _desc(w.w2.view(E * H, I), [cfg.block_n, cfg.block_k])
     b2 = w.b2 if w.b2 is not None else w.w2
     tw = topk_weights if topk_weights is not None else out
+    act = act or ActivationSpec()
     args = (
         h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
-        h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
+        h.stride(-2), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
+        h.stride(0) if split_in > 1 else 0, float(act.alpha), float(act.limit),
         *_quant_args(wq, w.w2, hs),
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=w.b2 is not None,
         ROWS=rows.mode,
         ATOMIC=atomic,
+        SPLIT_IN=split_in,
+        ACT=ACT_CODES[act.name],
         SPLIT_K=split_k,
-        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
+        DOT_PRECISION=_precision(dot_dtype),
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
     )
@@ -551,10 +614,10 @@ def fused_moe(
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
         h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out)
-        return down(h, rows, w, cfg2, out, weights, K)
+        return down(h, rows, w, cfg2, out, weights, K, act=act)
     h = gate_up(x_TH, rows, w, act, cfg1, K)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K)
+    down(h, rows, w, cfg2, y, weights, K, act=act)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 
@@ -592,5 +655,5 @@ def fused_moe_masked(
     cfg1, cfg2 = configs or masked_configs(C, w)
     rows = Rows.masked(counts, C, E)
     h = gate_up(x, rows, w, act, cfg1, 1)
-    down(h, rows, w, cfg2, out.view(E * C, H))
+    down(h, rows, w, cfg2, out.view(E * C, H), act=act)
     return out

@@ -1,0 +1,156 @@
+"""Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
+
+    PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
+        [--min-gain 1.03]
+
+A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
+layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
+bench` does) runs with the configs its tables give (`table`) and with these changes of them:
+  splitS      gate_up split over K into S shares (S = 2, 4, 8): float32 partial sums, added and
+              activated by the down GEMM's loads (w8a8 formats: with both GEMMs dequantized)
+  dequant     w8a8 formats: both GEMMs read the fp8 / int8 weights dequantized, bf16 MMA on
+              unquantized activations (no activation-quantization launches)
+timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
+the table entry the call looked up is rewritten with it in $OUT/cfg/triton (copies of the
+shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
+and $OUT/cfg.tgz.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tarfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+OUT = Path(os.environ.get("OUT", "."))
+CFG = OUT / "cfg"
+os.environ["MOEKIT_CONFIG_DIR"] = str(CFG)  # before moekit reads it
+
+from moekit.bench import time_ms_interleaved
+from moekit.config import RunnerConfig
+from moekit.layer import RunnerCache
+from moekit.report import metadata
+from moekit.runners.triton import configs as tcfg
+from moekit.runners.triton import ops
+from moekit.select_tune import sweep_spec
+from moekit.sweep import _input_sets, _l2_bytes, build_layer
+
+JOBS = ("deepseek-v3 8 8 unquantized;deepseek-v3 8 8 fp8_w8a8;qwen3-30b-a3b 1 1 fp8_w8a8;"
+        "qwen3-30b-a3b 1 1 unquantized")  # fmt: skip
+
+
+def _option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
+def variants(w8a8: bool) -> dict:
+    """name -> f(gate_up config, down config) -> (gate_up config, down config)."""
+    def deq(c1, c2):
+        return (replace(c1, dequant=True), replace(c2, dequant=True)) if w8a8 else (c1, c2)
+
+    out = {"table": lambda c1, c2: (c1, c2)}
+    if w8a8:
+        out["dequant"] = deq
+    for s in (2, 4, 8):
+        out[f"split{s}"] = lambda c1, c2, s=s: (replace(deq(c1, c2)[0], split_k=s), deq(c1, c2)[1])
+    return out
+
+
+def looked_up(gemm: str, w, T_local: float, dtype: torch.dtype):
+    """(table path, key) the call's config of `gemm` came from; None when no table of the
+    weights' own format holds it (heuristic, or adapted from the unquantized table)."""
+    E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+    n, k = tcfg.gemm_shape(gemm, H, I)
+    key = tcfg.TableKey(gemm, E, n, k, ops._TL_DTYPES[dtype], torch.cuda.get_device_name(),
+                        tcfg.triton_version(), tcfg.quant_tag(w.spec))  # fmt: skip
+    table = tcfg.find_table(key)
+    if table is None or T_local > tcfg.QUANT_TABLE_REACH * max(table.configs):
+        return None
+    return Path(table.source), tcfg.nearest_batch(table.configs, T_local)
+
+
+def main() -> None:
+    jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
+    min_gain = float(_option("--min-gain", "1.03"))
+    (CFG / "triton").mkdir(parents=True, exist_ok=True)
+    for f in tcfg.shipped_dir().glob("*.json"):
+        shutil.copy(f, CFG / "triton" / f.name)
+    tcfg.clear_cache()
+    res = {"meta": metadata(command=" ".join(["python", *sys.argv])), "points": {}}
+    edits: dict[Path, dict] = {}
+    real_configs_for = ops.configs_for
+    for model, tp, ep, fmt in jobs:
+        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
+                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
+        module = build_layer(spec)
+        module.runners = RunnerCache(RunnerConfig("triton"))
+        gen = torch.Generator().manual_seed(0)
+        for T in batches:
+            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            seen = {}
+
+            def make(change, seen=seen, sets=sets, module=module):
+                def configs_for(num_tokens, top_k, w, dtype, device):
+                    seen["args"] = (num_tokens, top_k, w, dtype, device)
+                    return change(*real_configs_for(num_tokens, top_k, w, dtype, device))
+
+                def fn():
+                    ops.configs_for = configs_for
+                    try:
+                        for x, t in sets:
+                            module.forward_topk(x, t)
+                    finally:
+                        ops.configs_for = real_configs_for
+                return fn
+
+            fns = {n: make(c) for n, c in variants(fmt in ("fp8_w8a8", "int8_w8a8")).items()}
+            with torch.no_grad():
+                ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+            us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
+            best = min(us, key=us.get)
+            gain = us["table"] / us[best]
+            name = f"{model} tp{tp} ep{ep} {fmt} T={T}"
+            res["points"][name] = {"us": us, "best": best, "gain": round(gain, 4)}
+            print(name, us, "->", best, f"{gain:.3f}", flush=True)
+            (OUT / "decode_variants.json").write_text(json.dumps(res, indent=1))
+            if best == "table" or gain < min_gain:
+                continue
+            T_local, _, weights, act_dtype, _ = seen["args"]
+            new = variants(fmt in ("fp8_w8a8", "int8_w8a8"))[best](*real_configs_for(*seen["args"]))
+            for gemm, cfg in zip(("gate_up", "down"), new):
+                where = looked_up(gemm, weights, T_local, act_dtype)
+                if where is None:
+                    res["points"][name]["not_applied"] = f"{gemm}: no table of this format"
+                    continue
+                path, key = where
+                e = edits.setdefault(path, {})
+                e[key] = (cfg, {"variant": best, "T": T, "us": us})
+        del module
+        torch.cuda.empty_cache()
+    for path, changes in edits.items():
+        table = tcfg.read_table(path)
+        data = json.loads(path.read_text())
+        configs = dict(table.configs)
+        notes = data["meta"].setdefault("decode_variants", {})
+        for key, (cfg, note) in changes.items():
+            configs[key] = cfg
+            notes[str(key)] = dict(note, commit=res["meta"].get("commit"),
+                                   script="scripts/gpu_decode_variants.py")  # fmt: skip
+        tcfg.write_table(path, tcfg.TableKey(**data["key"]), configs, data["meta"])
+        res.setdefault("edited", []).append(path.name)
+    (OUT / "decode_variants.json").write_text(json.dumps(res, indent=1))
+    with tarfile.open(OUT / "cfg.tgz", "w:gz") as tar:
+        for path in edits:
+            tar.add(path, arcname=f"triton/{path.name}")
+
+
+if __name__ == "__main__":
+    main()
