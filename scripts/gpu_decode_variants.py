@@ -6,10 +6,10 @@
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
 bench` does) runs with the configs its tables give (`table`) and with these changes of them:
-  splitS      gate_up split over K into S shares (S = 2, 4, 8): float32 partial sums, added and
-              activated by the down GEMM's loads (w8a8 formats: with both GEMMs dequantized)
+  splitS      gate_up split over K into S shares (S = 2, 4, 8; `GemmConfig.split_k`)
   dequant     w8a8 formats: both GEMMs read the fp8 / int8 weights dequantized, bf16 MMA on
               unquantized activations (no activation-quantization launches)
+  dequant+splitS  both
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table entry the call looked up is rewritten with it in $OUT/cfg/triton (copies of the
 shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
@@ -52,14 +52,18 @@ def _option(name: str, default: str) -> str:
 
 def variants(w8a8: bool) -> dict:
     """name -> f(gate_up config, down config) -> (gate_up config, down config)."""
-    def deq(c1, c2):
-        return (replace(c1, dequant=True), replace(c2, dequant=True)) if w8a8 else (c1, c2)
+    def split(s, dequant=False):
+        def change(c1, c2):
+            if dequant:
+                c1, c2 = replace(c1, dequant=True), replace(c2, dequant=True)
+            return replace(c1, split_k=s), c2
+        return change
 
     out = {"table": lambda c1, c2: (c1, c2)}
+    out.update({f"split{s}": split(s) for s in (2, 4, 8)})
     if w8a8:
-        out["dequant"] = deq
-    for s in (2, 4, 8):
-        out[f"split{s}"] = lambda c1, c2, s=s: (replace(deq(c1, c2)[0], split_k=s), deq(c1, c2)[1])
+        out["dequant"] = split(1, True)
+        out.update({f"dequant+split{s}": split(s, True) for s in (2, 4, 8)})
     return out
 
 

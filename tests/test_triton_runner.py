@@ -55,8 +55,8 @@ SPLIT_K = (GemmConfig(16, 16, 16), GemmConfig(16, 32, 16, reduce="atomic", split
 SPLIT_K8_TMA = (GemmConfig(16, 16, 16), GemmConfig(16, 16, 16, reduce="atomic", split_k=8,
                                                     tma=True, swap_ab=True))
 
-# split-K gate_up: float32 partial sums (2 shares of 3 K steps of 16, H = 48 below; 4 shares of
-# ceil(4 / 4) = 1 step, H = 64), summed and activated by the down GEMM's loads
+# split-K gate_up: float32 sums per share (2 shares of 3 K steps of 16, H = 48 below; 4 shares of
+# ceil(4 / 4) = 1 step, H = 64), added up and activated by the last program of each tile
 SPLIT_GATE_UP = (GemmConfig(16, 16, 16, split_k=2), GemmConfig(16, 32, 16))
 SPLIT_GATE_UP4_TMA = (GemmConfig(16, 16, 16, split_k=4, tma=True, swap_ab=True),
                       GemmConfig(16, 16, 16, reduce="atomic", split_k=2, tma=True))  # fmt: skip
@@ -148,8 +148,7 @@ def test_masked_runs_split_k_configs_unsplit():
 
 
 def test_masked_split_gate_up():
-    """The masked format with a split gate_up: the down GEMM adds and activates the partials
-    of each expert's rows."""
+    """The masked format with a split gate_up."""
     E, C, H, I = 3, 16, 48, 40
     w = make_weights(E, H, I, torch.float32, True)
     x = torch.randn(E, C, H, device=DEVICE)
@@ -160,17 +159,26 @@ def test_masked_split_gate_up():
     assert rel_err(out[valid], masked_reference(x, counts, w, act)[valid]) < TOLERANCE[torch.float32]
 
 
-def test_split_configs_errors():
-    """A split down needs the atomic reduction; partial sums need the activation."""
+def test_split_gate_up_leaves_counts_zeroed():
+    """The arrival counts of a split gate_up are kept between calls: every launch must leave
+    them at zero (a second call with other inputs is as exact as the first)."""
+    w = make_weights(4, 48, 40, torch.float32, False)
+    act = ActivationSpec()
+    for T in (9, 5):
+        x = torch.randn(T, 48, device=DEVICE)
+        topk = make_topk(T, 2, 4)
+        out = ops.fused_moe(x, topk, w, act, configs=SPLIT_GATE_UP)
+        assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[torch.float32]
+        counts = ops.split_counts(torch.device(DEVICE), 1)
+        assert counts.numel() >= 1 << 14 and not counts.any()
+
+
+def test_split_down_needs_atomic():
     w = make_weights(2, 32, 16, torch.float32, False)
     x = torch.randn(3, 32, device=DEVICE)
-    topk = make_topk(3, 2, 2)
+    cfgs = (GemmConfig(16), GemmConfig(16, split_k=2))
     with pytest.raises(ValueError, match="split_k=2 needs reduce='atomic'"):
-        ops.fused_moe(x, topk, w, ActivationSpec(), configs=(GemmConfig(16), GemmConfig(16, split_k=2)))
-    rows = ops.Rows.direct(topk.ids.int().reshape(-1), 2)
-    h = torch.zeros(2, 6, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="need the activation"):
-        ops.down(h, rows, w, GemmConfig(16), torch.empty(6, 32, device=DEVICE), top_k=2)
+        ops.fused_moe(x, make_topk(3, 2, 2), w, ActivationSpec(), configs=cfgs)
 
 
 def test_masked_empty_capacity():

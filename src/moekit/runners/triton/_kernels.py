@@ -677,20 +677,33 @@ def _unswap(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _split_h_tile(
-    ptrs, stride_split, k_left, I, alpha, limit,
-    ACT: tl.constexpr, SPLITS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+def _split_fixup(
+    acc_g, acc_u, part_ptr, part_stride, count_ptr, tile, split, slot, n_out, mask, N,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """The down GEMM's input tile [BM, BLOCK_K] from a split gate_up: the sums over the SPLITS
-    float32 partials of the gate columns (`ptrs`) and the up columns (`ptrs + I`), activated
-    and rounded to DOT_DTYPE, as the unsplit gate_up epilogue stores h."""
-    g = load_a_tile(ptrs, k_left, EVEN_K, BLOCK_K)
-    u = load_a_tile(ptrs + I, k_left, EVEN_K, BLOCK_K)
-    for s in tl.static_range(1, SPLITS):
-        g += load_a_tile(ptrs + s * stride_split, k_left, EVEN_K, BLOCK_K)
-        u += load_a_tile(ptrs + s * stride_split + I, k_left, EVEN_K, BLOCK_K)
-    return activate(g, u, alpha, limit, ACT).to(DOT_DTYPE)
+    """Split-K gate_up: this program's float32 sums of output tile `tile` (acc_g, acc_u [BM,
+    BLOCK_N]: rows `slot`, columns `n_out`) stored as share `split` of part [SPLITS, slots,
+    2N] (share stride part_stride); then one count in count[tile], released after the whole
+    program's stores (CTA barrier, then a GPU-scope acq_rel atomic). Returns (gate, up,
+    last): for the program that arrives last, the sums over every share (read from L2), and
+    that program sets the count back to 0 for the next call."""
+    ptrs = part_ptr + slot[:, None] * (2 * N) + n_out[None, :]
+    mine = ptrs + split.to(tl.int64) * part_stride
+    tl.store(mine, acc_g, mask=mask)
+    tl.store(mine + N, acc_u, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLITS - 1
+    if last:
+        tl.debug_barrier()
+        g = tl.zeros_like(acc_g)
+        u = tl.zeros_like(acc_u)
+        for s in tl.static_range(SPLITS):
+            g += tl.load(ptrs + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            u += tl.load(ptrs + s * part_stride + N, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
+        acc_g, acc_u = g, u
+    return acc_g, acc_u, last
 
 
 @triton.jit
@@ -749,7 +762,7 @@ def _tile_rows(
 
 @triton.jit(
     do_not_specialize=[
-        "num_pairs", "capacity", "blocks_per_expert", "num_pid_m", "zero_numel",
+        "num_pairs", "capacity", "blocks_per_expert", "num_pid_m", "zero_numel", "part_stride",
     ]
 )  # fmt: skip
 def _gate_up_kernel(
@@ -778,7 +791,9 @@ def _gate_up_kernel(
     stride_wn,
     stride_be,
     stride_hm,
-    stride_hs,
+    part_ptr,
+    part_stride,
+    count_ptr,
     alpha,
     limit,
     ws_ptr,
@@ -827,10 +842,10 @@ def _gate_up_kernel(
     groups contiguous; WROWS weight rows share a scale row); w8a8: x holds the quantized
     activations and xs their scales (row stride stride_xs; 0 for one value per call).
     SPLIT_K > 1 (decode batches: more programs per weight tile): consecutive programs share
-    one output tile, each over its share of the K steps, and store float32 partial sums
-    without the activation in h [SPLIT_K, slots, 2I] (split stride stride_hs; gate columns
-    n, up columns I + n; the bias with the first share): the down GEMM adds them up and
-    activates them as it loads its input (`_split_h_tile`).
+    one output tile, each over its share of the K steps (the bias with the first share); each
+    stores its float32 sums in part [SPLIT_K, slots, 2I] (gate columns n, up columns I + n)
+    and counts itself in count[tile]; the last to arrive adds the shares up, activates and
+    stores h, and sets the count back to 0 (`_split_fixup`: count must be zeros on entry).
     """
     pid = tl.program_id(0)
     if ZERO_OUT:
@@ -959,14 +974,15 @@ def _gate_up_kernel(
             acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
 
     n_out = n0 + tl.arange(0, BLOCK_N)
-    h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
     mask = row_ok[:, None] & (n_out[None, :] < N)
     if SPLIT_K > 1:
-        h_ptrs += split * stride_hs
-        tl.store(h_ptrs, acc_g, mask=mask)
-        tl.store(h_ptrs + N, acc_u, mask=mask)
+        acc_g, acc_u, last = _split_fixup(acc_g, acc_u, part_ptr, part_stride, count_ptr, pid,
+                                          split, slot, n_out, mask, N, SPLIT_K)  # fmt: skip
     else:
+        last = True
+    if last:
         act = activate(acc_g, acc_u, alpha, limit, ACT)
+        h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
         tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -997,9 +1013,6 @@ def _down_kernel(
     stride_wn,
     stride_be,
     stride_om,
-    stride_hs,
-    alpha,
-    limit,
     ws_ptr,
     wz_ptr,
     wg_ptr,
@@ -1010,8 +1023,6 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     ATOMIC: tl.constexpr,
-    SPLIT_IN: tl.constexpr,
-    ACT: tl.constexpr,
     QUANT: tl.constexpr,
     ASCALE: tl.constexpr,
     WSCALE: tl.constexpr,
@@ -1042,10 +1053,7 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). SPLIT_IN > 1: h holds the gate_up GEMM's
-    float32 partial sums ([SPLIT_IN, slots, 2K]: gate columns, then up columns; split stride
-    stride_hs), which the A loads add up and activate (`_split_h_tile`; ACT, alpha, limit as
-    in `_gate_up_kernel`).
+    the K steps (the bias with the first share).
     """
     pid = tl.program_id(0)
     split = pid % SPLIT_K
@@ -1081,7 +1089,7 @@ def _down_kernel(
         gscale = tl.load(wg_ptr + expert)
     else:
         gscale = 1.0
-    DOT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty if SPLIT_IN > 1 else h_ptr.dtype.element_ty
+    DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                             GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
@@ -1089,10 +1097,7 @@ def _down_kernel(
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
-        if SPLIT_IN > 1:
-            a = _split_h_tile(a_ptrs, stride_hs, k_left, K, alpha, limit, ACT, SPLIT_IN, EVEN_K,
-                              BLOCK_K, DOT_DTYPE)  # fmt: skip
-        elif USE_TMA:
+        if USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
         else:
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)

@@ -50,9 +50,8 @@ class GemmConfig:
     split_k: programs per output tile, each over its share of the K steps (more programs for
     decode batches, where a few hundred weight tiles leave SMs idle). down (reduce 'atomic'
     only): each adds its product into the output (masked rows, which store instead of
-    adding, run unsplit). gate_up: each stores float32 partial sums, which the down GEMM adds
-    up and activates as it loads them (so the down GEMM must not quantize its input: not
-    with w8a8 weights unless its config has dequant);
+    adding, run unsplit). gate_up: each stores its float32 sums in a workspace, and the last
+    program of a tile adds them up and applies the activation;
     dequant (w8a8 formats only; a no-op for others): dequantize the fp8 / int8 weight tile to
     the activation dtype in registers and multiply the unquantized activations (bf16 / fp16
     MMA): no activation-quantization launch and no activation rounding, for decode batches
@@ -354,14 +353,10 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
     ones (int4_w4a16, mxfp4, nvfp4) also leave swap_ab off: their weights then reach the MMA
     through ldmatrix in 4-byte pieces, while swapped they are read 2 bytes at a time and
     repacked (H100, PTX dequantization, T = 1..16: swap_ab off between 0.5% slower and 15%
-    faster at the 18 points of benchmarks/results/20261121T2301Z_H100_triton_quant_asm.json).
-    A split gate_up is not kept for w8a8 formats: its partial sums would reach a down GEMM
-    that quantizes its input."""
+    faster at the 18 points of benchmarks/results/20261121T2301Z_H100_triton_quant_asm.json)."""
     if quant == "unquantized":
         return cfg
     if quant.startswith(("fp8_w8a8", "int8_w8a8")):
-        if gemm == "gate_up":
-            cfg = replace(cfg, split_k=1)
         if "block" in quant or "token_group" in quant:
             bn, warps = cfg.block_n, cfg.num_warps
             cols = 2 if gemm == "gate_up" else 1

@@ -347,6 +347,26 @@ class Rows:
         return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
 
+_SPLIT_COUNTS: dict[tuple, torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros [>= tiles]: the arrival counts of a split-K gate_up's output tiles, one buffer
+    per (device, stream), kept between calls (each launch leaves it zeroed again: no memset
+    per call). Grown outside CUDA-graph capture; during a capture that needs more, a zeroed
+    buffer of the graph's own (its memset is part of the graph)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _SPLIT_COUNTS.get(key)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    size = max(tiles, 1 << 14)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    _SPLIT_COUNTS[key] = buf = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 def _weight_quant(w: ExpertWeights, which: str, cfg: GemmConfig) -> "WeightQuant | None":
     """How the GEMM with config `cfg` reads weight `which` ('w13' / 'w2'): None when
     unquantized; w8a8 weights read dequantized when cfg.dequant."""
@@ -411,8 +431,8 @@ def gate_up(
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
-    rows the GEMM leaves unwritten), unless cfg.dequant. cfg.split_k > 1: returns instead
-    the float32 partial sums before the activation, [split_k, slots, 2I], for `down`."""
+    rows the GEMM leaves unwritten), unless cfg.dequant. cfg.split_k > 1: the K shares meet
+    in a float32 workspace [split_k, slots, 2I] (`_kernels._split_fixup`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
@@ -421,20 +441,22 @@ def gate_up(
         cfg = wq.clamp(cfg)
     split = cfg.split_k
     if out is None:
-        if split > 1:
-            out = torch.empty(split, rows.slots(), 2 * I, dtype=torch.float32, device=x.device)
-        else:
-            dyn = w.is_quantized and w.spec.act_scheme == "dynamic_tensor"
-            alloc = torch.zeros if dyn else torch.empty
-            out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
+        dyn = w.is_quantized and w.spec.act_scheme == "dynamic_tensor"
+        alloc = torch.zeros if dyn else torch.empty
+        out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
     if act.name not in ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
     row_args = rows.args(cfg.block_m, top_k)
-    grid = (row_args[-1] * triton.cdiv(I, cfg.block_n) * split,)
+    tiles = row_args[-1] * triton.cdiv(I, cfg.block_n)
+    grid = (tiles * split,)
     if grid[0] == 0:
         if zero is not None:
             zero.zero_()
         return out
+    part = count = out
+    if split > 1:
+        part = torch.empty(split, rows.slots(), 2 * I, dtype=torch.float32, device=x.device)
+        count = split_counts(x.device, tiles)
     xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
@@ -450,8 +472,8 @@ def gate_up(
     args = (
         x, w.w13, w_desc, b13, out, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
-        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(-2),
-        out.stride(0) if split > 1 else 0,
+        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
+        part, part.stride(0) if split > 1 else 0, count,
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
     )  # fmt: skip
     meta = dict(
@@ -478,12 +500,10 @@ def down(
     topk_weights: torch.Tensor | None = None,
     top_k: int = 1,
     warmup: bool = False,
-    act: ActivationSpec | None = None,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
-    ('atomic'). Masked rows: unweighted into out [E * capacity, H]. h: [slots, I], or a split
-    gate_up's float32 partial sums [splits, slots, 2I] (activated here with `act`)."""
+    ('atomic'). Masked rows: unweighted into out [E * capacity, H]."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
@@ -497,47 +517,31 @@ def down(
             f"into the output), got reduce={cfg.reduce!r}"
         )
     split_k = cfg.split_k if atomic else 1
-    split_in = h.shape[0] if h.dim() == 3 else 1
-    if split_in > 1:
-        if act is None:
-            raise ValueError("down: a split gate_up's partial sums need the activation (act=)")
-        if wq is not None and wq.quant == k.Q_W8A8:
-            raise ValueError(
-                f"down: the partial sums of a split gate_up cannot be quantized for "
-                f"{w.spec.describe()}; give the down config dequant=True or the gate_up config "
-                "split_k=1"
-            )
     row_args = rows.args(cfg.block_m, top_k)
     grid = (row_args[-1] * triton.cdiv(H, cfg.block_n) * split_k,)
     if grid[0] == 0:
         return out
     hs = h
-    dot_dtype = out.dtype if split_in > 1 else h.dtype
+    dot_dtype = h.dtype
     fused = _fuse_act_quant(wq, rows, cfg, h)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         h, hs = quantize_input(h, w.spec)  # unwritten rows of h are zeros for dynamic_tensor
-    tma_inputs = (w.w2, h) if split_in == 1 else (w.w2,)
-    use_tma = _use_tma(cfg, wq) and _tma_ok(*tma_inputs) and w.w2.is_contiguous()
+    use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
     if use_tma:
-        if split_in == 1:
-            h_desc = _desc(h, [cfg.block_m, cfg.block_k])
+        h_desc = _desc(h, [cfg.block_m, cfg.block_k])
         w_desc = _desc(w.w2.view(E * H, I), [cfg.block_n, cfg.block_k])
     b2 = w.b2 if w.b2 is not None else w.w2
     tw = topk_weights if topk_weights is not None else out
-    act = act or ActivationSpec()
     args = (
         h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
-        h.stride(-2), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
-        h.stride(0) if split_in > 1 else 0, float(act.alpha), float(act.limit),
+        h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
         *_quant_args(wq, w.w2, hs),
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=w.b2 is not None,
         ROWS=rows.mode,
         ATOMIC=atomic,
-        SPLIT_IN=split_in,
-        ACT=ACT_CODES[act.name],
         SPLIT_K=split_k,
         DOT_PRECISION=_precision(dot_dtype),
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
@@ -614,10 +618,10 @@ def fused_moe(
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
         h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out)
-        return down(h, rows, w, cfg2, out, weights, K, act=act)
+        return down(h, rows, w, cfg2, out, weights, K)
     h = gate_up(x_TH, rows, w, act, cfg1, K)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K, act=act)
+    down(h, rows, w, cfg2, y, weights, K)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 
@@ -655,5 +659,5 @@ def fused_moe_masked(
     cfg1, cfg2 = configs or masked_configs(C, w)
     rows = Rows.masked(counts, C, E)
     h = gate_up(x, rows, w, act, cfg1, 1)
-    down(h, rows, w, cfg2, out.view(E * C, H), act=act)
+    down(h, rows, w, cfg2, out.view(E * C, H))
     return out
