@@ -7,9 +7,6 @@ A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and ba
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
 bench` does) runs with the configs its tables give (`table`) and with these changes of them:
   splitS      gate_up split over K into S shares (S = 2, 4, 8; `GemmConfig.split_k`)
-  dequant     w8a8 formats: both GEMMs read the fp8 / int8 weights dequantized, bf16 MMA on
-              unquantized activations (no activation-quantization launches)
-  dequant+splitS  both
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table entry the call looked up is rewritten with it in $OUT/cfg/triton (copies of the
 shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
@@ -50,20 +47,11 @@ def _option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-def variants(w8a8: bool) -> dict:
+def variants() -> dict:
     """name -> f(gate_up config, down config) -> (gate_up config, down config)."""
-    def split(s, dequant=False):
-        def change(c1, c2):
-            if dequant:
-                c1, c2 = replace(c1, dequant=True), replace(c2, dequant=True)
-            return replace(c1, split_k=s), c2
-        return change
-
     out = {"table": lambda c1, c2: (c1, c2)}
-    out.update({f"split{s}": split(s) for s in (2, 4, 8)})
-    if w8a8:
-        out["dequant"] = split(1, True)
-        out.update({f"dequant+split{s}": split(s, True) for s in (2, 4, 8)})
+    for s in (2, 4, 8):
+        out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
     return out
 
 
@@ -115,7 +103,7 @@ def main() -> None:
                         ops.configs_for = real_configs_for
                 return fn
 
-            fns = {n: make(c) for n, c in variants(fmt in ("fp8_w8a8", "int8_w8a8")).items()}
+            fns = {n: make(c) for n, c in variants().items()}
             with torch.no_grad():
                 ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
             us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
@@ -128,7 +116,7 @@ def main() -> None:
             if best == "table" or gain < min_gain:
                 continue
             T_local, _, weights, act_dtype, _ = seen["args"]
-            new = variants(fmt in ("fp8_w8a8", "int8_w8a8"))[best](*real_configs_for(*seen["args"]))
+            new = variants()[best](*real_configs_for(*seen["args"]))
             for gemm, cfg in zip(("gate_up", "down"), new):
                 where = looked_up(gemm, weights, T_local, act_dtype)
                 if where is None:

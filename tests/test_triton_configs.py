@@ -37,12 +37,10 @@ def test_gemm_config_validation():
         GemmConfig.from_dict({"block_m": 16, "BLOCK_SIZE_M": 16})
     with pytest.raises(ValueError, match="split_k must be one of"):
         GemmConfig(reduce="atomic", split_k=3)
-    c = GemmConfig(32, 64, 128, 1, 8, 5, True, "atomic", split_k=4, dequant=True)
+    c = GemmConfig(32, 64, 128, 1, 8, 5, True, "atomic", split_k=4)
     assert GemmConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
-    # tables from before split_k / dequant
-    legacy = {k: v for k, v in c.to_dict().items() if k not in ("split_k", "dequant")}
+    legacy = {k: v for k, v in c.to_dict().items() if k != "split_k"}  # tables from before it
     assert GemmConfig.from_dict(legacy).split_k == 1
-    assert GemmConfig.from_dict(legacy).dequant is False
 
 
 def test_nearest_batch_size_in_log_distance():

@@ -128,55 +128,14 @@ VARIANTS = {
     "fp8-block-split2": Variant(
         "fp8-block", (GemmConfig(16, 32, 128), GemmConfig(16, 16, 64, reduce="atomic", split_k=2))
     ),
-    # split gate_up with w8a8 weights (the down GEMM quantizes the h it stores)
+    # split-K gate_up: each share scaled per K step / in its epilogue, added up by the last one
     "fp8-block-split-gate_up4": Variant(
         "fp8-block", (GemmConfig(16, 32, 64, split_k=4), GemmConfig(16, 16, 64)), OAI, True
     ),
+    "int8-w8a8-split-gate_up2-swap": Variant(
+        "int8_w8a8", (GemmConfig(16, 16, 32, split_k=2, swap_ab=True), GemmConfig(16, 16, 64)), T=1
+    ),
 }
-
-
-# w8a8 weights read dequantized (`GemmConfig.dequant`): bf16 / fp16 dots on unquantized
-# activations; checked against the torch runner on the dequantized weights
-DEQUANT = {
-    "fp8-block-dequant-tma": Variant(
-        "fp8-block", (GemmConfig(16, 32, 256, swap_ab=True, tma=True, dequant=True),
-                      GemmConfig(16, 32, 64, reduce="atomic", dequant=True))),
-    "fp8-block-dequant-split-gate_up": Variant(
-        "fp8-block", (GemmConfig(16, 32, 64, split_k=4, dequant=True),
-                      GemmConfig(16, 16, 128, reduce="atomic", split_k=2, dequant=True)), OAI, True, T=1),
-    "fp8-channel-dequant": Variant("fp8-channel", (GemmConfig(16, 16, 32, dequant=True),
-                                                   GemmConfig(16, 32, 32, dequant=True))),
-    "fp8-tensor-dequant-gate_up-only": Variant(
-        "fp8-tensor", (GemmConfig(16, 16, 32, tma=True, dequant=True), GemmConfig(16, 32, 32))),
-    "int8-w8a8-dequant-split": Variant(
-        "int8_w8a8", (GemmConfig(16, 16, 32, split_k=2, swap_ab=True, dequant=True),
-                      GemmConfig(16, 16, 64, dequant=True))),
-}
-
-
-@pytest.mark.parametrize("name", list(DEQUANT))
-def test_dequant_variants(name):
-    """Each GEMM that reads its w8a8 weights dequantized skips its input's quantization; with
-    both so, the result is the unquantized math on the dequantized weights."""
-    v = DEQUANT[name]
-    spec, H, I = FORMATS[v.fmt]
-    E, K = 4, 2
-    w = make_experts(spec, E, H, I, bias=v.bias)
-    x = torch.randn(v.T, H, device=DEVICE, dtype=DTYPE)
-    topk = make_topk(v.T, K, E, masked=0.1 if v.T > 1 else 0.0)
-    out = ops.fused_moe(x, topk, w, v.act, configs=v.configs)
-    if all(c.dequant for c in v.configs):
-        ref = TorchRunner().run(StandardDispatchOutput(x, topk), w.dequantized(DTYPE), v.act).out
-        assert rel_err(out, ref) < TOLERANCE[DTYPE], (name, rel_err(out, ref))
-    else:  # only the down GEMM quantizes its input (gemm 2 of the reference's ActQuant)
-        from moekit.runners.torch import ActQuant, run_standard
-
-        class DownOnly(ActQuant):
-            def apply(self, a, gemm, expert, call_scale):
-                return a.float() if gemm == 1 else super().apply(a, gemm, expert, call_scale)
-
-        ref = run_standard(x, topk, w.dequantized(torch.float32), v.act, DownOnly(spec))
-        assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

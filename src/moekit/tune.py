@@ -11,8 +11,8 @@ stopped (batch sizes already in the output files are skipped unless `force`).
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
 a schedule typical of the regime (tiles sized by the weight format's bytes: `tile_bytes`), then
 warps (also 2 for small weight-only tiles) / stages / group_m for the two best tiles; for
-`down` the reduction 'atomic' is tried on the three best, and at decode batches split-K on the
-two best atomic ones (`SPLIT_K_TRIES`). Kernels are compiled in parallel
+`down` the reduction 'atomic' is tried on the three best; at decode batches split-K on the two
+best (down: the two best atomic ones; `SPLIT_K_TRIES`). Kernels are compiled in parallel
 threads before they are timed. `measure` times the runner as shipped (the configs it looks up)
 against the floor, with uniform or Zipf-skewed routing.
 """
@@ -283,9 +283,10 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
 # block_n 64 (gate_up 16 x 64 / 2 warps: packed bytes through ldmatrix, triton_notes.md).
 TWO_WARPS_MAX_TILE = 16 * 64
 
-# The down search also tries these split_k (on its two best atomic configs) when a used expert
-# gets at most SPLIT_K_MAX_ROWS rows: decode batches, where the down GEMM has only a few
-# hundred weight tiles for 132 SMs and each program streams its tile's K steps one by one.
+# Both searches also try these split_k (on their two best configs; down: the two best atomic
+# ones) when a used expert gets at most SPLIT_K_MAX_ROWS rows: decode batches, where a GEMM has
+# only a few hundred weight tiles for 132 SMs and each program streams its tile's K steps one
+# by one (an EP rank at T = 1 touches one expert: 32-64 gate_up tiles).
 SPLIT_K_TRIES = (2, 4)
 SPLIT_K_MAX_ROWS = 16
 
@@ -527,8 +528,9 @@ def _search(
     split_ks: tuple[int, ...] = (),
 ) -> tuple[GemmConfig, float, dict]:
     """Two-round search; returns (best config, its time in us, {config: us or error}).
-    down also tries the atomic reduction on the three best, then each of `split_ks` on the two
-    best atomic ones. `limit` (tests): only the first `limit` tiles, and no later round."""
+    down also tries the atomic reduction on the three best. Then each of `split_ks` on the two
+    best configs (down: the two best atomic ones). `limit` (tests): only the first `limit`
+    tiles, and no later round."""
     tried: dict[GemmConfig, float | str] = {}
 
     def run(cands):
@@ -549,11 +551,12 @@ def _search(
     for _, c in ok[:2]:
         second += variants(c)
     run(second if limit is None else [])
-    if gemm == "down" and limit is None:
-        ok = _ranked(tried)
-        run([replace(c, reduce="atomic") for _, c in ok[:3]])
-        atomic = [c for _, c in _ranked(tried) if c.reduce == "atomic"][:2]
-        run([replace(c, split_k=s) for c in atomic for s in split_ks])
+    if limit is None:
+        best2 = [c for _, c in _ranked(tried)][:2]
+        if gemm == "down":
+            run([replace(c, reduce="atomic") for _, c in _ranked(tried)[:3]])
+            best2 = [c for _, c in _ranked(tried) if c.reduce == "atomic"][:2]
+        run([replace(c, split_k=s) for c in best2 for s in split_ks])
     ok = _ranked(tried)
     best_t, best = ok[0]
     summary = {
@@ -591,9 +594,10 @@ def tune_point(
     def gate_fn(c, warmup):
         return _gate_up_fn(p, c, warmup)[0]
 
+    split_ks = SPLIT_K_TRIES if rows <= SPLIT_K_MAX_ROWS else ()
     best1, t1, tried1 = _search(
         "gate_up", p, gate_fn, tile_candidates("gate_up", rows, n1, k1, tile_elem, quant),
-        lambda c: schedule_variants("gate_up", c, n1, k1, tile_elem), advance, limit,
+        lambda c: schedule_variants("gate_up", c, n1, k1, tile_elem), advance, limit, split_ks,
     )  # fmt: skip
     fn, hs = _gate_up_fn(p, best1)
     fn()
@@ -603,8 +607,7 @@ def tune_point(
 
     best2, t2, tried2 = _search(
         "down", p, down_fn, tile_candidates("down", rows, n2, k2, tile_elem, quant),
-        lambda c: schedule_variants("down", c, n2, k2, tile_elem), advance, limit,
-        SPLIT_K_TRIES if rows <= SPLIT_K_MAX_ROWS else (),
+        lambda c: schedule_variants("down", c, n2, k2, tile_elem), advance, limit, split_ks,
     )  # fmt: skip
 
     cfgs = (best1, best2)

@@ -225,29 +225,18 @@ ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
 
 @triton.jit
 def _w_tile(
-    ptrs, desc, row0, ki, s_base, k_left,
-    QUANT: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Weight tile [BLOCK_K, rows] (K along dim 0) of K step ki of an unpacked format as a dot
-    operand: through the TMA descriptor `desc` (rows from row0) when USE_TMA, else through
-    pointers `ptrs` ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values. Q_W8A16 (int8 /
-    fp8 weights, unquantized activations): stored value * scale, computed in float32 and
-    rounded once to DOT_DTYPE, as `moekit.quant.dequantize`; s_base [rows]: pointers to each
-    row's scale (WSCALE == S_GROUP: to its first K group, GROUP columns each, contiguous).
-    Packed formats: `_packed_mma`."""
-    if USE_TMA:
-        q = desc_w_tile(desc, row0, ki * BLOCK_K)
-    else:
-        q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+    """Weight tile [BLOCK_K, rows] (K along dim 0) of an unpacked format as a dot operand, from
+    pointers `ptrs` to the stored data ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values;
+    Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
+    and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
     if QUANT == 2:
-        if WSCALE == 2:
-            s = tl.load(s_base + ki * BLOCK_K // GROUP)
-        else:
-            s = tl.load(s_base)
-        w = (q.to(tl.float32) * s[None, :]).to(DOT_DTYPE)
+        q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
+        w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
     else:
-        w = q
+        w = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
     return w
 
 
@@ -905,12 +894,15 @@ def _gate_up_kernel(
                 acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
                                   HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
-                b = _w_tile(w_ptrs, w_desc, e_row + 2 * n0, ki, s_base, k_left, QUANT, WSCALE,
-                            GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
+                if USE_TMA:
+                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+                else:
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-            w_ptrs += BLOCK_K // PACK  # (dead where TMA loads the tile)
+            if not USE_TMA:
+                w_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
             sc1, sc2 = nx1, nx2
         acc = _unswap(acc, SWAP_AB)
@@ -948,10 +940,12 @@ def _gate_up_kernel(
                 acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
                                     SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
-                bg = _w_tile(g_ptrs, w_desc, e_row + n0, ki, sg_base, k_left, QUANT, WSCALE,
-                             GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
-                bu = _w_tile(u_ptrs, w_desc, e_row + N + n0, ki, su_base, k_left, QUANT, WSCALE,
-                             GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
+                if USE_TMA:
+                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+                else:
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
@@ -959,8 +953,9 @@ def _gate_up_kernel(
                 acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
                                     DOT_PRECISION)  # fmt: skip
-            g_ptrs += BLOCK_K // PACK  # (dead where TMA loads the tile)
-            u_ptrs += BLOCK_K // PACK
+            if not USE_TMA:
+                g_ptrs += BLOCK_K // PACK
+                u_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
             g1, g2, u1, u2 = ng1, ng2, nu1, nu2
         acc_g = _unswap(acc_g, SWAP_AB)
@@ -1099,11 +1094,11 @@ def _down_kernel(
         k_left = K - ki * BLOCK_K
         if USE_TMA:
             a = h_desc.load([slot0, ki * BLOCK_K])
+            b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-        if PACK == 1:
-            b = _w_tile(b_ptrs, w_desc, expert * N + n0, ki, s_base, k_left, QUANT, WSCALE,
-                        GROUP, USE_TMA, EVEN_K, BLOCK_K, DOT_DTYPE)  # fmt: skip
+            if PACK == 1:
+                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
                               ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
@@ -1111,8 +1106,9 @@ def _down_kernel(
             a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
             acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                               GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-        a_ptrs += BLOCK_K  # (dead where TMA loads the tile)
-        b_ptrs += BLOCK_K // PACK
+        if not USE_TMA:
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // PACK
         sc1, sc2 = nx1, nx2
     acc = _unswap(acc, SWAP_AB)
     if QUANT == 1:

@@ -51,11 +51,7 @@ class GemmConfig:
     decode batches, where a few hundred weight tiles leave SMs idle). down (reduce 'atomic'
     only): each adds its product into the output (masked rows, which store instead of
     adding, run unsplit). gate_up: each stores its float32 sums in a workspace, and the last
-    program of a tile adds them up and applies the activation;
-    dequant (w8a8 formats only; a no-op for others): dequantize the fp8 / int8 weight tile to
-    the activation dtype in registers and multiply the unquantized activations (bf16 / fp16
-    MMA): no activation-quantization launch and no activation rounding, for decode batches
-    where the weights' bytes, not the MMA, bound the time.
+    program of a tile adds them up and applies the activation.
     """
 
     block_m: int = 64
@@ -68,7 +64,6 @@ class GemmConfig:
     reduce: str = "kernel"
     tma: bool = False
     split_k: int = 1
-    dequant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):

@@ -15,7 +15,6 @@ the intermediate h before down) and multiply fp8 / int8 operands on the tensor c
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import torch
@@ -101,14 +100,12 @@ class WeightQuant:
         self.stride_se = scale.numel() // E if E else 0
         self.wscale = self.ascale = k.S_TENSOR
         self.wrows, self.group, self.pack, self.int_dot = 1, 128, spec.pack_factor, False
-        self.wgroup = self.group  # K columns per weight scale (block scales)
         if self.quant == k.Q_W8A8:
             ws = getattr(spec, "weight_scale", "channel")
             self.wscale, self.ascale = _SCALE_KIND[ws], _SCALE_KIND[spec.act_scheme]
             self.int_dot = spec.name == "int8_w8a8"
             if ws == "block":
                 self.wrows, self.group = spec.block_shape
-                self.wgroup = self.group
                 self.stride_sn = scale.shape[-1]
             else:
                 self.stride_sn = 0 if ws == "tensor" else 1
@@ -120,27 +117,14 @@ class WeightQuant:
             self.group = spec.group_size
             self.stride_sn = scale.shape[-1]
 
-    def dequantized(self) -> "WeightQuant":
-        """This w8a8 weight read as a weight-only one (`GemmConfig.dequant`): the stored fp8 /
-        int8 values times their scales (per tensor, row or [wrows, group] block) in the
-        weight-tile load, multiplied with unquantized activations."""
-        wq = copy.copy(self)
-        wq.quant, wq.ascale, wq.int_dot = k.Q_W8A16, k.S_TENSOR, False
-        if self.wscale == k.S_GROUP:
-            wq.group = self.wgroup
-        return wq
-
     def clamp(self, cfg: GemmConfig) -> GemmConfig:
         """The config with block_k fitting the format: w8a8 with per-group scales take one
-        scale group per K step (block_k <= group), as do block-scaled weights read dequantized;
-        every w8a8 dot needs block_k >= 32."""
+        scale group per K step (block_k <= group); every w8a8 dot needs block_k >= 32."""
         bk = cfg.block_k
         if self.quant == k.Q_W8A8:
             if k.S_GROUP in (self.wscale, self.ascale):
                 bk = min(bk, self.group)
             bk = max(bk, 32)
-        if self.quant == k.Q_W8A16 and self.wscale == k.S_GROUP:
-            bk = min(bk, self.group)
         if self.quant in (k.Q_INT4, k.Q_MXFP4, k.Q_NVFP4):
             bk = max(bk, 32)  # packed bytes: at least 16 per row and step
         return cfg if bk == cfg.block_k else replace(cfg, block_k=bk)
@@ -367,21 +351,6 @@ def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def _weight_quant(w: ExpertWeights, which: str, cfg: GemmConfig) -> "WeightQuant | None":
-    """How the GEMM with config `cfg` reads weight `which` ('w13' / 'w2'): None when
-    unquantized; w8a8 weights read dequantized when cfg.dequant."""
-    if not w.is_quantized:
-        return None
-    wq = WeightQuant(w, which)
-    return wq.dequantized() if cfg.dequant and wq.quant == k.Q_W8A8 else wq
-
-
-def quantizes_input(w: ExpertWeights, which: str, cfg: GemmConfig) -> bool:
-    """Whether the GEMM with config `cfg` on weight `which` runs on quantized activations."""
-    wq = _weight_quant(w, which, cfg)
-    return wq is not None and wq.quant == k.Q_W8A8
-
-
 def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: torch.Tensor):
     """Whether the GEMM quantizes its input itself (`_kernels._quant_a_tile`) instead of a
     `quantize_input` kernel before it: fp8 per-token-group activations with one group per K
@@ -401,10 +370,9 @@ def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: to
 
 
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
-    """TMA weight loads for the unpacked formats (unquantized, w8a8, and 8-bit weights read
-    dequantized: the tile is scaled in registers after the load); the packed 4-bit formats
-    load through pointers."""
-    return cfg.tma and (wq is None or wq.quant in (k.Q_W8A8, k.Q_W8A16))
+    """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
+    packed / weight-only formats load through pointers (dequantized in registers)."""
+    return cfg.tma and (wq is None or wq.quant == k.Q_W8A8)
 
 
 def _quant_args(wq: "WeightQuant | None", data: torch.Tensor, xs: torch.Tensor) -> tuple:
@@ -431,12 +399,12 @@ def gate_up(
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
-    rows the GEMM leaves unwritten), unless cfg.dequant. cfg.split_k > 1: the K shares meet
+    rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet
     in a float32 workspace [split_k, slots, 2I] (`_kernels._split_fixup`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
-    wq = _weight_quant(w, "w13", cfg)
+    wq = WeightQuant(w, "w13") if w.is_quantized else None
     if wq is not None:
         cfg = wq.clamp(cfg)
     split = cfg.split_k
@@ -507,7 +475,7 @@ def down(
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
-    wq = _weight_quant(w, "w2", cfg)
+    wq = WeightQuant(w, "w2") if w.is_quantized else None
     if wq is not None:
         cfg = wq.clamp(cfg)
     atomic = (not masked) and cfg.reduce == "atomic"
