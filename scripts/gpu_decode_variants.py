@@ -116,8 +116,10 @@ def main() -> None:
             if best == "table" or gain < min_gain:
                 continue
             T_local, _, weights, act_dtype, _ = seen["args"]
-            new = variants()[best](*real_configs_for(*seen["args"]))
-            for gemm, cfg in zip(("gate_up", "down"), new):
+            base = real_configs_for(*seen["args"])
+            for gemm, cfg, was in zip(("gate_up", "down"), variants()[best](*base), base):
+                if cfg == was:
+                    continue
                 where = looked_up(gemm, weights, T_local, act_dtype)
                 if where is None:
                     res["points"][name]["not_applied"] = f"{gemm}: no table of this format"
