@@ -1,12 +1,15 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03]
+        [--min-gain 1.03] [--variants split|row1]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
 bench` does) runs with the configs its tables give (`table`) and with these changes of them:
-  splitS      gate_up split over K into S shares (S = 2, 4, 8; `GemmConfig.split_k`)
+  splitS      (--variants split, the default) gate_up split over K into S shares (S = 2, 4,
+              8; `GemmConfig.split_k`)
+  row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
+              1: products summed on the CUDA cores), the table's tiles or those named
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table entry the call looked up is rewritten with it in $OUT/cfg/triton (copies of the
 shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
@@ -47,11 +50,29 @@ def _option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-def variants() -> dict:
-    """name -> f(gate_up config, down config) -> (gate_up config, down config)."""
+ROW1_TILES = ((16, 256, 2, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 4, 2), (16, 512, 4, 2))
+
+
+def variants(kind: str = "split") -> dict:
+    """name -> f(gate_up config, down config) -> (gate_up config, down config). kind 'split':
+    gate_up split over K; 'row1': both GEMMs with one pair per program (block_m 1, products
+    on the CUDA cores), with the table's tiles and with the tiles of ROW1_TILES."""
     out = {"table": lambda c1, c2: (c1, c2)}
-    for s in (2, 4, 8):
-        out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
+    if kind == "split":
+        for s in (2, 4, 8):
+            out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
+        return out
+
+    def row1(c, tile=None):
+        c = replace(c, block_m=1, swap_ab=False)
+        if tile:
+            bn, bk, warps, stages = tile
+            c = replace(c, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma=False)
+        return c
+
+    out["row1"] = lambda c1, c2: (row1(c1), row1(c2))
+    for t in ROW1_TILES:
+        out["row1 n{}k{}w{}s{}".format(*t)] = lambda c1, c2, t=t: (row1(c1, t), row1(c2, t))
     return out
 
 
@@ -72,6 +93,7 @@ def main() -> None:
     jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
     min_gain = float(_option("--min-gain", "1.03"))
+    kind = _option("--variants", "split")
     (CFG / "triton").mkdir(parents=True, exist_ok=True)
     for f in tcfg.shipped_dir().glob("*.json"):
         shutil.copy(f, CFG / "triton" / f.name)
@@ -103,7 +125,7 @@ def main() -> None:
                         ops.configs_for = real_configs_for
                 return fn
 
-            fns = {n: make(c) for n, c in variants().items()}
+            fns = {n: make(c) for n, c in variants(kind).items()}
             with torch.no_grad():
                 ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
             us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
@@ -117,7 +139,7 @@ def main() -> None:
                 continue
             T_local, _, weights, act_dtype, _ = seen["args"]
             base = real_configs_for(*seen["args"])
-            for gemm, cfg, was in zip(("gate_up", "down"), variants()[best](*base), base):
+            for gemm, cfg, was in zip(("gate_up", "down"), variants(kind)[best](*base), base):
                 if cfg == was:
                     continue
                 where = looked_up(gemm, weights, T_local, act_dtype)

@@ -31,6 +31,9 @@ def dirs(tmp_path, monkeypatch):
 def test_gemm_config_validation():
     with pytest.raises(ValueError, match="block_m"):
         GemmConfig(block_m=24)
+    assert GemmConfig(block_m=1).block_m == 1  # one row per program, no MMA
+    with pytest.raises(ValueError, match="swap_ab must be False"):
+        GemmConfig(block_m=1, swap_ab=True)
     with pytest.raises(ValueError, match="reduce"):
         GemmConfig(reduce="sum")
     with pytest.raises(ValueError, match="unknown keys"):

@@ -132,6 +132,15 @@ VARIANTS = {
     "fp8-block-split-gate_up4": Variant(
         "fp8-block", (GemmConfig(16, 32, 64, split_k=4), GemmConfig(16, 16, 64)), OAI, True
     ),
+    # one pair per program (block_m 1): dequantized tiles / w8a8 products on the CUDA cores
+    "int4-g32-row1": Variant("int4-g32-sym", (GemmConfig(1, 32, 64), GemmConfig(1, 16, 128, reduce="atomic"))),
+    "int4-asym-row1-oai": Variant("int4-g64-asym", (GemmConfig(1, 16, 64), GemmConfig(1, 32, 64)), OAI, True, T=1),
+    "mxfp4-row1-oai": Variant("mxfp4", (GemmConfig(1, 32, 64), GemmConfig(1, 16, 32)), OAI, True),
+    "nvfp4-row1": Variant("nvfp4", (GemmConfig(1, 16, 32), GemmConfig(1, 16, 16)), T=1),
+    "int8_w8a16-row1": Variant("int8_w8a16", (GemmConfig(1, 16, 32), GemmConfig(1, 32, 16))),
+    "fp8-block-row1": Variant("fp8-block", (GemmConfig(1, 32, 128), GemmConfig(1, 16, 64, reduce="atomic"))),
+    "fp8-tensor-row1": Variant("fp8-tensor", (GemmConfig(1, 16, 32), GemmConfig(16, 32, 32)), T=1),
+    "int8-w8a8-row1": Variant("int8_w8a8", (GemmConfig(1, 16, 32), GemmConfig(1, 16, 64))),
     "int8-w8a8-split-gate_up2-swap": Variant(
         "int8_w8a8", (GemmConfig(16, 16, 32, split_k=2, swap_ab=True), GemmConfig(16, 16, 64)), T=1
     ),

@@ -61,6 +61,13 @@ SPLIT_GATE_UP = (GemmConfig(16, 16, 16, split_k=2), GemmConfig(16, 32, 16))
 SPLIT_GATE_UP4_TMA = (GemmConfig(16, 16, 16, split_k=4, tma=True, swap_ab=True),
                       GemmConfig(16, 16, 16, reduce="atomic", split_k=2, tma=True))  # fmt: skip
 
+# one pair per program, products summed on the CUDA cores (block_m 1): alone (alignment blocks of
+# one row), beside a 16-row GEMM (rows of 16-row blocks), with TMA, atomics and split-K
+ROW1 = (GemmConfig(1, 16, 16), GemmConfig(1, 32, 32))
+ROW1_MIXED_TMA = (GemmConfig(1, 16, 32, tma=True), GemmConfig(16, 16, 16, reduce="atomic", tma=True))
+ROW1_SPLIT = (GemmConfig(1, 32, 16, split_k=2), GemmConfig(1, 16, 16, reduce="atomic", split_k=4,
+                                                           tma=True))  # fmt: skip
+
 CASES = [
     Case("T0", T=0),
     Case("T1", T=1),
@@ -86,6 +93,11 @@ CASES = [
          act="gelu"),  # fmt: skip
     Case("T1-split-gate_up4-oai", configs=SPLIT_GATE_UP4_TMA, T=1, K=3, H=64, I=48, bias=True,
          act="swiglu_oai", interleaved=True, dtype=torch.float16),  # fmt: skip
+    Case("row1", configs=ROW1, T=9, masked=0.2, bias=True),
+    Case("T1-row1-oai-interleaved", configs=ROW1, T=1, K=3, act="swiglu_oai", interleaved=True,
+         bias=True, dtype=torch.float16),  # fmt: skip
+    Case("row1-mixed-tma", configs=ROW1_MIXED_TMA, T=7, H=64, I=48, act="gelu", one_expert=True),
+    Case("row1-split", configs=ROW1_SPLIT, T=6, H=64, I=48, bias=True, masked=0.3),
     Case("split-gate_up-oai", configs=SPLIT_GATE_UP, T=10, H=48, I=40, masked=0.3, bias=True,
          act="swiglu_oai", one_expert=True),  # fmt: skip
 ]

@@ -575,7 +575,9 @@ def _w8a8_step(
     if (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
     else:
-        if SWAP_AB:
+        if a.shape[0] == 1:  # one row: products summed on the CUDA cores (exact for int8)
+            part = _row_products(a, b)
+        elif SWAP_AB:
             if INT_DOT:
                 part = tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.int32).to(tl.float32)
             else:
@@ -639,10 +641,21 @@ def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.conste
 
 
 @triton.jit
+def _row_products(a, b):
+    """a [1, BLOCK_K] @ b [BLOCK_K, cols] in float32 on the CUDA cores: a block of one row
+    (`GemmConfig.block_m` 1, decode batches), where an MMA would pad the row to 16 or 64 and
+    the weight tile would be reshuffled into the MMA's operand layout."""
+    return tl.sum(tl.trans(a).to(tl.float32) * b.to(tl.float32), axis=0)[None, :]
+
+
+@triton.jit
 def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += a @ b, with acc kept transposed ([N, BM]) when SWAP_AB: small row blocks then
-    sit in the MMA's N slot and the weight tile in its M slot."""
-    if SWAP_AB:
+    sit in the MMA's N slot and the weight tile in its M slot. A block of one row (never
+    swapped): `_row_products`."""
+    if a.shape[0] == 1:
+        acc += _row_products(a, b)
+    elif SWAP_AB:
         acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=DOT_PRECISION)
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)

@@ -39,7 +39,8 @@ SPLIT_K_OPTIONS = (1, 2, 4, 8)
 class GemmConfig:
     """Block sizes and schedule of one grouped GEMM launch.
 
-    block_m: rows per program (pairs sorted by expert, padded to it); block_n: output columns
+    block_m: rows per program (pairs sorted by expert, padded to it; 1: one pair per program,
+    its products summed on the CUDA cores instead of an MMA, for decode); block_n: output columns
     per program (for gate_up: activated columns, the program reads 2 * block_n weight rows);
     block_k: reduction step; group_m: row blocks that share a weight tile in program order;
     swap_ab: compute the transposed tile (weights in the MMA's M slot; for small block_m);
@@ -68,8 +69,15 @@ class GemmConfig:
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
+            if name == "block_m" and v == 1:
+                continue
             if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v!r}")
+                raise ValueError(
+                    f"GemmConfig.{name} must be a power of two >= 16"
+                    + (" (or 1)" if name == "block_m" else "") + f", got {v!r}"
+                )
+        if self.block_m == 1 and self.swap_ab:
+            raise ValueError("GemmConfig: block_m 1 multiplies on the CUDA cores; swap_ab must be False")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if not 1 <= self.group_m <= 64 or not 1 <= self.num_stages <= 8:

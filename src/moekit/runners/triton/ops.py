@@ -577,8 +577,8 @@ def fused_moe(
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
-    if T <= PIPELINE.direct_max_tokens:
-        cfg1, cfg2 = replace(cfg1, block_m=16), replace(cfg2, block_m=16)
+    if T <= PIPELINE.direct_max_tokens:  # one pair per row block (row 0 of 16, or of 1)
+        cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in (cfg1, cfg2))
         rows = Rows.direct(ids.view(-1), w.num_experts)
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
