@@ -50,7 +50,8 @@ def _option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-ROW1_TILES = ((16, 256, 2, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 4, 2), (16, 512, 4, 2))
+ROW1_TILES = ((16, 256, 2, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 4, 2), (16, 512, 4, 2),
+              (16, 1024, 4, 2), (16, 256, 4, 4))
 
 
 def variants(kind: str = "split") -> dict:
