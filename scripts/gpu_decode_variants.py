@@ -11,8 +11,8 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
-the table entry the call looked up is rewritten with it in $OUT/cfg/triton (copies of the
-shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
+the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
+(copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
 and $OUT/cfg.tgz.
 """
 
@@ -78,8 +78,11 @@ def variants(kind: str = "split") -> dict:
 
 
 def looked_up(gemm: str, w, T_local: float, dtype: torch.dtype):
-    """(table path, key) the call's config of `gemm` came from; None when no table of the
-    weights' own format holds it (heuristic, or adapted from the unquantized table)."""
+    """(table path, key for the call) for the call's config of `gemm`: the table it came from
+    and the call's own batch-size key T_local (`configs.table_key`; a new entry when the
+    lookup took a neighbouring one, so that batch sizes sharing that neighbour keep theirs).
+    None when no table of the weights' own format holds it (heuristic, or adapted from the
+    unquantized table)."""
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
     n, k = tcfg.gemm_shape(gemm, H, I)
     key = tcfg.TableKey(gemm, E, n, k, ops._TL_DTYPES[dtype], torch.cuda.get_device_name(),
@@ -87,7 +90,7 @@ def looked_up(gemm: str, w, T_local: float, dtype: torch.dtype):
     table = tcfg.find_table(key)
     if table is None or T_local > tcfg.QUANT_TABLE_REACH * max(table.configs):
         return None
-    return Path(table.source), tcfg.nearest_batch(table.configs, T_local)
+    return Path(table.source), tcfg.table_key(T_local)
 
 
 def main() -> None:
