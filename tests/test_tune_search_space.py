@@ -163,3 +163,22 @@ def test_tune_point_sizes_tiles_with_the_weight_format(monkeypatch):
         with pytest.raises(_Stop):
             tune.tune_point(shape, w, 3, "cpu", Ceilings(1e10, 1e11, "float16"), limit=1)
         assert seen[-1] == ("gate_up", expected, fmt or "unquantized")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4_w4a16", "int8_w8a16", "fp8_w8a8", None])
+def test_row_per_program_candidates_at_decode(fmt):
+    """Weight-only formats try block_m 1 (one pair per program, no MMA) at decode batches
+    (at most ROW1_MAX_ROWS rows per used expert) and not above; the others never."""
+    from moekit.runners.triton.configs import quant_tag
+    from moekit.tune import ROW1_MAX_ROWS, tile_candidates
+
+    spec = make_spec(fmt) if fmt else None
+    elem, quant = tile_bytes(spec, 2), quant_tag(spec)
+    for gemm, n, k in (("gate_up", 5760, 2880), ("down", 2880, 2880)):
+        decode = [c for c in tile_candidates(gemm, 0.25, n, k, elem, quant) if c.block_m == 1]
+        above = [c for c in tile_candidates(gemm, 4 * ROW1_MAX_ROWS, n, k, elem, quant) if c.block_m == 1]
+        assert not above
+        if spec is not None and spec.weight_only:
+            assert len(decode) >= 3 and not any(c.swap_ab for c in decode)
+        else:
+            assert not decode

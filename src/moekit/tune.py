@@ -241,7 +241,8 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
     so packed 4-bit tiles can be wider than bf16 ones). `quant` (a
     `configs.quant_tag`): w8a8 formats take K steps of 128 (and 256 unless their scales are
     per group of 128) and, with group scales, half the accumulator area (each K step keeps a
-    partial product beside the accumulator); weight-only formats load through pointers only."""
+    partial product beside the accumulator); weight-only formats load through pointers only,
+    and at decode batches also try one pair per program (`ROW1_TILES`)."""
     m = rows_per_expert
     w8a8 = quant.startswith(("fp8_w8a8", "int8_w8a8"))
     grouped = w8a8 and ("block" in quant or "token_group" in quant)
@@ -275,7 +276,20 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
                             c = _clamp(gemm, c, n, k)
                             if fits(gemm, c, n, k, elem) and c not in out:
                                 out.append(c)
+    if weight_only and m <= ROW1_MAX_ROWS:
+        for bn, bk, stages in ROW1_TILES:
+            c = _clamp(gemm, GemmConfig(1, bn, bk, 1, 4, stages), n, k)
+            if fits(gemm, c, n, k, elem) and c not in out:
+                out.append(c)
     return out
+
+
+# Weight-only formats at decode batches (at most ROW1_MAX_ROWS rows per used expert) also try
+# one pair per program (block_m 1: products on the CUDA cores, no MMA padded to 16 rows) with
+# these (block_n, block_k, stages): on the H100 they won 4-87% at T = 1 / 4 for mxfp4 and
+# nvfp4 (gpt-oss, qwen3, deepseek-v3 EP8) and int4 on deepseek-v3 EP8 (triton_notes.md).
+ROW1_MAX_ROWS = 1.0
+ROW1_TILES = ((16, 256, 3), (32, 256, 3), (16, 512, 2), (32, 512, 2), (16, 1024, 2))
 
 
 # Round 2 also tries 2 warps for weight-only formats on tiles of at most this many accumulator
