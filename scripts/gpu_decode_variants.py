@@ -1,13 +1,14 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|row1]
+        [--min-gain 1.03] [--variants split|down-split|row1]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
 bench` does) runs with the configs its tables give (`table`) and with these changes of them:
   splitS      (--variants split, the default) gate_up split over K into S shares (S = 2, 4,
               8; `GemmConfig.split_k`)
+  down splitS (--variants down-split) the down GEMM split over K into S shares (2, 4; atomic)
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
@@ -50,18 +51,32 @@ def _option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-ROW1_TILES = ((16, 256, 2, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 512, 4, 2), (16, 512, 4, 2),
-              (16, 1024, 4, 2), (16, 256, 4, 4))
+ROW1_TILES = (
+    (16, 256, 2, 3),
+    (32, 256, 4, 3),
+    (64, 128, 4, 3),
+    (32, 512, 4, 2),
+    (16, 512, 4, 2),
+    (16, 1024, 4, 2),
+    (16, 256, 4, 4),
+)
 
 
 def variants(kind: str = "split") -> dict:
     """name -> f(gate_up config, down config) -> (gate_up config, down config). kind 'split':
-    gate_up split over K; 'row1': both GEMMs with one pair per program (block_m 1, products
+    gate_up split over K; 'down-split': down split over K; 'row1': both GEMMs with one pair per program (block_m 1, products
     on the CUDA cores), with the table's tiles and with the tiles of ROW1_TILES."""
     out = {"table": lambda c1, c2: (c1, c2)}
     if kind == "split":
         for s in (2, 4, 8):
             out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
+        return out
+    if kind == "down-split":
+        for s in (2, 4):
+            out[f"down split{s}"] = lambda c1, c2, s=s: (
+                c1,
+                replace(c2, reduce="atomic", split_k=s),
+            )
         return out
 
     def row1(c, tile=None):
@@ -127,6 +142,7 @@ def main() -> None:
                             module.forward_topk(x, t)
                     finally:
                         ops.configs_for = real_configs_for
+
                 return fn
 
             fns = {n: make(c) for n, c in variants(kind).items()}
