@@ -1,7 +1,7 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|row1]
+        [--min-gain 1.03] [--variants split|down-split|row1] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
@@ -13,8 +13,8 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
               1: products summed on the CUDA cores), the table's tiles or those named
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
-(copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/decode_variants.json
-and $OUT/cfg.tgz.
+(copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/NAME.json and
+$OUT/NAME_cfg.tgz (NAME: --out, default decode_variants).
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def main() -> None:
     batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
     min_gain = float(_option("--min-gain", "1.03"))
     kind = _option("--variants", "split")
+    name = _option("--out", "decode_variants")
     (CFG / "triton").mkdir(parents=True, exist_ok=True)
     for f in tcfg.shipped_dir().glob("*.json"):
         shutil.copy(f, CFG / "triton" / f.name)
@@ -154,7 +155,7 @@ def main() -> None:
             name = f"{model} tp{tp} ep{ep} {fmt} T={T}"
             res["points"][name] = {"us": us, "best": best, "gain": round(gain, 4)}
             print(name, us, "->", best, f"{gain:.3f}", flush=True)
-            (OUT / "decode_variants.json").write_text(json.dumps(res, indent=1))
+            (OUT / f"{name}.json").write_text(json.dumps(res, indent=1))
             if best == "table" or gain < min_gain:
                 continue
             T_local, _, weights, act_dtype, _ = seen["args"]
@@ -182,8 +183,8 @@ def main() -> None:
                                    script="scripts/gpu_decode_variants.py")  # fmt: skip
         tcfg.write_table(path, tcfg.TableKey(**data["key"]), configs, data["meta"])
         res.setdefault("edited", []).append(path.name)
-    (OUT / "decode_variants.json").write_text(json.dumps(res, indent=1))
-    with tarfile.open(OUT / "cfg.tgz", "w:gz") as tar:
+    (OUT / f"{name}.json").write_text(json.dumps(res, indent=1))
+    with tarfile.open(OUT / f"{name}_cfg.tgz", "w:gz") as tar:
         for path in edits:
             tar.add(path, arcname=f"triton/{path.name}")
 
