@@ -113,7 +113,7 @@ def main() -> None:
     batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
     min_gain = float(_option("--min-gain", "1.03"))
     kind = _option("--variants", "split")
-    name = _option("--out", "decode_variants")
+    out_name = _option("--out", "decode_variants")
     (CFG / "triton").mkdir(parents=True, exist_ok=True)
     for f in tcfg.shipped_dir().glob("*.json"):
         shutil.copy(f, CFG / "triton" / f.name)
@@ -155,7 +155,7 @@ def main() -> None:
             name = f"{model} tp{tp} ep{ep} {fmt} T={T}"
             res["points"][name] = {"us": us, "best": best, "gain": round(gain, 4)}
             print(name, us, "->", best, f"{gain:.3f}", flush=True)
-            (OUT / f"{name}.json").write_text(json.dumps(res, indent=1))
+            (OUT / f"{out_name}.json").write_text(json.dumps(res, indent=1))
             if best == "table" or gain < min_gain:
                 continue
             T_local, _, weights, act_dtype, _ = seen["args"]
@@ -183,8 +183,8 @@ def main() -> None:
                                    script="scripts/gpu_decode_variants.py")  # fmt: skip
         tcfg.write_table(path, tcfg.TableKey(**data["key"]), configs, data["meta"])
         res.setdefault("edited", []).append(path.name)
-    (OUT / f"{name}.json").write_text(json.dumps(res, indent=1))
-    with tarfile.open(OUT / f"{name}_cfg.tgz", "w:gz") as tar:
+    (OUT / f"{out_name}.json").write_text(json.dumps(res, indent=1))
+    with tarfile.open(OUT / f"{out_name}_cfg.tgz", "w:gz") as tar:
         for path in edits:
             tar.add(path, arcname=f"triton/{path.name}")
 
