@@ -575,7 +575,7 @@ def _w8a8_step(
     if (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
     else:
-        if a.shape[0] == 1:  # one row: products on the CUDA cores (`_row_products`)
+        if a.shape[0] == 1:  # one row: products summed on the CUDA cores (exact for int8)
             part = _row_products(a, b)
         elif SWAP_AB:
             if INT_DOT:
@@ -642,12 +642,10 @@ def _w8a8_scale(acc, a_s_base, w_s_base, ASCALE: tl.constexpr, WSCALE: tl.conste
 
 @triton.jit
 def _row_products(a, b):
-    """The products a[0, k] * b[k, n] in float32, [BLOCK_K, cols], for a block of one row
-    (`GemmConfig.block_m` 1, decode batches): added into a [BLOCK_K, cols] accumulator on the
-    CUDA cores and summed over k once after the main loop (`_final_acc`), where an MMA would
-    pad the row to 16 or 64 and reshuffle the weight tile into its operand layout, and a sum
-    per K step would cross threads and warps every step."""
-    return tl.trans(a).to(tl.float32) * b.to(tl.float32)
+    """a [1, BLOCK_K] @ b [BLOCK_K, cols] in float32 on the CUDA cores: a block of one row
+    (`GemmConfig.block_m` 1, decode batches), where an MMA would pad the row to 16 or 64 and
+    the weight tile would be reshuffled into the MMA's operand layout."""
+    return tl.sum(tl.trans(a).to(tl.float32) * b.to(tl.float32), axis=0)[None, :]
 
 
 @triton.jit
@@ -665,14 +663,8 @@ def _mma(a, b, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _zeros_acc(BLOCK_M: tl.constexpr, COLS: tl.constexpr, SWAP_AB: tl.constexpr,
-               KROWS: tl.constexpr):  # fmt: skip
-    """The float32 accumulator of a main loop: [BLOCK_M, COLS], transposed when SWAP_AB;
-    for one-row blocks the products of each K step, [KROWS, COLS] (KROWS: the rows of the
-    step's weight tile; `_row_products`)."""
-    if BLOCK_M == 1:
-        acc = tl.zeros([KROWS, COLS], dtype=tl.float32)
-    elif SWAP_AB:
+def _zeros_acc(BLOCK_M: tl.constexpr, COLS: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
         acc = tl.zeros([COLS, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
@@ -680,11 +672,8 @@ def _zeros_acc(BLOCK_M: tl.constexpr, COLS: tl.constexpr, SWAP_AB: tl.constexpr,
 
 
 @triton.jit
-def _final_acc(acc, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
-    """The accumulator of `_zeros_acc` after the main loop as [BLOCK_M, cols]."""
-    if BLOCK_M == 1:
-        acc = tl.sum(acc, axis=0)[None, :]
-    elif SWAP_AB:
+def _unswap(acc, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
         acc = tl.trans(acc)
     return acc
 
@@ -906,7 +895,7 @@ def _gate_up_kernel(
         w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
-        acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB, BLOCK_K // PACK)
+        acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
         sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                                 GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         for ki in range(k_lo, k_hi):
@@ -929,7 +918,7 @@ def _gate_up_kernel(
                 w_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
             sc1, sc2 = nx1, nx2
-        acc = _final_acc(acc, BLOCK_M, SWAP_AB)
+        acc = _unswap(acc, SWAP_AB)
         if QUANT == 1:
             acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
         if HAS_BIAS:
@@ -945,8 +934,8 @@ def _gate_up_kernel(
         su_base = ws_e + ((N + n_rows) // WROWS) * stride_wsn
         zg_base = wz_e + n_rows * stride_wsn
         zu_base = wz_e + (N + n_rows) * stride_wsn
-        acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB, BLOCK_K // PACK)
-        acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB, BLOCK_K // PACK)
+        acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
         g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
@@ -982,8 +971,8 @@ def _gate_up_kernel(
                 u_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
             g1, g2, u1, u2 = ng1, ng2, nu1, nu2
-        acc_g = _final_acc(acc_g, BLOCK_M, SWAP_AB)
-        acc_u = _final_acc(acc_u, BLOCK_M, SWAP_AB)
+        acc_g = _unswap(acc_g, SWAP_AB)
+        acc_u = _unswap(acc_u, SWAP_AB)
         if QUANT == 1:
             acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
             acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
@@ -1109,7 +1098,7 @@ def _down_kernel(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB, BLOCK_K // PACK)
+    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                             GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
     for ki in range(k_lo, k_hi):
@@ -1134,7 +1123,7 @@ def _down_kernel(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // PACK
         sc1, sc2 = nx1, nx2
-    acc = _final_acc(acc, BLOCK_M, SWAP_AB)
+    acc = _unswap(acc, SWAP_AB)
     if QUANT == 1:
         acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
 
