@@ -77,7 +77,9 @@ class GemmConfig:
                     + (" (or 1)" if name == "block_m" else "") + f", got {v!r}"
                 )
         if self.block_m == 1 and self.swap_ab:
-            raise ValueError("GemmConfig: block_m 1 multiplies on the CUDA cores; swap_ab must be False")
+            raise ValueError(
+                "GemmConfig: block_m 1 multiplies on the CUDA cores; swap_ab must be False"
+            )
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if not 1 <= self.group_m <= 64 or not 1 <= self.num_stages <= 8:

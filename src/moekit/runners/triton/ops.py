@@ -339,7 +339,11 @@ def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
     per (device, stream), kept between calls (each launch leaves it zeroed again: no memset
     per call). Grown outside CUDA-graph capture; during a capture that needs more, a zeroed
     buffer of the graph's own (its memset is part of the graph)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = 0
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None
+                              else torch.cuda.current_device())  # fmt: skip
+        stream = torch.cuda.current_stream(device).cuda_stream
     key = (str(device), stream)
     buf = _SPLIT_COUNTS.get(key)
     if buf is not None and buf.numel() >= tiles:
@@ -399,8 +403,8 @@ def gate_up(
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
-    rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet
-    in a float32 workspace [split_k, slots, 2I] (`_kernels._split_fixup`)."""
+    rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet in a float32
+    workspace [split_k, slots, 2I] (`_kernels._split_fixup`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
