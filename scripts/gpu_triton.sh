@@ -118,7 +118,7 @@ if "tune" in stages:
 
 if "align" in stages:
     from moekit.bench import time_ms
-    from moekit.runners.triton.align import align_block_size
+    from moekit.runners._align import align_block_size
     from moekit.tune import uniform_topk
     for s in shapes:
         line = []

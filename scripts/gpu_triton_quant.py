@@ -97,7 +97,7 @@ def rel_err(a, b) -> float:
 
 def profile(out_dir: Path) -> None:
     """Per-stage CUDA-graph times of the runner's pieces with the configs it looks up."""
-    from moekit.runners.triton.align import align_block_size
+    from moekit.runners._align import align_block_size
     from moekit.runners.triton.configs import PIPELINE
 
     dev, dtype = torch.device("cuda"), torch.bfloat16

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moekit.runners.triton.align import (  # noqa: E402
+from moekit.runners._align import (  # noqa: E402
     AlignTuning,
     align_block_size,
     align_block_size_torch,

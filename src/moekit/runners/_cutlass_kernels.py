@@ -299,7 +299,7 @@ def weighted_reduce_triton(
 
 
 def rows_layout_triton(lay, ids_shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From `moekit.runners.triton.align.AlignOutput` `lay` of ids [T, K]: token_M [M] int64,
+    """From `moekit.runners._align.AlignOutput` `lay` of ids [T, K]: token_M [M] int64,
     expert_M [M] int32 and row_TK [T, K] int64 of `moekit.runners._grouped.GroupedRows`."""
     T, K = ids_shape
     M, dev = lay.max_rows, lay.sorted_ids.device

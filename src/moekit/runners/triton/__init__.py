@@ -1,6 +1,7 @@
 """The `triton` runner: fused MoE expert FFNs in Triton kernels of our own.
 
-Standard format: pairs are sorted by expert into blocks (`align.py`), a grouped GEMM computes
+Standard format: pairs are sorted by expert into blocks (`moekit.runners._align`, shared with
+the cutlass and deep_gemm runners), a grouped GEMM computes
 the gate/up projection with the activation fused (`gate_up`), a second one the down projection
 times the routing weight (`down`), and the K rows of each token are summed (a small kernel, or
 atomics in the down GEMM, as the config says). Masked format: the same GEMMs on the fixed

@@ -25,7 +25,7 @@ from moekit.router import TopKOutput
 from moekit.runners._triton_base import interpret_mode
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
-from moekit.runners.triton.align import AlignOutput, align_block_size
+from moekit.runners._align import AlignOutput, align_block_size
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,

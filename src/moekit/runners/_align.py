@@ -108,7 +108,7 @@ def align_block_size(
     `groups`: also the per-expert counts and padded ends."""
     import triton
 
-    from moekit.runners.triton import _kernels as k
+    from moekit.runners import _align_kernels as k
 
     _check(ids_TK, num_experts, block_m)
     ids = ids_TK.reshape(-1)
