@@ -26,6 +26,7 @@ import sys
 import tarfile
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -40,7 +41,7 @@ from moekit.report import metadata
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton import ops
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
 
 JOBS = ("deepseek-v3 8 8 unquantized;deepseek-v3 8 8 fp8_w8a8;qwen3-30b-a3b 1 1 fp8_w8a8;"
         "qwen3-30b-a3b 1 1 unquantized")  # fmt: skip
@@ -136,19 +137,12 @@ def main() -> None:
                     seen["args"] = (num_tokens, top_k, w, dtype, device)
                     return change(*real_configs_for(num_tokens, top_k, w, dtype, device))
 
-                def fn():
-                    ops.configs_for = configs_for
-                    try:
-                        for x, t in sets:
-                            module.forward_topk(x, t)
-                    finally:
-                        ops.configs_for = real_configs_for
-
-                return fn
+                return layer_over_sets(
+                    module, sets, lambda: mock.patch.object(ops, "configs_for", configs_for)
+                )
 
             fns = {n: make(c) for n, c in variants(kind).items()}
-            with torch.no_grad():
-                ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+            ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
             us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
             best = min(us, key=us.get)
             gain = us["table"] / us[best]

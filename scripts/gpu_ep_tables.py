@@ -23,6 +23,7 @@ import shutil
 import sys
 import tarfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -36,7 +37,7 @@ from moekit.layer import RunnerCache
 from moekit.report import metadata
 from moekit.runners.triton import configs as tcfg
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
 from moekit.tune import BATCH_SIZES, shape_for, tune
 
 
@@ -71,19 +72,11 @@ def main() -> None:
         for T in batches:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
 
-            def run(s, sets=sets, disp=disp, module=module, share=share):
-                def fn():
-                    disp._share = s
-                    try:
-                        for x, t in sets:
-                            module.forward_topk(x, t)
-                    finally:
-                        disp._share = share
-                return fn
+            def run(s, sets=sets, disp=disp, module=module):
+                return layer_over_sets(module, sets, lambda: mock.patch.object(disp, "_share", s))
 
-            with torch.no_grad():
-                ms = time_ms_interleaved({"all_local": run(1.0), "ep": run(share)}, "cuda",
-                                         rounds=6, samples=36)  # fmt: skip
+            ms = time_ms_interleaved({"all_local": run(1.0), "ep": run(share)}, "cuda",
+                                     rounds=6, samples=36)  # fmt: skip
             row = {k: v / len(sets) for k, v in ms.items()}
             row["speedup"] = row["all_local"] / row["ep"]
             out["layer"][f"{fmt} T={T}"] = row

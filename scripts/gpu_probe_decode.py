@@ -28,7 +28,7 @@ from moekit.layer import RunnerCache, run_experts
 from moekit.report import metadata
 from moekit.runners.triton import ops
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
 
 JOBS = (
     ("qwen3-30b-a3b", 1, 1, "unquantized"),
@@ -66,9 +66,7 @@ def _point(module, spec, T, gen):
     n = len(sets)
     dispatched = [module.dispatcher.dispatch(x, t) for x, t in sets]
 
-    def layer():
-        for x, t in sets:
-            module.forward_topk(x, t)
+    layer = layer_over_sets(module, sets)
 
     def runner():
         for d in dispatched:

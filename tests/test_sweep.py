@@ -18,6 +18,7 @@ from moekit.router import TopKOutput
 from moekit.sweep import (
     SweepSpec,
     cpu_scaled,
+    layer_over_sets,
     make_routing,
     point_cost,
     run_sweep,
@@ -344,3 +345,30 @@ def test_metadata_names_the_commit_and_a_scripts_own_command():
     assert meta["commit"] == report.git_commit()[0] and meta["commit"]
     probe = report.metadata(command="python scripts/gpu_probe_masked.py")
     assert probe["command"] == "python scripts/gpu_probe_masked.py"
+
+
+def test_layer_over_sets_runs_every_set_inside_the_context_without_autograd():
+    from contextlib import contextmanager
+
+    from moekit.config import RunnerConfig
+
+    module = MoE(tiny(), ParallelConfig(), runner=RunnerConfig("torch"))
+    sets = [(torch.randn(T, 16), make_routing(T, 6, 2)) for T in (3, 5)]
+    seen, entered = [], []
+    real = module.forward_topk
+
+    def forward_topk(x, topk):
+        seen.append((x.shape[0], torch.is_grad_enabled(), len(entered)))
+        return real(x, topk)
+
+    @contextmanager
+    def around():
+        entered.append(1)
+        yield
+
+    module.forward_topk = forward_topk
+    fn = layer_over_sets(module, sets, around)
+    assert not seen  # nothing runs until called
+    fn()
+    fn()
+    assert seen == [(3, False, 1), (5, False, 1), (3, False, 2), (5, False, 2)]

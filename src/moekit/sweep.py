@@ -15,6 +15,7 @@ run. Each backend's output is compared with the reference runner `torch` (relati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -328,6 +329,21 @@ def _input_sets(spec, module, T, gen, l2_bytes):
     return sets, mean, ids
 
 
+def layer_over_sets(module: MoE, sets, around=contextlib.nullcontext) -> Callable[[], None]:
+    """One timed call of a sweep point: `module.forward_topk` over every input set (x, topk) of
+    `_input_sets`, without autograd, inside the context `around()` makes (a probe's variant,
+    e.g. `unittest.mock.patch.object(...)`; entered at each call, so at capture under CUDA
+    graphs)."""
+
+    @torch.no_grad()
+    def fn():
+        with around():
+            for x, topk in sets:
+                module.forward_topk(x, topk)
+
+    return fn
+
+
 def _load_stats(ids: list[torch.Tensor], e_local: int) -> tuple[int, int, int]:
     """(local pairs, touched local experts, max tokens on one local expert) of the first set."""
     flat = ids[0].reshape(-1).long()
@@ -482,13 +498,14 @@ def _prepare(module, cache, sets, rec, ref_out, spec, started, work, calls):
                     f"{max(left, 0):.1f} s left of the {spec.time_budget_s:.0f} s time budget"
                 )
 
-    @torch.no_grad()
-    def fn():
-        module.runners = cache  # (at capture under CUDA graphs; each call otherwise)
-        for x, topk in sets:
-            module.forward_topk(x, topk)
+    return layer_over_sets(module, sets, lambda: _runners(module, cache)), graph
 
-    return fn, graph
+
+@contextlib.contextmanager
+def _runners(module: MoE, cache: RunnerCache):
+    """The layer on `cache`'s backend (set at capture under CUDA graphs; each call otherwise)."""
+    module.runners = cache
+    yield
 
 
 def _time_together(timed, device, timing) -> dict[str, float]:
