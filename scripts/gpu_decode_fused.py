@@ -8,7 +8,7 @@ layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rota
 bench` does) runs
   two         with the two GEMMs and their tables (`PIPELINE.decode_max_pairs` 0),
   decode      with `ops.decode` and the heuristic `configs.decode_config`,
-  bI kK hH wW sS [tma]   with `ops.decode` and each config of CONFIGS (--configs all),
+  mM iI kK hH wW sS [swap] [tma]   with `ops.decode` and each config of CONFIGS (--configs all),
 timed in turns (`time_ms_interleaved`). Prints and writes $OUT/NAME.json (default
 decode_fused): microseconds per call, time / floor (ceilings measured in the same run), the
 best variant and decode's speed-up over two.
@@ -40,16 +40,16 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;deepseek-v3 8 
         "deepseek-v3 8 8 fp8_w8a8;gpt-oss-120b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
         "qwen3-30b-a3b 1 1 mxfp4;gpt-oss-120b 1 1 mxfp4;deepseek-v3 8 8 int4_w4a16")  # fmt: skip
 CONFIGS = (
-    tcfg.DecodeConfig(16, 128, 128),
-    tcfg.DecodeConfig(32, 128, 128),
-    tcfg.DecodeConfig(64, 128, 128),
-    tcfg.DecodeConfig(32, 256, 128),
-    tcfg.DecodeConfig(32, 64, 128),
+    tcfg.DecodeConfig(16, 128, 256),
     tcfg.DecodeConfig(32, 128, 256),
-    tcfg.DecodeConfig(32, 128, 64),
-    tcfg.DecodeConfig(32, 128, 128, num_warps=8),
-    tcfg.DecodeConfig(32, 128, 128, num_stages=4),
-    tcfg.DecodeConfig(32, 128, 128, tma=True),
+    tcfg.DecodeConfig(64, 128, 256),
+    tcfg.DecodeConfig(32, 128, 128),
+    tcfg.DecodeConfig(32, 128, 512),
+    tcfg.DecodeConfig(32, 256, 256),
+    tcfg.DecodeConfig(32, 128, 256, num_stages=4),
+    tcfg.DecodeConfig(32, 128, 256, num_warps=8),
+    tcfg.DecodeConfig(64, 128, 256, swap_ab=True),
+    tcfg.DecodeConfig(32, 128, 256, block_m=1),
 )
 
 
@@ -59,8 +59,8 @@ def _option(name: str, default: str) -> str:
 
 
 def _name(c: tcfg.DecodeConfig) -> str:
-    return (f"b{c.block_i} k{c.block_k} h{c.block_h} w{c.num_warps} s{c.num_stages}"
-            + (" tma" if c.tma else ""))  # fmt: skip
+    return (f"m{c.block_m} i{c.block_i} k{c.block_k} h{c.block_h} w{c.num_warps} s{c.num_stages}"
+            + (" swap" if c.swap_ab else "") + (" tma" if c.tma else ""))  # fmt: skip
 
 
 def variants(which: str) -> dict:

@@ -96,7 +96,8 @@ def test_formats_vs_torch(fmt, T):
         assert rel_err(out, ref) < tol(spec), (fmt, T, rel_err(out, ref))
 
 
-@pytest.mark.parametrize("cfg", [(16, 32, 16), (64, 128, 32)], ids=["16x32x16", "64x128x32"])
+@pytest.mark.parametrize("cfg", [(16, 32, 16), (64, 128, 32, 4, 3, 16, True), (32, 64, 16, 4, 2, 1)],
+                         ids=["16x32x16", "64x128x32-swap", "row1"])  # fmt: skip
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_decode_formats(fmt, cfg):
     """Every format through the one-launch decode kernel (`ops.decode`, biases, masked ids)

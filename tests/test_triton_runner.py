@@ -131,7 +131,9 @@ DECODE_CASES = [
     Case("all-masked", T=3, masked=1.0, bias=True),
     Case("one-expert-fp16", T=5, K=1, one_expert=True, dtype=torch.float16),
 ]
-DECODE_CONFIGS = [DecodeConfig(16, 16, 16), DecodeConfig(32, 32, 64, num_warps=2, num_stages=2)]
+DECODE_CONFIGS = [DecodeConfig(16, 16, 16), DecodeConfig(32, 32, 64, num_warps=2, num_stages=2,
+                                                        swap_ab=True),
+                  DecodeConfig(16, 32, 16, block_m=1)]  # fmt: skip
 
 
 def decode_scratch_is_zero(device) -> bool:
@@ -141,7 +143,7 @@ def decode_scratch_is_zero(device) -> bool:
     return not sums.any() and not counts.any()
 
 
-@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["16x16x16", "32x32x64"])
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["16x16x16", "32x32x64-swap", "row1"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
 def test_decode_matches_reference(case: Case, cfg: DecodeConfig):
     w = make_weights(case.E, case.H, case.I, case.dtype, case.bias)

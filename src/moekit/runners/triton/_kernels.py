@@ -402,7 +402,18 @@ def _w8a8_step(
     in the epilogue, `_w8a8_scale`). fp8 operands accumulate in the MMA; int8 ones in int32
     per step (exact)."""
     STEP: tl.constexpr = ASCALE == 2 or ASCALE == 3 or WSCALE == 2
-    if (not STEP) and (not INT_DOT):
+    if ASCALE == 4:  # S_NONE: unquantized activations, the weights converted to their dtype
+        if a.shape[0] > 1:
+            b = b.to(a.dtype)  # exact: fp8 e4m3 and int8 values are bf16 / fp16 values
+        if WSCALE == 2:
+            part = _mma(a, b, tl.zeros_like(acc), SWAP_AB, None)
+            if SWAP_AB:
+                acc += part * w_s[:, None]
+            else:
+                acc += part * w_s[None, :]
+        else:
+            acc = _mma(a, b, acc, SWAP_AB, None)
+    elif (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
     else:
         if a.shape[0] == 1:  # one row: products summed on the CUDA cores (exact for int8)
@@ -1014,10 +1025,10 @@ def _down_slice(
     gscale, a_s_base, stride_wse, stride_wsn, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
     ASCALE: tl.constexpr, WSCALE: tl.constexpr, WROWS: tl.constexpr, GROUP: tl.constexpr,
     SG: tl.constexpr, HAS_ZERO: tl.constexpr, PACK: tl.constexpr, HALF: tl.constexpr,
-    ASM: tl.constexpr, INT_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_I: tl.constexpr,
+    ASM: tl.constexpr, INT_DOT: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_I: tl.constexpr,
 ):  # fmt: skip
-    """float32 [1, rows]: h [1, BLOCK_I] (columns j * BLOCK_I ... of the intermediate, zero
+    """float32 [BM, rows]: h [BM, BLOCK_I] (columns j * BLOCK_I ... of the intermediate, zero
     past K = I) @ w2[expert][rows, those columns].T, as one K step of `_down_kernel` with
     block_k = BLOCK_I (same weight reads and scales), plus the bias when j == 0."""
     DOT_DTYPE: tl.constexpr = h.dtype
@@ -1029,16 +1040,18 @@ def _down_slice(
     s_base = ws_e + (rows_c // WROWS) * stride_wsn
     z_base = wz_ptr + expert.to(tl.int64) * stride_wse + rows_c * stride_wsn
     k_left = K - j * BLOCK_I
-    acc = tl.zeros([1, rows.shape[0]], dtype=tl.float32)
+    acc = _zeros_acc(h.shape[0], rows.shape[0], SWAP_AB)
     if PACK == 2:
         s, z = _step_scales(s_base, z_base, a_s_base, gscale, j, K, QUANT, ASCALE, WSCALE, GROUP,
                             SG, HAS_ZERO, BLOCK_I, True)  # fmt: skip
         acc = _packed_mma(h, ptrs, s, z, k_left, acc, QUANT, EVEN_K, BLOCK_I, SG, HALF, ASM,
-                          False, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+                          SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+        acc = _unswap(acc, SWAP_AB)
     else:
         b = _w_tile(ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_I, DOT_DTYPE)
         acc = _stored_mma(h, 0.0, b, acc, s_base, a_s_base, j, K, QUANT, ASCALE, WSCALE, GROUP,
-                          BLOCK_I, INT_DOT, False, DOT_PRECISION)  # fmt: skip
+                          BLOCK_I, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+        acc = _unswap(acc, SWAP_AB)
         if QUANT == 1:
             acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
     if HAS_BIAS:
@@ -1058,8 +1071,9 @@ def _decode_kernel(
     WSCALE: tl.constexpr, WROWS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     PACK: tl.constexpr, HALF: tl.constexpr, INT_DOT: tl.constexpr, SG: tl.constexpr,
     ASM: tl.constexpr, SG2: tl.constexpr, ASM2: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum over the token's valid pairs p of weight_p * expert_{ids[p]}(x[t]), for a
     few pairs, in one launch. Program (p, j) computes columns j * BLOCK_I ... of pair p's
@@ -1071,6 +1085,8 @@ def _decode_kernel(
     programs reads the sums back from L2, stores out[t] in x's dtype, and leaves sum[t] and
     count[t] zero for the next call (both must be zeros on entry). A token with no valid pair
     gets zeros from program (t * K, 0). Pairs with ids outside [0, E) do nothing.
+    BLOCK_M 1: the products are summed on the CUDA cores; 16: the pair's row is repeated 16
+    times so that both GEMMs are MMAs (the only loads Triton pipelines), and row 0 is kept.
 
     x [T, H]; w13 [E, 2I, H], w2 [E, H, I] (or packed / quantized as `_gate_up_kernel` and
     `_down_kernel` read them, scales ws / wz / wg per weight); w13_desc: TMA descriptor of
@@ -1097,14 +1113,14 @@ def _decode_kernel(
     e = tl.load(ids_ptr + pair)
     if (e < 0) | (e >= num_experts):
         return
-    a_rows = tl.zeros([1], dtype=tl.int64) + token
+    a_rows = tl.zeros([BLOCK_M], dtype=tl.int64) + token
     i0 = j * BLOCK_I
     acc_g, acc_u = _gate_up_sums(
         x_ptr, w13_ptr, w13_desc, b13_ptr, a_rows, e, i0, 0, tl.cdiv(H, BLOCK_K), 0, I, H,
         stride_xm, stride_w13e, stride_w13n, stride_b13e, ws13_ptr, wz13_ptr, wg13_ptr, ws13_ptr,
         stride_ws13e, stride_ws13n, 0, HAS_BIAS, INTERLEAVED, QUANT, 4, WSCALE, WROWS, GROUP, SG,
-        HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, False, DOT_PRECISION, 1, BLOCK_I,
-        BLOCK_K,
+        HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_M,
+        BLOCK_I, BLOCK_K,
     )  # fmt: skip
     i_cols = i0 + tl.arange(0, BLOCK_I)
     h = activate(acc_g, acc_u, alpha, limit, ACT)
@@ -1114,16 +1130,17 @@ def _decode_kernel(
         gscale2 = tl.load(wg2_ptr + e)
     else:
         gscale2 = 1.0
-    a_one = ws2_ptr + tl.zeros([1], dtype=tl.int32)  # activation scales: none (S_NONE)
+    a_none = ws2_ptr + tl.zeros([BLOCK_M], dtype=tl.int32)  # activation scales: none (S_NONE)
+    row0 = tl.arange(0, BLOCK_M)[:, None] == 0
     for n0 in range(0, H, BLOCK_H):
         n = n0 + h_cols
         y = _down_slice(
             h, w2_ptr, b2_ptr, e, n, j, H, I, stride_w2e, stride_w2n, stride_b2e, ws2_ptr,
-            wz2_ptr, gscale2, a_one, stride_ws2e, stride_ws2n, HAS_BIAS, QUANT, 4, WSCALE,
-            WROWS, GROUP, SG2, HAS_ZERO, PACK, HALF, ASM2, INT_DOT, EVEN_I, DOT_PRECISION,
-            BLOCK_I,
+            wz2_ptr, gscale2, a_none, stride_ws2e, stride_ws2n, HAS_BIAS, QUANT, 4, WSCALE,
+            WROWS, GROUP, SG2, HAS_ZERO, PACK, HALF, ASM2, INT_DOT, EVEN_I, SWAP_AB,
+            DOT_PRECISION, BLOCK_I,
         )  # fmt: skip
-        y = tl.reshape(y, [BLOCK_H]) * weight
+        y = tl.sum(tl.where(row0, y, 0.0), axis=0) * weight
         tl.atomic_add(sum_row + n, y, mask=n < H, sem="relaxed")
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu")

@@ -111,17 +111,25 @@ class GemmConfig:
 class DecodeConfig:
     """Blocks of the one-launch decode kernel (`ops.decode`): each program computes block_i
     columns of one pair's intermediate (gate_up over H in steps of block_k) and multiplies
-    them by those columns of w2, block_h output columns at a time; tma: gate_up weight tiles
-    through TMA (unquantized / w8a8 weights)."""
+    them by those columns of w2, block_h output columns at a time; block_m: 16 (the pair's row
+    repeated into MMAs, whose loads Triton pipelines) or 1 (products on the CUDA cores);
+    swap_ab: the weights in the MMA's M slot; tma: gate_up weight tiles through TMA
+    (unquantized / w8a8 weights)."""
 
     block_i: int = 32
     block_k: int = 128
     block_h: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 16
+    swap_ab: bool = False
     tma: bool = False
 
     def __post_init__(self) -> None:
+        if self.block_m not in (1, 16):
+            raise ValueError(f"DecodeConfig.block_m must be 1 or 16, got {self.block_m!r}")
+        if self.block_m == 1 and self.swap_ab:
+            raise ValueError("DecodeConfig: block_m 1 multiplies on the CUDA cores; swap_ab must be False")
         for name in ("block_i", "block_k", "block_h"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
@@ -137,7 +145,7 @@ def decode_config(pairs: float, I: int, packed: bool, sms: int = 132) -> DecodeC
     block_i = 64
     while block_i > (32 if packed else 16) and max(pairs, 1) * -(-I // block_i) < 2 * sms:
         block_i //= 2
-    return DecodeConfig(block_i=block_i, block_k=256 if packed else 128)
+    return DecodeConfig(block_i=block_i, block_k=256 if packed else 128, block_h=256)
 
 
 @dataclass(frozen=True)
