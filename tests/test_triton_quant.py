@@ -68,13 +68,8 @@ def make_experts(spec, E, H, I, bias=False, device=DEVICE, dtype=DTYPE) -> Exper
 
 
 def run_both(x, topk, w, act, configs=None):
-    """(triton runner output, torch runner output). Calls that run in one launch
-    (`ops.decode`) multiply w8a8 weights by unquantized activations: their reference is the
-    torch runner on the dequantized weights."""
     d = StandardDispatchOutput(x, topk)
-    one_launch = configs is None and ops.use_decode(topk.ids.numel())
-    ref_w = w.dequantized(x.dtype) if one_launch and not w.spec.weight_only else w
-    ref = TorchRunner().run(d, ref_w, act).out
+    ref = TorchRunner().run(d, w, act).out
     if configs is None:
         out = TritonRunner().run(d, w, act).out
     else:
@@ -94,23 +89,6 @@ def test_formats_vs_torch(fmt, T):
     assert out.shape == (T, H) and out.dtype == DTYPE
     if T:
         assert rel_err(out, ref) < tol(spec), (fmt, T, rel_err(out, ref))
-
-
-@pytest.mark.parametrize("cfg", [(16, 32, 16), (64, 128, 32, 4, 3, 16, True), (32, 64, 16, 4, 2, 1)],
-                         ids=["16x32x16", "64x128x32-swap", "row1"])  # fmt: skip
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_decode_formats(fmt, cfg):
-    """Every format through the one-launch decode kernel (`ops.decode`, biases, masked ids)
-    against the weights dequantized: weight-only arithmetic for every format (w8a8 weights
-    too: the activations are not quantized there)."""
-    spec, H, I = FORMATS[fmt]
-    E, K, T = 5, 3, 3
-    w = make_experts(spec, E, H, I, bias=True)
-    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
-    topk = make_topk(T, K, E, masked=0.2)
-    out = ops.decode(*ops.kernel_inputs(x, topk), w, ActivationSpec(), configs.DecodeConfig(*cfg))
-    ref = TorchRunner().run(StandardDispatchOutput(x, topk), w.dequantized(DTYPE), ActivationSpec()).out
-    assert rel_err(out, ref) < TOLERANCE[DTYPE], (fmt, rel_err(out, ref))
 
 
 @dataclass(frozen=True)
@@ -348,35 +326,6 @@ def test_presets_bf16_gpu(model, tp, ep, fmt):
     ref = TorchRunner().run(d, w, shape.act).out
     valid = torch.arange(C, device="cuda")[None, :] < counts[:, None]
     assert rel_err(out[valid], ref[valid]) < tol(spec, torch.bfloat16), (model, fmt, "masked")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
-@pytest.mark.parametrize("model,tp,ep", PRESET_SHAPES, ids=lambda v: str(v))
-def test_decode_presets_bf16_gpu(model, tp, ep, fmt):
-    """Every format through `ops.decode` on the preset shapes (the PTX dequantization of the
-    packed formats included) against the dequantized weights, with the configs `fused_moe`
-    picks and with TMA weight loads."""
-    from moekit.runners.triton.configs import decode_config
-    from moekit.tune import random_weights, shape_for
-
-    shape = shape_for(model, tp, ep)
-    spec = GPU_FORMATS[fmt]
-    group = getattr(spec, "group_size", 1)
-    if shape.hidden % group or shape.intermediate % group:
-        pytest.skip(f"{spec.describe()}: group {group} does not divide H={shape.hidden} / I={shape.intermediate}")
-    torch.manual_seed(0)
-    w = quantize_experts(random_weights(shape, "cuda"), spec)
-    wd = w.dequantized(torch.bfloat16)
-    for T in (1, 4):
-        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
-        topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.1, device="cuda")
-        cfg = decode_config(T * shape.top_k, shape.intermediate, packed=spec.pack_factor == 2)
-        ref = TorchRunner().run(StandardDispatchOutput(x, topk), wd, shape.act).out
-        for c in (cfg, replace(cfg, tma=True)):
-            out = ops.decode(*ops.kernel_inputs(x, topk), w, shape.act, c)
-            err = rel_err(out, ref)
-            assert err < TOLERANCE[torch.bfloat16], (model, fmt, T, c, err)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from moekit.runners.base import RunnerError  # noqa: E402
 from moekit.runners.registry import runner_class  # noqa: E402
 from moekit.runners.torch import moe_reference_fp64, run_masked, run_standard  # noqa: E402
 from moekit.runners.triton import TritonRunner, ops  # noqa: E402
-from moekit.runners.triton.configs import PIPELINE, DecodeConfig, GemmConfig  # noqa: E402
+from moekit.runners.triton.configs import GemmConfig  # noqa: E402
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -118,64 +118,6 @@ def test_standard_matches_reference(case: Case):
     assert rel_err(out, ref) < TOLERANCE[case.dtype]
     if case.T:  # same function as the torch runner, not only close to fp64
         assert rel_err(out, run_standard(x, topk, w, act)) < TOLERANCE[case.dtype]
-
-
-# the whole FFN in one launch (`ops.decode`): program (pair, block_i columns of I), down split
-# along I and added up in float32 by token; the last program of a token stores its row
-DECODE_CASES = [
-    Case("T1", T=1, K=3),
-    Case("T3-masked-bias", T=3, masked=0.3, bias=True),
-    Case("oai-interleaved-fp16", T=2, K=4, act="swiglu_oai", interleaved=True, bias=True,
-         dtype=torch.float16),
-    Case("gelu-odd-sizes", T=4, E=7, H=40, I=24, act="gelu"),
-    Case("all-masked", T=3, masked=1.0, bias=True),
-    Case("one-expert-fp16", T=5, K=1, one_expert=True, dtype=torch.float16),
-]
-DECODE_CONFIGS = [DecodeConfig(16, 16, 16), DecodeConfig(32, 32, 64, num_warps=2, num_stages=2,
-                                                        swap_ab=True),
-                  DecodeConfig(16, 32, 16, block_m=1)]  # fmt: skip
-
-
-def decode_scratch_is_zero(device) -> bool:
-    """The sums and counts `ops.decode` keeps between calls are zeros again."""
-    sums = ops.zeroed_scratch(torch.device(device), "decode_sums", torch.float32, 1)
-    counts = ops.zeroed_scratch(torch.device(device), "decode_counts", torch.int32, 1)
-    return not sums.any() and not counts.any()
-
-
-@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["16x16x16", "32x32x64-swap", "row1"])
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
-def test_decode_matches_reference(case: Case, cfg: DecodeConfig):
-    w = make_weights(case.E, case.H, case.I, case.dtype, case.bias)
-    act = ActivationSpec(case.act, case.interleaved)
-    x = torch.randn(case.T, case.H, device=DEVICE, dtype=case.dtype)
-    topk = make_topk(case.T, case.K, case.E, case.masked, case.one_expert)
-    out = ops.decode(*ops.kernel_inputs(x, topk), w, act, cfg)
-    assert out.shape == x.shape and out.dtype == x.dtype
-    assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[case.dtype]
-    if case.masked == 1.0:
-        assert not out.any()
-    assert decode_scratch_is_zero(DEVICE)
-
-
-def test_decode_empty_batch_and_selection(monkeypatch):
-    """T = 0 returns an empty output; `fused_moe` runs `decode` up to
-    `PIPELINE.decode_max_pairs` local pairs and the two GEMMs above, with the same result."""
-    w = make_weights(4, 48, 40, torch.float32, True)
-    act = ActivationSpec()
-    x0 = torch.randn(0, 48, device=DEVICE)
-    assert ops.decode(*ops.kernel_inputs(x0, make_topk(0, 2, 4)), w, act, DecodeConfig()).shape == (0, 48)
-    monkeypatch.setattr(ops, "PIPELINE", replace(PIPELINE, decode_max_pairs=4))
-    assert ops.use_decode(4) and not ops.use_decode(4.5) and not ops.use_decode(0)
-    calls = []
-    real = ops.decode
-    monkeypatch.setattr(ops, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for T, launches in ((2, 1), (3, 1)):  # 4 pairs: decode; 6 pairs: the two GEMMs
-        x = torch.randn(T, 48, device=DEVICE)
-        topk = make_topk(T, 2, 4)
-        out = ops.fused_moe(x, topk, w, act)
-        assert len(calls) == launches
-        assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[torch.float32]
 
 
 def masked_reference(x_ECH, counts, w: ExpertWeights, act):
@@ -410,65 +352,6 @@ def test_cuda_graph_replay_equals_eager(reduce):
         else:  # atomics add in any order
             assert rel_err(static_out, eager) < 1e-2
         assert rel_err(static_out, moe_reference_fp64(x2, topk2, w, act)) < 3e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model,tp,ep", PRESET_SHAPES, ids=lambda v: str(v))
-def test_decode_presets_bf16_gpu(model, tp, ep):
-    """`ops.decode` on the preset shapes with the configs `fused_moe` would pick, at decode
-    batches (EP presets: the ids of 7 / 8 of the experts masked, as on one EP rank)."""
-    from moekit.runners.triton.configs import decode_config
-    from moekit.tune import random_weights, shape_for
-
-    shape = shape_for(model, tp, ep)
-    w = random_weights(shape, "cuda")
-    E = shape.num_experts * ep
-    for T in (1, 4, 16):
-        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
-        topk = make_topk(T, shape.top_k, E)
-        ids = torch.where(topk.ids < shape.num_experts, topk.ids, -1)
-        topk = TopKOutput(topk.weights, ids)
-        cfg = decode_config(T * shape.top_k / ep, shape.intermediate, packed=False)
-        for c in (cfg, replace(cfg, tma=True)):
-            out = ops.decode(*ops.kernel_inputs(x, topk), w, shape.act, c)
-            err = rel_err(out, reference_fp32_sparse(x, topk, w, shape.act))
-            assert err < TOLERANCE[torch.bfloat16], (model, T, c, err)
-    assert decode_scratch_is_zero("cuda")
-
-
-@pytest.mark.gpu
-def test_decode_cuda_graph_replay_equals_eager():
-    """Replays of a captured `decode` with new inputs and routings match eager calls (atomics
-    add in any order: not bit-identical) and leave its scratch zeroed."""
-    E, K, H, I, T = 32, 4, 1024, 512, 3
-    w = make_weights(E, H, I, torch.bfloat16, True)
-    act = ActivationSpec("swiglu_oai", interleaved=True)
-    cfg = DecodeConfig(32, 128, 128)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    topk = make_topk(T, K, E)
-    static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-
-    def step():
-        return ops.decode(*ops.kernel_inputs(static_x, TopKOutput(static_w, static_ids)), w, act,
-                          cfg)  # fmt: skip
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    for _ in range(3):
-        x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        topk2 = make_topk(T, K, E, masked=0.3)
-        static_x.copy_(x2), static_w.copy_(topk2.weights), static_ids.copy_(topk2.ids)
-        graph.replay()
-        eager = ops.decode(*ops.kernel_inputs(x2, topk2), w, act, cfg)
-        assert rel_err(static_out, eager) < 1e-2
-        assert rel_err(static_out, moe_reference_fp64(x2, topk2, w, act)) < 3e-2
-    assert decode_scratch_is_zero("cuda")
 
 
 @pytest.mark.gpu

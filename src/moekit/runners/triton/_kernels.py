@@ -39,9 +39,7 @@ Q_NONE, Q_W8A8, Q_W8A16, Q_INT4, Q_MXFP4, Q_NVFP4 = 0, 1, 2, 3, 4, 5
 # S_GROUP_FUSED (activations only): per group of GROUP = BLOCK_K columns, the group scale and the
 # fp8 values computed inside the GEMM from the bf16/fp16 input tile (`_quant_a_tile`), so that
 # no separate quantization kernel runs (tiny batches).
-# S_NONE (activations only): the activations stay in their dtype and multiply the stored w8a8
-# weights times their scales on the CUDA cores (one-row blocks only: `_decode_kernel`).
-S_TENSOR, S_ROW, S_GROUP, S_GROUP_FUSED, S_NONE = 0, 1, 2, 3, 4
+S_TENSOR, S_ROW, S_GROUP, S_GROUP_FUSED = 0, 1, 2, 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +336,7 @@ def _step_scales(
             s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
             z = s
         r1, r2 = s, z
-    elif QUANT == 1 and (ASCALE == 2 or ASCALE == 3 or WSCALE == 2) and not AHEAD:
+    elif QUANT == 1 and (ASCALE >= 2 or WSCALE == 2) and not AHEAD:
         kg = ki * BLOCK_K // GROUP
         ok = kg < tl.cdiv(K, GROUP)
         if ASCALE == 2:
@@ -401,19 +399,8 @@ def _w8a8_step(
     where either is per group (`_step_scales`; scales that do not change along K are applied
     in the epilogue, `_w8a8_scale`). fp8 operands accumulate in the MMA; int8 ones in int32
     per step (exact)."""
-    STEP: tl.constexpr = ASCALE == 2 or ASCALE == 3 or WSCALE == 2
-    if ASCALE == 4:  # S_NONE: unquantized activations, the weights converted to their dtype
-        if a.shape[0] > 1:
-            b = b.to(a.dtype)  # exact: fp8 e4m3 and int8 values are bf16 / fp16 values
-        if WSCALE == 2:
-            part = _mma(a, b, tl.zeros_like(acc), SWAP_AB, None)
-            if SWAP_AB:
-                acc += part * w_s[:, None]
-            else:
-                acc += part * w_s[None, :]
-        else:
-            acc = _mma(a, b, acc, SWAP_AB, None)
-    elif (not STEP) and (not INT_DOT):
+    STEP: tl.constexpr = ASCALE >= 2 or WSCALE == 2
+    if (not STEP) and (not INT_DOT):
         acc = _mma(a, b, acc, SWAP_AB, None)
     else:
         if a.shape[0] == 1:  # one row: products summed on the CUDA cores (exact for int8)
@@ -603,130 +590,6 @@ def _tile_rows(
     return expert, row_ok, pair, token, slot, slot0, first_ok
 
 
-@triton.jit
-def _gate_up_sums(
-    x_ptr, w_ptr, w_desc, b_ptr, a_rows, expert, n0, k_lo, k_hi, split, N, K, stride_xm,
-    stride_we, stride_wn, stride_be, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-    stride_xs, HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, QUANT: tl.constexpr,
-    ASCALE: tl.constexpr, WSCALE: tl.constexpr, WROWS: tl.constexpr, GROUP: tl.constexpr,
-    SG: tl.constexpr, HAS_ZERO: tl.constexpr, PACK: tl.constexpr, HALF: tl.constexpr,
-    ASM: tl.constexpr, INT_DOT: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """(gate, up) float32 [BLOCK_M, BLOCK_N]: x[a_rows] @ w13[expert] rows of output columns
-    n0 ... n0 + BLOCK_N (gate n / up N + n, or 2n / 2n + 1 when INTERLEAVED) over the K steps
-    [k_lo, k_hi), with the w8a8 scales and (share `split` 0 only) the bias applied. The main
-    loop of `_gate_up_kernel` and `_decode_kernel`; arguments as there."""
-    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
-    # quantized formats: scale / zero-point row pointers, activation scales, global scale
-    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
-    a_s_base = xs_ptr + a_rows * stride_xs
-    if QUANT == 5:
-        gscale = tl.load(wg_ptr + expert)
-    else:
-        gscale = 1.0
-    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    if INTERLEAVED:
-        # one tile of 2 * BLOCK_N rows alternating gate / up
-        rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
-        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
-        s_base = ws_e + (rows // WROWS) * stride_wsn
-        z_base = wz_e + rows * stride_wsn
-        acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
-        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo, k_hi):
-            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            k_left = K - ki * BLOCK_K
-            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if PACK == 2:
-                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
-                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-            else:
-                if USE_TMA:
-                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
-                else:
-                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
-                                  GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-            if not USE_TMA:
-                w_ptrs += BLOCK_K // PACK
-            a_ptrs += BLOCK_K
-            sc1, sc2 = nx1, nx2
-        acc = _unswap(acc, SWAP_AB)
-        if QUANT == 1:
-            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
-        if HAS_BIAS:
-            b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
-            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
-            acc += tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
-        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    else:
-        n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
-        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
-        u_ptrs = g_ptrs + N * stride_wn
-        sg_base = ws_e + (n_rows // WROWS) * stride_wsn
-        su_base = ws_e + ((N + n_rows) // WROWS) * stride_wsn
-        zg_base = wz_e + n_rows * stride_wsn
-        zu_base = wz_e + (N + n_rows) * stride_wsn
-        acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-        acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo, k_hi):
-            ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            k_left = K - ki * BLOCK_K
-            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if PACK == 2:
-                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-            else:
-                if USE_TMA:
-                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
-                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
-                else:
-                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                    DOT_PRECISION)  # fmt: skip
-                acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                    DOT_PRECISION)  # fmt: skip
-            if not USE_TMA:
-                g_ptrs += BLOCK_K // PACK
-                u_ptrs += BLOCK_K // PACK
-            a_ptrs += BLOCK_K
-            g1, g2, u1, u2 = ng1, ng2, nu1, nu2
-        acc_g = _unswap(acc_g, SWAP_AB)
-        acc_u = _unswap(acc_u, SWAP_AB)
-        if QUANT == 1:
-            acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
-            acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
-        if HAS_BIAS:
-            b_base = b_ptr + expert.to(tl.int64) * stride_be
-            acc_g += tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)[None, :]
-            acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
-
-    return acc_g, acc_u
-
-
 @triton.jit(
     do_not_specialize=[
         "num_pairs", "capacity", "blocks_per_expert", "num_pid_m", "zero_numel", "part_stride",
@@ -840,12 +703,111 @@ def _gate_up_kernel(
     share = tl.cdiv(k_steps, SPLIT_K)
     k_lo = split * share
     k_hi = tl.minimum(k_steps, k_lo + share)
-    acc_g, acc_u = _gate_up_sums(
-        x_ptr, w_ptr, w_desc, b_ptr, a_rows, expert, n0, k_lo, k_hi, split, N, K, stride_xm,
-        stride_we, stride_wn, stride_be, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-        stride_xs, HAS_BIAS, INTERLEAVED, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-        HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
+    a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
+    # quantized formats: scale / zero-point row pointers, activation scales, global scale
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
+    a_s_base = xs_ptr + a_rows * stride_xs
+    if QUANT == 5:
+        gscale = tl.load(wg_ptr + expert)
+    else:
+        gscale = 1.0
+    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    if INTERLEAVED:
+        # one tile of 2 * BLOCK_N rows alternating gate / up
+        rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
+        s_base = ws_e + (rows // WROWS) * stride_wsn
+        z_base = wz_e + rows * stride_wsn
+        acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
+        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        for ki in range(k_lo, k_hi):
+            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            k_left = K - ki * BLOCK_K
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if PACK == 2:
+                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
+                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+            else:
+                if USE_TMA:
+                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+                else:
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
+                                  GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+            if not USE_TMA:
+                w_ptrs += BLOCK_K // PACK
+            a_ptrs += BLOCK_K
+            sc1, sc2 = nx1, nx2
+        acc = _unswap(acc, SWAP_AB)
+        if QUANT == 1:
+            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
+        if HAS_BIAS:
+            b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
+            acc += tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    else:
+        n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
+        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
+        u_ptrs = g_ptrs + N * stride_wn
+        sg_base = ws_e + (n_rows // WROWS) * stride_wsn
+        su_base = ws_e + ((N + n_rows) // WROWS) * stride_wsn
+        zg_base = wz_e + n_rows * stride_wsn
+        zu_base = wz_e + (N + n_rows) * stride_wsn
+        acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        for ki in range(k_lo, k_hi):
+            ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            k_left = K - ki * BLOCK_K
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if PACK == 2:
+                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+            else:
+                if USE_TMA:
+                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+                else:
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+                acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
+                                    DOT_PRECISION)  # fmt: skip
+                acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
+                                    DOT_PRECISION)  # fmt: skip
+            if not USE_TMA:
+                g_ptrs += BLOCK_K // PACK
+                u_ptrs += BLOCK_K // PACK
+            a_ptrs += BLOCK_K
+            g1, g2, u1, u2 = ng1, ng2, nu1, nu2
+        acc_g = _unswap(acc_g, SWAP_AB)
+        acc_u = _unswap(acc_u, SWAP_AB)
+        if QUANT == 1:
+            acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
+            acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
+        if HAS_BIAS:
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            acc_g += tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)[None, :]
+            acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
 
     n_out = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (n_out[None, :] < N)
@@ -1012,146 +974,6 @@ def _down_kernel(
         tl.atomic_add(out_ptrs, val, mask=mask, sem="relaxed")
     else:
         tl.store(out_ptrs, val, mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------
-# Decode: the whole expert FFN in one launch
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _down_slice(
-    h, w_ptr, b_ptr, expert, rows, j, N, K, stride_we, stride_wn, stride_be, ws_ptr, wz_ptr,
-    gscale, a_s_base, stride_wse, stride_wsn, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
-    ASCALE: tl.constexpr, WSCALE: tl.constexpr, WROWS: tl.constexpr, GROUP: tl.constexpr,
-    SG: tl.constexpr, HAS_ZERO: tl.constexpr, PACK: tl.constexpr, HALF: tl.constexpr,
-    ASM: tl.constexpr, INT_DOT: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_I: tl.constexpr,
-):  # fmt: skip
-    """float32 [BM, rows]: h [BM, BLOCK_I] (columns j * BLOCK_I ... of the intermediate, zero
-    past K = I) @ w2[expert][rows, those columns].T, as one K step of `_down_kernel` with
-    block_k = BLOCK_I (same weight reads and scales), plus the bias when j == 0."""
-    DOT_DTYPE: tl.constexpr = h.dtype
-    rows_c = rows % N
-    offs_wk = j * (BLOCK_I // PACK) + tl.arange(0, BLOCK_I // PACK)
-    ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rows_c[None, :].to(tl.int64) * stride_wn
-            + offs_wk[:, None])  # fmt: skip
-    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    s_base = ws_e + (rows_c // WROWS) * stride_wsn
-    z_base = wz_ptr + expert.to(tl.int64) * stride_wse + rows_c * stride_wsn
-    k_left = K - j * BLOCK_I
-    acc = _zeros_acc(h.shape[0], rows.shape[0], SWAP_AB)
-    if PACK == 2:
-        s, z = _step_scales(s_base, z_base, a_s_base, gscale, j, K, QUANT, ASCALE, WSCALE, GROUP,
-                            SG, HAS_ZERO, BLOCK_I, True)  # fmt: skip
-        acc = _packed_mma(h, ptrs, s, z, k_left, acc, QUANT, EVEN_K, BLOCK_I, SG, HALF, ASM,
-                          SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-        acc = _unswap(acc, SWAP_AB)
-    else:
-        b = _w_tile(ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_I, DOT_DTYPE)
-        acc = _stored_mma(h, 0.0, b, acc, s_base, a_s_base, j, K, QUANT, ASCALE, WSCALE, GROUP,
-                          BLOCK_I, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-        acc = _unswap(acc, SWAP_AB)
-        if QUANT == 1:
-            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rows_c).to(tl.float32)
-        acc += tl.where(j == 0, bias, 0.0)[None, :]
-    return acc
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _decode_kernel(
-    x_ptr, w13_ptr, w13_desc, b13_ptr, w2_ptr, b2_ptr, ids_ptr, topk_weights_ptr, out_ptr,
-    sum_ptr, count_ptr, num_pairs, top_k, num_experts, I, H, stride_xm, stride_w13e,
-    stride_w13n, stride_b13e, stride_w2e, stride_w2n, stride_b2e, stride_om, alpha, limit,
-    ws13_ptr, wz13_ptr, wg13_ptr, ws2_ptr, wz2_ptr, wg2_ptr, stride_ws13e, stride_ws13n,
-    stride_ws2e, stride_ws2n,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, QUANT: tl.constexpr,
-    WSCALE: tl.constexpr, WROWS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-    PACK: tl.constexpr, HALF: tl.constexpr, INT_DOT: tl.constexpr, SG: tl.constexpr,
-    ASM: tl.constexpr, SG2: tl.constexpr, ASM2: tl.constexpr, USE_TMA: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, SWAP_AB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """out[t] = sum over the token's valid pairs p of weight_p * expert_{ids[p]}(x[t]), for a
-    few pairs, in one launch. Program (p, j) computes columns j * BLOCK_I ... of pair p's
-    intermediate h (`_gate_up_sums` with one row: products on the CUDA cores), rounds them to
-    x's dtype as the two-GEMM path stores h, multiplies them by those columns of w2 (the down
-    GEMM split along I, `_down_slice`, BLOCK_H output columns at a time) and adds the
-    weighted product into sum [T, H] (float32, atomics). Then it counts itself in count[t]
-    (CTA barrier, GPU-scope acq_rel atomic, as `_split_fixup`); the last of the token's
-    programs reads the sums back from L2, stores out[t] in x's dtype, and leaves sum[t] and
-    count[t] zero for the next call (both must be zeros on entry). A token with no valid pair
-    gets zeros from program (t * K, 0). Pairs with ids outside [0, E) do nothing.
-    BLOCK_M 1: the products are summed on the CUDA cores; 16: the pair's row is repeated 16
-    times so that both GEMMs are MMAs (the only loads Triton pipelines), and row 0 is kept.
-
-    x [T, H]; w13 [E, 2I, H], w2 [E, H, I] (or packed / quantized as `_gate_up_kernel` and
-    `_down_kernel` read them, scales ws / wz / wg per weight); w13_desc: TMA descriptor of
-    w13 viewed [E * 2I, H], block [BLOCK_I (x2 interleaved), BLOCK_K], when USE_TMA. w8a8
-    weights multiply the unquantized activations (ASCALE S_NONE)."""
-    pid = tl.program_id(0)
-    slices = tl.cdiv(I, BLOCK_I)
-    pair = pid // slices
-    j = pid % slices
-    token = pair // top_k
-    first = token * top_k
-    ks = tl.arange(0, TOPK_P2)
-    ids = tl.load(ids_ptr + first + ks, mask=ks < top_k, other=-1)
-    valid = tl.sum(((ids >= 0) & (ids < num_experts)).to(tl.int32), axis=0)
-    h_cols = tl.arange(0, BLOCK_H)
-    out_row = out_ptr + token.to(tl.int64) * stride_om
-    sum_row = sum_ptr + token.to(tl.int64) * H
-    if valid == 0:
-        if (pair == first) & (j == 0):
-            for n0 in range(0, H, BLOCK_H):
-                n = n0 + h_cols
-                tl.store(out_row + n, tl.zeros([BLOCK_H], out_ptr.dtype.element_ty), mask=n < H)
-        return
-    e = tl.load(ids_ptr + pair)
-    if (e < 0) | (e >= num_experts):
-        return
-    a_rows = tl.zeros([BLOCK_M], dtype=tl.int64) + token
-    i0 = j * BLOCK_I
-    acc_g, acc_u = _gate_up_sums(
-        x_ptr, w13_ptr, w13_desc, b13_ptr, a_rows, e, i0, 0, tl.cdiv(H, BLOCK_K), 0, I, H,
-        stride_xm, stride_w13e, stride_w13n, stride_b13e, ws13_ptr, wz13_ptr, wg13_ptr, ws13_ptr,
-        stride_ws13e, stride_ws13n, 0, HAS_BIAS, INTERLEAVED, QUANT, 4, WSCALE, WROWS, GROUP, SG,
-        HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_M,
-        BLOCK_I, BLOCK_K,
-    )  # fmt: skip
-    i_cols = i0 + tl.arange(0, BLOCK_I)
-    h = activate(acc_g, acc_u, alpha, limit, ACT)
-    h = tl.where(i_cols[None, :] < I, h, 0.0).to(x_ptr.dtype.element_ty)
-    weight = tl.load(topk_weights_ptr + pair)
-    if QUANT == 5:
-        gscale2 = tl.load(wg2_ptr + e)
-    else:
-        gscale2 = 1.0
-    a_none = ws2_ptr + tl.zeros([BLOCK_M], dtype=tl.int32)  # activation scales: none (S_NONE)
-    row0 = tl.arange(0, BLOCK_M)[:, None] == 0
-    for n0 in range(0, H, BLOCK_H):
-        n = n0 + h_cols
-        y = _down_slice(
-            h, w2_ptr, b2_ptr, e, n, j, H, I, stride_w2e, stride_w2n, stride_b2e, ws2_ptr,
-            wz2_ptr, gscale2, a_none, stride_ws2e, stride_ws2n, HAS_BIAS, QUANT, 4, WSCALE,
-            WROWS, GROUP, SG2, HAS_ZERO, PACK, HALF, ASM2, INT_DOT, EVEN_I, SWAP_AB,
-            DOT_PRECISION, BLOCK_I,
-        )  # fmt: skip
-        y = tl.sum(tl.where(row0, y, 0.0), axis=0) * weight
-        tl.atomic_add(sum_row + n, y, mask=n < H, sem="relaxed")
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu")
-    if arrived == valid * slices - 1:
-        tl.debug_barrier()
-        for n0 in range(0, H, BLOCK_H):
-            n = n0 + h_cols
-            total = tl.load(sum_row + n, mask=n < H, other=0.0, cache_modifier=".cg")
-            tl.store(out_row + n, total.to(out_ptr.dtype.element_ty), mask=n < H)
-            tl.store(sum_row + n, tl.zeros([BLOCK_H], tl.float32), mask=n < H)
-        tl.store(count_ptr + token, 0)
 
 
 # ----------------------------------------------------------------------------------------------

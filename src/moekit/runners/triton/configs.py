@@ -108,47 +108,6 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    """Blocks of the one-launch decode kernel (`ops.decode`): each program computes block_i
-    columns of one pair's intermediate (gate_up over H in steps of block_k) and multiplies
-    them by those columns of w2, block_h output columns at a time; block_m: 16 (the pair's row
-    repeated into MMAs, whose loads Triton pipelines) or 1 (products on the CUDA cores);
-    swap_ab: the weights in the MMA's M slot; tma: gate_up weight tiles through TMA
-    (unquantized / w8a8 weights)."""
-
-    block_i: int = 32
-    block_k: int = 128
-    block_h: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-    block_m: int = 16
-    swap_ab: bool = False
-    tma: bool = False
-
-    def __post_init__(self) -> None:
-        if self.block_m not in (1, 16):
-            raise ValueError(f"DecodeConfig.block_m must be 1 or 16, got {self.block_m!r}")
-        if self.block_m == 1 and self.swap_ab:
-            raise ValueError("DecodeConfig: block_m 1 multiplies on the CUDA cores; swap_ab must be False")
-        for name in ("block_i", "block_k", "block_h"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, got {v!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"DecodeConfig num_warps / num_stages out of range: {self}")
-
-
-def decode_config(pairs: float, I: int, packed: bool, sms: int = 132) -> DecodeConfig:
-    """Heuristic blocks for `ops.decode` with `pairs` local pairs: the widest block_i (16 ...
-    64; 32+ for packed 4-bit weights, whose w2 reads are block_i / 2 bytes a row) that still
-    gives every SM two programs."""
-    block_i = 64
-    while block_i > (32 if packed else 16) and max(pairs, 1) * -(-I // block_i) < 2 * sms:
-        block_i //= 2
-    return DecodeConfig(block_i=block_i, block_k=256 if packed else 128, block_h=256)
-
-
-@dataclass(frozen=True)
 class PipelineConfig:
     """Choices above the GEMM configs. direct_max_tokens: batches of at most this many tokens
     skip the alignment (one pair per row block; weights of an expert picked twice are read
@@ -163,15 +122,13 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md). decode_max_pairs: standard calls with at most this many local
-    pairs (T * K * local share) run the whole FFN in one launch (`ops.decode`)."""
+    benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
-    decode_max_pairs: float = 0.0
 
 
 PIPELINE = PipelineConfig()

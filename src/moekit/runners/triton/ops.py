@@ -28,9 +28,7 @@ from moekit.runners.triton import _kernels as k
 from moekit.runners._align import AlignOutput, align_block_size
 from moekit.runners.triton.configs import (
     PIPELINE,
-    DecodeConfig,
     GemmConfig,
-    decode_config,
     adapt_config,
     default_config,
     get_config,
@@ -333,34 +331,28 @@ class Rows:
         return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SPLIT_COUNTS: dict[tuple, torch.Tensor] = {}
 
 
-def zeroed_scratch(device: torch.device, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """Zeros [>= numel] of `dtype` that the kernels leave zeroed again (no memset per call):
-    one buffer per (name, device, stream), kept between calls. Grown outside CUDA-graph
-    capture; during a capture that needs more, a zeroed buffer of the graph's own (its memset
-    is part of the graph)."""
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros [>= tiles]: the arrival counts of a split-K gate_up's output tiles, one buffer
+    per (device, stream), kept between calls (each launch leaves it zeroed again: no memset
+    per call). Grown outside CUDA-graph capture; during a capture that needs more, a zeroed
+    buffer of the graph's own (its memset is part of the graph)."""
     stream = 0
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None
                               else torch.cuda.current_device())  # fmt: skip
         stream = torch.cuda.current_stream(device).cuda_stream
-    key = (name, str(device), stream)
-    buf = _SCRATCH.get(key)
-    if buf is not None and buf.numel() >= numel:
+    key = (str(device), stream)
+    buf = _SPLIT_COUNTS.get(key)
+    if buf is not None and buf.numel() >= tiles:
         return buf
-    size = max(numel, 1 << 14)
+    size = max(tiles, 1 << 14)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(size, dtype=dtype, device=device)
-    _SCRATCH[key] = buf = torch.zeros(size, dtype=dtype, device=device)
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    _SPLIT_COUNTS[key] = buf = torch.zeros(size, dtype=torch.int32, device=device)
     return buf
-
-
-def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """int32 zeros [>= tiles]: the arrival counts of a split-K gate_up's output tiles
-    (`zeroed_scratch`: each launch leaves them zeroed)."""
-    return zeroed_scratch(device, "split_counts", torch.int32, tiles)
 
 
 def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: torch.Tensor):
@@ -546,94 +538,6 @@ def sum_topk(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: to
     return out
 
 
-def decode(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w: ExpertWeights,
-    act: ActivationSpec,
-    cfg: DecodeConfig,
-    warmup: bool = False,
-) -> torch.Tensor:
-    """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x) in one launch
-    (`_kernels._decode_kernel`: program (pair, block_i columns of I), products on the CUDA
-    cores, the down GEMM split along I and added up in float32). For a few pairs: each pair
-    reads its expert's weights itself. ids [T, K] int32 (-1: not on this rank), weights
-    [T, K] float32. w8a8 weights (fp8 / int8) multiply the unquantized activations here, with
-    their weight scales (no activation quantization, which costs more launches than this
-    whole call at decode; the result is closer to the unquantized model than the w8a8 GEMMs')."""
-    T, H = x.shape
-    K = ids.shape[1]
-    I, E = w.intermediate_size, w.num_experts
-    out = torch.empty_like(x)
-    if T == 0:
-        return out
-    wq13 = WeightQuant(w, "w13") if w.is_quantized else None
-    wq2 = WeightQuant(w, "w2") if w.is_quantized else None
-    bi, bk, bh = cfg.block_i, cfg.block_k, cfg.block_h
-    if wq13 is not None:
-        if wq13.quant == k.Q_W8A8 and wq13.wscale == k.S_GROUP:
-            group = wq13.spec.block_shape[1]  # the weights' K group (activations unquantized)
-            bk, bi = min(bk, group), min(bi, group)
-        if wq13.pack == 2:
-            bk, bi = max(bk, 32), max(bi, 32)
-    act_dtype = x.dtype
-    gate_cfg = GemmConfig(1, bi, bk, num_warps=cfg.num_warps)
-    down_cfg = GemmConfig(1, bh, bi, num_warps=cfg.num_warps)
-    tile_rows = 2 * bi if act.interleaved else bi
-    if wq13 is None:
-        fmt = dict(_NO_QUANT_META, SG2=1, ASM2=False)
-    else:
-        m13 = wq13.meta(gate_cfg, tile_rows, act_dtype)
-        m2 = wq2.meta(down_cfg, bh, act_dtype)
-        fmt = dict(m13, SG2=m2["SG"], ASM2=m2["ASM"])
-        if wq13.quant == k.Q_W8A8 and wq13.wscale == k.S_GROUP:
-            fmt["GROUP"] = wq13.spec.block_shape[1]
-    del fmt["ASCALE"]
-    use_tma = (cfg.tma and _use_tma(GemmConfig(tma=True), wq13) and _tma_ok(w.w13)
-               and w.w13.is_contiguous())  # fmt: skip
-    w_desc = _desc(w.w13.view(E * 2 * I, H), [tile_rows, bk]) if use_tma else None
-    sums = zeroed_scratch(x.device, "decode_sums", torch.float32, T * H)
-    counts = zeroed_scratch(x.device, "decode_counts", torch.int32, T)
-    b13 = w.b13 if w.b13 is not None else w.w13
-    b2 = w.b2 if w.b2 is not None else w.w2
-    s13 = wq13.args(w.w13) if wq13 is not None else (w.w13, w.w13, w.w13, 0, 0)
-    s2 = wq2.args(w.w2) if wq2 is not None else (w.w2, w.w2, w.w2, 0, 0)
-    args = (
-        x, w.w13, w_desc, b13, w.w2, b2, ids, topk_weights, out, sums, counts, T * K, K, E, I,
-        H, x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), w.w2.stride(0),
-        w.w2.stride(1), b2.stride(0), out.stride(0), float(act.alpha), float(act.limit),
-        *s13[:3], *s2[:3], *s13[3:], *s2[3:],
-    )  # fmt: skip
-    meta = dict(
-        ACT=ACT_CODES[act.name],
-        HAS_BIAS=w.b13 is not None,
-        INTERLEAVED=act.interleaved,
-        USE_TMA=use_tma,
-        EVEN_K=H % bk == 0,
-        EVEN_I=I % bi == 0,
-        SWAP_AB=cfg.swap_ab,
-        DOT_PRECISION=_precision(act_dtype),
-        TOPK_P2=triton.next_power_of_2(K),
-        BLOCK_M=cfg.block_m,
-        BLOCK_I=bi,
-        BLOCK_K=bk,
-        BLOCK_H=bh,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **fmt,
-    )
-    grid = (T * K * triton.cdiv(I, bi),)
-    _launch(k._decode_kernel, grid, args, meta, warmup)
-    return out
-
-
-def use_decode(num_pairs: float) -> bool:
-    """Whether a standard call with `num_pairs` local pairs (T * K * local share) runs in one
-    launch (`decode`): `PIPELINE.decode_max_pairs`."""
-    return 0 < num_pairs <= PIPELINE.decode_max_pairs
-
-
 def configs_for(
     num_tokens: float, top_k: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
 ) -> tuple[GemmConfig, GemmConfig]:
@@ -676,10 +580,6 @@ def fused_moe(
     if T == 0 or K == 0:
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
-    if configs is None and use_decode(T * K * local_share):
-        packed = w.is_quantized and w.spec.pack_factor == 2
-        cfg = decode_config(T * K * local_share, w.intermediate_size, packed)
-        return decode(x_TH, ids, weights, w, act, cfg)
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
     if T <= PIPELINE.direct_max_tokens:  # one pair per row block (row 0 of 16, or of 1)
         cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in (cfg1, cfg2))
