@@ -1,7 +1,7 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|row1|prefetch] [--out NAME]
+        [--min-gain 1.03] [--variants split|down-split|row1] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
@@ -11,9 +11,6 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   down splitS (--variants down-split) the down GEMM split over K into S shares (2, 4; atomic)
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
-  no prefetch (--variants prefetch) the table's configs with `PIPELINE.row1_prefetch` off
-              (one-row GEMMs wait for each weight tile; compares code, not configs: no
-              table edits)
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
 (copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/NAME.json and
@@ -22,7 +19,6 @@ $OUT/NAME_cfg.tgz (NAME: --out, default decode_variants).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -67,18 +63,11 @@ ROW1_TILES = (
 )
 
 
-# variants that change a `PIPELINE` field instead of the configs (and so never edit a table)
-PIPELINE_VARIANTS = {"no prefetch": {"row1_prefetch": False}}
-
-
 def variants(kind: str = "split") -> dict:
     """name -> f(gate_up config, down config) -> (gate_up config, down config). kind 'split':
     gate_up split over K; 'down-split': down split over K; 'row1': both GEMMs with one pair per program (block_m 1, products
     on the CUDA cores), with the table's tiles and with the tiles of ROW1_TILES."""
     out = {"table": lambda c1, c2: (c1, c2)}
-    if kind == "prefetch":
-        out["no prefetch"] = out["table"]
-        return out
     if kind == "split":
         for s in (2, 4, 8):
             out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
@@ -143,23 +132,16 @@ def main() -> None:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
             seen = {}
 
-            def make(change, pipeline, seen=seen, sets=sets, module=module):
+            def make(change, seen=seen, sets=sets, module=module):
                 def configs_for(num_tokens, top_k, w, dtype, device):
                     seen["args"] = (num_tokens, top_k, w, dtype, device)
                     return change(*real_configs_for(num_tokens, top_k, w, dtype, device))
 
-                @contextlib.contextmanager
-                def around():
-                    with mock.patch.object(ops, "configs_for", configs_for), \
-                            mock.patch.object(ops, "PIPELINE", pipeline):  # fmt: skip
-                        yield
+                return layer_over_sets(
+                    module, sets, lambda: mock.patch.object(ops, "configs_for", configs_for)
+                )
 
-                return layer_over_sets(module, sets, around)
-
-            fns = {
-                n: make(c, replace(ops.PIPELINE, **PIPELINE_VARIANTS.get(n, {})))
-                for n, c in variants(kind).items()
-            }
+            fns = {n: make(c) for n, c in variants(kind).items()}
             ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
             us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
             best = min(us, key=us.get)
@@ -168,7 +150,7 @@ def main() -> None:
             res["points"][name] = {"us": us, "best": best, "gain": round(gain, 4)}
             print(name, us, "->", best, f"{gain:.3f}", flush=True)
             (OUT / f"{out_name}.json").write_text(json.dumps(res, indent=1))
-            if best == "table" or gain < min_gain or best in PIPELINE_VARIANTS:
+            if best == "table" or gain < min_gain:
                 continue
             T_local, _, weights, act_dtype, _ = seen["args"]
             base = real_configs_for(*seen["args"])

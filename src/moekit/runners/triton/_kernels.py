@@ -26,6 +26,7 @@ from moekit.runners._triton_common import (
     activate,
     desc_w_tile,
     load_a_tile,
+    load_w_tile,
     tile_coords,
     zero_fill,
 )
@@ -51,59 +52,19 @@ ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
 
 
 @triton.jit
-def _load_w(
-    ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr,
+def _w_tile(
+    ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Stored weight tile [BLOCK_K / PACK, rows] (K along dim 0, PACK values an element) from
-    `ptrs`; elements at or past K column k_left read as zero unless EVEN_K."""
-    if EVEN_K:
-        q = tl.load(ptrs)
-    elif PACK == 2:  # packed bytes
-        q = tl.load(ptrs, mask=tl.arange(0, BLOCK_K // 2)[:, None] < k_left // 2, other=0)
-    else:
-        q = tl.load(ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
-    return q
-
-
-@triton.jit
-def _step_w(
-    ptrs, ahead, k_left, last, AHEAD: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_K: tl.constexpr, PACK: tl.constexpr,
-):  # fmt: skip
-    """(stored weight tile of this K step, `ahead` for the next step); `ptrs` point at this
-    step's tile. AHEAD: the tile was loaded one step earlier (`ahead`), and the next step's
-    load is issued here (none after the program's last step: `last`), so that it is in flight
-    while this step computes. One-row programs (block_m 1) need this: Triton pipelines only the
-    loads that feed an MMA. Otherwise the tile is loaded here and `ahead` is passed on."""
-    if AHEAD:
-        cur = ahead
-        ahead = _load_w(ptrs + BLOCK_K // PACK, tl.where(last, 0, k_left - BLOCK_K), False,
-                        BLOCK_K, PACK)  # fmt: skip
-    else:
-        cur = _load_w(ptrs, k_left, EVEN_K, BLOCK_K, PACK)
-    return cur, ahead
-
-
-@triton.jit
-def _first_w(ptrs, k_left, AHEAD: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr):
-    """The `ahead` of `_step_w` before a program's first K step (a placeholder without AHEAD)."""
-    if AHEAD:
-        first = _load_w(ptrs, k_left, False, BLOCK_K, PACK)
-    else:
-        first = 0
-    return first
-
-
-@triton.jit
-def _w_tile(q, s_base, QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Weight tile [BLOCK_K, rows] (K along dim 0) of an unpacked format as a dot operand, from
-    the stored tile q (`_load_w`). Q_NONE / Q_W8A8: the stored values; Q_W8A16: int8 *
-    scale[n] (s_base [rows]: pointers to each row's scale), computed in float32 and rounded
-    once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
+    pointers `ptrs` to the stored data ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values;
+    Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
+    and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
     if QUANT == 2:
+        q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
         w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
     else:
-        w = q
+        w = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
     return w
 
 
@@ -394,13 +355,13 @@ def _step_scales(
 
 @triton.jit
 def _packed_mma(
-    a, q, s, z, acc,
-    QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr, HALF: tl.constexpr,
-    ASM: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    a, ptrs, s, z, k_left, acc,
+    QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, SG: tl.constexpr,
+    HALF: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     """acc += a [BM, BLOCK_K] @ w [BLOCK_K, rows] for a packed weight format (int4_w4a16, mxfp4,
-    nvfp4) stored as the bytes q ([BLOCK_K / 2, rows], `_load_w`); s, z: this step's scales
+    nvfp4) read from bytes `ptrs` ([BLOCK_K / 2, rows]); s, z: this step's scales
     (`_step_scales`). ASM (GPU only): dequantize with `_dequant_bytes_asm` (PTX, two weights
     per instruction), otherwise with its portable twin `_dequant_nibbles` (same values).
 
@@ -411,6 +372,10 @@ def _packed_mma(
     global scale)."""
     PK: tl.constexpr = BLOCK_K // 2
     BM: tl.constexpr = a.shape[0]
+    if EVEN_K:
+        q = tl.load(ptrs)
+    else:
+        q = tl.load(ptrs, mask=tl.arange(0, PK)[:, None] < k_left // 2, other=0)
     DOT_DTYPE: tl.constexpr = a.dtype
     if ASM:
         w_lo, w_hi = _dequant_bytes_asm(q, s, z, QUANT, SG, HALF, DOT_DTYPE, HAS_ZERO)
@@ -674,7 +639,6 @@ def _gate_up_kernel(
     ROWS: tl.constexpr,
     ZERO_OUT: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     QUANT: tl.constexpr,
     ASCALE: tl.constexpr,
     WSCALE: tl.constexpr,
@@ -712,7 +676,6 @@ def _gate_up_kernel(
     stores its float32 sums in part [SPLIT_K, slots, 2I] (gate columns n, up columns I + n)
     and counts itself in count[tile]; the last to arrive adds the shares up, activates and
     stores h, and sets the count back to 0 (`_split_fixup`: count must be zeros on entry).
-    PREFETCH (one-row blocks): weight tiles loaded one K step ahead (`_step_w`).
     """
     pid = tl.program_id(0)
     if ZERO_OUT:
@@ -754,7 +717,6 @@ def _gate_up_kernel(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    AHEAD: tl.constexpr = PREFETCH and not USE_TMA
     if INTERLEAVED:
         # one tile of 2 * BLOCK_N rows alternating gate / up
         rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
@@ -764,23 +726,19 @@ def _gate_up_kernel(
         acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
         sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                                 GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        aw = _first_w(w_ptrs, K - k_lo * BLOCK_K, AHEAD, BLOCK_K, PACK)
         for ki in range(k_lo, k_hi):
             nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
-            last = ki + 1 >= k_hi
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
-                q, aw = _step_w(w_ptrs, aw, k_left, last, AHEAD, EVEN_K, BLOCK_K, PACK)
-                acc = _packed_mma(a, q, sc1, sc2, acc, QUANT, BLOCK_K, SG, HALF, ASM, SWAP_AB,
-                                  DOT_PRECISION, HAS_ZERO)  # fmt: skip
+                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
+                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
                     b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
                 else:
-                    q, aw = _step_w(w_ptrs, aw, k_left, last, AHEAD, EVEN_K, BLOCK_K, PACK)
-                    b = _w_tile(q, s_base, QUANT, DOT_DTYPE)
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
@@ -810,32 +768,25 @@ def _gate_up_kernel(
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        ag = _first_w(g_ptrs, K - k_lo * BLOCK_K, AHEAD, BLOCK_K, PACK)
-        au = _first_w(u_ptrs, K - k_lo * BLOCK_K, AHEAD, BLOCK_K, PACK)
         for ki in range(k_lo, k_hi):
             ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
-            last = ki + 1 >= k_hi
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 2:
-                qg, ag = _step_w(g_ptrs, ag, k_left, last, AHEAD, EVEN_K, BLOCK_K, PACK)
-                qu, au = _step_w(u_ptrs, au, k_left, last, AHEAD, EVEN_K, BLOCK_K, PACK)
-                acc_g = _packed_mma(a, qg, g1, g2, acc_g, QUANT, BLOCK_K, SG, HALF, ASM, SWAP_AB,
-                                    DOT_PRECISION, HAS_ZERO)  # fmt: skip
-                acc_u = _packed_mma(a, qu, u1, u2, acc_u, QUANT, BLOCK_K, SG, HALF, ASM, SWAP_AB,
-                                    DOT_PRECISION, HAS_ZERO)  # fmt: skip
+                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
             else:
                 if USE_TMA:
                     bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
                     bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
                 else:
-                    qg, ag = _step_w(g_ptrs, ag, k_left, last, AHEAD, EVEN_K, BLOCK_K, PACK)
-                    qu, au = _step_w(u_ptrs, au, k_left, last, AHEAD, EVEN_K, BLOCK_K, PACK)
-                    bg = _w_tile(qg, sg_base, QUANT, DOT_DTYPE)
-                    bu = _w_tile(qu, su_base, QUANT, DOT_DTYPE)
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
@@ -920,7 +871,6 @@ def _down_kernel(
     ASM: tl.constexpr,
     INT_DOT: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -939,7 +889,7 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). PREFETCH: as `_gate_up_kernel`.
+    the K steps (the bias with the first share).
     """
     pid = tl.program_id(0)
     split = pid % SPLIT_K
@@ -976,11 +926,9 @@ def _down_kernel(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    AHEAD: tl.constexpr = PREFETCH and not USE_TMA
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                             GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-    aw = _first_w(b_ptrs, K - k_lo * BLOCK_K, AHEAD, BLOCK_K, PACK)
     for ki in range(k_lo, k_hi):
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
@@ -990,12 +938,11 @@ def _down_kernel(
             b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
         else:
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            q, aw = _step_w(b_ptrs, aw, k_left, ki + 1 >= k_hi, AHEAD, EVEN_K, BLOCK_K, PACK)
             if PACK == 1:
-                b = _w_tile(q, s_base, QUANT, DOT_DTYPE)
+                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:
-            acc = _packed_mma(a, q, sc1, sc2, acc, QUANT, BLOCK_K, SG, HALF, ASM, SWAP_AB,
-                              DOT_PRECISION, HAS_ZERO)  # fmt: skip
+            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
+                              ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
         else:
             a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
             acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,

@@ -122,16 +122,13 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md). row1_prefetch: GEMMs with one-row blocks (`GemmConfig.block_m`
-    1) load each weight tile one K step ahead: Triton software-pipelines only loads that feed
-    an MMA, so without it every step of such a program waits for its weight tile."""
+    benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
-    row1_prefetch: bool = True
 
 
 PIPELINE = PipelineConfig()

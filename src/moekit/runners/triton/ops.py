@@ -379,12 +379,6 @@ def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
     return cfg.tma and (wq is None or wq.quant == k.Q_W8A8)
 
 
-def _prefetch(cfg: GemmConfig) -> bool:
-    """Whether the GEMM loads its weight tiles one K step ahead (`_kernels._step_w`): one-row
-    blocks, whose loads Triton does not pipeline (`PIPELINE.row1_prefetch`)."""
-    return cfg.block_m == 1 and PIPELINE.row1_prefetch
-
-
 def _quant_args(wq: "WeightQuant | None", data: torch.Tensor, xs: torch.Tensor) -> tuple:
     """(ws, wz, wg, xs, stride_wse, stride_wsn, stride_xs) kernel arguments."""
     if wq is None:
@@ -461,7 +455,6 @@ def gate_up(
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         SPLIT_K=split,
-        PREFETCH=_prefetch(cfg),
         DOT_PRECISION=_precision(act_dtype),
         **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
@@ -522,7 +515,6 @@ def down(
         ROWS=rows.mode,
         ATOMIC=atomic,
         SPLIT_K=split_k,
-        PREFETCH=_prefetch(cfg),
         DOT_PRECISION=_precision(dot_dtype),
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
