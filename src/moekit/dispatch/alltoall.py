@@ -72,7 +72,7 @@ from moekit.dispatch.base import Dispatcher
 from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, all_to_all
 from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
 from moekit.dispatch.p2p import P2PExchange, agreed, p2p_unavailable
-from moekit.dispatch.rows import _use_triton, gather_reduce, scatter_rows
+from moekit.dispatch.rows import use_triton, gather_reduce, scatter_rows
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
 from moekit.log import log_once
@@ -165,7 +165,7 @@ class RowLayout:
         """out [num_rows, H] in dtype with out[dest[n, k]] = unpacked payload row n (rows nobody
         writes are undefined). fp8 with Triton: one kernel dequantizes from the (strided)
         payload rows straight into their destinations; otherwise unpack, then scatter_rows."""
-        if not (self.fp8 and _use_triton(payload, impl)):
+        if not (self.fp8 and use_triton(payload, impl)):
             return scatter_rows(self.unpack_tokens(payload), dest_NK, num_rows, impl)
         from moekit.dispatch._kernels import launch_dequant_scatter
 
@@ -462,7 +462,7 @@ class AllToAllDispatcher(Dispatcher):
         w = topk.weights if topk.weights.dtype == torch.float32 else topk.weights.float()
         job = PackJob(payload, w, E, layout.payload_bytes, layout.row_bytes)
         if self.p2p is not None:
-            if x_TH.is_cuda and _use_triton(x_TH, self.impl) and (
+            if x_TH.is_cuda and use_triton(x_TH, self.impl) and (
                     layout.fp8 or H * x_TH.element_size() % 4 == 0):
                 out = self._dispatch_p2p(x_TH, topk, layout, job)
                 if out is not None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.dispatch.layout import MAX_CHUNKS, NormalPlan, blocks_per_chunk, normal_plan
-from moekit.dispatch.rows import _use_triton
+from moekit.dispatch.rows import use_triton
 from moekit.dispatch.slots import SlotMap
 
 GRAPH_MODES = ("pack", "plan", "none")  # what normal mode replays from CUDA graphs
@@ -211,7 +211,7 @@ class PlanExchange:
 
     def _graphed(self, ids_TK: torch.Tensor, impl: str) -> bool:
         return (self.use_graphs and self.group is not None and self._eager_calls > 0
-                and _use_triton(ids_TK, impl) and ids_TK.shape[1] > 0
+                and use_triton(ids_TK, impl) and ids_TK.shape[1] > 0
                 and not torch.cuda.is_current_stream_capturing())
 
     def __call__(self, ids_TK: torch.Tensor, num_chunks: int, impl: str = "auto",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moekit.dispatch.rows import _use_triton
+from moekit.dispatch.rows import use_triton
 from moekit.dispatch.slots import SlotMap
 
 
@@ -54,7 +54,7 @@ def send_plan_torch(ids_TK, weights_TK, slots: SlotMap, R: int, E: int, C: int,
 def send_plan(ids_TK, weights_TK, slots: SlotMap, R: int, E: int, C: int, send_ids, send_w,
               impl: str = "auto") -> torch.Tensor:
     """See `send_plan_torch` (T <= C is the caller's check)."""
-    if not _use_triton(ids_TK, impl) or ids_TK.shape[0] == 0:
+    if not use_triton(ids_TK, impl) or ids_TK.shape[0] == 0:
         return send_plan_torch(ids_TK, weights_TK, slots, R, E, C, send_ids, send_w)
     from moekit.dispatch._kernels import launch_ll_send_plan
 
@@ -84,7 +84,7 @@ def recv_plan_torch(recv_ids, recv_w, E: int):
 
 def recv_plan(recv_ids, recv_w, E: int, impl: str = "auto"):
     """See `recv_plan_torch`."""
-    if not _use_triton(recv_ids, impl):
+    if not use_triton(recv_ids, impl):
         return recv_plan_torch(recv_ids, recv_w, E)
     from moekit.dispatch._kernels import launch_ll_recv_plan
 
@@ -228,7 +228,7 @@ def normal_plan(ids_TK, slots: SlotMap, R: int, E: int, num_chunks: int = 1, imp
     capacity (the caller sets it for the real T)."""
     _check_chunks(num_chunks)
     T, K = ids_TK.shape
-    if args is None and (not _use_triton(ids_TK, impl) or T == 0 or K == 0):
+    if args is None and (not use_triton(ids_TK, impl) or T == 0 or K == 0):
         return normal_plan_torch(ids_TK, slots, R, E, num_chunks, counts_out)
     from moekit.dispatch._kernels import launch_normal_plan
 
@@ -302,7 +302,7 @@ def pack_rows(payload_TP, plan: NormalPlan, weights_TK, E: int, out, meta, rows_
               tokens: tuple[int, int] | None = None, impl: str = "auto") -> torch.Tensor:
     """See `pack_rows_torch`; payload rows may be strided (last dim contiguous); out must have
     contiguous rows."""
-    if not _use_triton(payload_TP, impl):
+    if not use_triton(payload_TP, impl):
         return pack_rows_torch(payload_TP, plan, weights_TK, E, out, meta, rows_TR, tokens)
     from moekit.dispatch._kernels import launch_pack_rows
 

@@ -24,7 +24,10 @@ def _triton_ok() -> bool:
     return True
 
 
-def _use_triton(t: torch.Tensor, impl: str) -> bool:
+def use_triton(t: torch.Tensor, impl: str) -> bool:
+    """Whether the dispatch ops on `t` run their Triton kernels: impl 'triton', or 'auto' on a
+    CUDA tensor with Triton importable ('torch': the reference twins). Shared by the dispatch
+    modules."""
     if impl not in IMPLS:
         raise ValueError(f"row impl: unknown {impl!r}; allowed: {', '.join(IMPLS)}")
     if impl == "auto":
@@ -76,7 +79,7 @@ def gather_reduce(
 ) -> torch.Tensor:
     """See `gather_reduce_torch`. src rows may be strided (last dim contiguous); `out` [N, H]
     (rows may be strided) receives the result when given."""
-    if not _use_triton(src_MH, impl):
+    if not use_triton(src_MH, impl):
         res = gather_reduce_torch(src_MH, rows_NK, weights_NK, out_dtype)
         return res if out is None else out.copy_(res)
     from moekit.dispatch._kernels import launch_gather_reduce
@@ -128,7 +131,7 @@ def scatter_rows(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `scatter_rows_torch`. src and out rows may be strided (last dim contiguous)."""
-    if not _use_triton(src_NH, impl):
+    if not use_triton(src_NH, impl):
         return scatter_rows_torch(src_NH, dest_NK, num_rows, out)
     from moekit.dispatch._kernels import launch_scatter_rows
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.dispatch.rows import _use_triton
+from moekit.dispatch.rows import use_triton
 from moekit.placement import ExpertPlacement
 
 
@@ -94,7 +94,7 @@ class SlotMap:
     def local_ids(self, ids_TK: torch.Tensor, ep_rank: int, impl: str = "auto") -> torch.Tensor:
         """`local_ids_torch` in one Triton kernel on CUDA (the twin is about ten small
         launches: most of a decode step's dispatch on an EP rank that sees every token)."""
-        if not _use_triton(ids_TK, impl) or ids_TK.numel() == 0:
+        if not use_triton(ids_TK, impl) or ids_TK.numel() == 0:
             return self.local_ids_torch(ids_TK, ep_rank)
         from moekit.dispatch._kernels import launch_local_ids
 

@@ -75,7 +75,7 @@ def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if not 1 <= num_experts <= 1024:
-        raise ValueError(f"the triton runner supports 1..1024 local experts, got {num_experts}")
+        raise ValueError(f"the alignment kernels support 1..1024 local experts, got {num_experts}")
 
 
 def _empty(P: int, E: int, block_m: int, device, groups: bool = False) -> AlignOutput:
