@@ -72,7 +72,7 @@ from moekit.dispatch.base import Dispatcher
 from moekit.dispatch.exchange import GRAPH_MODES, PackJob, PlanExchange, all_to_all
 from moekit.dispatch.layout import MAX_CHUNKS, pack_rows, recv_plan, send_plan
 from moekit.dispatch.p2p import P2PExchange, agreed, p2p_unavailable
-from moekit.dispatch.rows import use_triton, gather_reduce, scatter_rows
+from moekit.dispatch.rows import gather_reduce, scatter_rows, use_triton
 from moekit.dispatch.slots import SlotMap
 from moekit.hardware import Availability, Platform
 from moekit.log import log_once
