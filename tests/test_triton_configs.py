@@ -105,6 +105,18 @@ def test_get_config_uses_table_else_heuristic(dirs):
     assert tc.get_config("gate_up", 5, 2, 8, 48, 40, "float32", "cpu").block_m == 64
 
 
+def test_table_of_another_triton_version_is_used_and_said(dirs, caplog, monkeypatch):
+    user, _ = dirs
+    monkeypatch.setattr(tc, "triton_version", lambda: "9.9.9")
+    key = TableKey("gate_up", 8, 2 * 40, 48, "float32", "cpu", "3.6.0")
+    tc.write_table(user / key.filename(), key, {4: GemmConfig(block_m=64, block_n=16)}, {})
+    tc.clear_cache()
+    with caplog.at_level("INFO", logger="moekit"):
+        assert tc.get_config("gate_up", 5, 2, 8, 48, 40, "float32", "cpu").block_m == 64
+    assert "tuned with Triton 3.6.0, running 9.9.9" in caplog.text
+    assert tc.table_triton_version(user / key.filename()) == "3.6.0"
+
+
 def test_bad_file_names_itself(dirs):
     user, _ = dirs
     path = user / KEY.filename()

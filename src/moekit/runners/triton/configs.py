@@ -97,7 +97,7 @@ class GemmConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GemmConfig":
+    def from_dict(cls, d: dict) -> GemmConfig:
         allowed = {f.name for f in fields(cls)}
         unknown = set(d) - allowed
         if unknown:
@@ -260,8 +260,13 @@ def write_table(path: Path, key: TableKey, configs: dict[int, GemmConfig], meta:
     tmp.replace(path)
 
 
+def table_triton_version(path: Path | str) -> str:
+    """The Triton version a table file was tuned with (its name's `triton=` field)."""
+    return Path(path).name.rsplit(",triton=", 1)[-1].removesuffix(".json")
+
+
 def _version_key(path: Path) -> tuple:
-    version = path.name.rsplit(",triton=", 1)[-1].removesuffix(".json")
+    version = table_triton_version(path)
     return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+-]", version))
 
 
@@ -278,7 +283,7 @@ def _candidates(key: TableKey) -> list[Path]:
     return paths
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find_table(key: TableKey) -> Table | None:
     """The first readable table for `key` (see module docstring), else None. Cached: call
     `clear_cache()` after writing new files."""
@@ -401,7 +406,14 @@ def get_config(
     if table is not None and (
         quant == "unquantized" or num_tokens <= QUANT_TABLE_REACH * max(table.configs)
     ):
-        log_once(logging.INFO, f"{what}: tuned configs from {table.source}")
+        tuned_with = table_triton_version(table.source)
+        note = (
+            ""
+            if tuned_with == key.triton
+            else f" (tuned with Triton {tuned_with}, running {key.triton}: `moekit tune` "
+            "makes a table for this version)"
+        )
+        log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
         return table.pick(num_tokens)
     if quant != "unquantized":
         log_once(
