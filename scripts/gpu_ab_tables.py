@@ -17,7 +17,6 @@ differences between configs, so a table is shipped only on a same-run, alternate
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -27,19 +26,15 @@ from pathlib import Path
 import torch
 
 from moekit.bench import time_ms
-from moekit.quant import quantize_experts
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton import ops
-from moekit.tune import random_weights, shape_for, uniform_topk
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_triton_quant import FORMATS, ROTATE_BYTES, weight_bytes
+from gpu_triton_quant import PRESET_PARALLEL, spec_points
 
 ROUNDS = int(os.environ.get("AB_ROUNDS", "5"))
-PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
-           "gpt-oss-120b": (1, 1)}  # fmt: skip
 DEFAULT = ";".join(
-    [f"{m}:bf16:1,4,16" for m in PRESETS]
+    [f"{m}:bf16:1,4,16" for m in PRESET_PARALLEL]
     + ["qwen3-30b-a3b:int4-g128:1,4,16", "gpt-oss-120b:fp8-block:1,4,16"]
 )
 
@@ -58,48 +53,38 @@ def main() -> None:
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(), "new_dir": new_dir, "rounds": ROUNDS,
            "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"), "points": []}  # fmt: skip
-    weights = {}
-    for item in spec.split(";"):
-        model, fmt, sizes = item.split(":")
-        tp, ep = PRESETS[model]
-        shape = shape_for(model, tp, ep)
-        E, K, H = shape.num_experts, shape.top_k, shape.hidden
-        torch.manual_seed(0)
-        if model not in weights:
-            weights = {model: random_weights(shape, dev)}  # one preset's weights at a time
-        w = weights[model] if fmt == "bf16" else quantize_experts(weights[model], FORMATS[fmt])
-        gen = torch.Generator(device=dev).manual_seed(1)
-        for T in (int(t) for t in sizes.split(",")):
-            R = max(1, min(16, math.ceil(ROTATE_BYTES / (min(E, T * K) * weight_bytes(w)))))
-            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
-            topks = [uniform_topk(T, E, K, dev, gen) for _ in range(R)]
-            shipped = _configs(w, T, K, None)
-            new = _configs(w, T, K, new_dir)
-            variants = {"shipped": shipped, "new": new,
-                        "new_unsplit": (new[0], replace(new[1], split_k=1))}  # fmt: skip
+    for model, fmt, shape, w, T, x, topks in spec_points(spec, dev):
+        K, R = shape.top_k, len(topks)
+        shipped = _configs(w, T, K, None)
+        new = _configs(w, T, K, new_dir)
+        variants = {"shipped": shipped, "new": new,
+                    "new_unsplit": (new[0], replace(new[1], split_k=1))}  # fmt: skip
 
-            def call(cfgs, w=w, x=x, topks=topks, act=shape.act):
-                for t in topks:
-                    ops.fused_moe(x, t, w, act, configs=cfgs)
+        def call(cfgs, w=w, x=x, topks=topks, act=shape.act):
+            for t in topks:
+                ops.fused_moe(x, t, w, act, configs=cfgs)
 
-            times = {name: [] for name in variants}
-            for _ in range(ROUNDS):
-                for name, cfgs in variants.items():
-                    times[name].append(time_ms(lambda c=cfgs: call(c), dev, warmup=3,
-                                               samples=10) / R * 1e3)  # fmt: skip
-            med = {name: statistics.median(v) for name, v in times.items()}
-            rec = {"model": model, "format": fmt, "T": T, "R": R,
-                   "us": {k: round(v, 2) for k, v in med.items()},
-                   "spread": {k: round((max(v) - min(v)) / statistics.median(v), 3)
-                              for k, v in times.items()},
-                   "shipped_over_new": round(med["shipped"] / med["new"], 3),
-                   "unsplit_over_new": round(med["new_unsplit"] / med["new"], 3),
-                   "configs": {k: [str(c) for c in v] for k, v in variants.items()}}  # fmt: skip
-            out["points"].append(rec)
-            print(f"{model:14} {fmt:9} T={T:3}  shipped {med['shipped']:8.1f}  new "
-                  f"{med['new']:8.1f}  new_unsplit {med['new_unsplit']:8.1f} us  "
-                  f"shipped/new {rec['shipped_over_new']:.3f}  unsplit/new "
-                  f"{rec['unsplit_over_new']:.3f}  split_k {new[1].split_k}", flush=True)
+        times = {name: [] for name in variants}
+        for _ in range(ROUNDS):
+            for name, cfgs in variants.items():
+                times[name].append(time_ms(lambda c=cfgs: call(c), dev, warmup=3,
+                                           samples=10) / R * 1e3)  # fmt: skip
+        med = {name: statistics.median(v) for name, v in times.items()}
+        rec = {"model": model, "format": fmt, "T": T, "R": R,
+               "us": {k: round(v, 2) for k, v in med.items()},
+               "spread": {k: round((max(v) - min(v)) / statistics.median(v), 3)
+                          for k, v in times.items()},
+               "shipped_over_new": round(med["shipped"] / med["new"], 3),
+               "unsplit_over_new": round(med["new_unsplit"] / med["new"], 3),
+               "configs": {k: [str(c) for c in v] for k, v in variants.items()}}  # fmt: skip
+        out["points"].append(rec)
+        print(
+            f"{model:14} {fmt:9} T={T:3}  shipped {med['shipped']:8.1f}  new "
+            f"{med['new']:8.1f}  new_unsplit {med['new_unsplit']:8.1f} us  "
+            f"shipped/new {rec['shipped_over_new']:.3f}  unsplit/new "
+            f"{rec['unsplit_over_new']:.3f}  split_k {new[1].split_k}",
+            flush=True,
+        )
     path = Path(os.environ.get("OUT", ".")) / "ab_tables.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", path)

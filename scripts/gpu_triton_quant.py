@@ -90,6 +90,31 @@ def weight_bytes(w) -> int:
     return total / w.num_experts
 
 
+PRESET_PARALLEL = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
+                   "gpt-oss-120b": (1, 1)}  # fmt: skip  model: (tp, ep) of the issue's shapes
+
+
+def spec_points(spec: str, dev: torch.device):
+    """Yield (model, fmt, shape, w, T, x, topks) for SPEC 'model:format:T1,T2;...' (format
+    'bf16' or a FORMATS name): one preset's bf16 weights on the GPU at a time, quantized per
+    item; per point R uniform routings, R such that a call touches about ROTATE_BYTES of
+    weights (so they are not served from L2 when a timing rotates through them)."""
+    weights = {}
+    for item in spec.split(";"):
+        model, fmt, sizes = item.split(":")
+        shape = shape_for(model, *PRESET_PARALLEL[model])
+        E, K, H = shape.num_experts, shape.top_k, shape.hidden
+        torch.manual_seed(0)
+        if model not in weights:
+            weights = {model: random_weights(shape, dev)}
+        w = weights[model] if fmt == "bf16" else quantize_experts(weights[model], FORMATS[fmt])
+        gen = torch.Generator(device=dev).manual_seed(1)
+        for T in (int(t) for t in sizes.split(",")):
+            R = max(1, min(16, math.ceil(ROTATE_BYTES / (min(E, T * K) * weight_bytes(w)))))
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+            yield model, fmt, shape, w, T, x, [uniform_topk(T, E, K, dev, gen) for _ in range(R)]
+
+
 def rel_err(a, b) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -15,7 +15,6 @@ versions in separate processes, since one process can import only one Triton.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -24,16 +23,12 @@ import torch
 import triton
 
 from moekit.bench import time_ms
-from moekit.quant import quantize_experts
 from moekit.runners.triton import ops
-from moekit.tune import random_weights, shape_for, uniform_topk
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_triton_quant import FORMATS, ROTATE_BYTES, weight_bytes
+from gpu_triton_quant import spec_points
 
 ROUNDS = int(os.environ.get("VERSIONS_ROUNDS", "3"))
-PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
-           "gpt-oss-120b": (1, 1)}  # fmt: skip
 DEFAULT = (
     "qwen3-30b-a3b:bf16:1,256,1024,4096,16384;mixtral-8x7b:bf16:256,1024,4096,16384;"
     "deepseek-v3:bf16:1,1024,4096,16384;gpt-oss-120b:bf16:1,4096,16384;"
@@ -48,36 +43,23 @@ def main() -> None:
     out = {"label": label, "triton": triton.__version__, "torch": torch.__version__,
            "device": torch.cuda.get_device_name(), "rounds": ROUNDS,
            "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"), "points": []}  # fmt: skip
-    weights = {}
-    for item in spec.split(";"):
-        model, fmt, sizes = item.split(":")
-        tp, ep = PRESETS[model]
-        shape = shape_for(model, tp, ep)
-        E, K, H = shape.num_experts, shape.top_k, shape.hidden
-        torch.manual_seed(0)
-        if model not in weights:
-            weights = {model: random_weights(shape, dev)}  # one preset's weights at a time
-        w = weights[model] if fmt == "bf16" else quantize_experts(weights[model], FORMATS[fmt])
-        gen = torch.Generator(device=dev).manual_seed(1)
-        for T in (int(t) for t in sizes.split(",")):
-            R = max(1, min(16, math.ceil(ROTATE_BYTES / (min(E, T * K) * weight_bytes(w)))))
-            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
-            topks = [uniform_topk(T, E, K, dev, gen) for _ in range(R)]
-            cfgs = ops.configs_for(T, K, w, torch.bfloat16, dev)
+    for model, fmt, shape, w, T, x, topks in spec_points(spec, dev):
+        K, R = shape.top_k, len(topks)
+        cfgs = ops.configs_for(T, K, w, torch.bfloat16, dev)
 
-            def call(w=w, x=x, topks=topks, act=shape.act, cfgs=cfgs):
-                for t in topks:
-                    ops.fused_moe(x, t, w, act, configs=cfgs)
+        def call(w=w, x=x, topks=topks, act=shape.act, cfgs=cfgs):
+            for t in topks:
+                ops.fused_moe(x, t, w, act, configs=cfgs)
 
-            try:
-                times = [time_ms(call, dev, warmup=3, samples=10) / R * 1e3 for _ in range(ROUNDS)]
-                rec = {"us": round(min(times), 2), "all": [round(t, 2) for t in times]}
-            except Exception as exc:  # noqa: BLE001 - a compile failure under one version is a result
-                rec = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rec.update(model=model, format=fmt, T=T, R=R, configs=[str(c) for c in cfgs])
-            out["points"].append(rec)
-            print(f"{label} {model:14} {fmt:9} T={T:5}  {rec.get('us', rec.get('error'))}",
-                  flush=True)  # fmt: skip
+        try:
+            times = [time_ms(call, dev, warmup=3, samples=10) / R * 1e3 for _ in range(ROUNDS)]
+            rec = {"us": round(min(times), 2), "all": [round(t, 2) for t in times]}
+        except Exception as exc:  # noqa: BLE001 - a compile failure under one version is a result
+            rec = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rec.update(model=model, format=fmt, T=T, R=R, configs=[str(c) for c in cfgs])
+        out["points"].append(rec)
+        print(f"{label} {model:14} {fmt:9} T={T:5}  {rec.get('us', rec.get('error'))}",
+              flush=True)  # fmt: skip
     path = Path(os.environ.get("OUT", ".")) / f"versions_{label}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", path)
