@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -33,6 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_probe_fp8_ws import _graph_us  # CUDA-graph replay timing shared with that probe
 
 # name: (E, rows per expert, N, K): gate_up (N = 2I, K = H) and down (N = H, K = I) at T = 4096
 # and 16384 with uniform routing (T * K / E rows an expert; deepseek-v3 EP8 with every pair local)
@@ -160,24 +162,6 @@ def compile_only(BM=128, BN=256, BK=64, STAGES=4, num_warps=8, TMA_STORE=False) 
     ttgir = k.asm["ttgir"]
     print("compiled: shared", k.metadata.shared, "wgmma", ttgir.count("warp_group_dot "),
           "tma loads", ttgir.count("async_tma_copy_global_to_local"))  # fmt: skip
-
-
-def _graph_us(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 100)  # us per call (10 calls a replay)
-    return statistics.median(times)
 
 
 def measure(name, E, rows, N, K, BM=128, BN=256, BK=64, STAGES=3, num_warps=8,

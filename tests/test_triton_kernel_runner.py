@@ -239,6 +239,25 @@ def test_tuned_table_is_used_near_its_batch_sizes(monkeypatch, tmp_path):
         configs.read_table.cache_clear()
 
 
+def test_table_of_another_triton_version_is_used_and_said(monkeypatch, tmp_path, caplog):
+    from moekit.runners.triton_kernel import configs
+
+    monkeypatch.setattr(configs, "table_dir", lambda: tmp_path)
+    monkeypatch.setattr(configs, "triton_version", lambda: "9.9.9")
+    tuned = KernelConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), reduce="atomic")
+    args = (128, 8, 2048, 768, "silu", False, "bfloat16", "NVIDIA H100")
+    _write_table(tmp_path / configs.table_name(*args, "3.6.0"), {4096: tuned})
+    _write_table(tmp_path / configs.table_name(*args, "3.5.0"), {4096: replace(tuned, group_m=16)})
+    configs.read_table.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="moekit"):
+            got = config_for(4096, 8, 128, 2048, 768, False, "silu", "bfloat16", "NVIDIA H100")
+        assert got == tuned  # the newest other version
+        assert "tuned with Triton 3.6.0, running 9.9.9" in caplog.text
+    finally:
+        configs.read_table.cache_clear()
+
+
 def test_config_dict_round_trip_and_unknown_keys():
     cfg = KernelConfig(64, Tile(64, 32, 4, 3, warp_specialize=True), Tile(128, 64), reduce="atomic")
     assert KernelConfig.from_dict(cfg.to_dict()) == cfg

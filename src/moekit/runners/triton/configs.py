@@ -74,7 +74,8 @@ class GemmConfig:
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(
                     f"GemmConfig.{name} must be a power of two >= 16"
-                    + (" (or 1)" if name == "block_m" else "") + f", got {v!r}"
+                    + (" (or 1)" if name == "block_m" else "")
+                    + f", got {v!r}"
                 )
         if self.block_m == 1 and self.swap_ab:
             raise ValueError(
@@ -270,17 +271,30 @@ def _version_key(path: Path) -> tuple:
     return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+-]", version))
 
 
-def _candidates(key: TableKey) -> list[Path]:
-    """Files that may hold `key`'s table, best first: exact Triton version (user dir, then
-    shipped), then other versions, newest first (user dir, then shipped)."""
-    exact = key.filename()
-    other = exact.replace(f",triton={key.triton}.json", ",triton=*.json")
-    paths = []
-    for directory in (user_dir(), shipped_dir()):
-        paths.append(directory / exact)
-    for directory in (user_dir(), shipped_dir()):
+def version_candidates(directories, name: str, version: str) -> list[Path]:
+    """Files that may hold the table `name` (tuned with Triton `version`), best first: `name`
+    in each of `directories` in turn, then the same table tuned with other Triton versions,
+    newest first (directories in the same order). Both Triton runners look tables up this way."""
+    other = name.replace(f",triton={version}.json", ",triton=*.json")
+    paths = [directory / name for directory in directories]
+    for directory in directories:
         paths += sorted(directory.glob(other), key=_version_key, reverse=True)
     return paths
+
+
+def version_note(path: Path | str, running: str) -> str:
+    """'' when table `path` was tuned with the running Triton version, else a note saying it
+    was not (appended to the log line naming the table)."""
+    tuned_with = table_triton_version(path)
+    if tuned_with == running:
+        return ""
+    return (f" (tuned with Triton {tuned_with}, running {running}: `moekit tune` makes a table "
+            "for this version)")  # fmt: skip
+
+
+def _candidates(key: TableKey) -> list[Path]:
+    """Files that may hold `key`'s table (`version_candidates`; user dir before shipped)."""
+    return version_candidates((user_dir(), shipped_dir()), key.filename(), key.triton)
 
 
 @functools.cache
@@ -406,13 +420,7 @@ def get_config(
     if table is not None and (
         quant == "unquantized" or num_tokens <= QUANT_TABLE_REACH * max(table.configs)
     ):
-        tuned_with = table_triton_version(table.source)
-        note = (
-            ""
-            if tuned_with == key.triton
-            else f" (tuned with Triton {tuned_with}, running {key.triton}: `moekit tune` "
-            "makes a table for this version)"
-        )
+        note = version_note(table.source, key.triton)
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
         return table.pick(num_tokens)
     if quant != "unquantized":

@@ -2,7 +2,8 @@
 
 `config_for` first looks for a tuned table shipped for the layer shape, dtype, device and
 Triton version (src/moekit/configs/triton_kernel/*.json, {batch size: config}, written by
-`scripts/gpu_triton_kernel.py --tune` on the GPU); without one (or with no tuned batch size
+`scripts/gpu_triton_kernel.py --tune` on the GPU), else the same table tuned with another
+Triton version, newest first (`triton.configs.version_candidates`); without one (or with no tuned batch size
 within a factor 2), `heuristic_config` applies: it depends on the mean rows per expert, T*K/E,
 through `HEURISTIC`, a table of (upper bound on rows per expert, config), first match wins,
 the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma wants BLOCK_M >=
@@ -13,10 +14,18 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from moekit.runners.triton.configs import device_slug, nearest_batch, triton_version
+from moekit.log import log_once
+from moekit.runners.triton.configs import (
+    device_slug,
+    nearest_batch,
+    triton_version,
+    version_candidates,
+    version_note,
+)
 
 REDUCES = ("sum", "atomic")
 
@@ -195,6 +204,13 @@ def read_table(path: Path) -> dict[int, KernelConfig] | None:
     return table
 
 
+@functools.cache
+def _table_paths(directory: Path, name: str, version: str) -> tuple[Path, ...]:
+    """`version_candidates` of one table in `directory`, listed once per process (the lookup
+    runs on every call of the runner)."""
+    return tuple(version_candidates((directory,), name, version))
+
+
 def pick(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig | None:
     """The config of the tuned batch size nearest to num_tokens if that is within a factor
     TABLE_REACH; else None (the heuristic applies)."""
@@ -212,11 +228,16 @@ def config_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     device name and Triton version when one has a batch size near num_tokens (`pick`), else
     `heuristic_config`."""
     if dtype is not None and device is not None:
+        version = triton_version()
         name = table_name(num_experts, top_k, hidden, intermediate, act, interleaved, dtype,
-                          device, triton_version())  # fmt: skip
-        table = read_table(table_dir() / name)
-        if table is not None:
-            cfg = pick(table, num_tokens)
-            if cfg is not None:
-                return cfg
+                          device, version)  # fmt: skip
+        for path in _table_paths(table_dir(), name, version):
+            table = read_table(path)
+            if table is not None:
+                log_once(logging.INFO, f"triton_kernel runner: tuned configs from {path.name}"
+                         f"{version_note(path, version)}")  # fmt: skip
+                cfg = pick(table, num_tokens)
+                if cfg is not None:
+                    return cfg
+                break
     return heuristic_config(num_tokens, top_k, num_experts, hidden, intermediate, interleaved)
