@@ -1,5 +1,6 @@
 """The `deep_gemm` runner on the GPU (marked): bf16 and fp8 block-scaled weights, contiguous
-(standard) and masked layouts, against the reference runner, on preset shapes; CUDA-graph replay.
+(standard) and masked layouts, against the reference runner, on preset shapes and on shapes that
+are not multiples of the kernels' tiles or scale groups; CUDA-graph replay.
 Skipped where DeepGEMM cannot run (no SM90 GPU, sgl-deep-gemm not installed)."""
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ SHAPES = {  # per-rank E, K, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "deepseek-v3-ep8": (32, 8, 7168, 2048),
 }
+# H and I off the 128 grid: partial K blocks and scale groups, and column tiles that end past N
+# (2I = 416 and H = 336 are not multiples of any column tile; the next expert's weight rows are
+# read into the columns that are not stored)
+ODD_SHAPES = {
+    "gpt-oss-120b": (128, 4, 2880, 2880),
+    "odd": (6, 2, 336, 208),
+}
+GPT_OSS_ACT = ActivationSpec("swiglu_oai", interleaved=True, alpha=1.702, limit=7.0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,6 +82,38 @@ def test_standard_contiguous(shape, T, fp8):
         assert rel_err(out, ref) <= FP8_VS_REFERENCE
     else:
         assert rel_err(out, moe_reference_fp64(x, topk, w, act)) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", list(ODD_SHAPES))
+@pytest.mark.parametrize("T", [3, 700])
+def test_standard_off_grid_shapes(shape, T, fp8):
+    """gpt-oss (swiglu_oai, interleaved, biases) and a small odd shape, against the reference."""
+    E, K, H, I = ODD_SHAPES[shape]
+    w = _weights(E, H, I, fp8, bias=True)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    topk = _topk(T, E, K, masked=True)
+    d = StandardDispatchOutput(x, topk)
+    out = _runner().run(d, w, GPT_OSS_ACT).out
+    if fp8:
+        ref = TorchRunner().run(d, w, GPT_OSS_ACT).out
+        assert rel_err(out, ref) <= FP8_VS_REFERENCE
+    else:
+        assert rel_err(out, moe_reference_fp64(x, topk, w, GPT_OSS_ACT)) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_masked_off_grid_shape(fp8):
+    E, K, H, I = ODD_SHAPES["odd"]
+    C = 40
+    w = _weights(E, H, I, fp8, bias=True)
+    x = torch.randn(E, C, H, device="cuda").to(torch.bfloat16)
+    counts = torch.tensor([0, C, 1, 17, 39, 5], device="cuda", dtype=torch.int32)
+    out = _runner().run(MaskedDispatchOutput(x, counts), w, GPT_OSS_ACT).out
+    ref = TorchRunner().run(MaskedDispatchOutput(x, counts), w, GPT_OSS_ACT).out
+    valid = torch.arange(C, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
+    tol = FP8_VS_REFERENCE if fp8 else TOLERANCE[torch.bfloat16]
+    assert rel_err(out[valid], ref[valid]) <= tol
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

@@ -377,7 +377,8 @@ def test_real_rules_for_impossible_choices(monkeypatch):
     # the platform's rules, not this machine's toolchain
     monkeypatch.setattr(registry.runner_class("deep_gemm"), "toolchain_problem", lambda: None)
     gptoss = workload_for(preset("gpt-oss-120b"), 16)
-    assert "multiples of 128" in why_not("deep_gemm", gptoss, H100)
+    assert why_not("deep_gemm", gptoss, H100) is None  # 2880: off the 128 grid, 16-aligned
+    assert "multiples of 16" in why_not("deep_gemm", replace(gptoss, intermediate_size=2884), H100)
     assert "sgl-deep-gemm" in why_not("deep_gemm", shaped(1), H100_NO_DG)
     assert "SM90" in why_not("deep_gemm", shaped(1), B200)
     fp16 = shaped(1, dtype="float16")

@@ -20,8 +20,14 @@ Each GEMM's input rows (the gather of x; the activation of h with b13) and their
 quantization come from one Triton kernel (`_cutlass_kernels.gemm_rows`), the weighted top-k sum
 (+ b2) from the cutlass runner's.
 
+H and I need not be multiples of the kernels' tiles or of the 128-wide scale groups (gpt-oss:
+2880 = 22.5 x 128): the kernels count K blocks and scale groups rounded up, TMA reads zeros past
+each row's end and clips the stores at N, and the last column tile of an expert reads the next
+expert's weight rows only into columns it does not store. What is required is that every TMA row
+starts on a 16-byte boundary: H and I multiples of 16.
+
 Limits (say so, do not guess): SM90 only (DeepGEMM's SM100 recipes want UE8M0 scale layouts that
-this runner does not build); H and I multiples of 128; bfloat16 activations; nvcc needed. The
+this runner does not build); H and I multiples of 16; bfloat16 activations; nvcc needed. The
 first call of each GEMM shape compiles a kernel (about 10-60 s, then cached on disk).
 """
 
@@ -46,7 +52,7 @@ from moekit.stages import (
 
 LIBRARY = "sgl-deep-gemm"
 INSTALL_HINT = "pip install sgl-deep-gemm==0.2.2 apache-tvm-ffi==0.1.11 (moekit[deep_gemm])"
-SHAPE_ALIGN = 128  # H and I must be multiples of this (fp8 128-wide scale groups, TMA tiles)
+SHAPE_ALIGN = 16  # H and I must be multiples of this: TMA rows start on 16 bytes (fp8: 16 values)
 FP8_BLOCK = (128, 128)
 ACT_GROUP = kernels.FP8_GROUP  # activation scale group: DeepGEMM's 1x128
 CONTIGUOUS_ALIGN = 128  # rows per expert in the contiguous layout: the kernel's row tile
@@ -84,8 +90,8 @@ def shape_problem(hidden: int | None, intermediate: int | None) -> str | None:
     ]
     if bad:
         return (
-            f"runner 'deep_gemm' needs H and I (per rank) to be multiples of {SHAPE_ALIGN}, got "
-            + ", ".join(bad)
+            f"runner 'deep_gemm' needs H and I (per rank) to be multiples of {SHAPE_ALIGN} (its "
+            "TMA rows start on 16-byte boundaries), got " + ", ".join(bad)
         )
     return None
 
