@@ -27,7 +27,7 @@ from helpers import TOLERANCE, make_topk, rel_err  # noqa: E402
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
 from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts  # noqa: E402
 from moekit.runners.base import RunnerError  # noqa: E402
-from moekit.runners.torch import TorchRunner, moe_reference_fp64  # noqa: E402
+from moekit.runners.torch import TorchRunner  # noqa: E402
 from moekit.runners.triton import TritonRunner, configs, ops  # noqa: E402
 from moekit.runners.triton.configs import GemmConfig  # noqa: E402
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: E402
@@ -157,52 +157,6 @@ def test_config_variants(name):
     topk = make_topk(v.T, K, E, masked=0.1)
     out, ref = run_both(x, topk, w, v.act, v.configs)
     assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
-
-
-WEIGHT_ONLY = GemmConfig(16, 32, 64, weight_only=True), GemmConfig(16, 16, 128, weight_only=True)
-
-
-@pytest.mark.parametrize("masked_rows", [False, True], ids=["sorted", "masked"])
-@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor", "int8_w8a8"])
-def test_weight_only_w8a8(fmt, masked_rows):
-    """w8a8 weights run weight-only (GemmConfig.weight_only: dequantized in registers, the
-    activations not quantized): equal to the float64 reference on the dequantized weights with
-    unquantized activations, at the unquantized dtype's bound, and unlike the w8a8 math."""
-    spec, H, I = FORMATS[fmt]
-    E, K, T = 4, 2, 11
-    w = make_experts(spec, E, H, I, bias=True)
-    act = ActivationSpec("swiglu_oai", interleaved=True)
-    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
-    if masked_rows:
-        C = 5
-        x_m = torch.randn(E, C, H, device=DEVICE, dtype=DTYPE)
-        counts = torch.tensor([0, 5, 2, 4], device=DEVICE, dtype=torch.int32)
-        out = ops.fused_moe_masked(x_m, counts, w, act, configs=WEIGHT_ONLY)
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            rows = x_m[e, :c]
-            one = make_topk(c, 1, E)
-            one.ids.fill_(e)
-            one.weights.fill_(1.0)
-            ref = moe_reference_fp64(rows, one, w, act)
-            assert rel_err(out[e, :c], ref) < TOLERANCE[DTYPE], (fmt, e)
-        return
-    topk = make_topk(T, K, E, masked=0.2)
-    out = ops.fused_moe(x, topk, w, act, configs=WEIGHT_ONLY)
-    ref = moe_reference_fp64(x, topk, w, act)
-    assert rel_err(out, ref) < TOLERANCE[DTYPE], (fmt, rel_err(out, ref))
-    w8a8 = ops.fused_moe(x, topk, w, act, configs=tuple(replace(c, weight_only=False)
-                                                        for c in WEIGHT_ONLY))  # fmt: skip
-    assert rel_err(w8a8, ref) > rel_err(out, ref)  # the activations' quantization shows
-
-
-def test_weight_only_needs_w8a8():
-    spec, H, I = FORMATS["int4-g32-sym"]
-    w = make_experts(spec, 2, H, I)
-    x = torch.randn(3, H, device=DEVICE, dtype=DTYPE)
-    with pytest.raises(ValueError, match="weight_only applies to w8a8"):
-        ops.fused_moe(x, make_topk(3, 1, 2), w, ActivationSpec(), configs=WEIGHT_ONLY)
 
 
 @pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8"])

@@ -53,23 +53,16 @@ ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
 
 @triton.jit
 def _w_tile(
-    ptrs, s_base, k_left, ki, QUANT: tl.constexpr, WSCALE: tl.constexpr, GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ptrs, s_base, k_left, QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Weight tile [BLOCK_K, rows] (K along dim 0) of an unpacked format as a dot operand, from
-    pointers `ptrs` to the stored data ([BLOCK_K, rows]) for K step ki. Q_NONE / Q_W8A8: the
-    stored values; Q_W8A16 (weight-only: int8_w8a16, or fp8 / int8 w8a8 weights run against
-    unquantized activations, `GemmConfig.weight_only`): stored value * scale, computed in
-    float32 and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`; s_base [rows]:
-    pointers to each row's scale, or (WSCALE == S_GROUP) to its first K group's, the step's
-    group ki * BLOCK_K // GROUP (BLOCK_K <= GROUP). Packed formats: `_packed_mma`."""
+    pointers `ptrs` to the stored data ([BLOCK_K, rows]). Q_NONE / Q_W8A8: the stored values;
+    Q_W8A16: int8 * scale[n] (s_base [rows]: pointers to each row's scale), computed in float32
+    and rounded once to DOT_DTYPE, as `moekit.quant.dequantize`. Packed formats: `_packed_mma`."""
     if QUANT == 2:
         q = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
-        if WSCALE == 2:
-            s = tl.load(s_base + ki * BLOCK_K // GROUP)
-        else:
-            s = tl.load(s_base)
-        w = (q.to(tl.float32) * s[None, :]).to(DOT_DTYPE)
+        w = (q.to(tl.float32) * tl.load(s_base)[None, :]).to(DOT_DTYPE)
     else:
         w = load_w_tile(ptrs, k_left, EVEN_K, BLOCK_K)
     return w
@@ -745,8 +738,7 @@ def _gate_up_kernel(
                 if USE_TMA:
                     b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
                 else:
-                    b = _w_tile(w_ptrs, s_base, k_left, ki, QUANT, WSCALE, GROUP, EVEN_K, BLOCK_K,
-                               DOT_DTYPE)  # fmt: skip
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
@@ -793,10 +785,8 @@ def _gate_up_kernel(
                     bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
                     bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
                 else:
-                    bg = _w_tile(g_ptrs, sg_base, k_left, ki, QUANT, WSCALE, GROUP, EVEN_K, BLOCK_K,
-                                 DOT_DTYPE)  # fmt: skip
-                    bu = _w_tile(u_ptrs, su_base, k_left, ki, QUANT, WSCALE, GROUP, EVEN_K, BLOCK_K,
-                                 DOT_DTYPE)  # fmt: skip
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
@@ -949,8 +939,7 @@ def _down_kernel(
         else:
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
             if PACK == 1:
-                b = _w_tile(b_ptrs, s_base, k_left, ki, QUANT, WSCALE, GROUP, EVEN_K, BLOCK_K,
-                            DOT_DTYPE)  # fmt: skip
+                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
         if PACK == 2:
             acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
                               ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip

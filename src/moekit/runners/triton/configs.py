@@ -52,12 +52,7 @@ class GemmConfig:
     decode batches, where a few hundred weight tiles leave SMs idle). down (reduce 'atomic'
     only): each adds its product into the output (masked rows, which store instead of
     adding, run unsplit). gate_up: each stores its float32 sums in a workspace, and the last
-    program of a tile adds them up and applies the activation;
-    weight_only (w8a8 weights: fp8_w8a8, int8_w8a8): read the stored weights, scale them in
-    registers and multiply them with the unquantized activations on the 16-bit tensor cores
-    (no activation quantization, the accumulator chained across K steps even with block
-    scales); for decode batches, where the weight bytes decide the time. The result is the
-    dequantized weights' product, closer to the unquantized layer than the w8a8 math.
+    program of a tile adds them up and applies the activation.
     """
 
     block_m: int = 64
@@ -70,7 +65,6 @@ class GemmConfig:
     reduce: str = "kernel"
     tma: bool = False
     split_k: int = 1
-    weight_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):

@@ -78,11 +78,9 @@ def spec_problem(spec) -> str | None:
 
 class WeightQuant:
     """How the kernels read one quantized weight (w13 or w2) of ExpertWeights `w`: the scale
-    tensors and the constexprs of `_kernels._w_tile` / `_w8a8_step`. weight_only: w8a8
-    weights read as weight-only (`GemmConfig.weight_only`): quant Q_W8A16 with the spec's
-    weight scales, activations left unquantized."""
+    tensors and the constexprs of `_kernels._w_tile` / `_w8a8_step`."""
 
-    def __init__(self, w: ExpertWeights, which: str, weight_only: bool = False):
+    def __init__(self, w: ExpertWeights, which: str):
         spec = w.spec
         self.spec, self.which = spec, which
         data = getattr(w, which)
@@ -90,11 +88,6 @@ class WeightQuant:
             "fp8_w8a8": k.Q_W8A8, "int8_w8a8": k.Q_W8A8, "int8_w8a16": k.Q_W8A16,
             "int4_w4a16": k.Q_INT4, "mxfp4": k.Q_MXFP4, "nvfp4": k.Q_NVFP4,
         }[spec.name]  # fmt: skip
-        if weight_only and self.quant != k.Q_W8A8:
-            raise ValueError(
-                f"GemmConfig.weight_only applies to w8a8 weights (fp8_w8a8, int8_w8a8), got "
-                f"{spec.name}"
-            )
         scale = getattr(w, which + "_scale")
         zero = getattr(w, which + "_zero")
         gs = getattr(w, which + "_global_scale")
@@ -118,10 +111,6 @@ class WeightQuant:
                 self.stride_sn = 0 if ws == "tensor" else 1
             if self.ascale == k.S_GROUP:
                 self.group = spec.act_group_size
-            if weight_only:
-                self.quant, self.ascale, self.int_dot = k.Q_W8A16, k.S_TENSOR, False
-                if ws == "block":
-                    self.group = spec.block_shape[1]
         elif self.quant == k.Q_W8A16:
             self.stride_sn = 1
         else:
@@ -136,8 +125,6 @@ class WeightQuant:
             if k.S_GROUP in (self.wscale, self.ascale):
                 bk = min(bk, self.group)
             bk = max(bk, 32)
-        if self.quant == k.Q_W8A16 and self.wscale == k.S_GROUP:
-            bk = min(bk, self.group)  # one weight scale group per K step
         if self.quant in (k.Q_INT4, k.Q_MXFP4, k.Q_NVFP4):
             bk = max(bk, 32)  # packed bytes: at least 16 per row and step
         return cfg if bk == cfg.block_k else replace(cfg, block_k=bk)
@@ -421,7 +408,7 @@ def gate_up(
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
-    wq = WeightQuant(w, "w13", cfg.weight_only) if w.is_quantized else None
+    wq = WeightQuant(w, "w13") if w.is_quantized else None
     if wq is not None:
         cfg = wq.clamp(cfg)
     split = cfg.split_k
@@ -492,7 +479,7 @@ def down(
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
-    wq = WeightQuant(w, "w2", cfg.weight_only) if w.is_quantized else None
+    wq = WeightQuant(w, "w2") if w.is_quantized else None
     if wq is not None:
         cfg = wq.clamp(cfg)
     atomic = (not masked) and cfg.reduce == "atomic"
