@@ -8,7 +8,8 @@ without (same inputs, outputs compared, alternated timing rounds).
 Usage (repo root, device machine, sgl-deep-gemm installed):
   python scripts/gpu_profile_deep_gemm.py [profile] [multicast] [tiles]
 
-With `tiles`: the contiguous GEMMs of the presets with other row / column tiles.
+With `tiles`: the contiguous GEMMs of the presets with other row / column tiles; with
+`tiles-gpt-oss`: gpt-oss-120b's (H = I = 2880, off the 128 grid), fp8, column tiles 128-256.
 """
 
 from __future__ import annotations
@@ -98,7 +99,13 @@ def variant(fp8: bool, n: int, k: int, groups: int, bm: int, bn: int, sms: int):
     return dataclasses.replace(base, block_m=bm, block_n=bn, stages=stages, swizzle_d=swizzle)
 
 
-def tiles() -> None:
+GPT_OSS = [  # name, E, N, K, pairs
+    ("gpt-oss gate_up", 128, 5760, 2880, 4096 * 4), ("gpt-oss down", 128, 2880, 2880, 4096 * 4),
+    ("gpt-oss gate_up", 128, 5760, 2880, 16384 * 4), ("gpt-oss down", 128, 2880, 2880, 16384 * 4),
+]  # fmt: skip
+
+
+def tiles(probs=None, fp8s=(True, False), fp8_bns=(128, 160, 192), row_tiles=(128, 64)) -> None:
     """The contiguous GEMMs of the presets at T = 4096 and 16384 (uniform routing, psum layout)
     with column tiles 128 .. 256 and row tiles 64 / 128: time and TFLOP/s per variant."""
     from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +115,7 @@ def tiles() -> None:
     from moekit.runners import deep_gemm_jit as jit
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    probs = [  # name, E, N, K, pairs
+    probs = probs or [  # name, E, N, K, pairs
         ("qwen3 gate_up", 128, 1536, 2048, 4096 * 8), ("qwen3 down", 128, 2048, 768, 4096 * 8),
         ("qwen3 gate_up", 128, 1536, 2048, 16384 * 8), ("qwen3 down", 128, 2048, 768, 16384 * 8),
         ("deepseek gate_up", 32, 4096, 7168, 16384), ("deepseek down", 32, 7168, 2048, 16384),
@@ -116,9 +123,9 @@ def tiles() -> None:
     ]  # fmt: skip
     jobs = []
     for name, E, N, K, pairs in probs:
-        for fp8 in (True, False):
-            bns = (128, 160, 192) if fp8 else (128, 192, 256)
-            for bm in (128, 64):
+        for fp8 in fp8s:
+            bns = fp8_bns if fp8 else (128, 192, 256)
+            for bm in row_tiles:
                 for bn in bns:
                     cfg = variant(fp8, N, K, E, bm, bn, sms)
                     if cfg is not None:
@@ -211,5 +218,7 @@ if __name__ == "__main__":
         multicast()
     if "tiles" in what:
         tiles()
+    if "tiles-gpt-oss" in what:
+        tiles(GPT_OSS, fp8s=(True,), fp8_bns=(128, 160, 192, 224, 256), row_tiles=(128,))
     if "profile" in what:
         profile_runner()
