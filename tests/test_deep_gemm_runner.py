@@ -99,7 +99,9 @@ def test_standard_off_grid_shapes(shape, T, fp8):
         ref = TorchRunner().run(d, w, GPT_OSS_ACT).out
         assert rel_err(out, ref) <= FP8_VS_REFERENCE
     else:
-        assert rel_err(out, moe_reference_fp64(x, topk, w, GPT_OSS_ACT)) <= TOLERANCE[torch.bfloat16]
+        assert (
+            rel_err(out, moe_reference_fp64(x, topk, w, GPT_OSS_ACT)) <= TOLERANCE[torch.bfloat16]
+        )
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
