@@ -16,7 +16,6 @@ differences between configs, so a table is shipped only on a same-run, alternate
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from moekit.runners.triton import ops
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_triton_quant import PRESET_PARALLEL, spec_points
+from probe_out import write_probe
 
 ROUNDS = int(os.environ.get("AB_ROUNDS", "5"))
 DEFAULT = ";".join(
@@ -51,8 +51,7 @@ def main() -> None:
     new_dir = sys.argv[1]
     spec = sys.argv[sys.argv.index("--points") + 1] if "--points" in sys.argv else DEFAULT
     dev = torch.device("cuda")
-    out = {"device": torch.cuda.get_device_name(), "new_dir": new_dir, "rounds": ROUNDS,
-           "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"), "points": []}  # fmt: skip
+    out = {"new_dir": new_dir, "rounds": ROUNDS, "points": []}
     for model, fmt, shape, w, T, x, topks in spec_points(spec, dev):
         K, R = shape.top_k, len(topks)
         shipped = _configs(w, T, K, None)
@@ -85,9 +84,7 @@ def main() -> None:
             f"{rec['unsplit_over_new']:.3f}  split_k {new[1].split_k}",
             flush=True,
         )
-    path = Path(os.environ.get("OUT", ".")) / "ab_tables.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print("wrote", path)
+    write_probe("ab_tables.json", out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from probe_out import write_probe
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.runners._triton_common import tile_coords
@@ -282,17 +283,7 @@ def main() -> None:
         shapes.append(
             {"shape": name, "E": E, "rows_per_expert": rows, "N": N, "K": K, "variants": recs}
         )
-    res = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"),
-        "shapes": shapes,
-    }
-    path = os.path.join(os.environ.get("OUT", "."), "fp8_ws_probe.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_probe("fp8_ws_probe.json", {"shapes": shapes})
 
 
 if __name__ == "__main__":

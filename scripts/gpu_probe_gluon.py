@@ -16,7 +16,6 @@ expert to the block, as the runner's alignment lays them out; B: weights [E * N,
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -35,6 +34,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_probe_fp8_ws import _graph_us  # CUDA-graph replay timing shared with that probe
+from probe_out import write_probe
 
 # name: (E, rows per expert, N, K): gate_up (N = 2I, K = H) and down (N = H, K = I) at T = 4096
 # and 16384 with uniform routing (T * K / E rows an expert; deepseek-v3 EP8 with every pair local)
@@ -218,12 +218,7 @@ def main() -> None:
                 }
             print(rec, flush=True)
             recs.append(rec)
-    out = {"device": torch.cuda.get_device_name(), "triton": triton.__version__,
-           "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"), "results": recs}  # fmt: skip
-    path = os.path.join(os.environ.get("OUT", "."), "gluon_probe.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+    write_probe("gluon_probe.json", {"results": recs})
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ turns (`time_ms_interleaved`). The SM clock and power are read from nvidia-smi a
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -25,6 +23,9 @@ import torch
 from moekit.bench import best_ms, measure_ceilings, time_ms, time_ms_interleaved
 from moekit.runners.triton import ops
 from moekit.tune import random_weights, shape_for, uniform_topk
+
+sys.path.insert(0, str(Path(__file__).parent))
+from probe_out import write_probe
 
 
 def _opt(name: str, default: str) -> str:
@@ -58,7 +59,7 @@ def main() -> None:
     def gemm():
         return a @ b
 
-    out = {"device": torch.cuda.get_device_name(), "model": model, "tp": tp, "T": T,
+    out = {"model": model, "tp": tp, "T": T,
            "heat_s": heat_s, "steps": []}  # fmt: skip
 
     def record(step: str, **vals):
@@ -85,9 +86,7 @@ def main() -> None:
     ms = time_ms_interleaved({"layer": layer, "gemm": gemm}, dev,
                              cuda_graph={"layer": True, "gemm": False}, rounds=5)  # fmt: skip
     record("interleaved", layer_ms=ms["layer"], gemm_ms=ms["gemm"])
-    path = Path(os.environ.get("OUT", ".")) / "heat.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print("wrote", path)
+    write_probe("heat.json", out)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ Checked against float32 math on a few rows. Why: on equal-rows layouts that kern
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from moekit.tune import random_weights, shape_for, uniform_topk
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_probe_fp8_ws import _grouped_kernel
+from probe_out import write_probe
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip
@@ -99,11 +98,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
         del w
         torch.cuda.empty_cache()
-    out = {"device": torch.cuda.get_device_name(), "triton": triton.__version__,
-           "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"), "results": recs}  # fmt: skip
-    path = Path(os.environ.get("OUT", ".")) / "sorted_a_probe.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print("wrote", path)
+    write_probe("sorted_a_probe.json", {"results": recs})
 
 
 if __name__ == "__main__":

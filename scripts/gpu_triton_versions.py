@@ -14,19 +14,18 @@ versions in separate processes, since one process can import only one Triton.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 from moekit.bench import time_ms
 from moekit.runners.triton import ops
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_triton_quant import spec_points
+from probe_out import write_probe
 
 ROUNDS = int(os.environ.get("VERSIONS_ROUNDS", "3"))
 DEFAULT = (
@@ -40,9 +39,7 @@ def main() -> None:
     label = sys.argv[1]
     spec = sys.argv[sys.argv.index("--points") + 1] if "--points" in sys.argv else DEFAULT
     dev = torch.device("cuda")
-    out = {"label": label, "triton": triton.__version__, "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(), "rounds": ROUNDS,
-           "commit": os.environ.get("MOEKIT_GIT_COMMIT", "?"), "points": []}  # fmt: skip
+    out = {"label": label, "rounds": ROUNDS, "points": []}
     for model, fmt, shape, w, T, x, topks in spec_points(spec, dev):
         K, R = shape.top_k, len(topks)
         cfgs = ops.configs_for(T, K, w, torch.bfloat16, dev)
@@ -60,9 +57,7 @@ def main() -> None:
         out["points"].append(rec)
         print(f"{label} {model:14} {fmt:9} T={T:5}  {rec.get('us', rec.get('error'))}",
               flush=True)  # fmt: skip
-    path = Path(os.environ.get("OUT", ".")) / f"versions_{label}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print("wrote", path)
+    write_probe(f"versions_{label}.json", out)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,12 @@ kernel by kernel, under the configs the runner really uses.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
-import triton
 
 from moekit.quant import quantize_experts
 from moekit.runners.triton import _kernels, ops
@@ -30,6 +27,7 @@ from moekit.tune import random_weights, shape_for, uniform_topk
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_probe_fp8_ws as probe
 from gpu_triton_quant import FORMATS
+from probe_out import write_probe
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip
@@ -84,13 +82,10 @@ def main() -> None:
     for name in ("_gate_up_kernel", "_down_kernel"):
         recs += [_summary(name, k) for k in _compiled(getattr(_kernels, name))]
     recs += [_summary("probe _grouped_kernel", k) for k in _compiled(probe._grouped_kernel)]
-    out = {"label": label, "triton": triton.__version__, "points": points, "kernels": recs,
-           "probe_timing": probe_rec}  # fmt: skip
+    out = {"label": label, "points": points, "kernels": recs, "probe_timing": probe_rec}
     for r in recs:
         print(label, r, flush=True)
-    path = Path(os.environ.get("OUT", ".")) / f"ttgir_{label}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print("wrote", path)
+    write_probe(f"ttgir_{label}.json", out)
 
 
 if __name__ == "__main__":

@@ -205,10 +205,16 @@ def read_table(path: Path) -> dict[int, KernelConfig] | None:
 
 
 @functools.cache
-def _table_paths(directory: Path, name: str, version: str) -> tuple[Path, ...]:
-    """`version_candidates` of one table in `directory`, listed once per process (the lookup
-    runs on every call of the runner)."""
-    return tuple(version_candidates((directory,), name, version))
+def _table_path(directory: Path, name: str, version: str) -> Path | None:
+    """The file holding table `name` in `directory`: its own, else the newest other Triton
+    version's (`version_candidates`), None if none. Resolved and logged once per process (the
+    lookup runs on every call of the runner)."""
+    for path in version_candidates((directory,), name, version):
+        if path.is_file():
+            log_once(logging.INFO, f"triton_kernel runner: tuned configs from {path.name}"
+                     f"{version_note(path, version)}")  # fmt: skip
+            return path
+    return None
 
 
 def pick(table: dict[int, KernelConfig], num_tokens: int) -> KernelConfig | None:
@@ -231,13 +237,9 @@ def config_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
         version = triton_version()
         name = table_name(num_experts, top_k, hidden, intermediate, act, interleaved, dtype,
                           device, version)  # fmt: skip
-        for path in _table_paths(table_dir(), name, version):
-            table = read_table(path)
-            if table is not None:
-                log_once(logging.INFO, f"triton_kernel runner: tuned configs from {path.name}"
-                         f"{version_note(path, version)}")  # fmt: skip
-                cfg = pick(table, num_tokens)
-                if cfg is not None:
-                    return cfg
-                break
+        path = _table_path(table_dir(), name, version)
+        table = read_table(path) if path is not None else None
+        cfg = pick(table, num_tokens) if table is not None else None
+        if cfg is not None:
+            return cfg
     return heuristic_config(num_tokens, top_k, num_experts, hidden, intermediate, interleaved)
