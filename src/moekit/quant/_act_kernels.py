@@ -28,6 +28,8 @@ def _quant_rows_kernel(
     STATIC: tl.constexpr,
     ROUND_INT: tl.constexpr,
     NPART: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False,
+    GDC_LAUNCH: tl.constexpr = False,
 ):
     """One program: row t (axis 0), groups [BLOCK_G * pid1, +BLOCK_G) of `group_size` columns.
 
@@ -35,7 +37,12 @@ def _quant_rows_kernel(
     value at static_s_ptr. q = clamp(x / s, -qmax, qmax), rounded half to even when ROUND_INT
     (int8), then cast to q's dtype (the cast rounds for fp8). NPART > 0 (STATIC): the one scale
     is max(max(part[0:n_part]), eps) / qmax from the partial amaxes of `_amax_rows_kernel`
-    (written to static_s by program (0, 0)), instead of a given value."""
+    (written to static_s by program (0, 0)), instead of a given value. GDC_LAUNCH / GDC_WAIT:
+    the programmatic dependent launch flags of `launch_quant_rows`."""
+    if GDC_LAUNCH:
+        tl.extra.cuda.gdc_launch_dependents()
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK)
@@ -97,9 +104,12 @@ def launch_amax_parts(x):
 
 
 def launch_quant_rows(x, q, s, static_s, group_size, n_groups, qmax, eps, static, round_int, tile,
-                      part=None):  # fmt: skip
+                      part=None, pdl=(False, False)):  # fmt: skip
     """x [T, H] (last dim contiguous) -> q [T, H], s [T, n_groups] (unused when static).
-    `part` (static): partial amaxes to take the one scale from (written to static_s)."""
+    `part` (static): partial amaxes to take the one scale from (written to static_s).
+    pdl (wait, launch): wait: launched programmatically dependent on the kernel before (its
+    programs wait on the GPU for that kernel's writes); launch: let the next kernel launched
+    so be placed at once (CUDA sm_90+ only)."""
     T, H = x.shape
     block = triton.next_power_of_2(group_size)
     block_g = max(1, min(triton.next_power_of_2(n_groups), tile.max_elems // block))
@@ -125,4 +135,7 @@ def launch_quant_rows(x, q, s, static_s, group_size, n_groups, qmax, eps, static
         ROUND_INT=round_int,
         NPART=triton.next_power_of_2(part.numel()) if part is not None else 0,
         num_warps=tile.num_warps,
+        GDC_WAIT=pdl[0],
+        GDC_LAUNCH=pdl[1],
+        **({"launch_pdl": True} if pdl[0] else {}),
     )

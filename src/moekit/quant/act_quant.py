@@ -135,6 +135,7 @@ def quantize_act(
     scale: torch.Tensor | None = None,
     group_size: int = 128,
     out_dtype: torch.dtype | None = None,
+    pdl: tuple[bool, bool] = (False, False),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `quantize_act_ref` for x [T, H] (float32/float16/bfloat16, last dim
     contiguous); tensor schemes need a one-value scale. 'dynamic_tensor' without a given
@@ -144,7 +145,9 @@ def quantize_act(
     out_dtype (default `dtype`): float32 returns the values just before the final cast (int8:
     already rounded; fp8: scaled and clamped). The Triton 3.6 CPU interpreter casts to fp8
     wrongly (ties away from zero, and a carry across a power of two halves the value), so the
-    CPU tests check the fp8 path through float32 output; on a GPU the cast is exact."""
+    CPU tests check the fp8 path through float32 output; on a GPU the cast is exact.
+    pdl: (wait, launch) flags of a programmatic dependent launch (`_act_kernels.launch_quant_rows`;
+    the triton runner's decode pipelining)."""
     qmax = _check(x, scheme, dtype, scale, group_size)
     if x.dim() != 2:
         raise ValueError(f"quantize_act: x must be [T, H], got {list(x.shape)}")
@@ -180,6 +183,7 @@ def quantize_act(
 
     part = launch_amax_parts(x) if fused_amax else None
     launch_quant_rows(
-        x, q, s_out, static_s, g, n_groups, qmax, EPS, static, dtype == torch.int8, TILES, part
+        x, q, s_out, static_s, g, n_groups, qmax, EPS, static, dtype == torch.int8, TILES, part,
+        pdl,
     )
     return q, s

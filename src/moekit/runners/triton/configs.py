@@ -123,13 +123,22 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md)."""
+    benchmarks/triton_notes.md).
+    Decode pipelining, for standard calls of at most decode_max_pairs (token, expert) pairs on
+    a CUDA GPU of compute capability 9.0+: prefetch_l2_bytes > 0: each GEMM program first
+    puts its weight rows in flight to L2 (bulk prefetch), up to about that many bytes per
+    GEMM in all; pdl: the kernels after the first (gate_up after the quantization of x, the
+    quantization of h, down) are programmatic dependent launches, so that their programs are
+    placed, and their weights prefetched, while the kernel before them finishes."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
+    decode_max_pairs: int = 64
+    prefetch_l2_bytes: int = 0
+    pdl: bool = False
 
 
 PIPELINE = PipelineConfig()

@@ -185,13 +185,14 @@ _NO_QUANT_META = dict(QUANT=k.Q_NONE, ASCALE=0, WSCALE=0, WROWS=1, GROUP=128, SG
 
 
 def quantize_input(
-    x: torch.Tensor, spec, valid_rows: torch.Tensor | None = None
+    x: torch.Tensor, spec, valid_rows: torch.Tensor | None = None,
+    pdl: tuple[bool, bool] = (False, False),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A w8a8 GEMM's input x [rows, K] -> (q [rows, K] fp8 / int8, scales float32 [rows, groups]
     | [rows, 1] | [1]) with the spec's activation scheme. 'dynamic_tensor' takes its one scale
     over the rows where `valid_rows` (bool [rows]) is set (all rows when None). On CPU (the
     Triton interpreter casts to fp8 wrongly) fp8 uses the reference quantizer, bit-identical
-    to the kernel on a GPU."""
+    to the kernel on a GPU. pdl: (wait, launch), see `DecodePipe`."""
     from moekit.quant.act_quant import quantize_act, quantize_act_ref, tensor_scale
 
     scheme, dtype = spec.act_scheme, spec.act_dtype
@@ -204,7 +205,7 @@ def quantize_input(
     if x.device.type == "cpu" and dtype == torch.float8_e4m3fn:
         q, s = quantize_act_ref(x, scheme, dtype, scale=scale, group_size=group)
     else:
-        q, s = quantize_act(x, scheme, dtype, scale=scale, group_size=group)
+        q, s = quantize_act(x, scheme, dtype, scale=scale, group_size=group, pdl=pdl)
     return q, s.reshape(1) if scheme == "dynamic_tensor" else s
 
 
@@ -249,12 +250,51 @@ def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
     )
 
 
+def _pipe_meta(pf_pct: int, wait: bool, launch: bool) -> dict:
+    """Constexprs and launch options of a GEMM's decode pipelining (see `DecodePipe`)."""
+    meta = dict(PREFETCH=pf_pct > 0, GDC_WAIT=wait)
+    if launch:
+        meta["GDC_LAUNCH"] = True
+    if wait:
+        meta["launch_pdl"] = True
+    return meta
+
+
 def _launch(kernel, grid, args, meta, warmup: bool):
     if meta.get("PACK") == 2 and PIPELINE.packed_maxnreg and meta.get("ASM"):
         meta = dict(meta, maxnreg=PIPELINE.packed_maxnreg)
     if warmup:
         return kernel.warmup(*args, grid=grid, **meta)
     return kernel[grid](*args, **meta)
+
+
+class DecodePipe:
+    """How one decode-size call pipelines its kernels (`configs.PipelineConfig`): prefetch
+    budget (bytes per GEMM) and whether the kernels after the first are programmatic
+    dependent launches. `DecodePipe.for_call` gives None where it does not apply."""
+
+    def __init__(self, prefetch_bytes: int, pdl: bool):
+        self.prefetch_bytes, self.pdl = prefetch_bytes, pdl
+
+    @classmethod
+    def for_call(cls, x: torch.Tensor, num_pairs: int) -> "DecodePipe | None":
+        if num_pairs > PIPELINE.decode_max_pairs or x.device.type != "cuda" or interpret_mode():
+            return None
+        if not (PIPELINE.prefetch_l2_bytes or PIPELINE.pdl):
+            return None
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return None
+        return cls(PIPELINE.prefetch_l2_bytes, PIPELINE.pdl)
+
+    def prefetch_pct(self, data: torch.Tensor, rows: "Rows", weight_rows: int) -> int:
+        """Percent of each program's weight rows to prefetch (0: none): the budget over the
+        bytes of the experts the call can touch, capped at 100. Needs rows 16-byte aligned."""
+        row_bytes = data.stride(1) * data.element_size()
+        if not self.prefetch_bytes or row_bytes % 16 or data.data_ptr() % 16:
+            return 0
+        experts = min(rows.max_experts(), data.shape[0])
+        total = experts * weight_rows * row_bytes
+        return max(0, min(100, self.prefetch_bytes * 100 // max(total, 1)))
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -302,6 +342,13 @@ class Rows:
             return None
         local = torch.arange(self.capacity, device=self.counts.device)
         return (local[None, :] < self.counts[:, None]).reshape(-1)
+
+    def max_experts(self) -> int:
+        """An upper bound of the experts the rows touch."""
+        if self.mode == k.ROWS_MASKED:
+            return self.num_experts
+        pairs = self.ids.numel() if self.mode == k.ROWS_DIRECT else self.align.num_pairs
+        return min(pairs, self.num_experts)
 
     def slots(self) -> int:
         """Rows of the intermediate h."""
@@ -398,13 +445,15 @@ def gate_up(
     out: torch.Tensor | None = None,
     zero: torch.Tensor | None = None,
     warmup: bool = False,
+    pipe: DecodePipe | None = None,
 ) -> torch.Tensor:
     """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
     rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet in a float32
-    workspace [split_k, slots, 2I] (`_kernels._split_fixup`)."""
+    workspace [split_k, slots, 2I] (`_kernels._split_fixup`). pipe: decode pipelining
+    (`DecodePipe`; the next kernel, if launched dependent, may be placed at once)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
@@ -432,8 +481,11 @@ def gate_up(
     xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
+    pdl = pipe is not None and pipe.pdl
+    wait = False  # gate_up waits dependently only on its own quantization of x
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
-        x, xs = quantize_input(x, w.spec, rows.valid_rows())
+        x, xs = quantize_input(x, w.spec, rows.valid_rows(), pdl=(False, pdl))
+        wait = pdl
     use_tma = _use_tma(cfg, wq) and _tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
     if use_tma:
@@ -447,6 +499,7 @@ def gate_up(
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         part, part.stride(0) if split > 1 else 0, count,
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
+        pipe.prefetch_pct(w.w13, rows, 2 * I) if pipe is not None else 0,
     )  # fmt: skip
     meta = dict(
         ACT=ACT_CODES[act.name],
@@ -458,6 +511,7 @@ def gate_up(
         DOT_PRECISION=_precision(act_dtype),
         **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
+        **_pipe_meta(args[-1], wait, pdl),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
@@ -472,10 +526,12 @@ def down(
     topk_weights: torch.Tensor | None = None,
     top_k: int = 1,
     warmup: bool = False,
+    pipe: DecodePipe | None = None,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
-    ('atomic'). Masked rows: unweighted into out [E * capacity, H]."""
+    ('atomic'). Masked rows: unweighted into out [E * capacity, H]. pipe: decode pipelining
+    (`DecodePipe`: launched dependent on the kernel before, which must be this call's gate_up)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
@@ -496,8 +552,10 @@ def down(
     hs = h
     dot_dtype = h.dtype
     fused = _fuse_act_quant(wq, rows, cfg, h)
+    pdl = pipe is not None and pipe.pdl
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
-        h, hs = quantize_input(h, w.spec)  # unwritten rows of h are zeros for dynamic_tensor
+        # unwritten rows of h are zeros for dynamic_tensor
+        h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
     use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
     if use_tma:
@@ -509,6 +567,7 @@ def down(
         h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
         h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
         *_quant_args(wq, w.w2, hs),
+        pipe.prefetch_pct(w.w2, rows, H) if pipe is not None else 0,
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=w.b2 is not None,
@@ -518,6 +577,7 @@ def down(
         DOT_PRECISION=_precision(dot_dtype),
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
+        **_pipe_meta(args[-1], pdl, False),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
     return out
@@ -587,13 +647,14 @@ def fused_moe(
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
         rows = Rows.sorted(align, w.num_experts)
+    pipe = DecodePipe.for_call(x_TH, T * K)
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out)
-        return down(h, rows, w, cfg2, out, weights, K)
-    h = gate_up(x_TH, rows, w, act, cfg1, K)
+        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pipe=pipe)
+        return down(h, rows, w, cfg2, out, weights, K, pipe=pipe)
+    h = gate_up(x_TH, rows, w, act, cfg1, K, pipe=pipe)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K)
+    down(h, rows, w, cfg2, y, weights, K, pipe=pipe)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 

@@ -1,0 +1,89 @@
+"""Decode pipelining of the `triton` runner (`PipelineConfig.prefetch_l2_bytes` / `.pdl`), timed
+through the layer in turns against the plain launches.
+
+    PYTHONPATH=src python3 scripts/gpu_probe_decode_pipe.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
+        [--budgets 8,24] [--out NAME]
+
+A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T the
+layer (MoE.forward_topk, `triton` runner, the shipped tables, CUDA-graph replay, the input sets
+rotated as `moekit bench` does) runs with:
+  plain        PIPELINE as shipped, with decode pipelining off
+  pdl          the kernels after the first launched programmatically dependent
+  pfB          each GEMM's programs prefetch their weight rows into L2 first (B MiB per GEMM)
+  pdl+pfB      both
+(every variant with decode_max_pairs unbounded, so that each T is measured). Writes
+$OUT/NAME.json (default decode_pipe.json): per point the microseconds of each variant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from probe_out import write_probe
+
+from moekit.bench import time_ms_interleaved
+from moekit.config import RunnerConfig
+from moekit.layer import RunnerCache
+from moekit.runners.triton import ops
+from moekit.select_tune import sweep_spec
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+
+JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;"
+        "deepseek-v3 8 8 unquantized;deepseek-v3 8 8 fp8_w8a8;"
+        "gpt-oss-120b 1 1 unquantized;gpt-oss-120b 1 1 fp8_w8a8;"
+        "mixtral-8x7b 2 1 unquantized;mixtral-8x7b 2 1 fp8_w8a8")  # fmt: skip
+
+
+def _option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
+def variants(budgets_mib: list[int]) -> dict:
+    base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, prefetch_l2_bytes=0, pdl=False)
+    out = {"plain": base, "pdl": replace(base, pdl=True)}
+    for b in budgets_mib:
+        out[f"pf{b}"] = replace(base, prefetch_l2_bytes=b << 20)
+        out[f"pdl+pf{b}"] = replace(base, prefetch_l2_bytes=b << 20, pdl=True)
+    return out
+
+
+def main() -> None:
+    jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
+    budgets = [int(b) for b in _option("--budgets", "8,24").split(",")]
+    name = _option("--out", "decode_pipe") + ".json"
+    pipes = variants(budgets)
+    res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
+    for model, tp, ep, fmt in jobs:
+        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
+                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
+        module = build_layer(spec)
+        module.runners = RunnerCache(RunnerConfig("triton"))
+        gen = torch.Generator().manual_seed(0)
+        for T in batches:
+            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            fns = {
+                n: layer_over_sets(module, sets, lambda p=p: mock.patch.object(ops, "PIPELINE", p))
+                for n, p in pipes.items()
+            }
+            ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+            us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
+            best = min(us, key=us.get)
+            point = f"{model} tp{tp} ep{ep} {fmt} T={T}"
+            res["points"][point] = {"us": us, "best": best,
+                                    "gain": round(us["plain"] / us[best], 4)}  # fmt: skip
+            print(point, us, "->", best, f"{us['plain'] / us[best]:.3f}", flush=True)
+            write_probe(name, res)
+        del module
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
