@@ -383,27 +383,31 @@ def test_whole_layer_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["unquantized", "fp8_w8a8"])
 @pytest.mark.parametrize("T", [1, 5, 16])
-def test_decode_pipelining_gpu(fmt, T):
-    """Prefetched weight rows and programmatic dependent launches (`PipelineConfig`) give the
-    plain result, eager and in CUDA-graph replay with new inputs (sm_90+)."""
+def test_decode_pdl_gpu(fmt, T):
+    """Kernels chained as programmatic dependent launches (`PipelineConfig.pdl`: alignment,
+    quantization, GEMMs) give the plain launches' result, eager and in CUDA-graph replay with
+    new inputs (sm_90+)."""
     from unittest import mock
 
     from moekit.quant import quantize_experts
 
     if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("decode pipelining needs compute capability 9.0+")
+        pytest.skip("programmatic dependent launches need compute capability 9.0+")
     E, K, H, I = 16, 4, 512, 384
     w = make_weights(E, H, I, torch.bfloat16, True)
     if fmt != "unquantized":
         w = quantize_experts(w, fmt)
     act = ActivationSpec("swiglu_oai", interleaved=True)
     configs = ops.configs_for(T, K, w, torch.bfloat16, torch.device("cuda"))
-    piped = replace(ops.PIPELINE, decode_max_pairs=1 << 20, prefetch_l2_bytes=1 << 30, pdl=True)
+    plain_pipe = replace(ops.PIPELINE, pdl=False)
+    pdl_pipe = replace(ops.PIPELINE, pdl=True, decode_max_pairs=1 << 20)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     topk = make_topk(T, K, E, masked=0.1)
-    plain = ops.fused_moe(x, topk, w, act, configs=configs)
-    with mock.patch.object(ops, "PIPELINE", piped):
-        assert ops.DecodePipe.for_call(x, T * K) is not None
+    with mock.patch.object(ops, "PIPELINE", plain_pipe):
+        assert not ops.decode_pdl(x, T * K)
+        plain = ops.fused_moe(x, topk, w, act, configs=configs)
+    with mock.patch.object(ops, "PIPELINE", pdl_pipe):
+        assert ops.decode_pdl(x, T * K)
         eager = ops.fused_moe(x, topk, w, act, configs=configs)
         assert rel_err(eager, plain) < 1e-2  # atomics add in any order
         static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
@@ -421,4 +425,5 @@ def test_decode_pipelining_gpu(fmt, T):
         topk2 = make_topk(T, K, E, masked=0.1)
         static_x.copy_(x2), static_w.copy_(topk2.weights), static_ids.copy_(topk2.ids)
         graph.replay()
-        assert rel_err(out, ops.fused_moe(x2, topk2, w, act, configs=configs)) < 1e-2
+        with mock.patch.object(ops, "PIPELINE", plain_pipe):
+            assert rel_err(out, ops.fused_moe(x2, topk2, w, act, configs=configs)) < 1e-2

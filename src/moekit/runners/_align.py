@@ -103,9 +103,12 @@ def align_block_size(
     tuning: AlignTuning = ALIGN_TUNING,
     *,
     groups: bool = False,
+    pdl: bool = False,
 ) -> AlignOutput:
     """Sort the pairs of `ids_TK` [T, K] int32 (ids in [0, E) or masked) by expert, on device;
-    `groups`: also the per-expert counts and padded ends."""
+    `groups`: also the per-expert counts and padded ends. `pdl`: a single-kernel alignment
+    runs as a programmatic dependent launch that lets the next kernel be placed at once (the
+    triton runner's decode chain, `moekit.runners.triton.ops.decode_pdl`)."""
     import triton
 
     from moekit.runners import _align_kernels as k
@@ -129,6 +132,7 @@ def align_block_size(
             ids, out.sorted_ids, out.block_expert, out.num_rows, counts, ends, P, E,
             out.max_blocks, BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step,
             BLOCKS_STEP=blocks_step, GROUPS=groups, num_warps=4 if chunk <= 512 else 8,
+            PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
         return out
     chunk = tuning.chunk(P)

@@ -81,8 +81,13 @@ def _align_small_kernel(
     PAD_STEP: tl.constexpr,
     BLOCKS_STEP: tl.constexpr,
     GROUPS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """One program does the whole alignment (P <= CHUNK)."""
+    """One program does the whole alignment (P <= CHUNK). PDL (a programmatic dependent
+    launch): let the next kernel be placed at once; wait for the previous one's writes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     sorted_e, sorted_pair, rank, hist = sort_chunk(ids_ptr, 0, P, E, CHUNK, EP)
     cnt = tl.where(tl.arange(0, EP) < E, hist, 0)
     pad_start, pad_end = _write_layout(

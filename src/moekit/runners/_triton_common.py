@@ -1,6 +1,6 @@
 """Triton device helpers shared by the Triton runners (`triton` and `triton_kernel`): the
 activation codes and epilogue, the per-chunk sort of (token, k) pairs by expert, the grouped
-program order, tile loads, the grid-stride zeroing and the L2 prefetch of weight rows. Private: `@triton.jit` functions only
+program order, tile loads and the grid-stride zeroing. Private: `@triton.jit` functions only
 (inlined into the runners' kernels), no launches.
 
 Vocabulary: P = T*K (token, k) pairs with pair index p = t*K + k, E local experts, EP a power of
@@ -102,19 +102,3 @@ def load_a_tile(ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     else:
         tile = tl.load(ptrs, mask=tl.arange(0, BLOCK_K)[None, :] < k_left, other=0.0)
     return tile
-
-
-@triton.jit
-def prefetch_rows_l2(row_ptrs, nbytes):
-    """Start reading nbytes (a multiple of 16) from each 16-byte aligned address of
-    row_ptrs [R] into L2 (`cp.async.bulk.prefetch.L2`, sm_90+): a hint, nothing is waited
-    for and nothing is returned. Used by the decode GEMMs to put their weight rows in flight
-    before their inputs are ready (see `moekit.runners.triton.configs.PipelineConfig`)."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [row_ptrs.to(tl.int64, bitcast=True), nbytes + tl.zeros(row_ptrs.shape, dtype=tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

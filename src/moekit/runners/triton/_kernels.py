@@ -27,7 +27,6 @@ from moekit.runners._triton_common import (
     desc_w_tile,
     load_a_tile,
     load_w_tile,
-    prefetch_rows_l2,
     tile_coords,
     zero_fill,
 )
@@ -538,17 +537,6 @@ def _split_fixup(
 
 
 @triton.jit
-def _prefetch_slice(row_ptrs, k_lo, k_hi, K, pf_pct, BLOCK_K: tl.constexpr, PACK: tl.constexpr):
-    """L2 prefetch of pf_pct percent of this program's weight rows (row_ptrs [R]: each row's
-    first stored element of K step k_lo; the share runs to step k_hi, within K)."""
-    ELEM: tl.constexpr = row_ptrs.dtype.element_ty.primitive_bitwidth // 8
-    k_len = tl.minimum(k_hi * BLOCK_K, K) - k_lo * BLOCK_K
-    nbytes = (k_len // PACK * ELEM * pf_pct // 100) // 16 * 16
-    if nbytes >= 16:
-        prefetch_rows_l2(row_ptrs, nbytes)
-
-
-@triton.jit
 def _tile_rows(
     pid_m,
     row_map_ptr,
@@ -645,7 +633,6 @@ def _gate_up_kernel(
     stride_wse,
     stride_wsn,
     stride_xs,
-    pf_pct,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -671,7 +658,6 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
     GDC_WAIT: tl.constexpr = False,
     GDC_LAUNCH: tl.constexpr = False,
 ):
@@ -692,56 +678,44 @@ def _gate_up_kernel(
     stores its float32 sums in part [SPLIT_K, slots, 2I] (gate columns n, up columns I + n)
     and counts itself in count[tile]; the last to arrive adds the shares up, activates and
     stores h, and sets the count back to 0 (`_split_fixup`: count must be zeros on entry).
-    Decode pipelining (`configs.PipelineConfig`): PREFETCH: first put pf_pct percent of this
-    program's weight rows in flight to L2; GDC_WAIT (a programmatic dependent launch): then
-    wait for the previous kernel's writes (x, its scales, the zeroed output may be theirs;
-    the row map and expert ids read before are older); GDC_LAUNCH: let the next kernel's
-    programs be placed at once (they wait on the GPU for this grid's writes).
+    GDC_LAUNCH: let the next kernel, if a programmatic dependent launch, be placed at once.
+    GDC_WAIT (this kernel launched so): first wait until the previous kernel's writes are
+    visible (`ops.DecodePipe`).
     """
-    pid = tl.program_id(0)
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    if ZERO_OUT:
+        zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
     split = pid % SPLIT_K
-    tile = pid // SPLIT_K
+    pid = pid // SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-    active = True
+    pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     if ROWS == 0:
-        active = pid_m * BLOCK_M < tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, BLOCK_M, ROWS,
     )  # fmt: skip
-    active = active & first_ok
-    n0 = pid_n * BLOCK_N
-    k_steps = tl.cdiv(K, BLOCK_K)
-    share = tl.cdiv(k_steps, SPLIT_K)
-    k_lo = split * share
-    k_hi = tl.minimum(k_steps, k_lo + share)
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    if PREFETCH:
-        if active:
-            if INTERLEAVED:
-                pf_rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
-            else:
-                pf_n = (n0 + tl.arange(0, BLOCK_N)) % N
-                pf_rows = tl.join(pf_n, pf_n + N).reshape(2 * BLOCK_N)
-            pf_ptrs = w_base + pf_rows.to(tl.int64) * stride_wn + k_lo * (BLOCK_K // PACK)
-            _prefetch_slice(pf_ptrs, k_lo, k_hi, K, pf_pct, BLOCK_K, PACK)
-    if GDC_WAIT:
-        tl.extra.cuda.gdc_wait()
-    if ZERO_OUT:
-        zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
-    if not active:
+    if not first_ok:
         return
     if ROWS == 1:
         a_rows = slot
     else:
         a_rows = token.to(tl.int64)
 
+    n0 = pid_n * BLOCK_N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * share
+    k_hi = tl.minimum(k_steps, k_lo + share)
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
     e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
     # quantized formats: scale / zero-point row pointers, activation scales, global scale
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
@@ -847,7 +821,7 @@ def _gate_up_kernel(
     n_out = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (n_out[None, :] < N)
     if SPLIT_K > 1:
-        acc_g, acc_u, last = _split_fixup(acc_g, acc_u, part_ptr, part_stride, count_ptr, tile,
+        acc_g, acc_u, last = _split_fixup(acc_g, acc_u, part_ptr, part_stride, count_ptr, pid,
                                           split, slot, n_out, mask, N, SPLIT_K)  # fmt: skip
     else:
         last = True
@@ -891,7 +865,6 @@ def _down_kernel(
     stride_wse,
     stride_wsn,
     stride_xs,
-    pf_pct,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     ATOMIC: tl.constexpr,
@@ -915,7 +888,6 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
     GDC_WAIT: tl.constexpr = False,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
@@ -927,43 +899,36 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). PREFETCH / GDC_WAIT: as `_gate_up_kernel`
-    (launched programmatically dependent on gate_up, or on the quantization of h, this
-    kernel's weight rows stream into L2 while they finish).
+    the K steps (the bias with the first share). GDC_WAIT: as `_gate_up_kernel`.
     """
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     pid = pid // SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    active = True
     if ROWS == 0:
-        active = pid_m * BLOCK_M < tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, BLOCK_M, ROWS,
     )  # fmt: skip
-    active = active & first_ok
+    if not first_ok:
+        return
+
     n0 = pid_n * BLOCK_N
     k_steps = tl.cdiv(K, BLOCK_K)
     share = tl.cdiv(k_steps, SPLIT_K)
     k_lo = split * share
     k_hi = tl.minimum(k_steps, k_lo + share)
     offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
-    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
-    if PREFETCH:
-        if active:
-            _prefetch_slice(w_rows + k_lo * (BLOCK_K // PACK), k_lo, k_hi, K, pf_pct, BLOCK_K,
-                            PACK)  # fmt: skip
-    if GDC_WAIT:
-        tl.extra.cuda.gdc_wait()
-    if not active:
-        return
-
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
-    b_ptrs = w_rows[None, :] + offs_wk[:, None]
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_wk[:, None])  # fmt: skip
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     s_base = ws_e + (offs_n // WROWS) * stride_wsn
     z_base = wz_ptr + expert.to(tl.int64) * stride_wse + offs_n * stride_wsn

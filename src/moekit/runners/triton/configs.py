@@ -124,21 +124,20 @@ class PipelineConfig:
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
     benchmarks/triton_notes.md).
-    Decode pipelining, for standard calls of at most decode_max_pairs (token, expert) pairs on
-    a CUDA GPU of compute capability 9.0+: prefetch_l2_bytes > 0: each GEMM program first
-    puts its weight rows in flight to L2 (bulk prefetch), up to about that many bytes per
-    GEMM in all; pdl: the kernels after the first (gate_up after the quantization of x, the
-    quantization of h, down) are programmatic dependent launches, so that their programs are
-    placed, and their weights prefetched, while the kernel before them finishes."""
+    pdl: standard calls of at most decode_max_pairs (token, expert) pairs on a GPU of compute
+    capability 9.0+ chain their kernels (alignment, quantization, GEMMs) as programmatic
+    dependent launches, so that each kernel's programs are placed while the one before it
+    finishes (`ops.decode_pdl`). On the H100 that took 4-13% off T = 1 in fp8 (four
+    kernels), 1-3% in bf16, and up to 3% at T = 4; from 16 tokens on it was within the noise
+    either way (benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
-    decode_max_pairs: int = 64
-    prefetch_l2_bytes: int = 0
-    pdl: bool = False
+    pdl: bool = True
+    decode_max_pairs: int = 32
 
 
 PIPELINE = PipelineConfig()

@@ -192,7 +192,8 @@ def quantize_input(
     | [rows, 1] | [1]) with the spec's activation scheme. 'dynamic_tensor' takes its one scale
     over the rows where `valid_rows` (bool [rows]) is set (all rows when None). On CPU (the
     Triton interpreter casts to fp8 wrongly) fp8 uses the reference quantizer, bit-identical
-    to the kernel on a GPU. pdl: (wait, launch), see `DecodePipe`."""
+    to the kernel on a GPU. pdl: (wait, launch) of a programmatic dependent launch, see
+    `decode_pdl`."""
     from moekit.quant.act_quant import quantize_act, quantize_act_ref, tensor_scale
 
     scheme, dtype = spec.act_scheme, spec.act_dtype
@@ -250,9 +251,9 @@ def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
     )
 
 
-def _pipe_meta(pf_pct: int, wait: bool, launch: bool) -> dict:
-    """Constexprs and launch options of a GEMM's decode pipelining (see `DecodePipe`)."""
-    meta = dict(PREFETCH=pf_pct > 0, GDC_WAIT=wait)
+def _pdl_meta(wait: bool, launch: bool) -> dict:
+    """GDC_WAIT / GDC_LAUNCH constexprs and the launch option of a GEMM (see `decode_pdl`)."""
+    meta = dict(GDC_WAIT=wait)
     if launch:
         meta["GDC_LAUNCH"] = True
     if wait:
@@ -268,33 +269,16 @@ def _launch(kernel, grid, args, meta, warmup: bool):
     return kernel[grid](*args, **meta)
 
 
-class DecodePipe:
-    """How one decode-size call pipelines its kernels (`configs.PipelineConfig`): prefetch
-    budget (bytes per GEMM) and whether the kernels after the first are programmatic
-    dependent launches. `DecodePipe.for_call` gives None where it does not apply."""
-
-    def __init__(self, prefetch_bytes: int, pdl: bool):
-        self.prefetch_bytes, self.pdl = prefetch_bytes, pdl
-
-    @classmethod
-    def for_call(cls, x: torch.Tensor, num_pairs: int) -> "DecodePipe | None":
-        if num_pairs > PIPELINE.decode_max_pairs or x.device.type != "cuda" or interpret_mode():
-            return None
-        if not (PIPELINE.prefetch_l2_bytes or PIPELINE.pdl):
-            return None
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
-            return None
-        return cls(PIPELINE.prefetch_l2_bytes, PIPELINE.pdl)
-
-    def prefetch_pct(self, data: torch.Tensor, rows: "Rows", weight_rows: int) -> int:
-        """Percent of each program's weight rows to prefetch (0: none): the budget over the
-        bytes of the experts the call can touch, capped at 100. Needs rows 16-byte aligned."""
-        row_bytes = data.stride(1) * data.element_size()
-        if not self.prefetch_bytes or row_bytes % 16 or data.data_ptr() % 16:
-            return 0
-        experts = min(rows.max_experts(), data.shape[0])
-        total = experts * weight_rows * row_bytes
-        return max(0, min(100, self.prefetch_bytes * 100 // max(total, 1)))
+def decode_pdl(x: torch.Tensor, num_pairs: int) -> bool:
+    """Whether a standard call with `num_pairs` (token, expert) pairs chains its kernels as
+    programmatic dependent launches (`PipelineConfig.pdl` up to `.decode_max_pairs`): each
+    kernel lets the next be placed at once and waits on the GPU, before it reads anything,
+    for the writes of the kernel before it. On CUDA GPUs of compute capability 9.0+."""
+    if not PIPELINE.pdl or num_pairs > PIPELINE.decode_max_pairs:
+        return False
+    if x.device.type != "cuda" or interpret_mode():
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -342,13 +326,6 @@ class Rows:
             return None
         local = torch.arange(self.capacity, device=self.counts.device)
         return (local[None, :] < self.counts[:, None]).reshape(-1)
-
-    def max_experts(self) -> int:
-        """An upper bound of the experts the rows touch."""
-        if self.mode == k.ROWS_MASKED:
-            return self.num_experts
-        pairs = self.ids.numel() if self.mode == k.ROWS_DIRECT else self.align.num_pairs
-        return min(pairs, self.num_experts)
 
     def slots(self) -> int:
         """Rows of the intermediate h."""
@@ -445,15 +422,15 @@ def gate_up(
     out: torch.Tensor | None = None,
     zero: torch.Tensor | None = None,
     warmup: bool = False,
-    pipe: DecodePipe | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
     rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet in a float32
-    workspace [split_k, slots, 2I] (`_kernels._split_fixup`). pipe: decode pipelining
-    (`DecodePipe`; the next kernel, if launched dependent, may be placed at once)."""
+    workspace [split_k, slots, 2I] (`_kernels._split_fixup`). pdl: the quantization of x and
+    this GEMM as programmatic dependent launches (`decode_pdl`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
@@ -481,11 +458,8 @@ def gate_up(
     xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
-    pdl = pipe is not None and pipe.pdl
-    wait = False  # gate_up waits dependently only on its own quantization of x
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
-        x, xs = quantize_input(x, w.spec, rows.valid_rows(), pdl=(False, pdl))
-        wait = pdl
+        x, xs = quantize_input(x, w.spec, rows.valid_rows(), pdl=(pdl, pdl))
     use_tma = _use_tma(cfg, wq) and _tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
     if use_tma:
@@ -499,7 +473,6 @@ def gate_up(
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         part, part.stride(0) if split > 1 else 0, count,
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
-        pipe.prefetch_pct(w.w13, rows, 2 * I) if pipe is not None else 0,
     )  # fmt: skip
     meta = dict(
         ACT=ACT_CODES[act.name],
@@ -511,7 +484,7 @@ def gate_up(
         DOT_PRECISION=_precision(act_dtype),
         **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
-        **_pipe_meta(args[-1], wait, pdl),
+        **_pdl_meta(pdl, pdl),
     )
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
@@ -526,12 +499,12 @@ def down(
     topk_weights: torch.Tensor | None = None,
     top_k: int = 1,
     warmup: bool = False,
-    pipe: DecodePipe | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
-    ('atomic'). Masked rows: unweighted into out [E * capacity, H]. pipe: decode pipelining
-    (`DecodePipe`: launched dependent on the kernel before, which must be this call's gate_up)."""
+    ('atomic'). Masked rows: unweighted into out [E * capacity, H]. pdl: the quantization of h
+    and this GEMM as programmatic dependent launches (`decode_pdl`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
@@ -552,7 +525,6 @@ def down(
     hs = h
     dot_dtype = h.dtype
     fused = _fuse_act_quant(wq, rows, cfg, h)
-    pdl = pipe is not None and pipe.pdl
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         # unwritten rows of h are zeros for dynamic_tensor
         h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
@@ -567,7 +539,6 @@ def down(
         h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
         h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
         *_quant_args(wq, w.w2, hs),
-        pipe.prefetch_pct(w.w2, rows, H) if pipe is not None else 0,
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=w.b2 is not None,
@@ -577,7 +548,7 @@ def down(
         DOT_PRECISION=_precision(dot_dtype),
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
-        **_pipe_meta(args[-1], pdl, False),
+        **_pdl_meta(pdl, False),
     )
     _launch(k._down_kernel, grid, args, meta, warmup)
     return out
@@ -641,20 +612,20 @@ def fused_moe(
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
+    pdl = decode_pdl(x_TH, T * K)
     if T <= PIPELINE.direct_max_tokens:  # one pair per row block (row 0 of 16, or of 1)
         cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in (cfg1, cfg2))
         rows = Rows.direct(ids.view(-1), w.num_experts)
     else:
-        align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m))
+        align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m), pdl=pdl)
         rows = Rows.sorted(align, w.num_experts)
-    pipe = DecodePipe.for_call(x_TH, T * K)
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pipe=pipe)
-        return down(h, rows, w, cfg2, out, weights, K, pipe=pipe)
-    h = gate_up(x_TH, rows, w, act, cfg1, K, pipe=pipe)
+        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl)
+        return down(h, rows, w, cfg2, out, weights, K, pdl=pdl)
+    h = gate_up(x_TH, rows, w, act, cfg1, K, pdl=pdl)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K, pipe=pipe)
+    down(h, rows, w, cfg2, y, weights, K, pdl=pdl)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 

@@ -1,18 +1,15 @@
-"""Decode pipelining of the `triton` runner (`PipelineConfig.prefetch_l2_bytes` / `.pdl`), timed
-through the layer in turns against the plain launches.
+"""The `triton` runner's decode kernels chained as programmatic dependent launches
+(`PipelineConfig.pdl`), timed through the layer in turns against plain launches.
 
-    PYTHONPATH=src python3 scripts/gpu_probe_decode_pipe.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--budgets 8,24] [--out NAME]
+    PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
+        [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T the
 layer (MoE.forward_topk, `triton` runner, the shipped tables, CUDA-graph replay, the input sets
 rotated as `moekit bench` does) runs with:
-  plain        PIPELINE as shipped, with decode pipelining off
-  pdl          the kernels after the first launched programmatically dependent
-  pfB          each GEMM's programs prefetch their weight rows into L2 first (B MiB per GEMM)
-  pdl+pfB      both
-(every variant with decode_max_pairs unbounded, so that each T is measured). Writes
-$OUT/NAME.json (default decode_pipe.json): per point the microseconds of each variant.
+  plain        PIPELINE with pdl off
+  pdl          PIPELINE with pdl on and decode_max_pairs unbounded (so that each T is measured)
+Writes $OUT/NAME.json (default decode_pdl.json): per point the microseconds of each.
 """
 
 from __future__ import annotations
@@ -45,21 +42,16 @@ def _option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-def variants(budgets_mib: list[int]) -> dict:
-    base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, prefetch_l2_bytes=0, pdl=False)
-    out = {"plain": base, "pdl": replace(base, pdl=True)}
-    for b in budgets_mib:
-        out[f"pf{b}"] = replace(base, prefetch_l2_bytes=b << 20)
-        out[f"pdl+pf{b}"] = replace(base, prefetch_l2_bytes=b << 20, pdl=True)
-    return out
+def variants() -> dict:
+    base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, pdl=False)
+    return {"plain": base, "pdl": replace(base, pdl=True)}
 
 
 def main() -> None:
     jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
-    budgets = [int(b) for b in _option("--budgets", "8,24").split(",")]
-    name = _option("--out", "decode_pipe") + ".json"
-    pipes = variants(budgets)
+    name = _option("--out", "decode_pdl") + ".json"
+    pipes = variants()
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:
         spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
