@@ -1,8 +1,10 @@
 """What cuBLAS reaches on the MoE's large-batch problems with none of the MoE's irregularity: every
 expert gets exactly T * K / E rows, already grouped (torch.bmm over [E, m, H] x [E, H, 2I], the
 activation, torch.bmm over [E, m, I] x [E, I, H]). Timed in turns with the `triton` runner's
-layer on uniform random routing at the same point; both as time / floor with the floor of
-`moekit bench` (ceilings measured at the start of the run).
+layer on uniform random routing at the same point, and on a balanced routing (pair p to expert
+p mod E: every expert exactly T * K / E pairs, as the bmm); each as time / the floor `moekit
+bench` gives the random routing (ceilings measured at the start of the run; the bmm's own
+activation bytes, per pair, are not counted).
 
     PYTHONPATH=src python3 scripts/gpu_probe_bmm_floor.py [--jobs 'J1;J2'] [--batches 1024,4096,16384]
 
@@ -20,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import write_probe
 
-from moekit.bench import Cost, measure_ceilings, time_ms_interleaved
+from moekit.bench import measure_ceilings, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.select_tune import sweep_spec
@@ -54,25 +56,28 @@ def main() -> None:
             x = torch.randn(E, m, H, device="cuda", dtype=torch.bfloat16)
             w13t, w2t = w.w13.transpose(1, 2), w.w2.transpose(1, 2)
 
-            def bmm_moe(x=x, w13t=w13t, w2t=w2t):
+            def bmm_moe(x=x, w13t=w13t, w2t=w2t, I=I, silu=silu):
                 gu = torch.bmm(x, w13t)
                 g, u = gu[..., :I], gu[..., I:]
                 h = torch.nn.functional.silu(g) * u if silu else torch.nn.functional.gelu(g) * u
                 return torch.bmm(h, w2t)
 
-            def bmm_only(x=x, w13t=w13t, w2t=w2t):
+            def bmm_only(x=x, w13t=w13t, w2t=w2t, I=I):
                 gu = torch.bmm(x, w13t)
                 return torch.bmm(gu[..., :I], w2t)
 
+            ids = (torch.arange(T * K, device="cuda", dtype=torch.int32) % E_all).view(T, K)
+            balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
+                         TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip
+
             sets, cost, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
-            fns = {"triton layer": layer_over_sets(module, sets), "bmm+act": bmm_moe,
+            fns = {"triton layer": layer_over_sets(module, sets),
+                   "triton balanced": layer_over_sets(module, balanced), "bmm+act": bmm_moe,
                    "bmm": bmm_only}  # fmt: skip
             ms = time_ms_interleaved(fns, "cuda", rounds=4, samples=16)
             ms["triton layer"] /= len(sets)
-            pairs = E * m
-            bmm_cost = Cost(flops=2.0 * pairs * 3 * H * I, bytes=E * 3 * H * I * 2 + 2 * E * m * H * 2)
-            floors = {"triton layer": cost.floor_s(ceil), "bmm+act": bmm_cost.floor_s(ceil),
-                      "bmm": bmm_cost.floor_s(ceil)}  # fmt: skip
+            floors = {"triton layer": cost.floor_s(ceil), "triton balanced": cost.floor_s(ceil),
+                      "bmm+act": cost.floor_s(ceil), "bmm": cost.floor_s(ceil)}  # fmt: skip
             point = {n: {"ms": round(ms[n], 4), "floor_ms": round(floors[n] * 1e3, 4),
                          "x_floor": round(ms[n] / (floors[n] * 1e3), 3)} for n in fns}  # fmt: skip
             key = f"{model} tp{tp} ep{ep} T={T}"
