@@ -25,6 +25,7 @@ from probe_out import write_probe
 from moekit.bench import measure_ceilings, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
+from moekit.router import TopKOutput
 from moekit.select_tune import sweep_spec
 from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
 
