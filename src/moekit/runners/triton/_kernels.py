@@ -548,10 +548,11 @@ def _tile_rows(
     capacity,
     blocks_per_expert,
     align_m,
+    ROW_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Rows of row block pid_m. Returns (expert, row_ok [BM], pair [BM], token [BM], slot [BM]
+    """The first BLOCK_M rows of row block pid_m (blocks of ROW_BLOCK rows). Returns (expert, row_ok [BM], pair [BM], token [BM], slot [BM]
     int64, slot0, first_ok). Only rows with row_ok are stored; loads use in-bounds rows.
     ROWS_SORTED: row_map = sorted pair ids of the alignment; slot = row of the sorted order.
     ROWS_MASKED: slot = e * capacity + local row (local 0 where not row_ok); pair, token unused.
@@ -560,7 +561,7 @@ def _tile_rows(
     offs = tl.arange(0, BLOCK_M)
     if ROWS == 1:
         expert = pid_m // blocks_per_expert
-        local0 = (pid_m % blocks_per_expert) * BLOCK_M
+        local0 = (pid_m % blocks_per_expert) * ROW_BLOCK
         count = tl.minimum(tl.load(counts_ptr + expert), capacity)
         local = local0 + offs
         row_ok = local < count
@@ -579,7 +580,7 @@ def _tile_rows(
         slot = pair.to(tl.int64)
         slot0 = pid_m
     else:
-        row0 = pid_m * BLOCK_M
+        row0 = pid_m * ROW_BLOCK
         pair = tl.load(row_map_ptr + row0 + offs)
         row_ok = pair < num_pairs
         token = tl.where(row_ok, pair // top_k, 0)
@@ -588,6 +589,207 @@ def _tile_rows(
         slot0 = row0
         first_ok = tl.load(row_map_ptr + row0) < num_pairs
     return expert, row_ok, pair, token, slot, slot0, first_ok
+
+
+@triton.jit
+def _gate_up_block(
+    x_ptr,
+    w_ptr,
+    w_desc,
+    b_ptr,
+    h_ptr,
+    row_map_ptr,
+    block_expert_ptr,
+    counts_ptr,
+    num_pairs,
+    top_k,
+    num_experts,
+    capacity,
+    blocks_per_expert,
+    align_m,
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_hm,
+    part_ptr,
+    part_stride,
+    count_ptr,
+    alpha,
+    limit,
+    ws_ptr,
+    wz_ptr,
+    wg_ptr,
+    xs_ptr,
+    stride_wse,
+    stride_wsn,
+    stride_xs,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    ASCALE: tl.constexpr,
+    WSCALE: tl.constexpr,
+    WROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SG: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    PACK: tl.constexpr,
+    HALF: tl.constexpr,
+    ASM: tl.constexpr,
+    INT_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    pid_m,
+    pid_n,
+    split,
+    pid,
+    ROW_BLOCK: tl.constexpr,
+    BM: tl.constexpr,
+):
+    """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
+    row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there)."""
+    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS,
+    )  # fmt: skip
+    if ROWS == 1:
+        a_rows = slot
+    else:
+        a_rows = token.to(tl.int64)
+
+    n0 = pid_n * BLOCK_N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * share
+    k_hi = tl.minimum(k_steps, k_lo + share)
+    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
+    a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
+    # quantized formats: scale / zero-point row pointers, activation scales, global scale
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
+    a_s_base = xs_ptr + a_rows * stride_xs
+    if QUANT == 5:
+        gscale = tl.load(wg_ptr + expert)
+    else:
+        gscale = 1.0
+    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    if INTERLEAVED:
+        # one tile of 2 * BLOCK_N rows alternating gate / up
+        rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
+        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
+        s_base = ws_e + (rows // WROWS) * stride_wsn
+        z_base = wz_e + rows * stride_wsn
+        acc = _zeros_acc(BM, 2 * BLOCK_N, SWAP_AB)
+        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        for ki in range(k_lo, k_hi):
+            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            k_left = K - ki * BLOCK_K
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if PACK == 2:
+                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
+                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+            else:
+                if USE_TMA:
+                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
+                else:
+                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
+                                  GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+            if not USE_TMA:
+                w_ptrs += BLOCK_K // PACK
+            a_ptrs += BLOCK_K
+            sc1, sc2 = nx1, nx2
+        acc = _unswap(acc, SWAP_AB)
+        if QUANT == 1:
+            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
+        if HAS_BIAS:
+            b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
+            acc += tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_N, 2]))
+    else:
+        n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
+        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
+        u_ptrs = g_ptrs + N * stride_wn
+        sg_base = ws_e + (n_rows // WROWS) * stride_wsn
+        su_base = ws_e + ((N + n_rows) // WROWS) * stride_wsn
+        zg_base = wz_e + n_rows * stride_wsn
+        zu_base = wz_e + (N + n_rows) * stride_wsn
+        acc_g = _zeros_acc(BM, BLOCK_N, SWAP_AB)
+        acc_u = _zeros_acc(BM, BLOCK_N, SWAP_AB)
+        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        for ki in range(k_lo, k_hi):
+            ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+            k_left = K - ki * BLOCK_K
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+            if PACK == 2:
+                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
+                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+            else:
+                if USE_TMA:
+                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
+                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
+                else:
+                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+                acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
+                                    DOT_PRECISION)  # fmt: skip
+                acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
+                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
+                                    DOT_PRECISION)  # fmt: skip
+            if not USE_TMA:
+                g_ptrs += BLOCK_K // PACK
+                u_ptrs += BLOCK_K // PACK
+            a_ptrs += BLOCK_K
+            g1, g2, u1, u2 = ng1, ng2, nu1, nu2
+        acc_g = _unswap(acc_g, SWAP_AB)
+        acc_u = _unswap(acc_u, SWAP_AB)
+        if QUANT == 1:
+            acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
+            acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
+        if HAS_BIAS:
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            acc_g += tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)[None, :]
+            acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
+
+    n_out = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (n_out[None, :] < N)
+    if SPLIT_K > 1:
+        acc_g, acc_u, last = _split_fixup(acc_g, acc_u, part_ptr, part_stride, count_ptr, pid,
+                                          split, slot, n_out, mask, N, SPLIT_K)  # fmt: skip
+    else:
+        last = True
+    if last:
+        act = activate(acc_g, acc_u, alpha, limit, ACT)
+        h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
+        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
+
+
 
 
 @triton.jit(
@@ -660,6 +862,7 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
     GDC_LAUNCH: tl.constexpr = False,
+    TAIL_BM: tl.constexpr = 0,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -680,7 +883,9 @@ def _gate_up_kernel(
     stores h, and sets the count back to 0 (`_split_fixup`: count must be zeros on entry).
     GDC_LAUNCH: let the next kernel, if a programmatic dependent launch, be placed at once.
     GDC_WAIT (this kernel launched so): first wait until the previous kernel's writes are
-    visible (`ops.DecodePipe`).
+    visible (`ops.decode_pdl`). TAIL_BM < BLOCK_M (sorted rows): a block whose valid rows
+    all lie in its first TAIL_BM rows (an expert's last, partly filled block) computes only
+    those (`_gate_up_block`), not a whole BLOCK_M-row tile.
     """
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
@@ -698,137 +903,39 @@ def _gate_up_kernel(
             return
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, BLOCK_M, ROWS,
+        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS,
     )  # fmt: skip
     if not first_ok:
         return
-    if ROWS == 1:
-        a_rows = slot
+    if TAIL_BM < BLOCK_M and ROWS == 0:
+        n_ok = tl.sum(row_ok.to(tl.int32))
+        if n_ok <= TAIL_BM:
+            _gate_up_block(
+                x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
+                num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+                stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
+                count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
+                stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
+                WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
+                DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, TAIL_BM)  # fmt: skip
+        else:
+            _gate_up_block(
+                x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
+                num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+                stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
+                count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
+                stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
+                WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
+                DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M)  # fmt: skip
     else:
-        a_rows = token.to(tl.int64)
-
-    n0 = pid_n * BLOCK_N
-    k_steps = tl.cdiv(K, BLOCK_K)
-    share = tl.cdiv(k_steps, SPLIT_K)
-    k_lo = split * share
-    k_hi = tl.minimum(k_steps, k_lo + share)
-    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
-    # quantized formats: scale / zero-point row pointers, activation scales, global scale
-    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    wz_e = wz_ptr + expert.to(tl.int64) * stride_wse
-    a_s_base = xs_ptr + a_rows * stride_xs
-    if QUANT == 5:
-        gscale = tl.load(wg_ptr + expert)
-    else:
-        gscale = 1.0
-    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    if INTERLEAVED:
-        # one tile of 2 * BLOCK_N rows alternating gate / up
-        rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
-        w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
-        s_base = ws_e + (rows // WROWS) * stride_wsn
-        z_base = wz_e + rows * stride_wsn
-        acc = _zeros_acc(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
-        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo, k_hi):
-            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            k_left = K - ki * BLOCK_K
-            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if PACK == 2:
-                acc = _packed_mma(a, w_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG,
-                                  HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-            else:
-                if USE_TMA:
-                    b = desc_w_tile(w_desc, e_row + 2 * n0, ki * BLOCK_K)
-                else:
-                    b = _w_tile(w_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
-                                  GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-            if not USE_TMA:
-                w_ptrs += BLOCK_K // PACK
-            a_ptrs += BLOCK_K
-            sc1, sc2 = nx1, nx2
-        acc = _unswap(acc, SWAP_AB)
-        if QUANT == 1:
-            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
-        if HAS_BIAS:
-            b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
-            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
-            acc += tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
-        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    else:
-        n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
-        g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
-        u_ptrs = g_ptrs + N * stride_wn
-        sg_base = ws_e + (n_rows // WROWS) * stride_wsn
-        su_base = ws_e + ((N + n_rows) // WROWS) * stride_wsn
-        zg_base = wz_e + n_rows * stride_wsn
-        zu_base = wz_e + (N + n_rows) * stride_wsn
-        acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-        acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo, k_hi):
-            ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            k_left = K - ki * BLOCK_K
-            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if PACK == 2:
-                acc_g = _packed_mma(a, g_ptrs, g1, g2, k_left, acc_g, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-                acc_u = _packed_mma(a, u_ptrs, u1, u2, k_left, acc_u, QUANT, EVEN_K, BLOCK_K,
-                                    SG, HALF, ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-            else:
-                if USE_TMA:
-                    bg = desc_w_tile(w_desc, e_row + n0, ki * BLOCK_K)
-                    bu = desc_w_tile(w_desc, e_row + N + n0, ki * BLOCK_K)
-                else:
-                    bg = _w_tile(g_ptrs, sg_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                    bu = _w_tile(u_ptrs, su_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, ki, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                    DOT_PRECISION)  # fmt: skip
-                acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                    DOT_PRECISION)  # fmt: skip
-            if not USE_TMA:
-                g_ptrs += BLOCK_K // PACK
-                u_ptrs += BLOCK_K // PACK
-            a_ptrs += BLOCK_K
-            g1, g2, u1, u2 = ng1, ng2, nu1, nu2
-        acc_g = _unswap(acc_g, SWAP_AB)
-        acc_u = _unswap(acc_u, SWAP_AB)
-        if QUANT == 1:
-            acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
-            acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
-        if HAS_BIAS:
-            b_base = b_ptr + expert.to(tl.int64) * stride_be
-            acc_g += tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)[None, :]
-            acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
-
-    n_out = n0 + tl.arange(0, BLOCK_N)
-    mask = row_ok[:, None] & (n_out[None, :] < N)
-    if SPLIT_K > 1:
-        acc_g, acc_u, last = _split_fixup(acc_g, acc_u, part_ptr, part_stride, count_ptr, pid,
-                                          split, slot, n_out, mask, N, SPLIT_K)  # fmt: skip
-    else:
-        last = True
-    if last:
-        act = activate(acc_g, acc_u, alpha, limit, ACT)
-        h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
-        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
+        _gate_up_block(
+            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
+            num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+            stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
+            count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
+            stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS,
+            GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
+            DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "blocks_per_expert", "num_pid_m"])
@@ -913,7 +1020,7 @@ def _down_kernel(
             return
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, BLOCK_M, ROWS,
+        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS,
     )  # fmt: skip
     if not first_ok:
         return

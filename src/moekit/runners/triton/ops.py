@@ -486,6 +486,9 @@ def gate_up(
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
     )
+    tail_bm = cfg.block_m // PIPELINE.tail_div
+    if rows.mode == k.ROWS_SORTED and PIPELINE.tail_div > 1 and tail_bm >= 16:
+        meta["TAIL_BM"] = tail_bm
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
 

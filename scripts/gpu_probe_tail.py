@@ -1,0 +1,86 @@
+"""Partly filled gate_up blocks computed on fewer rows (`PipelineConfig.tail_div`), timed through
+the layer in turns against whole tiles, with a balanced routing (every expert exactly
+T * K / E pairs: no partly filled block) as the bound of what padding costs.
+
+    PYTHONPATH=src python3 scripts/gpu_probe_tail.py [--jobs 'J1;J2'] [--batches 1024,4096,16384]
+        [--divs 2,4] [--out NAME]
+
+A job is `preset tp ep format`. Per point: microseconds of `div1` (whole tiles, as shipped
+before), `divD` (tail_div D), `balanced` (div1 on the balanced routing; its floor is the same),
+and the largest relative difference of each variant's output from div1's. Writes
+$OUT/NAME.json (default tail.json).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from probe_out import write_probe
+
+from moekit.bench import time_ms_interleaved
+from moekit.config import RunnerConfig
+from moekit.layer import RunnerCache
+from moekit.router import TopKOutput
+from moekit.runners.triton import ops
+from moekit.select_tune import sweep_spec
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets, rel_err
+
+JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
+        "deepseek-v3 8 8 unquantized;gpt-oss-120b 1 1 unquantized")  # fmt: skip
+
+
+def _option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
+def main() -> None:
+    jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in _option("--batches", "1024,4096,16384").split(",")]
+    divs = [1] + [int(d) for d in _option("--divs", "2,4").split(",")]
+    name = _option("--out", "tail") + ".json"
+    res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
+    for model, tp, ep, fmt in jobs:
+        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
+                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
+        module = build_layer(spec)
+        module.runners = RunnerCache(RunnerConfig("triton"))
+        K, E_all, H = spec.moe.top_k, spec.moe.num_experts, spec.moe.hidden_size
+        gen = torch.Generator().manual_seed(0)
+        for T in batches:
+            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            ids = (torch.arange(T * K, device="cuda", dtype=torch.int32) % E_all).view(T, K)
+            balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
+                         TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip
+            pipes = {f"div{d}": replace(ops.PIPELINE, tail_div=d) for d in divs}
+            x0, topk0 = sets[0]
+            outs = {}
+            for n, p in pipes.items():
+                with mock.patch.object(ops, "PIPELINE", p), torch.no_grad():
+                    outs[n] = module.forward_topk(x0, topk0).float()
+            fns = {n: layer_over_sets(module, sets, lambda p=p: mock.patch.object(ops, "PIPELINE", p))
+                   for n, p in pipes.items()}  # fmt: skip
+            fns["balanced"] = layer_over_sets(module, balanced)
+            ms = time_ms_interleaved(fns, "cuda", rounds=4, samples=16)
+            us = {n: round(v * 1e3 / (1 if n == "balanced" else len(sets)), 1) for n, v in ms.items()}
+            point = f"{model} tp{tp} ep{ep} {fmt} T={T}"
+            res["points"][point] = {
+                "us": us,
+                "gain_over_div1": {n: round(us["div1"] / v, 4) for n, v in us.items()},
+                "rel_err_vs_div1": {n: rel_err(o, outs["div1"]) for n, o in outs.items()},
+            }
+            print(point, us, {n: round(us["div1"] / v, 3) for n, v in us.items()},
+                  {n: f"{rel_err(o, outs['div1']):.1e}" for n, o in outs.items()}, flush=True)  # fmt: skip
+            write_probe(name, res)
+        del module
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
