@@ -907,7 +907,7 @@ def _gate_up_kernel(
     )  # fmt: skip
     if not first_ok:
         return
-    if TAIL_BM < BLOCK_M and ROWS == 0:
+    if TAIL_BM > 0 and TAIL_BM < BLOCK_M and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
         if n_ok <= TAIL_BM:
             _gate_up_block(
