@@ -140,7 +140,7 @@ class PipelineConfig:
     packed_maxnreg: int | None = None
     pdl: bool = True
     decode_max_pairs: int = 32
-    tail_div: int = 1
+    tail_div: int = 2
 
 
 PIPELINE = PipelineConfig()
