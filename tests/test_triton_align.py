@@ -107,7 +107,7 @@ def test_align_matches_twin_and_invariants(case: Case):
     # the groups: pairs per expert, and each segment ends where its blocks end
     flat = ids.reshape(-1).long().cpu()
     valid = (flat >= 0) & (flat < case.E)
-    assert torch.equal(ref.counts.long(), torch.bincount(flat[valid], minlength=case.E))
+    assert torch.equal(ref.counts.long().cpu(), torch.bincount(flat[valid], minlength=case.E))
     blocks = ref.block_expert.long().cpu()
     for e in range(case.E):
         assert int(ref.ends[e]) == case.block_m * int((blocks[: n // case.block_m] <= e).sum())
