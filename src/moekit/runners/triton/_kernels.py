@@ -553,7 +553,8 @@ def _tile_rows(
     ROWS: tl.constexpr,
 ):
     """The first BLOCK_M rows of row block pid_m (blocks of ROW_BLOCK rows). Returns (expert,
-    row_ok [BM], pair [BM], token [BM], slot [BM] int64, slot0, first_ok). Only rows with row_ok are stored; loads use in-bounds rows.
+    row_ok [BM], pair [BM], token [BM], slot [BM] int64, slot0, first_ok). Only rows with
+    row_ok are stored; loads use in-bounds rows.
     ROWS_SORTED: row_map = sorted pair ids of the alignment; slot = row of the sorted order.
     ROWS_MASKED: slot = e * capacity + local row (local 0 where not row_ok); pair, token unused.
     ROWS_DIRECT: one pair per block (row 0): row_map = expert id of each pair; slot = pair.
