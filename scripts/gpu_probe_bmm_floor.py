@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_out import write_probe
+from probe_out import option, write_probe
 
 from moekit.bench import measure_ceilings, time_ms_interleaved
 from moekit.config import RunnerConfig
@@ -32,14 +32,10 @@ from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
 JOBS = "qwen3-30b-a3b 1 1;mixtral-8x7b 2 1;deepseek-v3 8 8;gpt-oss-120b 1 1"
 
 
-def _option(name: str, default: str) -> str:
-    args = sys.argv[1:]
-    return args[args.index(name) + 1] if name in args else default
-
 
 def main() -> None:
-    jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
-    batches = [int(b) for b in _option("--batches", "1024,4096,16384").split(",")]
+    jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
     ceil = measure_ceilings("cuda")
     res: dict = {"ceilings": vars(ceil), "points": {}}
     for model, tp, ep in jobs:

@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_out import write_probe
+from probe_out import option, write_probe
 
 from moekit.bench import time_ms_interleaved
 from moekit.config import RunnerConfig
@@ -37,10 +37,6 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;"
         "mixtral-8x7b 2 1 unquantized;mixtral-8x7b 2 1 fp8_w8a8")  # fmt: skip
 
 
-def _option(name: str, default: str) -> str:
-    args = sys.argv[1:]
-    return args[args.index(name) + 1] if name in args else default
-
 
 def variants() -> dict:
     base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, pdl=False)
@@ -48,9 +44,9 @@ def variants() -> dict:
 
 
 def main() -> None:
-    jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
-    batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
-    name = _option("--out", "decode_pdl") + ".json"
+    jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in option("--batches", "1,4,16,64").split(",")]
+    name = option("--out", "decode_pdl") + ".json"
     pipes = variants()
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:

@@ -21,7 +21,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_out import write_probe
+from probe_out import option, write_probe
 
 from moekit.bench import time_ms_interleaved
 from moekit.config import RunnerConfig
@@ -35,16 +35,12 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
         "deepseek-v3 8 8 unquantized;gpt-oss-120b 1 1 unquantized")  # fmt: skip
 
 
-def _option(name: str, default: str) -> str:
-    args = sys.argv[1:]
-    return args[args.index(name) + 1] if name in args else default
-
 
 def main() -> None:
-    jobs = [j.split() for j in _option("--jobs", JOBS).split(";")]
-    batches = [int(b) for b in _option("--batches", "1024,4096,16384").split(",")]
-    divs = [1] + [int(d) for d in _option("--divs", "2,4").split(",")]
-    name = _option("--out", "tail") + ".json"
+    jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
+    divs = [1] + [int(d) for d in option("--divs", "2,4").split(",")]
+    name = option("--out", "tail") + ".json"
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:
         spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,

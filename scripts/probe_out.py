@@ -30,3 +30,11 @@ def write_probe(name: str, payload: dict) -> Path:
     path.write_text(json.dumps({**head, **payload}, indent=1) + "\n")
     print("wrote", path)
     return path
+
+
+def option(name: str, default: str) -> str:
+    """The value after `name` on the command line, else `default` (the probes' flags)."""
+    import sys
+
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
