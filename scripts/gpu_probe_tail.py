@@ -1,14 +1,14 @@
-"""Partly filled gate_up blocks computed on fewer rows (`PipelineConfig.tail_div`), timed through
-the layer in turns against whole tiles, with a balanced routing (every expert exactly
+"""Partly filled blocks computed on fewer rows (`PipelineConfig.tail_div`, `.tail_gemms`), timed
+through the layer in turns against whole tiles, with a balanced routing (every expert exactly
 T * K / E pairs: no partly filled block) as the bound of what padding costs.
 
     PYTHONPATH=src python3 scripts/gpu_probe_tail.py [--jobs 'J1;J2'] [--batches 1024,4096,16384]
-        [--divs 2,4] [--out NAME]
+        [--variants 2g,2,4] [--out NAME]
 
-A job is `preset tp ep format`. Per point: microseconds of `div1` (whole tiles, as shipped
-before), `divD` (tail_div D), `balanced` (div1 on the balanced routing; its floor is the same),
-and the largest relative difference of each variant's output from div1's. Writes
-$OUT/NAME.json (default tail.json).
+A job is `preset tp ep format`. A variant is a tail_div D for both GEMMs (`D`) or for gate_up
+only (`Dg`). Per point: microseconds of `div1` (whole tiles), each variant `divD` / `divDg`,
+`balanced` (div1 on the balanced routing; its floor is the same), and the largest relative
+difference of each variant's output from div1's. Writes $OUT/NAME.json (default tail.json).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
 def main() -> None:
     jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
-    divs = [1] + [int(d) for d in option("--divs", "2,4").split(",")]
+    variants = ["1"] + option("--variants", "2g,2,4").split(",")
     name = option("--out", "tail") + ".json"
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:
@@ -54,7 +54,10 @@ def main() -> None:
             ids = (torch.arange(T * K, device="cuda", dtype=torch.int32) % E_all).view(T, K)
             balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
                          TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip
-            pipes = {f"div{d}": replace(ops.PIPELINE, tail_div=d) for d in divs}
+            pipes = {f"div{v}": replace(ops.PIPELINE, tail_div=int(v.rstrip("g")),
+                                        tail_gemms=("gate_up",) if v.endswith("g")
+                                        else ("gate_up", "down"))
+                     for v in variants}  # fmt: skip
             x0, topk0 = sets[0]
             outs = {}
             for n, p in pipes.items():

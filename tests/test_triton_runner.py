@@ -127,12 +127,13 @@ def masked_reference(x_ECH, counts, w: ExpertWeights, act):
     return run_masked(x_ECH.double(), counts, w64, act)
 
 
+@pytest.mark.parametrize("reduce", ["atomic", "kernel"])
 @pytest.mark.parametrize("tail_div", [2, 4])
 @pytest.mark.parametrize("T", [50, 130])
-def test_tail_blocks_match_reference(tail_div, T):
-    """gate_up blocks whose valid rows fit in block_m / tail_div (`PipelineConfig.tail_div`)
-    multiply only those rows; with experts of 8-90 rows some blocks take that path and some
-    the whole tile."""
+def test_tail_blocks_match_reference(tail_div, T, reduce):
+    """Blocks of both GEMMs whose valid rows fit in block_m / tail_div
+    (`PipelineConfig.tail_div`) multiply only those rows; with experts of 8-90 rows some
+    blocks take that path and some the whole tile."""
     from unittest import mock
 
     E, K, H, I = 3, 2, 48, 40
@@ -141,7 +142,7 @@ def test_tail_blocks_match_reference(tail_div, T):
     act = ActivationSpec("silu")
     x = torch.randn(T, H, device=DEVICE, dtype=dtype)
     topk = make_topk(T, K, E, masked=0.1)
-    configs = (GemmConfig(64, 16, 16), GemmConfig(16, 32, 16, reduce="atomic"))
+    configs = (GemmConfig(64, 16, 16), GemmConfig(64, 32, 16, reduce=reduce))
     with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, tail_div=tail_div)):
         out = ops.fused_moe(x, topk, w, act, configs=configs)
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]

@@ -939,6 +939,143 @@ def _gate_up_kernel(
             DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M)  # fmt: skip
 
 
+@triton.jit
+def _down_block(
+    h_ptr,
+    h_desc,
+    w_ptr,
+    w_desc,
+    b_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    row_map_ptr,
+    block_expert_ptr,
+    counts_ptr,
+    num_pairs,
+    top_k,
+    num_experts,
+    capacity,
+    blocks_per_expert,
+    align_m,
+    N,
+    K,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_om,
+    ws_ptr,
+    wz_ptr,
+    wg_ptr,
+    xs_ptr,
+    stride_wse,
+    stride_wsn,
+    stride_xs,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    QUANT: tl.constexpr,
+    ASCALE: tl.constexpr,
+    WSCALE: tl.constexpr,
+    WROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SG: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    PACK: tl.constexpr,
+    HALF: tl.constexpr,
+    ASM: tl.constexpr,
+    INT_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    pid_m,
+    pid_n,
+    split,
+    ROW_BLOCK: tl.constexpr,
+    BM: tl.constexpr,
+):
+    """The work of one down program (see `_down_kernel`) on the first BM rows of its row
+    block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
+    rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows)."""
+    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS,
+    )  # fmt: skip
+    n0 = pid_n * BLOCK_N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * share
+    k_hi = tl.minimum(k_steps, k_lo + share)
+    offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
+    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
+    a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_wk[:, None])  # fmt: skip
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    s_base = ws_e + (offs_n // WROWS) * stride_wsn
+    z_base = wz_ptr + expert.to(tl.int64) * stride_wse + offs_n * stride_wsn
+    a_s_base = xs_ptr + slot * stride_xs
+    if QUANT == 5:
+        gscale = tl.load(wg_ptr + expert)
+    else:
+        gscale = 1.0
+    DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+    acc = _zeros_acc(BM, BLOCK_N, SWAP_AB)
+    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                            GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+    for ki in range(k_lo, k_hi):
+        nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        k_left = K - ki * BLOCK_K
+        if USE_TMA and BM == ROW_BLOCK:  # (the descriptor's block is a whole row block)
+            a = h_desc.load([slot0, ki * BLOCK_K])
+        else:
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+        if USE_TMA:
+            b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
+        elif PACK == 1:
+            b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+        if PACK == 2:
+            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
+                              ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+        else:
+            a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+            acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
+                              GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+        a_ptrs += BLOCK_K
+        if not USE_TMA:
+            b_ptrs += BLOCK_K // PACK
+        sc1, sc2 = nx1, nx2
+    acc = _unswap(acc, SWAP_AB)
+    if QUANT == 1:
+        acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
+
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
+    n_out = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (n_out[None, :] < N)
+    if ROWS == 1:
+        out_rows = slot
+    else:
+        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        if ATOMIC:
+            out_rows = token.to(tl.int64)
+        else:
+            out_rows = pair.to(tl.int64)
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + n_out[None, :]
+    val = acc.to(out_ptr.dtype.element_ty)
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, val, mask=mask, sem="relaxed")
+    else:
+        tl.store(out_ptrs, val, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "blocks_per_expert", "num_pid_m"])
 def _down_kernel(
     h_ptr,
@@ -997,6 +1134,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
+    TAIL_BM: tl.constexpr = 0,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1007,7 +1145,7 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). GDC_WAIT: as `_gate_up_kernel`.
+    the K steps (the bias with the first share). GDC_WAIT, TAIL_BM: as `_gate_up_kernel`.
     """
     if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -1026,74 +1164,37 @@ def _down_kernel(
     if not first_ok:
         return
 
-    n0 = pid_n * BLOCK_N
-    k_steps = tl.cdiv(K, BLOCK_K)
-    share = tl.cdiv(k_steps, SPLIT_K)
-    k_lo = split * share
-    k_hi = tl.minimum(k_steps, k_lo + share)
-    offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
-    offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
-    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-              + offs_wk[:, None])  # fmt: skip
-    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    s_base = ws_e + (offs_n // WROWS) * stride_wsn
-    z_base = wz_ptr + expert.to(tl.int64) * stride_wse + offs_n * stride_wsn
-    a_s_base = xs_ptr + slot * stride_xs
-    if QUANT == 5:
-        gscale = tl.load(wg_ptr + expert)
-    else:
-        gscale = 1.0
-    DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                            GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-    for ki in range(k_lo, k_hi):
-        nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        k_left = K - ki * BLOCK_K
-        if USE_TMA:
-            a = h_desc.load([slot0, ki * BLOCK_K])
-            b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
+    if TAIL_BM > 0 and TAIL_BM < BLOCK_M and ROWS == 0:
+        if tl.sum(row_ok.to(tl.int32)) <= TAIL_BM:
+            _down_block(
+                h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
+                block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
+                blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
+                stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
+                HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+                HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
+                BLOCK_K, pid_m, pid_n, split, BLOCK_M, TAIL_BM,
+            )  # fmt: skip
         else:
-            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if PACK == 1:
-                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-        if PACK == 2:
-            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
-                              ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-        else:
-            a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-            acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
-                              GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-        if not USE_TMA:
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K // PACK
-        sc1, sc2 = nx1, nx2
-    acc = _unswap(acc, SWAP_AB)
-    if QUANT == 1:
-        acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
-
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)
-        acc += tl.where(split == 0, bias, 0.0)[None, :]
-    n_out = n0 + tl.arange(0, BLOCK_N)
-    mask = row_ok[:, None] & (n_out[None, :] < N)
-    if ROWS == 1:
-        out_rows = slot
+            _down_block(
+                h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
+                block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
+                blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
+                stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
+                HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+                HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
+                BLOCK_K, pid_m, pid_n, split, BLOCK_M, BLOCK_M,
+            )  # fmt: skip
     else:
-        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-        if ATOMIC:
-            out_rows = token.to(tl.int64)
-        else:
-            out_rows = pair.to(tl.int64)
-    out_ptrs = out_ptr + out_rows[:, None] * stride_om + n_out[None, :]
-    val = acc.to(out_ptr.dtype.element_ty)
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, val, mask=mask, sem="relaxed")
-    else:
-        tl.store(out_ptrs, val, mask=mask)
+        _down_block(
+            h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
+            block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
+            blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
+            stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
+            HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+            HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
+            BLOCK_K, pid_m, pid_n, split, BLOCK_M, BLOCK_M,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

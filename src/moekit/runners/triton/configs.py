@@ -129,9 +129,10 @@ class PipelineConfig:
     dependent launches, so that each kernel's programs are placed while the one before it
     finishes (`ops.decode_pdl`). On the H100 that took 4-13% off T = 1 in fp8 (four
     kernels), 1-3% in bf16, and up to 3% at T = 4; from 16 tokens on it was within the noise
-    either way (benchmarks/triton_notes.md). tail_div > 1: with sorted rows, a gate_up block
-    whose valid rows all lie in its first block_m / tail_div rows (an expert's last block,
-    partly filled) multiplies only those rows (1: every block a whole block_m tile)."""
+    either way (benchmarks/triton_notes.md). tail_div > 1: with sorted rows, a block of the
+    GEMMs in tail_gemms whose valid rows all lie in its first block_m / tail_div rows (an
+    expert's last block, partly filled) multiplies only those rows (1: every block a whole
+    block_m tile)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
@@ -141,6 +142,7 @@ class PipelineConfig:
     pdl: bool = True
     decode_max_pairs: int = 32
     tail_div: int = 2
+    tail_gemms: tuple[str, ...] = ("gate_up", "down")
 
 
 PIPELINE = PipelineConfig()

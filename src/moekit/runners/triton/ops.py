@@ -261,6 +261,18 @@ def _pdl_meta(wait: bool, launch: bool) -> dict:
     return meta
 
 
+def _tail_meta(gemm: str, cfg: GemmConfig, rows: "Rows") -> dict:
+    """TAIL_BM of a GEMM over sorted rows (`PipelineConfig.tail_div`, `.tail_gemms`): a block
+    whose valid rows all lie in its first block_m / tail_div rows multiplies only those (at
+    least 16)."""
+    tail_bm = cfg.block_m // PIPELINE.tail_div
+    if gemm not in PIPELINE.tail_gemms:
+        return {}
+    if rows.mode == k.ROWS_SORTED and PIPELINE.tail_div > 1 and tail_bm >= 16:
+        return {"TAIL_BM": tail_bm}
+    return {}
+
+
 def _launch(kernel, grid, args, meta, warmup: bool):
     if meta.get("PACK") == 2 and PIPELINE.packed_maxnreg and meta.get("ASM"):
         meta = dict(meta, maxnreg=PIPELINE.packed_maxnreg)
@@ -486,10 +498,7 @@ def gate_up(
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
     )
-    tail_bm = cfg.block_m // PIPELINE.tail_div
-    if rows.mode == k.ROWS_SORTED and PIPELINE.tail_div > 1 and tail_bm >= 16:
-        meta["TAIL_BM"] = tail_bm
-    _launch(k._gate_up_kernel, grid, args, meta, warmup)
+    _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows), warmup)
     return out
 
 
@@ -553,7 +562,7 @@ def down(
         **_gemm_meta(cfg, I, use_tma),
         **_pdl_meta(pdl, False),
     )
-    _launch(k._down_kernel, grid, args, meta, warmup)
+    _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows), warmup)
     return out
 
 
