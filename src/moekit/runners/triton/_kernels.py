@@ -902,7 +902,7 @@ def _gate_up_kernel(
     if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+    _, row_ok, _, _, _, _, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS,
     )  # fmt: skip
@@ -1001,7 +1001,7 @@ def _down_block(
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
     rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows)."""
-    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+    expert, row_ok, pair, token, slot, slot0, _ = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS,
     )  # fmt: skip
@@ -1157,7 +1157,7 @@ def _down_kernel(
     if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
+    _, row_ok, _, _, _, _, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS,
     )  # fmt: skip

@@ -261,7 +261,7 @@ def _pdl_meta(wait: bool, launch: bool) -> dict:
     return meta
 
 
-def _tail_meta(gemm: str, cfg: GemmConfig, rows: "Rows") -> dict:
+def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows) -> dict:
     """TAIL_BM of a GEMM over sorted rows (`PipelineConfig.tail_div`, `.tail_gemms`): a block
     whose valid rows all lie in its first block_m / tail_div rows multiplies only those (at
     least 16)."""
