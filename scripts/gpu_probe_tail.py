@@ -3,12 +3,13 @@ through the layer in turns against whole tiles, with a balanced routing (every e
 T * K / E pairs: no partly filled block) as the bound of what padding costs.
 
     PYTHONPATH=src python3 scripts/gpu_probe_tail.py [--jobs 'J1;J2'] [--batches 1024,4096,16384]
-        [--variants 2g,2,4] [--out NAME]
+        [--variants 2,4,shipped] [--out NAME]
 
-A job is `preset tp ep format`. A variant is a tail_div D for both GEMMs (`D`) or for gate_up
-only (`Dg`). Per point: microseconds of `div1` (whole tiles), each variant `divD` / `divDg`,
-`balanced` (div1 on the balanced routing; its floor is the same), and the largest relative
-difference of each variant's output from div1's. Writes $OUT/NAME.json (default tail.json).
+A job is `preset tp ep format`. A variant is a tail_div D for both GEMMs at every batch size
+(`D`), for gate_up only (`Dg`), or the shipped PipelineConfig (`shipped`). Per point:
+microseconds of `div1` (whole tiles), of each variant (`div` + its name), of `balanced` (div1
+on the balanced routing; its floor is the same), and the largest relative difference of each
+variant's output from div1's. Writes $OUT/NAME.json (default tail.json).
 """
 
 from __future__ import annotations
@@ -36,10 +37,20 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
 
 
 
+def _pipeline(variant: str):
+    """`shipped`: the PipelineConfig as shipped; `D`: tail_div D for both GEMMs at every
+    batch size; `Dg`: for gate_up only."""
+    if variant == "shipped":
+        return ops.PIPELINE
+    d = int(variant.rstrip("g"))
+    gemms = ("gate_up",) if variant.endswith("g") else ("gate_up", "down")
+    return replace(ops.PIPELINE, tail_div=d, fine_tail_div=d, tail_gemms=gemms)
+
+
 def main() -> None:
     jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
-    variants = ["1"] + option("--variants", "2g,2,4").split(",")
+    variants = ["1"] + option("--variants", "2,4,shipped").split(",")
     name = option("--out", "tail") + ".json"
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:
@@ -54,10 +65,7 @@ def main() -> None:
             ids = (torch.arange(T * K, device="cuda", dtype=torch.int32) % E_all).view(T, K)
             balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
                          TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip
-            pipes = {f"div{v}": replace(ops.PIPELINE, tail_div=int(v.rstrip("g")),
-                                        tail_gemms=("gate_up",) if v.endswith("g")
-                                        else ("gate_up", "down"))
-                     for v in variants}  # fmt: skip
+            pipes = {f"div{v}": _pipeline(v) for v in variants}
             x0, topk0 = sets[0]
             outs = {}
             for n, p in pipes.items():

@@ -143,9 +143,30 @@ def test_tail_blocks_match_reference(tail_div, T, reduce):
     x = torch.randn(T, H, device=DEVICE, dtype=dtype)
     topk = make_topk(T, K, E, masked=0.1)
     configs = (GemmConfig(64, 16, 16), GemmConfig(64, 32, 16, reduce=reduce))
-    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, tail_div=tail_div)):
+    pipe = replace(ops.PIPELINE, tail_div=tail_div, fine_tail_div=tail_div)
+    with mock.patch.object(ops, "PIPELINE", pipe):
         out = ops.fused_moe(x, topk, w, act, configs=configs)
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
+
+
+def test_tail_size_follows_rows_per_expert():
+    """Experts of at most fine_tail_blocks blocks on average take the finer tail; sorted rows
+    only; tails under 16 rows are not used."""
+    from types import SimpleNamespace
+
+    cfg = GemmConfig(128, 64, 64)
+    p = ops.PIPELINE
+    few = SimpleNamespace(mode=0, rows_per_expert=p.fine_tail_blocks * 128)
+    many = SimpleNamespace(mode=0, rows_per_expert=p.fine_tail_blocks * 128 + 1)
+    unknown = SimpleNamespace(mode=0, rows_per_expert=None)
+    assert ops._tail_meta("down", cfg, few) == {"TAIL_BM": 128 // p.fine_tail_div}
+    assert ops._tail_meta("gate_up", cfg, many) == {"TAIL_BM": 128 // p.tail_div}
+    assert ops._tail_meta("gate_up", cfg, unknown) == {"TAIL_BM": 128 // p.tail_div}
+    assert ops._tail_meta("gate_up", cfg, SimpleNamespace(mode=2, rows_per_expert=1.0)) == {}
+    assert ops._tail_meta("gate_up", GemmConfig(16, 64, 64), few) == {}
+    # uniform routing: T * K pairs over the experts they use
+    assert ops.rows_per_expert(4096, 8, 128) == pytest.approx(256, rel=1e-6)
+    assert ops.rows_per_expert(1, 8, 128) == pytest.approx(8 / (128 * (1 - (127 / 128) ** 8)))
 
 
 @pytest.mark.parametrize(
