@@ -1,15 +1,14 @@
-"""Partly filled blocks computed on fewer rows (`PipelineConfig.tail_div`, `.tail_gemms`), timed
+"""Partly filled blocks computed on fewer rows (`PipelineConfig.tail_levels`, `.tail_gemms`), timed
 through the layer in turns against whole tiles, with a balanced routing (every expert exactly
 T * K / E pairs: no partly filled block) as the bound of what padding costs.
 
     PYTHONPATH=src python3 scripts/gpu_probe_tail.py [--jobs 'J1;J2'] [--batches 1024,4096,16384]
-        [--variants 2,4,shipped] [--out NAME]
+        [--variants 1,2] [--out NAME]
 
-A job is `preset tp ep format`. A variant is a tail_div D for both GEMMs at every batch size
-(`D`), for gate_up only (`Dg`), or the shipped PipelineConfig (`shipped`). Per point:
-microseconds of `div1` (whole tiles), of each variant (`div` + its name), of `balanced` (div1
-on the balanced routing; its floor is the same), and the largest relative difference of each
-variant's output from div1's. Writes $OUT/NAME.json (default tail.json).
+A job is `preset tp ep format`. A variant is a number of tail levels L for both GEMMs (`L`) or
+for gate_up only (`Lg`). Per point: microseconds of `tail0` (whole tiles), of each variant
+(`tail` + its name), of `balanced` (tail0 on the balanced routing; its floor is the same), and
+the largest relative difference of each variant's output from tail0's. Writes $OUT/NAME.json (default tail.json).
 """
 
 from __future__ import annotations
@@ -38,19 +37,15 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
 
 
 def _pipeline(variant: str):
-    """`shipped`: the PipelineConfig as shipped; `D`: tail_div D for both GEMMs at every
-    batch size; `Dg`: for gate_up only."""
-    if variant == "shipped":
-        return ops.PIPELINE
-    d = int(variant.rstrip("g"))
+    """`L`: tail_levels L for both GEMMs; `Lg`: for gate_up only."""
     gemms = ("gate_up",) if variant.endswith("g") else ("gate_up", "down")
-    return replace(ops.PIPELINE, tail_div=d, fine_tail_div=d, tail_gemms=gemms)
+    return replace(ops.PIPELINE, tail_levels=int(variant.rstrip("g")), tail_gemms=gemms)
 
 
 def main() -> None:
     jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
-    variants = ["1"] + option("--variants", "2,4,shipped").split(",")
+    variants = ["0"] + option("--variants", "1,2").split(",")
     name = option("--out", "tail") + ".json"
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:
@@ -65,7 +60,7 @@ def main() -> None:
             ids = (torch.arange(T * K, device="cuda", dtype=torch.int32) % E_all).view(T, K)
             balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
                          TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip
-            pipes = {f"div{v}": _pipeline(v) for v in variants}
+            pipes = {f"tail{v}": _pipeline(v) for v in variants}
             x0, topk0 = sets[0]
             outs = {}
             for n, p in pipes.items():
@@ -73,17 +68,19 @@ def main() -> None:
                     outs[n] = module.forward_topk(x0, topk0).float()
             fns = {n: layer_over_sets(module, sets, lambda p=p: mock.patch.object(ops, "PIPELINE", p))
                    for n, p in pipes.items()}  # fmt: skip
-            fns["balanced"] = layer_over_sets(module, balanced)
+            tail0 = pipes["tail0"]
+            fns["balanced"] = layer_over_sets(module, balanced,
+                                              lambda: mock.patch.object(ops, "PIPELINE", tail0))  # fmt: skip
             ms = time_ms_interleaved(fns, "cuda", rounds=4, samples=16)
             us = {n: round(v * 1e3 / (1 if n == "balanced" else len(sets)), 1) for n, v in ms.items()}
             point = f"{model} tp{tp} ep{ep} {fmt} T={T}"
             res["points"][point] = {
                 "us": us,
-                "gain_over_div1": {n: round(us["div1"] / v, 4) for n, v in us.items()},
-                "rel_err_vs_div1": {n: rel_err(o, outs["div1"]) for n, o in outs.items()},
+                "gain_over_tail0": {n: round(us["tail0"] / v, 4) for n, v in us.items()},
+                "rel_err_vs_tail0": {n: rel_err(o, outs["tail0"]) for n, o in outs.items()},
             }
-            print(point, us, {n: round(us["div1"] / v, 3) for n, v in us.items()},
-                  {n: f"{rel_err(o, outs['div1']):.1e}" for n, o in outs.items()}, flush=True)  # fmt: skip
+            print(point, us, {n: round(us["tail0"] / v, 3) for n, v in us.items()},
+                  {n: f"{rel_err(o, outs['tail0']):.1e}" for n, o in outs.items()}, flush=True)  # fmt: skip
             write_probe(name, res)
         del module
         torch.cuda.empty_cache()

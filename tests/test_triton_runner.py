@@ -4,6 +4,7 @@ float16, tiny shapes), GPU (marked) in bfloat16 on the preset shapes and under C
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from unittest import mock
 
 import pytest
 import torch
@@ -128,14 +129,11 @@ def masked_reference(x_ECH, counts, w: ExpertWeights, act):
 
 
 @pytest.mark.parametrize("reduce", ["atomic", "kernel"])
-@pytest.mark.parametrize("tail_div", [2, 4])
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("T", [50, 130])
-def test_tail_blocks_match_reference(tail_div, T, reduce):
-    """Blocks of both GEMMs whose valid rows fit in block_m / tail_div
-    (`PipelineConfig.tail_div`) multiply only those rows; with experts of 8-90 rows some
-    blocks take that path and some the whole tile."""
-    from unittest import mock
-
+def test_tail_blocks_match_reference(levels, T, reduce):
+    """Blocks of both GEMMs whose valid rows fit in block_m / 2^j (j <= tail_levels) multiply
+    only those rows; with experts of 8-90 rows in 64-row blocks, blocks take each path."""
     E, K, H, I = 3, 2, 48, 40
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
     w = make_weights(E, H, I, dtype, True)
@@ -143,30 +141,23 @@ def test_tail_blocks_match_reference(tail_div, T, reduce):
     x = torch.randn(T, H, device=DEVICE, dtype=dtype)
     topk = make_topk(T, K, E, masked=0.1)
     configs = (GemmConfig(64, 16, 16), GemmConfig(64, 32, 16, reduce=reduce))
-    pipe = replace(ops.PIPELINE, tail_div=tail_div, fine_tail_div=tail_div)
-    with mock.patch.object(ops, "PIPELINE", pipe):
+    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, tail_levels=levels)):
         out = ops.fused_moe(x, topk, w, act, configs=configs)
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
 
 
-def test_tail_size_follows_rows_per_expert():
-    """Experts of at most fine_tail_blocks blocks on average take the finer tail; sorted rows
-    only; tails under 16 rows are not used."""
+def test_tail_levels_fit_the_block():
+    """Tail levels only for sorted rows of the GEMMs in tail_gemms, and only down to 16 rows."""
     from types import SimpleNamespace
 
-    cfg = GemmConfig(128, 64, 64)
-    p = ops.PIPELINE
-    few = SimpleNamespace(mode=0, rows_per_expert=p.fine_tail_blocks * 128)
-    many = SimpleNamespace(mode=0, rows_per_expert=p.fine_tail_blocks * 128 + 1)
-    unknown = SimpleNamespace(mode=0, rows_per_expert=None)
-    assert ops._tail_meta("down", cfg, few) == {"TAIL_BM": 128 // p.fine_tail_div}
-    assert ops._tail_meta("gate_up", cfg, many) == {"TAIL_BM": 128 // p.tail_div}
-    assert ops._tail_meta("gate_up", cfg, unknown) == {"TAIL_BM": 128 // p.tail_div}
-    assert ops._tail_meta("gate_up", cfg, SimpleNamespace(mode=2, rows_per_expert=1.0)) == {}
-    assert ops._tail_meta("gate_up", GemmConfig(16, 64, 64), few) == {}
-    # uniform routing: T * K pairs over the experts they use
-    assert ops.rows_per_expert(4096, 8, 128) == pytest.approx(256, rel=1e-6)
-    assert ops.rows_per_expert(1, 8, 128) == pytest.approx(8 / (128 * (1 - (127 / 128) ** 8)))
+    sorted_rows, direct = SimpleNamespace(mode=0), SimpleNamespace(mode=2)
+    pipe = replace(ops.PIPELINE, tail_levels=2, tail_gemms=("down",))
+    with mock.patch.object(ops, "PIPELINE", pipe):
+        assert ops._tail_meta("down", GemmConfig(128, 64, 64), sorted_rows) == {"TAIL_LEVELS": 2}
+        assert ops._tail_meta("down", GemmConfig(32, 64, 64), sorted_rows) == {"TAIL_LEVELS": 1}
+        assert ops._tail_meta("down", GemmConfig(16, 64, 64), sorted_rows) == {}
+        assert ops._tail_meta("down", GemmConfig(128, 64, 64), direct) == {}
+        assert ops._tail_meta("gate_up", GemmConfig(128, 64, 64), sorted_rows) == {}
 
 
 @pytest.mark.parametrize(
@@ -429,7 +420,6 @@ def test_decode_pdl_gpu(fmt, T):
     """Kernels chained as programmatic dependent launches (`PipelineConfig.pdl`: alignment,
     quantization, GEMMs) give the plain launches' result, eager and in CUDA-graph replay with
     new inputs (sm_90+)."""
-    from unittest import mock
 
     from moekit.quant import quantize_experts
 

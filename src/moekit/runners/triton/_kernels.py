@@ -863,7 +863,7 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
     GDC_LAUNCH: tl.constexpr = False,
-    TAIL_BM: tl.constexpr = 0,
+    TAIL_LEVELS: tl.constexpr = 0,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -884,9 +884,9 @@ def _gate_up_kernel(
     stores h, and sets the count back to 0 (`_split_fixup`: count must be zeros on entry).
     GDC_LAUNCH: let the next kernel, if a programmatic dependent launch, be placed at once.
     GDC_WAIT (this kernel launched so): first wait until the previous kernel's writes are
-    visible (`ops.decode_pdl`). TAIL_BM < BLOCK_M (sorted rows): a block whose valid rows
-    all lie in its first TAIL_BM rows (an expert's last, partly filled block) computes only
-    those (`_gate_up_block`), not a whole BLOCK_M-row tile.
+    visible (`ops.decode_pdl`). TAIL_LEVELS > 0 (sorted rows): a block whose valid rows
+    all lie in its first BLOCK_M / 2^j rows, j <= TAIL_LEVELS (an expert's last, partly filled
+    block), computes only the fewest such rows (`_gate_up_block`), not a whole BLOCK_M tile.
     """
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
@@ -908,35 +908,34 @@ def _gate_up_kernel(
     )  # fmt: skip
     if not first_ok:
         return
-    if TAIL_BM > 0 and TAIL_BM < BLOCK_M and ROWS == 0:
+    if TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
-        if n_ok <= TAIL_BM:
-            _gate_up_block(
-                x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
-                num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
-                stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
-                count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-                stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
-                WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
-                DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, TAIL_BM)  # fmt: skip
-        else:
-            _gate_up_block(
-                x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
-                num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
-                stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
-                count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-                stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
-                WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
-                DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M)  # fmt: skip
+        for level in tl.static_range(TAIL_LEVELS + 1):  # the smallest level that fits
+            # rows in (BM / 2, BM] with BM = BLOCK_M >> (TAIL_LEVELS - level); the first level
+            # from 1 row
+            if (n_ok > (BLOCK_M >> (TAIL_LEVELS - level + 1)) * (level > 0)) & (
+                n_ok <= BLOCK_M >> (TAIL_LEVELS - level)
+            ):
+                _gate_up_block(
+                    x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
+                    num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+                    stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
+                    count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
+                    stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
+                    WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
+                    DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M,
+                    BLOCK_M >> (TAIL_LEVELS - level),
+                )  # fmt: skip
     else:
         _gate_up_block(
             x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
-            num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
-            stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
-            count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-            stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS,
-            GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
-            DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M)  # fmt: skip
+            num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K, stride_xm,
+            stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr, alpha,
+            limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
+            INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+            HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
+            pid_n, split, pid, BLOCK_M, BLOCK_M,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -1134,7 +1133,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
-    TAIL_BM: tl.constexpr = 0,
+    TAIL_LEVELS: tl.constexpr = 0,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1145,7 +1144,7 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). GDC_WAIT, TAIL_BM: as `_gate_up_kernel`.
+    the K steps (the bias with the first share). GDC_WAIT, TAIL_LEVELS: as `_gate_up_kernel`.
     """
     if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -1164,36 +1163,33 @@ def _down_kernel(
     if not first_ok:
         return
 
-    if TAIL_BM > 0 and TAIL_BM < BLOCK_M and ROWS == 0:
-        if tl.sum(row_ok.to(tl.int32)) <= TAIL_BM:
-            _down_block(
-                h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
-                block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-                blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
-                stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
-                HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-                HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
-                BLOCK_K, pid_m, pid_n, split, BLOCK_M, TAIL_BM,
-            )  # fmt: skip
-        else:
-            _down_block(
-                h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
-                block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-                blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
-                stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
-                HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-                HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
-                BLOCK_K, pid_m, pid_n, split, BLOCK_M, BLOCK_M,
-            )  # fmt: skip
+    if TAIL_LEVELS > 0 and ROWS == 0:
+        n_ok = tl.sum(row_ok.to(tl.int32))
+        for level in tl.static_range(TAIL_LEVELS + 1):
+            # rows in (BM / 2, BM] with BM = BLOCK_M >> (TAIL_LEVELS - level); the first level
+            # from 1 row
+            if (n_ok > (BLOCK_M >> (TAIL_LEVELS - level + 1)) * (level > 0)) & (
+                n_ok <= BLOCK_M >> (TAIL_LEVELS - level)
+            ):
+                _down_block(
+                    h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
+                    block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
+                    blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
+                    stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
+                    HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+                    HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
+                    BLOCK_K, pid_m, pid_n, split, BLOCK_M,
+                    BLOCK_M >> (TAIL_LEVELS - level),
+                )  # fmt: skip
     else:
         _down_block(
             h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
             block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-            blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
-            stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
-            HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-            HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
-            BLOCK_K, pid_m, pid_n, split, BLOCK_M, BLOCK_M,
+            blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_om,
+            ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS,
+            ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
+            SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split,
+            BLOCK_M, BLOCK_M,
         )  # fmt: skip
 
 

@@ -129,13 +129,12 @@ class PipelineConfig:
     dependent launches, so that each kernel's programs are placed while the one before it
     finishes (`ops.decode_pdl`). On the H100 that took 4-13% off T = 1 in fp8 (four
     kernels), 1-3% in bf16, and up to 3% at T = 4; from 16 tokens on it was within the noise
-    either way (benchmarks/triton_notes.md). tail_div > 1: with sorted rows, a block of the
-    GEMMs in tail_gemms whose valid rows all lie in its first block_m / tail_div rows (an
-    expert's last block, partly filled) multiplies only those rows (1: every block a whole
-    block_m tile); fine_tail_div instead when a used expert gets at most fine_tail_blocks
-    blocks of rows on average (where the last, partly filled block is a large share of the
-    work). On the H100 (bf16, four presets, T = 1024 / 4096 / 16384) div 4 beat div 2 by
-    1-3.5% with at most 2 blocks per expert and lost up to 4% with 4 or more."""
+    either way (benchmarks/triton_notes.md). tail_levels: with sorted rows, a block of a
+    GEMM in tail_gemms whose valid rows all fit in its first block_m / 2^j rows, j <= tail_levels
+    (an expert's last, partly filled block), multiplies only the fewest such rows (0: every
+    block a whole block_m tile). On the H100 (bf16, four presets, T = 1024-16384) a single
+    level (block_m / 2) took 1-9% off the layer, block_m / 4 alone won where experts get 1-2
+    blocks and lost where they get more (benchmarks/triton_notes.md)."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
@@ -144,9 +143,7 @@ class PipelineConfig:
     packed_maxnreg: int | None = None
     pdl: bool = True
     decode_max_pairs: int = 32
-    tail_div: int = 2
-    fine_tail_div: int = 4
-    fine_tail_blocks: float = 2.0
+    tail_levels: int = 2
     tail_gemms: tuple[str, ...] = ("gate_up", "down")
 
 

@@ -15,7 +15,6 @@ the intermediate h before down) and multiply fp8 / int8 operands on the tensor c
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -263,18 +262,14 @@ def _pdl_meta(wait: bool, launch: bool) -> dict:
 
 
 def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows) -> dict:
-    """TAIL_BM of a GEMM over sorted rows (`PipelineConfig.tail_div`, `.fine_tail_div`,
-    `.tail_gemms`): a block whose valid rows all lie in its first block_m / div rows
-    multiplies only those (at least 16)."""
-    p = PIPELINE
-    if rows.mode != k.ROWS_SORTED or gemm not in p.tail_gemms:
-        return {}
-    div = p.tail_div
-    per_expert = rows.rows_per_expert
-    if div > 1 and per_expert is not None and per_expert <= p.fine_tail_blocks * cfg.block_m:
-        div = p.fine_tail_div
-    tail_bm = cfg.block_m // div
-    return {"TAIL_BM": tail_bm} if div > 1 and tail_bm >= 16 else {}
+    """TAIL_LEVELS of a GEMM over sorted rows (`PipelineConfig.tail_levels`, `.tail_gemms`):
+    a block whose valid rows fit in block_m / 2^j rows (j <= levels, tiles of at least 16
+    rows) multiplies only those."""
+    levels = 0
+    if rows.mode == k.ROWS_SORTED and gemm in PIPELINE.tail_gemms:
+        while levels < PIPELINE.tail_levels and cfg.block_m >> (levels + 1) >= 16:
+            levels += 1
+    return {"TAIL_LEVELS": levels} if levels else {}
 
 
 def _launch(kernel, grid, args, meta, warmup: bool):
@@ -317,21 +312,15 @@ def _desc(t2d: torch.Tensor, block: list[int]):
 class Rows:
     """How the GEMMs' row blocks map to rows (see `_kernels._tile_rows`):
     Rows.sorted(align) for the standard format, Rows.direct(ids) for one pair per block (tiny
-    batches: no alignment), Rows.masked(counts, capacity, E) for the masked format.
-    rows_per_expert (sorted): the expected pairs of a used expert, known on the host (no
-    device read), which sizes the GEMMs' tail blocks (`_tail_meta`); None: not known."""
+    batches: no alignment), Rows.masked(counts, capacity, E) for the masked format."""
 
-    def __init__(self, mode, align=None, ids=None, counts=None, capacity=0, num_experts=0,
-                 rows_per_expert: float | None = None):  # fmt: skip
+    def __init__(self, mode, align=None, ids=None, counts=None, capacity=0, num_experts=0):
         self.mode, self.align, self.ids, self.counts = mode, align, ids, counts
         self.capacity, self.num_experts = capacity, num_experts
-        self.rows_per_expert = rows_per_expert
 
     @classmethod
-    def sorted(cls, align: AlignOutput, num_experts: int,
-               rows_per_expert: float | None = None) -> "Rows":  # fmt: skip
-        return cls(k.ROWS_SORTED, align=align, num_experts=num_experts,
-                   rows_per_expert=rows_per_expert)  # fmt: skip
+    def sorted(cls, align: AlignOutput, num_experts: int) -> "Rows":
+        return cls(k.ROWS_SORTED, align=align, num_experts=num_experts)
 
     @classmethod
     def direct(cls, ids_P: torch.Tensor, num_experts: int) -> "Rows":
@@ -615,14 +604,6 @@ def kernel_inputs(x_TH: torch.Tensor, topk: TopKOutput):
     return x_TH, ids.contiguous(), topk.weights.float().contiguous()
 
 
-def rows_per_expert(num_tokens: float, top_k: int, num_experts: int) -> float:
-    """Expected pairs of a used expert under uniform routing: num_tokens * top_k pairs over
-    num_experts experts, of which 1 - (1 - 1/E)^(T K) are used."""
-    pairs = num_tokens * top_k
-    used = num_experts * -math.expm1(pairs * math.log1p(-1 / num_experts)) if num_experts > 1 else 1
-    return pairs / max(used, 1e-9)
-
-
 def fused_moe(
     x_TH: torch.Tensor,
     topk: TopKOutput,
@@ -648,7 +629,7 @@ def fused_moe(
         rows = Rows.direct(ids.view(-1), w.num_experts)
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m), pdl=pdl)
-        rows = Rows.sorted(align, w.num_experts, rows_per_expert(T * local_share, K, w.num_experts))
+        rows = Rows.sorted(align, w.num_experts)
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
         h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl)
