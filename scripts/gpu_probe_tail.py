@@ -5,8 +5,8 @@ T * K / E pairs: no partly filled block) as the bound of what padding costs.
     PYTHONPATH=src python3 scripts/gpu_probe_tail.py [--jobs 'J1;J2'] [--batches 1024,4096,16384]
         [--variants 1,2] [--out NAME]
 
-A job is `preset tp ep format`. A variant is a number of tail levels L for both GEMMs (`L`) or
-for gate_up only (`Lg`). Per point: microseconds of `tail0` (whole tiles), of each variant
+A job is `preset tp ep format`. A variant is a number of tail levels L for both GEMMs at every
+batch size (`L`), for gate_up only (`Lg`), or the PipelineConfig as shipped (`shipped`). Per point: microseconds of `tail0` (whole tiles), of each variant
 (`tail` + its name), of `balanced` (tail0 on the balanced routing; its floor is the same), and
 the largest relative difference of each variant's output from tail0's. Writes $OUT/NAME.json (default tail.json).
 """
@@ -37,9 +37,14 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
 
 
 def _pipeline(variant: str):
-    """`L`: tail_levels L for both GEMMs; `Lg`: for gate_up only."""
+    """`L`: L tail levels for both GEMMs at every batch size; `Lg`: for gate_up only;
+    `shipped`: the PipelineConfig as shipped."""
+    if variant == "shipped":
+        return ops.PIPELINE
     gemms = ("gate_up",) if variant.endswith("g") else ("gate_up", "down")
-    return replace(ops.PIPELINE, tail_levels=int(variant.rstrip("g")), tail_gemms=gemms)
+    levels = int(variant.rstrip("g"))
+    return replace(ops.PIPELINE, tail_levels=levels, few_blocks_tail_levels=levels,
+                   tail_gemms=gemms)  # fmt: skip
 
 
 def main() -> None:

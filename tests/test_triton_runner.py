@@ -141,23 +141,37 @@ def test_tail_blocks_match_reference(levels, T, reduce):
     x = torch.randn(T, H, device=DEVICE, dtype=dtype)
     topk = make_topk(T, K, E, masked=0.1)
     configs = (GemmConfig(64, 16, 16), GemmConfig(64, 32, 16, reduce=reduce))
-    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, tail_levels=levels)):
+    pipe = replace(ops.PIPELINE, tail_levels=levels, few_blocks_tail_levels=levels)
+    with mock.patch.object(ops, "PIPELINE", pipe):
         out = ops.fused_moe(x, topk, w, act, configs=configs)
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
 
 
-def test_tail_levels_fit_the_block():
-    """Tail levels only for sorted rows of the GEMMs in tail_gemms, and only down to 16 rows."""
+def test_tail_levels_follow_the_blocks_per_expert():
+    """More tail levels where a used expert gets few blocks; sorted rows of the GEMMs in
+    tail_gemms only, not w8a8, down to 16 rows."""
     from types import SimpleNamespace
 
-    sorted_rows, direct = SimpleNamespace(mode=0), SimpleNamespace(mode=2)
-    pipe = replace(ops.PIPELINE, tail_levels=2, tail_gemms=("down",))
+    pipe = replace(ops.PIPELINE, tail_levels=1, few_blocks_tail_levels=2, few_blocks=2.0,
+                   tail_gemms=("down",))  # fmt: skip
+    few, many = (SimpleNamespace(mode=0, rows_per_expert=r) for r in (256.0, 257.0))
+    unknown = SimpleNamespace(mode=0, rows_per_expert=None)
+    direct = SimpleNamespace(mode=2, rows_per_expert=1.0)
+    w8a8 = SimpleNamespace(quant=1)
+    cfg = GemmConfig(128, 64, 64)
     with mock.patch.object(ops, "PIPELINE", pipe):
-        assert ops._tail_meta("down", GemmConfig(128, 64, 64), sorted_rows) == {"TAIL_LEVELS": 2}
-        assert ops._tail_meta("down", GemmConfig(32, 64, 64), sorted_rows) == {"TAIL_LEVELS": 1}
-        assert ops._tail_meta("down", GemmConfig(16, 64, 64), sorted_rows) == {}
-        assert ops._tail_meta("down", GemmConfig(128, 64, 64), direct) == {}
-        assert ops._tail_meta("gate_up", GemmConfig(128, 64, 64), sorted_rows) == {}
+        assert ops._tail_meta("down", cfg, few, None) == {"TAIL_LEVELS": 2}
+        assert ops._tail_meta("down", cfg, many, None) == {"TAIL_LEVELS": 1}
+        assert ops._tail_meta("down", cfg, unknown, None) == {"TAIL_LEVELS": 1}
+        assert ops._tail_meta("down", GemmConfig(32, 64, 64), few, None) == {"TAIL_LEVELS": 1}
+        assert ops._tail_meta("down", GemmConfig(16, 64, 64), few, None) == {}
+        assert ops._tail_meta("down", cfg, direct, None) == {}
+        assert ops._tail_meta("down", cfg, few, w8a8) == {}
+        assert ops._tail_meta("gate_up", cfg, few, None) == {}
+    # uniform routing: T * K pairs over the experts they use
+    assert ops.rows_per_expert(4096, 8, 128) == pytest.approx(256, rel=1e-6)
+    assert ops.rows_per_expert(1, 8, 128) == pytest.approx(8 / (128 * (1 - (127 / 128) ** 8)))
+    assert ops.rows_per_expert(3, 2, 1) == 6
 
 
 @pytest.mark.parametrize(

@@ -458,8 +458,11 @@ class _Point:
             if self.T <= PIPELINE.direct_max_tokens:
                 self._aligns[block_m] = [ops.Rows.direct(t.ids.view(-1), E) for t in self.topks]
             else:
+                per_expert = ops.rows_per_expert(self.T * self.shape.local_share,
+                                                 self.shape.top_k, E)  # fmt: skip
                 self._aligns[block_m] = [
-                    ops.Rows.sorted(self._align(t.ids, E, block_m), E) for t in self.topks
+                    ops.Rows.sorted(self._align(t.ids, E, block_m), E, per_expert)
+                    for t in self.topks
                 ]
         return self._aligns[block_m]
 

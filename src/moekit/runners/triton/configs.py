@@ -130,11 +130,13 @@ class PipelineConfig:
     finishes (`ops.decode_pdl`). On the H100 that took 4-13% off T = 1 in fp8 (four
     kernels), 1-3% in bf16, and up to 3% at T = 4; from 16 tokens on it was within the noise
     either way (benchmarks/triton_notes.md). tail_levels: with sorted rows, a block of a
-    GEMM in tail_gemms whose valid rows all fit in its first block_m / 2^j rows, j <= tail_levels
+    GEMM in tail_gemms whose valid rows all fit in its first block_m / 2^j rows, j <= levels
     (an expert's last, partly filled block), multiplies only the fewest such rows (0: every
-    block a whole block_m tile). On the H100 (bf16, four presets, T = 1024-16384) a single
-    level (block_m / 2) took 1-9% off the layer, block_m / 4 alone won where experts get 1-2
-    blocks and lost where they get more (benchmarks/triton_notes.md)."""
+    block a whole block_m tile); few_blocks_tail_levels where a used expert gets at most
+    few_blocks blocks of rows on average. Not for the w8a8 formats. On the H100 (four
+    presets, T = 256-16384, benchmarks/triton_notes.md): bf16 one level took 0-8% off the
+    layer; a second (block_m / 4) took another 1-4% where experts get 1-2 blocks and lost
+    1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails."""
 
     direct_max_tokens: int = 1
     fuse_act_quant: bool = False
@@ -143,7 +145,9 @@ class PipelineConfig:
     packed_maxnreg: int | None = None
     pdl: bool = True
     decode_max_pairs: int = 32
-    tail_levels: int = 2
+    tail_levels: int = 1
+    few_blocks_tail_levels: int = 2
+    few_blocks: float = 2.0
     tail_gemms: tuple[str, ...] = ("gate_up", "down")
 
 

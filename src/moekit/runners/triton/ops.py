@@ -15,6 +15,7 @@ the intermediate h before down) and multiply fp8 / int8 operands on the tensor c
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -261,14 +262,22 @@ def _pdl_meta(wait: bool, launch: bool) -> dict:
     return meta
 
 
-def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows) -> dict:
-    """TAIL_LEVELS of a GEMM over sorted rows (`PipelineConfig.tail_levels`, `.tail_gemms`):
-    a block whose valid rows fit in block_m / 2^j rows (j <= levels, tiles of at least 16
-    rows) multiplies only those."""
+def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows, wq: WeightQuant | None) -> dict:
+    """TAIL_LEVELS of a GEMM (`PipelineConfig.tail_levels` and what follows it): a block whose
+    valid rows fit in block_m / 2^j rows (j <= levels, at least 16 rows) multiplies only
+    those. Sorted rows of the GEMMs in tail_gemms, not the w8a8 formats."""
+    p = PIPELINE
+    if rows.mode != k.ROWS_SORTED or gemm not in p.tail_gemms:
+        return {}
+    if wq is not None and wq.quant == k.Q_W8A8:
+        return {}
+    want = p.tail_levels
+    per_expert = rows.rows_per_expert
+    if per_expert is not None and per_expert <= p.few_blocks * cfg.block_m:
+        want = p.few_blocks_tail_levels
     levels = 0
-    if rows.mode == k.ROWS_SORTED and gemm in PIPELINE.tail_gemms:
-        while levels < PIPELINE.tail_levels and cfg.block_m >> (levels + 1) >= 16:
-            levels += 1
+    while levels < want and cfg.block_m >> (levels + 1) >= 16:
+        levels += 1
     return {"TAIL_LEVELS": levels} if levels else {}
 
 
@@ -312,15 +321,21 @@ def _desc(t2d: torch.Tensor, block: list[int]):
 class Rows:
     """How the GEMMs' row blocks map to rows (see `_kernels._tile_rows`):
     Rows.sorted(align) for the standard format, Rows.direct(ids) for one pair per block (tiny
-    batches: no alignment), Rows.masked(counts, capacity, E) for the masked format."""
+    batches: no alignment), Rows.masked(counts, capacity, E) for the masked format.
+    rows_per_expert (sorted): the expected pairs of a used expert, known on the host (no
+    device read), which sets the GEMMs' tail levels (`_tail_meta`); None: not known."""
 
-    def __init__(self, mode, align=None, ids=None, counts=None, capacity=0, num_experts=0):
+    def __init__(self, mode, align=None, ids=None, counts=None, capacity=0, num_experts=0,
+                 rows_per_expert: float | None = None):  # fmt: skip
         self.mode, self.align, self.ids, self.counts = mode, align, ids, counts
         self.capacity, self.num_experts = capacity, num_experts
+        self.rows_per_expert = rows_per_expert
 
     @classmethod
-    def sorted(cls, align: AlignOutput, num_experts: int) -> "Rows":
-        return cls(k.ROWS_SORTED, align=align, num_experts=num_experts)
+    def sorted(cls, align: AlignOutput, num_experts: int,
+               rows_per_expert: float | None = None) -> "Rows":  # fmt: skip
+        return cls(k.ROWS_SORTED, align=align, num_experts=num_experts,
+                   rows_per_expert=rows_per_expert)  # fmt: skip
 
     @classmethod
     def direct(cls, ids_P: torch.Tensor, num_experts: int) -> "Rows":
@@ -497,7 +512,7 @@ def gate_up(
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
     )
-    _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows), warmup)
+    _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows, wq), warmup)
     return out
 
 
@@ -561,7 +576,7 @@ def down(
         **_gemm_meta(cfg, I, use_tma),
         **_pdl_meta(pdl, False),
     )
-    _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows), warmup)
+    _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows, wq), warmup)
     return out
 
 
@@ -604,6 +619,16 @@ def kernel_inputs(x_TH: torch.Tensor, topk: TopKOutput):
     return x_TH, ids.contiguous(), topk.weights.float().contiguous()
 
 
+def rows_per_expert(num_tokens: float, top_k: int, num_experts: int) -> float:
+    """Expected pairs of a used expert under uniform routing: num_tokens * top_k pairs over
+    the 1 - (1 - 1/E)^(T K) share of the num_experts experts that they use."""
+    pairs = num_tokens * top_k
+    if num_experts <= 1:
+        return pairs
+    used = -num_experts * math.expm1(pairs * math.log1p(-1 / num_experts))
+    return pairs / max(used, 1e-9)
+
+
 def fused_moe(
     x_TH: torch.Tensor,
     topk: TopKOutput,
@@ -629,7 +654,8 @@ def fused_moe(
         rows = Rows.direct(ids.view(-1), w.num_experts)
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m), pdl=pdl)
-        rows = Rows.sorted(align, w.num_experts)
+        per_expert = rows_per_expert(T * local_share, K, w.num_experts)
+        rows = Rows.sorted(align, w.num_experts, per_expert)
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
         h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl)
