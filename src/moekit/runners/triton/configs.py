@@ -135,7 +135,7 @@ class PipelineConfig:
     block a whole block_m tile); few_blocks_tail_levels where a used expert gets at most
     few_blocks blocks of rows on average. Not for the w8a8 formats. On the H100 (four
     presets, T = 256-16384, benchmarks/triton_notes.md): bf16 one level took 0-8% off the
-    layer; a second (block_m / 4) took another 1-4% where experts get 1-2 blocks and lost
+    layer; a second (block_m / 4) took up to 4% more where experts get 1-2 blocks and lost
     1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails."""
 
     direct_max_tokens: int = 1
