@@ -593,6 +593,16 @@ def _tile_rows(
 
 
 @triton.jit
+def _tail_level_fits(n_ok, level: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_LEVELS: tl.constexpr):
+    """Whether a block with n_ok valid rows runs at tail level `level` (0 the finest, TAIL_LEVELS
+    the whole block): n_ok in (BM / 2, BM] for BM = BLOCK_M >> (TAIL_LEVELS - level), from one
+    row at level 0. Exactly one level fits each n_ok in [1, BLOCK_M]."""
+    upper: tl.constexpr = BLOCK_M >> (TAIL_LEVELS - level)
+    lower: tl.constexpr = upper // 2 if level > 0 else 0
+    return (n_ok > lower) & (n_ok <= upper)
+
+
+@triton.jit
 def _gate_up_block(
     x_ptr,
     w_ptr,
@@ -910,12 +920,8 @@ def _gate_up_kernel(
         return
     if TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
-        for level in tl.static_range(TAIL_LEVELS + 1):  # the smallest level that fits
-            # rows in (BM / 2, BM] with BM = BLOCK_M >> (TAIL_LEVELS - level); the first level
-            # from 1 row
-            if (n_ok > (BLOCK_M >> (TAIL_LEVELS - level + 1)) * (level > 0)) & (
-                n_ok <= BLOCK_M >> (TAIL_LEVELS - level)
-            ):
+        for level in tl.static_range(TAIL_LEVELS + 1):
+            if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
                 _gate_up_block(
                     x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
                     num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
@@ -1166,11 +1172,7 @@ def _down_kernel(
     if TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
         for level in tl.static_range(TAIL_LEVELS + 1):
-            # rows in (BM / 2, BM] with BM = BLOCK_M >> (TAIL_LEVELS - level); the first level
-            # from 1 row
-            if (n_ok > (BLOCK_M >> (TAIL_LEVELS - level + 1)) * (level > 0)) & (
-                n_ok <= BLOCK_M >> (TAIL_LEVELS - level)
-            ):
+            if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
                 _down_block(
                     h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
                     block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
