@@ -182,3 +182,21 @@ def test_row_per_program_candidates_at_decode(fmt):
             assert len(decode) >= 3 and not any(c.swap_ab for c in decode)
         else:
             assert not decode
+
+
+def test_round_two_seeds_are_distinct_tile_shapes():
+    """Round 2 refines the fastest config of each of the two fastest tile shapes: a shape's
+    TMA twin is not a second seed, and a later shape's slower configs do not displace it."""
+    from moekit.tune import best_shapes
+
+    a = GemmConfig(128, 64, 128, group_m=8, num_warps=8, num_stages=3)
+    b = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+    c = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=3)
+    ranked = [(359.5, a), (363.1, replace(a, tma=True)), (364.5, replace(b, tma=True)),
+              (366.9, b), (395.1, c)]  # fmt: skip
+    assert best_shapes(ranked) == [a, replace(b, tma=True)]
+    assert best_shapes(ranked, n=3) == [a, replace(b, tma=True), c]
+    swapped = replace(a, swap_ab=True)
+    assert best_shapes([(1.0, a), (2.0, swapped), (3.0, b)]) == [a, swapped]
+    assert best_shapes([(1.0, a)]) == [a]
+    assert best_shapes([]) == []
