@@ -53,7 +53,7 @@ def main() -> None:
         for T in batches:
             spec, bf16 = _layer(model, tp, ep, "unquantized", T)
             gen = torch.Generator().manual_seed(0)
-            sets, cost, _ = _input_sets(spec, bf16, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, bf16, T, gen, _l2_bytes("cuda"))
             bf16.runners = RunnerCache(RunnerConfig("triton"))
             fns = {"bf16 triton": layer_over_sets(bf16, sets)}
             fp8_layers = {}

@@ -585,10 +585,9 @@ def _search(
 def best_shapes(ranked: list[tuple[float, GemmConfig]], n: int = 2) -> list[GemmConfig]:
     """The fastest config of each of the `n` fastest tile shapes (block_m, block_n, block_k,
     swap_ab) in `ranked` (fastest first). Round 1 times every shape with and without TMA at
-    one schedule, so the two fastest configs are often one shape twice; round 2 would then
-    never try deeper pipelines on the runner-up shape (H100 mixtral-8x7b TP2 gate_up at
-    T = 256: 128x64x128 at 3 stages 359 us, 128x128x64 365 us, and at T = 1024 the latter went
-    from 627 to 545 us with 4 stages)."""
+    one schedule, so the two fastest configs are often one shape twice, and the runner-up
+    shape then never gets round 2's deeper pipelines (what made 128x128x64 win for H100
+    mixtral-8x7b TP2 gate_up at T = 1024: 627 us at round 1's 3 stages, 545 us at 4)."""
     seen, out = set(), []
     for _, c in ranked:
         shape = (c.block_m, c.block_n, c.block_k, c.swap_ab)
