@@ -21,32 +21,28 @@ import sys
 import torch
 
 from moekit.bench import time_ms_interleaved
-from moekit.config import ParallelConfig, RunnerConfig
+from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
-from moekit.presets import preset
-from moekit.sweep import SweepSpec, _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.select_tune import sweep_spec
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from probe_out import write_probe  # noqa: E402
+from probe_out import option, write_probe  # noqa: E402
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip  model: (tp, ep)
 
 
-def _option(name: str, default: str) -> str:
-    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
-
-
 def _layer(model: str, tp: int, ep: int, fmt: str, T: int):
-    spec = SweepSpec(model, preset(model, dtype="bfloat16", weight_format=fmt),
-                     ParallelConfig(tp_size=tp, ep_size=ep), (T,), ("triton",), "cuda")  # fmt: skip
+    spec = sweep_spec(model, tp_size=tp, ep_size=ep, quantization=fmt, batch_sizes=(T,),
+                      device="cuda", backends=("triton",))  # fmt: skip
     return spec, build_layer(spec)
 
 
 def main() -> None:
-    batches = [int(t) for t in _option("--batches", "4096,16384").split(",")]
-    fp8_backends = _option("--fp8", "auto").split(",")
-    models = _option("--models", ",".join(PRESETS)).split(",")
+    batches = [int(t) for t in option("--batches", "4096,16384").split(",")]
+    fp8_backends = option("--fp8", "auto").split(",")
+    models = option("--models", ",".join(PRESETS)).split(",")
     points = []
     for model in models:
         tp, ep = PRESETS[model]
