@@ -28,6 +28,12 @@ MOEKIT_CONFIG_DIR = EnvVar(
 MOEKIT_DISABLE_TRITON = EnvVar(
     "MOEKIT_DISABLE_TRITON", "0", "1: report the Triton runners as unavailable (debugging)"
 )
+MOEKIT_TRITON_KERNEL_ENGINE = EnvVar(
+    "MOEKIT_TRITON_KERNEL_ENGINE",
+    "auto",
+    "the triton_kernel runner's GEMMs: auto (Gluon warp-specialized kernels on sm_90 with Triton "
+    ">= 3.9 at large batches, else Triton's), triton, or gluon (an error where it cannot run)",
+)
 MOEKIT_GIT_COMMIT = EnvVar(
     "MOEKIT_GIT_COMMIT",
     "",
@@ -39,5 +45,6 @@ ALL: tuple[EnvVar, ...] = (
     MOEKIT_LOG_LEVEL,
     MOEKIT_CONFIG_DIR,
     MOEKIT_DISABLE_TRITON,
+    MOEKIT_TRITON_KERNEL_ENGINE,
     MOEKIT_GIT_COMMIT,
 )

@@ -28,6 +28,7 @@ from moekit.runners.triton.ops import (  # shared with the triton runner
     sum_topk,
 )
 from moekit.runners.triton_kernel import _kernels as k
+from moekit.runners.triton_kernel import gluon_ops
 from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_for
 from moekit.runners.triton_kernel.routing import Routing, route
 
@@ -177,7 +178,9 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
 def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
               config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
-    contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`)."""
+    contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`) and
+    keeps the Triton engine; without one, large batches on Hopper may take the Gluon engine
+    (`gluon_ops.engine_for`)."""
     check_inputs(x_TH, w, act)
     T, H = x_TH.shape
     K = topk.top_k
@@ -185,6 +188,8 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     E, I = w.num_experts, w.intermediate_size
+    if config is None and gluon_ops.engine_for(x_TH, w, act, K) == "gluon":
+        return gluon_ops.fused_moe(x_TH, ids, weights, w, act)
     if config is None:
         dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
         dtype = str(x_TH.dtype).removeprefix("torch.")

@@ -1,0 +1,224 @@
+"""The `triton_kernel` runner's Hopper engine: warp-specialized Gluon GEMMs (`_gluon_kernels`)
+over the runner's routing, for large batches on sm_90 with Triton >= 3.9.
+
+  fused_moe(x [T, H], topk, weights, act, cfg) -> [T, H]
+    route (BM = 128) -> xs = x's rows in sorted order (one gather) -> gate_up -> down -> sum
+
+`unavailable_reason` says why the engine cannot run a call (None: it can); `ops.fused_moe`
+asks it before choosing the engine, so nothing here is reached on other hardware or Triton
+versions. The kernels read every activation operand through TMA, hence the gather of x into
+sorted rows first (P * H elements written and read once more).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moekit import envs
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.log import log_once
+from moekit.runners._triton_common import ACT_CODES
+
+MIN_TRITON = (3, 9)
+DTYPES = (torch.float16, torch.bfloat16)
+ENGINES = ("auto", "triton", "gluon")
+# auto picks this engine from this many mean rows per expert (T * K / E) on, for layers at
+# least this wide (H, I). Measured on the H100 with Triton 3.9 against the `triton` runner
+# (benchmarks/triton_kernel_notes.md, session 17): mixtral-8x7b TP2 (H 4096, I 7168) 1.04-1.12x
+# and deepseek-v3 EP8 (7168, 2048) 0.99-1.07x at T >= 1024; gpt-oss-120b (2880, 2880) 0.82-1.0x
+# and qwen3-30b-a3b (2048, 768) 0.82-0.87x, where the gather of x and the partial 128-row
+# tiles weigh more against the GEMMs.
+MIN_ROWS_PER_EXPERT = 256
+MIN_HIDDEN = 4096
+MIN_INTERMEDIATE = 2048
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Tiles of the two GEMMs (block_m is fixed at 128: two consumer warpgroups of 64 rows);
+    gate_up's block_n counts activated columns (it loads gate and up tiles of that many rows);
+    stages: shared-memory load stages; group_m: work tiles sharing a weight column block in
+    program order; reduce as in `KernelConfig` ('sum' or 'atomic')."""
+
+    gate_up_block_n: int = 128
+    gate_up_block_k: int = 64
+    gate_up_stages: int = 4
+    down_block_n: int = 256
+    down_block_k: int = 64
+    down_stages: int = 4
+    group_m: int = 8
+    reduce: str = "sum"
+
+
+DEFAULT = GluonConfig()
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_import_error() -> str | None:
+    if _version(triton.__version__) < MIN_TRITON:
+        return f"needs Triton >= 3.9 (Gluon warp specialization); this is {triton.__version__}"
+    try:
+        from moekit.runners.triton_kernel import _gluon_kernels  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure disables the engine
+        return f"Gluon kernels do not import: {type(err).__name__}: {err}"
+    return None
+
+
+def _tma_rows_ok(t: torch.Tensor) -> bool:
+    """A 2-D TMA view of t: 16-byte aligned base and row stride, unit column stride."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.stride(-2) * es) % 16 == 0
+
+
+def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -> str | None:
+    """Why the engine cannot run this call, or None."""
+    if x.device.type != "cuda":
+        return "runs on CUDA only"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "needs an sm_90 GPU (Hopper wgmma)"
+    if x.dtype not in DTYPES:
+        return f"runs float16 / bfloat16, got {x.dtype}"
+    if w.format != "unquantized" or act.name not in ACT_CODES:
+        return "runs unquantized weights and the standard activations only"
+    H, I = w.hidden_size, w.intermediate_size
+    if (H * x.element_size()) % 16 or (I * x.element_size()) % 16:
+        return "needs H and I to be multiples of 8 (16-byte TMA rows)"
+    if not (w.w13.is_contiguous() and w.w2.is_contiguous()):
+        return "needs contiguous weights"
+    if not (_tma_rows_ok(w.w13.view(-1, H)) and _tma_rows_ok(w.w2.view(-1, I))):
+        return "needs 16-byte aligned weights"
+    return _gluon_import_error()
+
+
+def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: int) -> str:
+    """'gluon' or 'triton' for a call, from MOEKIT_TRITON_KERNEL_ENGINE: auto takes this
+    engine where it can run, the mean rows per expert reach MIN_ROWS_PER_EXPERT and the layer
+    is at least MIN_HIDDEN x MIN_INTERMEDIATE; gluon forces it (ValueError naming the reason
+    where it cannot run)."""
+    mode = envs.MOEKIT_TRITON_KERNEL_ENGINE.get().strip().lower()
+    if mode not in ENGINES:
+        raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}={mode!r}; allowed: "
+                         f"{', '.join(ENGINES)}")  # fmt: skip
+    if mode == "triton":
+        return "triton"
+    rows = x.shape[0] * top_k / max(w.num_experts, 1)
+    wide = w.hidden_size >= MIN_HIDDEN and w.intermediate_size >= MIN_INTERMEDIATE
+    if mode == "auto" and (rows < MIN_ROWS_PER_EXPERT or not wide):
+        return "triton"
+    reason = unavailable_reason(x, w, act)
+    if reason is not None:
+        if mode == "gluon":
+            raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}=gluon: the Gluon engine "
+                             f"{reason}")  # fmt: skip
+        log_once(logging.INFO, f"triton_kernel runner: Gluon engine not used: it {reason}")
+        return "triton"
+    log_once(
+        logging.INFO,
+        f"triton_kernel runner: Gluon warp-specialized engine (Triton {triton.__version__}, "
+        f"sm_90) at >= {MIN_ROWS_PER_EXPERT} rows per expert",
+    )
+    return "gluon"
+
+
+def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(device: torch.device, work_bound: int) -> tuple[int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return (max(1, min(_sm_count(idx), work_bound)),)
+
+
+def gate_up(xs: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: GluonConfig,
+            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """h [P, I] in sorted row order = act(xs[row] @ w13[e].T + b13[e]); xs [P, H] holds x's
+    rows in that order; rows past the valid pairs are left unwritten."""
+    from moekit.runners.triton_kernel import _gluon_kernels as gk
+
+    E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
+    bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
+    if out is None:
+        out = torch.empty(r.num_pairs, I, dtype=xs.dtype, device=xs.device)
+    xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
+    if act.interleaved:  # gate rows 2n and up rows 2n + 1: two [E * I, H] views, row stride 2H
+        w_desc = _desc(w.w13, [E * I, H], [2 * H, 1], [bn, bk])
+        w_up_desc = _desc(w.w13.view(-1)[H:], [E * I, H], [2 * H, 1], [bn, bk])
+        row_step, up_off = I, 0
+    else:  # gate rows n, up rows I + n of one [E * 2I, H] view
+        w_desc = w_up_desc = _desc(w.w13, [E * 2 * I, H], [H, 1], [bn, bk])
+        row_step, up_off = 2 * I, I
+    b13 = w.b13 if w.b13 is not None else w.w13
+    grid = _grid(xs.device, r.max_tiles * triton.cdiv(I, bn))
+    gk.gate_up_kernel[grid](
+        xs_desc, w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows,
+        r.num_tiles, I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
+        float(act.limit), ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None,
+        INTERLEAVED=act.interleaved, STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m,
+        num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS,
+    )  # fmt: skip
+    return out
+
+
+def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: torch.Tensor,
+         top_k: int, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """reduce 'sum': out [P, H] by pair = weight[pair] * (h[row] @ w2[e].T + b2[e]) (rows of
+    masked pairs unwritten); 'atomic': those rows added into out [T, H] (zeroed before)."""
+    from moekit.runners.triton_kernel import _gluon_kernels as gk
+
+    E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
+    bn, bk = cfg.down_block_n, cfg.down_block_k
+    h_desc = _desc(h, [h.shape[0], I], [I, 1], [gk.BLOCK_M, bk])
+    w_desc = _desc(w.w2, [E * H, I], [I, 1], [bn, bk])
+    b2 = w.b2 if w.b2 is not None else w.w2
+    grid = _grid(h.device, r.max_tiles * triton.cdiv(H, bn))
+    gk.down_kernel[grid](
+        h_desc, w_desc, b2, out, topk_weights, r.sorted_pairs, r.tile_expert, r.tile_row0,
+        r.tile_rows, r.num_tiles, top_k, H, I, b2.stride(0), out.stride(0),
+        HAS_BIAS=w.b2 is not None, ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages,
+        GROUP_M=cfg.group_m, num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights,
+              act: ActivationSpec, cfg: GluonConfig = DEFAULT) -> torch.Tensor:  # fmt: skip
+    """out [T, H] = sum over k of weight_k * expert_{id_k}(x) (ids of -1 or >= E add 0), for
+    a call `unavailable_reason` accepted; x_TH, ids [T, K] int32, weights [T, K] float32 as
+    `ops.kernel_inputs` makes them."""
+    from moekit.runners.triton.ops import sum_topk
+    from moekit.runners.triton_kernel import _gluon_kernels as gk
+    from moekit.runners.triton_kernel.routing import route
+
+    T, H = x_TH.shape
+    K = ids.shape[1]
+    E = w.num_experts
+    r = route(ids, E, gk.BLOCK_M)
+    xs = torch.index_select(x_TH, 0, r.sorted_pairs // K)
+    h = gate_up(xs, r, w, act, cfg)
+    if cfg.reduce == "atomic":
+        return down(h, r, w, cfg, weights.view(-1), K, torch.zeros_like(x_TH))
+    y = down(h, r, w, cfg, weights.view(-1), K, torch.empty(T * K, H, dtype=x_TH.dtype,
+                                                            device=x_TH.device))  # fmt: skip
+    return sum_topk(y, ids, E, torch.empty_like(x_TH))
+
+
+__all__ = ["DEFAULT", "GluonConfig", "engine_for", "fused_moe", "unavailable_reason"]

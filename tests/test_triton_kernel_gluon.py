@@ -1,0 +1,154 @@
+"""The `triton_kernel` runner's Gluon engine (`gluon_ops`): the engine choice on CPU (pure
+rules, environment injected); on an sm_90 GPU with Triton >= 3.9 (marked gpu, skipped with the
+reason elsewhere) its output against the reference on odd and preset shapes, both reductions,
+and CUDA graph replay against eager."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from helpers import TOLERANCE, make_topk, make_weights, rel_err  # noqa: E402
+
+from moekit import envs  # noqa: E402
+from moekit.experts import ActivationSpec  # noqa: E402
+from moekit.router import TopKOutput  # noqa: E402
+from moekit.runners.torch import moe_reference_fp64  # noqa: E402
+from moekit.runners.triton.ops import kernel_inputs  # noqa: E402
+from moekit.runners.triton_kernel import gluon_ops, ops  # noqa: E402
+
+ENV = envs.MOEKIT_TRITON_KERNEL_ENGINE.name
+
+
+def test_engine_choice_rules(monkeypatch):
+    w = make_weights(4, 64, 32, torch.float32, False, device="cpu")
+    act = ActivationSpec()
+    big = torch.zeros(1024, 64)  # 1024 * 2 / 4 = 512 rows per expert
+    monkeypatch.setattr(gluon_ops, "MIN_HIDDEN", 64)
+    monkeypatch.setattr(gluon_ops, "MIN_INTERMEDIATE", 32)
+    monkeypatch.setenv(ENV, "triton")
+    assert gluon_ops.engine_for(big, w, act, 2) == "triton"
+    monkeypatch.setenv(ENV, "auto")
+    assert gluon_ops.engine_for(torch.zeros(8, 64), w, act, 2) == "triton"  # few rows
+    assert gluon_ops.engine_for(big, w, act, 2) == "triton"  # CPU: cannot run, not an error
+    monkeypatch.setattr(gluon_ops, "unavailable_reason", lambda *a: None)  # as on an H100
+    assert gluon_ops.engine_for(big, w, act, 2) == "gluon"
+    assert gluon_ops.engine_for(torch.zeros(8, 64), w, act, 2) == "triton"  # few rows
+    monkeypatch.setattr(gluon_ops, "MIN_INTERMEDIATE", 64)  # a narrower layer than the bound
+    assert gluon_ops.engine_for(big, w, act, 2) == "triton"
+    monkeypatch.undo()
+    monkeypatch.setenv(ENV, "gluon")
+    with pytest.raises(ValueError, match=f"{ENV}=gluon: the Gluon engine runs on CUDA only"):
+        gluon_ops.engine_for(big, w, act, 2)
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ValueError, match=f"{ENV}='fast'; allowed: auto, triton, gluon"):
+        gluon_ops.engine_for(big, w, act, 2)
+
+
+def test_triton_version_gate(monkeypatch):
+    gluon_ops._gluon_import_error.cache_clear()
+    monkeypatch.setattr(gluon_ops.triton, "__version__", "3.6.0")
+    try:
+        assert gluon_ops._gluon_import_error() == (
+            "needs Triton >= 3.9 (Gluon warp specialization); this is 3.6.0"
+        )
+    finally:
+        gluon_ops._gluon_import_error.cache_clear()
+
+
+def _skip_unless_engine(x, w, act):
+    reason = gluon_ops.unavailable_reason(x, w, act)
+    if reason is not None:
+        pytest.skip(f"the Gluon engine {reason}")
+
+
+def _gluon(x, topk, w, act, cfg=gluon_ops.DEFAULT):
+    x_TH, ids, weights = kernel_inputs(x, topk)
+    return gluon_ops.fused_moe(x_TH, ids, weights, w, act, cfg)
+
+
+ATOMIC = replace(gluon_ops.DEFAULT, reduce="atomic")
+PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
+           ("gpt-oss-120b", 1, 1)]  # fmt: skip
+# (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
+ODD_CASES = [
+    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, gluon_ops.DEFAULT),
+    (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False, gluon_ops.DEFAULT),
+    (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False, gluon_ops.DEFAULT),
+    (3, 512, 256, 400, 2, "silu", False, False, torch.bfloat16, 0.0, True, gluon_ops.DEFAULT),
+    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, ATOMIC),
+    (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, ATOMIC),
+    (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, gluon_ops.DEFAULT),
+]
+
+
+def _case_id(c) -> str:
+    tags = ("-masked" if c[9] else "") + ("-skew" if c[10] else "")
+    return f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ODD_CASES, ids=_case_id)
+def test_odd_shapes_match_reference_gpu(case):
+    E, H, I, T, K, name, inter, bias, dtype, masked, skew, cfg = case
+    w = make_weights(E, H, I, dtype, bias)
+    act = ActivationSpec(name, inter)
+    x = torch.randn(T, H, device="cuda", dtype=dtype)
+    _skip_unless_engine(x, w, act)
+    topk = make_topk(T, K, E, masked=masked, one_expert=skew)
+    out = _gluon(x, topk, w, act, cfg)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,tp,ep", PRESETS)
+def test_presets_through_the_runner_gpu(monkeypatch, model, tp, ep):
+    """The runner's own path (engine forced), against float32 math on the experts in use."""
+    from test_triton_kernel_runner import reference_fp32_sparse
+
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for(model, tp, ep)
+    w = random_weights(shape, "cuda")
+    x = torch.randn(2048, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    _skip_unless_engine(x, w, shape.act)
+    monkeypatch.setenv(ENV, "gluon")
+    topk = make_topk(2048, shape.top_k, shape.num_experts, masked=0.02)
+    out = ops.fused_moe(x, topk, w, shape.act)
+    err = rel_err(out, reference_fp32_sparse(x, topk, w, shape.act))
+    assert err < TOLERANCE[torch.bfloat16], (model, err)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_gpu():
+    E, K, H, I, T = 32, 4, 1024, 512, 1500
+    w = make_weights(E, H, I, torch.bfloat16, False)
+    act = ActivationSpec()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _skip_unless_engine(x, w, act)
+    topk = make_topk(T, K, E)
+    static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
+
+    def step():
+        return _gluon(static_x, TopKOutput(static_w, static_ids), w, act)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for skew in (False, True):  # new inputs and a new routing (tile count) each replay
+        x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        topk2 = make_topk(T, K, E, masked=0.1, one_expert=skew)
+        static_x.copy_(x2), static_w.copy_(topk2.weights), static_ids.copy_(topk2.ids)
+        graph.replay()
+        eager = _gluon(x2, topk2, w, act)
+        assert torch.equal(static_out, eager)  # reduce 'sum': deterministic
+        assert rel_err(static_out, moe_reference_fp64(x2, topk2, w, act)) < 3e-2
