@@ -27,7 +27,6 @@ def test_engine_choice_rules(monkeypatch):
     w = make_weights(4, 64, 32, torch.float32, False, device="cpu")
     act = ActivationSpec()
     big = torch.zeros(1024, 64)  # 1024 * 2 / 4 = 512 rows per expert
-    monkeypatch.setattr(gluon_ops, "MIN_HIDDEN", 64)
     monkeypatch.setattr(gluon_ops, "MIN_INTERMEDIATE", 32)
     monkeypatch.setenv(ENV, "triton")
     assert gluon_ops.engine_for(big, w, act, 2) == "triton"

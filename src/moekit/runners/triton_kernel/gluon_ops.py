@@ -27,14 +27,14 @@ from moekit.runners._triton_common import ACT_CODES
 MIN_TRITON = (3, 9)
 DTYPES = (torch.float16, torch.bfloat16)
 ENGINES = ("auto", "triton", "gluon")
-# auto picks this engine from this many mean rows per expert (T * K / E) on, for layers at
-# least this wide (H, I). Measured on the H100 with Triton 3.9 against the `triton` runner
-# (benchmarks/triton_kernel_notes.md, session 17): mixtral-8x7b TP2 (H 4096, I 7168) 1.04-1.12x
-# and deepseek-v3 EP8 (7168, 2048) 0.99-1.07x at T >= 1024; gpt-oss-120b (2880, 2880) 0.82-1.0x
-# and qwen3-30b-a3b (2048, 768) 0.82-0.87x, where the gather of x and the partial 128-row
-# tiles weigh more against the GEMMs.
+# auto picks this engine from this many mean rows per expert (T * K / E) on, for layers with
+# an intermediate size of at least MIN_INTERMEDIATE. Measured on the H100 with Triton 3.9,
+# timed in turns against the runner's Triton engine (scripts/gpu_gluon_engine_ab.py,
+# benchmarks/triton_kernel_notes.md): mixtral-8x7b TP2 (I 7168) 1.13-1.25x and deepseek-v3
+# EP8 (I 2048) 1.03-1.15x at T = 1024-16384, gpt-oss-120b (I 2880) 1.08x at T = 16384 (512
+# rows per expert) but 0.90x at T = 4096 (128: one full and one nearly empty 128-row tile per
+# expert), qwen3-30b-a3b (I 768, short K loop in down) 0.89-0.97x at 256-1024 rows.
 MIN_ROWS_PER_EXPERT = 256
-MIN_HIDDEN = 4096
 MIN_INTERMEDIATE = 2048
 
 
@@ -101,9 +101,9 @@ def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -
 
 def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: int) -> str:
     """'gluon' or 'triton' for a call, from MOEKIT_TRITON_KERNEL_ENGINE: auto takes this
-    engine where it can run, the mean rows per expert reach MIN_ROWS_PER_EXPERT and the layer
-    is at least MIN_HIDDEN x MIN_INTERMEDIATE; gluon forces it (ValueError naming the reason
-    where it cannot run)."""
+    engine where it can run, the mean rows per expert reach MIN_ROWS_PER_EXPERT and the
+    intermediate size MIN_INTERMEDIATE; gluon forces it (ValueError naming the reason where it
+    cannot run)."""
     mode = envs.MOEKIT_TRITON_KERNEL_ENGINE.get().strip().lower()
     if mode not in ENGINES:
         raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}={mode!r}; allowed: "
@@ -111,8 +111,7 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
     if mode == "triton":
         return "triton"
     rows = x.shape[0] * top_k / max(w.num_experts, 1)
-    wide = w.hidden_size >= MIN_HIDDEN and w.intermediate_size >= MIN_INTERMEDIATE
-    if mode == "auto" and (rows < MIN_ROWS_PER_EXPERT or not wide):
+    if mode == "auto" and (rows < MIN_ROWS_PER_EXPERT or w.intermediate_size < MIN_INTERMEDIATE):
         return "triton"
     reason = unavailable_reason(x, w, act)
     if reason is not None:
