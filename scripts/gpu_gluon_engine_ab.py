@@ -5,7 +5,9 @@ engine, timed in turns (`moekit.bench.time_ms_interleaved`): the ratios the engi
     PYTHONPATH=<triton 3.9>:src python3 scripts/gpu_gluon_engine_ab.py   # $OUT/gluon_engine_ab.json
 
 Per preset shape (bf16, uniform random routing, deepseek-v3 EP8 with every pair local) and
-T in BATCHES: the three calls on the same inputs, each checked against the `triton` runner's
+T in BATCHES: the calls (the engine with its own config, `gluon_ops.config_for`, and with the
+other way of reading x's rows: gathered by its producer or copied into sorted order first) on
+the same inputs, each checked against the `triton` runner's
 output, then timed as CUDA-graph replays in ROUNDS rounds of rotated order.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -48,9 +51,12 @@ def main() -> None:
             x_TH, ids, weights = kernel_inputs(x, topk)
             cfg = config_for(T, K, E, shape.hidden, shape.intermediate, act.interleaved,
                              act.name, "bfloat16", name)  # fmt: skip
+            cfg_g = gluon_ops.config_for(w)  # the engine's own choice; alt: the other A source
+            alt = replace(cfg_g, gather=not cfg_g.gather)
             fns = {
                 "triton": lambda: triton_ops.fused_moe(x, topk, w, act),
-                "tk_gluon": lambda: gluon_ops.fused_moe(x_TH, ids, weights, w, act),
+                "tk_gluon": lambda: gluon_ops.fused_moe(x_TH, ids, weights, w, act, cfg_g),
+                "tk_gluon_alt": lambda: gluon_ops.fused_moe(x_TH, ids, weights, w, act, alt),
                 "tk_triton": lambda: tk_ops.fused_moe(x, topk, w, act, config=cfg),
             }
             ref = fns["triton"]().float()
@@ -58,10 +64,14 @@ def main() -> None:
             ms = time_ms_interleaved(fns, dev, rounds=ROUNDS)
             rec = {"model": model, "T": T, "ms": ms, "rel_err_vs_triton": errs,
                    "triton_over_gluon": ms["triton"] / ms["tk_gluon"],
-                   "tk_triton_over_gluon": ms["tk_triton"] / ms["tk_gluon"]}  # fmt: skip
+                   "tk_triton_over_gluon": ms["tk_triton"] / ms["tk_gluon"],
+                   "gather": cfg_g.gather,
+                   "alt_over_gluon": ms["tk_gluon_alt"] / ms["tk_gluon"]}  # fmt: skip
             print(f"{model:<15}{T:>6}  triton {ms['triton']:.3f}  tk_gluon {ms['tk_gluon']:.3f}"
                   f"  tk_triton {ms['tk_triton']:.3f}  triton/gluon {rec['triton_over_gluon']:.3f}"
-                  f"  tk_triton/gluon {rec['tk_triton_over_gluon']:.3f}", flush=True)  # fmt: skip
+                  f"  tk_triton/gluon {rec['tk_triton_over_gluon']:.3f}"
+                  f"  gather {cfg_g.gather}  alt/gluon {rec['alt_over_gluon']:.3f}",
+                  flush=True)  # fmt: skip
             recs.append(rec)
         w = None  # free the weights before the next shape's
         torch.cuda.empty_cache()

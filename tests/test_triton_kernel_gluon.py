@@ -47,6 +47,14 @@ def test_engine_choice_rules(monkeypatch):
         gluon_ops.engine_for(big, w, act, 2)
 
 
+def test_config_for_gathers_below_the_intermediate_bound():
+    narrow = make_weights(2, 64, 32, torch.float32, False, device="cpu")
+    assert gluon_ops.config_for(narrow).gather
+    wide = make_weights(1, 16, gluon_ops.GATHER_MAX_INTERMEDIATE, torch.float32, False,
+                        device="cpu")  # fmt: skip
+    assert not gluon_ops.config_for(wide).gather
+
+
 def test_triton_version_gate(monkeypatch):
     gluon_ops._gluon_import_error.cache_clear()
     monkeypatch.setattr(gluon_ops.triton, "__version__", "3.6.0")
@@ -70,6 +78,7 @@ def _gluon(x, topk, w, act, cfg=gluon_ops.DEFAULT):
 
 
 ATOMIC = replace(gluon_ops.DEFAULT, reduce="atomic")
+COPY = replace(gluon_ops.DEFAULT, gather=False)
 PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
            ("gpt-oss-120b", 1, 1)]  # fmt: skip
 # (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
@@ -81,12 +90,15 @@ ODD_CASES = [
     (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, ATOMIC),
     (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, ATOMIC),
     (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, gluon_ops.DEFAULT),
+    (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False, COPY),
+    (6, 320, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, gluon_ops.DEFAULT),
 ]
 
 
 def _case_id(c) -> str:
     tags = ("-masked" if c[9] else "") + ("-skew" if c[10] else "")
-    return f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
+    return (f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
+            f"{'-gather' if c[11].gather and c[1] % 64 == 0 else '-copy'}")  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -35,6 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 NUM_WARPS = 8  # the default (consumer) partition
 PRODUCER_REGS = gl.constexpr(40)  # registers of the producer warp (setmaxnreg)
+GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.async
+GATHER_REGS = gl.constexpr(88)
 MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
 
 
@@ -95,6 +99,51 @@ def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, ti
 
 
 @gluon.jit
+def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs,
+                     b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                     num_tiles_ptr, N, K, b_row_step, b2_row_off,
+                     GROUP_M: gl.constexpr):  # fmt: skip
+    """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
+    are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
+    (16 bytes a thread and copy; rows past the tile's valid ones are zero-filled; K must be a
+    multiple of BK and x's row stride of 8), each thread arriving on `ready[s]` when its copies
+    land (the barrier counts the threads and the weight tiles' expect-tx arrival)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [GATHER_WARPS, 1],
+                                            [1, 0])  # fmt: skip
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    num_n = gl.cdiv(N, BN)
+    num_k = gl.cdiv(K, BK)
+    num_tiles = gl.load(num_tiles_ptr)
+    count = 0
+    for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
+        expert, row0, nrows, pid_n = _work_item(
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+        )
+        b_row = expert * b_row_step + pid_n * BN
+        row_ok = offs_m < nrows
+        pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+        row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, 8)
+        a_rows = x_ptr + row_off[:, None]
+        for ki in range(num_k):
+            s = count % STAGES
+            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_load(b_desc, [b_row, ki * BK], bar, b_bufs.index(s))
+            tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s))
+            cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, 8), 8)
+            async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=row_ok[:, None])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            count += 1
+
+
+@gluon.jit
 def _activate(g, u, alpha, limit, ACT: gl.constexpr):
     """float32 gate g, up u -> act(g) * u: silu, exact-erf gelu, or swiglu_oai (the twin of
     `_triton_common.activate`)."""
@@ -113,10 +162,11 @@ def _activate(g, u, alpha, limit, ACT: gl.constexpr):
 def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
                       tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm,
                       alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr,
+                      INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr, GATHERED: gl.constexpr,
                       num_warps: gl.constexpr):  # fmt: skip
     """Two accumulators (gate: b_bufs, up: b2_bufs) per work item; epilogue: bias, activation,
-    h rows stored from registers."""
+    h rows stored from registers. GATHERED: the A tiles were written by the producer's
+    cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -137,6 +187,8 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
         for ki in range(num_k):
             s = count % STAGES
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
+            if GATHERED:
+                fence_async_shared()
             a = a_bufs.index(s)
             acc_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
             acc_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
@@ -190,13 +242,51 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
             (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
                                  tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
                                  N, K, stride_be, stride_hm, alpha, limit, ACT, HAS_BIAS,
-                                 INTERLEAVED, GROUP_M, num_warps)),  # fmt: skip
+                                 INTERLEAVED, GROUP_M, False, num_warps)),  # fmt: skip
             (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
                          tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
                          b_row_step, up_row_off, True, GROUP_M)),  # fmt: skip
         ],
         [1],
         [PRODUCER_REGS],
+    )
+
+
+@gluon.jit
+def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, bias_ptr,
+                          h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N,
+                          K, b_row_step, up_row_off, stride_be, stride_hm, alpha, limit,
+                          ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
+                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
+                          A_LAYOUT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
+    gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
+    shared layout of an A tile [BM, BK] (BK = the weight block's)."""
+    dtype: gl.constexpr = w_desc.dtype
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    b2_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_up_desc.block_type.shape,
+                                        w_up_desc.layout)  # fmt: skip
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # the weight tiles' expect-tx arrival, and one cp.async arrival per producer thread
+        mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
+                                 N, K, stride_be, stride_hm, alpha, limit, ACT, HAS_BIAS,
+                                 INTERLEAVED, GROUP_M, True, num_warps)),  # fmt: skip
+            (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc,
+                                a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr,
+                                tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
+                                up_row_off, GROUP_M)),  # fmt: skip
+        ],
+        [GATHER_WARPS],
+        [GATHER_REGS],
     )
 
 

@@ -1,20 +1,19 @@
 """The `triton_kernel` runner's Hopper engine: warp-specialized Gluon GEMMs (`_gluon_kernels`)
 over the runner's routing, for large batches on sm_90 with Triton >= 3.9.
 
-  fused_moe(x [T, H], topk, weights, act, cfg) -> [T, H]
-    route (BM = 128) -> xs = x's rows in sorted order (one gather) -> gate_up -> down -> sum
+  fused_moe(x [T, H], ids, weights, w, act, cfg) -> [T, H]
+    route (BM = 128) -> gate_up (x's rows gathered by the producer) -> down -> sum over K
 
 `unavailable_reason` says why the engine cannot run a call (None: it can); `ops.fused_moe`
-asks it before choosing the engine, so nothing here is reached on other hardware or Triton
-versions. The kernels read every activation operand through TMA, hence the gather of x into
-sorted rows first (P * H elements written and read once more).
+asks it (through `engine_for`) before choosing the engine, so nothing here is reached on other
+hardware or Triton versions.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -43,7 +42,9 @@ class GluonConfig:
     """Tiles of the two GEMMs (block_m is fixed at 128: two consumer warpgroups of 64 rows);
     gate_up's block_n counts activated columns (it loads gate and up tiles of that many rows);
     stages: shared-memory load stages; group_m: work tiles sharing a weight column block in
-    program order; reduce as in `KernelConfig` ('sum' or 'atomic')."""
+    program order; reduce as in `KernelConfig` ('sum' or 'atomic'); gather: gate_up's producer
+    warps copy x's rows of each tile with cp.async where H is a multiple of its block_k (else,
+    and with False, x's rows are first copied into sorted order, xs, and read through TMA)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -53,9 +54,20 @@ class GluonConfig:
     down_stages: int = 4
     group_m: int = 8
     reduce: str = "sum"
+    gather: bool = True
 
 
 DEFAULT = GluonConfig()
+# gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
+# copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
+# elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
+# 1-3% on gpt-oss (2880), was even on deepseek-v3 (2048) and lost 4.5% on mixtral (7168).
+GATHER_MAX_INTERMEDIATE = 4096
+
+
+def config_for(w: ExpertWeights) -> GluonConfig:
+    """The engine's config for a layer: DEFAULT with the gather rule above."""
+    return replace(DEFAULT, gather=w.intermediate_size < GATHER_MAX_INTERMEDIATE)
 
 
 def _version(v: str) -> tuple[int, ...]:
@@ -132,8 +144,7 @@ def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t))
     return TensorDescriptor(t, shape, strides, block, layout)
 
 
@@ -147,17 +158,24 @@ def _grid(device: torch.device, work_bound: int) -> tuple[int]:
     return (max(1, min(_sm_count(idx), work_bound)),)
 
 
-def gate_up(xs: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: GluonConfig,
-            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """h [P, I] in sorted row order = act(xs[row] @ w13[e].T + b13[e]); xs [P, H] holds x's
-    rows in that order; rows past the valid pairs are left unwritten."""
+def _gl_dtype(t: torch.Tensor):
+    from triton.experimental.gluon import language as gl
+
+    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+
+
+def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: GluonConfig,
+            top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """h [P, I] in sorted row order = act(x[token(row)] @ w13[e].T + b13[e]) for x [T, H];
+    rows past the valid pairs are left unwritten."""
+    from triton.experimental.gluon import language as gl
+
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
     if out is None:
-        out = torch.empty(r.num_pairs, I, dtype=xs.dtype, device=xs.device)
-    xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
+        out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
     if act.interleaved:  # gate rows 2n and up rows 2n + 1: two [E * I, H] views, row stride 2H
         w_desc = _desc(w.w13, [E * I, H], [2 * H, 1], [bn, bk])
         w_up_desc = _desc(w.w13.view(-1)[H:], [E * I, H], [2 * H, 1], [bn, bk])
@@ -166,14 +184,22 @@ def gate_up(xs: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Glu
         w_desc = w_up_desc = _desc(w.w13, [E * 2 * I, H], [H, 1], [bn, bk])
         row_step, up_off = 2 * I, I
     b13 = w.b13 if w.b13 is not None else w.w13
-    grid = _grid(xs.device, r.max_tiles * triton.cdiv(I, bn))
-    gk.gate_up_kernel[grid](
-        xs_desc, w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows,
-        r.num_tiles, I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
-        float(act.limit), ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None,
-        INTERLEAVED=act.interleaved, STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m,
-        num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS,
-    )  # fmt: skip
+    grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
+    tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
+                STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m)  # fmt: skip
+    common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
+              I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
+              float(act.limit))  # fmt: skip
+    if cfg.gather and H % bk == 0:  # the gathering producer copies whole K steps
+        a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
+        gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common, **tail,
+                                       BM=gk.BLOCK_M, A_LAYOUT=a_layout, num_warps=gk.NUM_WARPS,
+                                       maxnreg=gk.MAX_REGS)  # fmt: skip
+    else:
+        xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
+        xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
+        gk.gate_up_kernel[grid](xs_desc, *common, **tail, num_warps=gk.NUM_WARPS,
+                                maxnreg=gk.MAX_REGS)  # fmt: skip
     return out
 
 
@@ -199,10 +225,10 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
 
 
 def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights,
-              act: ActivationSpec, cfg: GluonConfig = DEFAULT) -> torch.Tensor:  # fmt: skip
+              act: ActivationSpec, cfg: GluonConfig | None = None) -> torch.Tensor:  # fmt: skip
     """out [T, H] = sum over k of weight_k * expert_{id_k}(x) (ids of -1 or >= E add 0), for
     a call `unavailable_reason` accepted; x_TH, ids [T, K] int32, weights [T, K] float32 as
-    `ops.kernel_inputs` makes them."""
+    `ops.kernel_inputs` makes them. cfg: `config_for(w)` when None."""
     from moekit.runners.triton.ops import sum_topk
     from moekit.runners.triton_kernel import _gluon_kernels as gk
     from moekit.runners.triton_kernel.routing import route
@@ -210,9 +236,9 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     T, H = x_TH.shape
     K = ids.shape[1]
     E = w.num_experts
+    cfg = config_for(w) if cfg is None else cfg
     r = route(ids, E, gk.BLOCK_M)
-    xs = torch.index_select(x_TH, 0, r.sorted_pairs // K)
-    h = gate_up(xs, r, w, act, cfg)
+    h = gate_up(x_TH, r, w, act, cfg, K)
     if cfg.reduce == "atomic":
         return down(h, r, w, cfg, weights.view(-1), K, torch.zeros_like(x_TH))
     y = down(h, r, w, cfg, weights.view(-1), K, torch.empty(T * K, H, dtype=x_TH.dtype,
@@ -220,4 +246,4 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     return sum_topk(y, ids, E, torch.empty_like(x_TH))
 
 
-__all__ = ["DEFAULT", "GluonConfig", "engine_for", "fused_moe", "unavailable_reason"]
+__all__ = ["DEFAULT", "GluonConfig", "config_for", "engine_for", "fused_moe", "unavailable_reason"]
