@@ -395,8 +395,9 @@ def render_script_md(results_dir: Path, root: Path) -> str:
         link = f"[{rel}]({rel}) · {_commit_of(doc)}"
         points = doc.get("points")  # a list of dicts here; other probes store other shapes
         if isinstance(points, list) and points and "triton_kernel_ms" in points[0]:
-            lines += [f"## `triton_kernel` against `triton` ({doc.get('device')}, "
-                      "scripts/gpu_triton_kernel.py)", "", f"{link} · time / floor", "",
+            lines += [f"## `triton_kernel` against `triton` ({doc.get('device')}, Triton "
+                      f"{doc.get('triton')}, scripts/gpu_triton_kernel.py)", "",
+                      f"{link} · time / floor", "",
                       "| shape | T | triton | triton_kernel | speed-up of triton_kernel |",
                       "|---|---:|---|---|---|"]
             lines += [f"| {p['model']} | {p['T']} | {p['triton_over_floor']:.2f}x | "
