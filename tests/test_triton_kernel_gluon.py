@@ -55,6 +55,23 @@ def test_config_for_gathers_below_the_intermediate_bound():
     assert not gluon_ops.config_for(wide).gather
 
 
+def test_engine_status_for_moekit_env():
+    assert gluon_ops.engine_status((8, 0), "3.9.0") == "Gluon engine: off (needs an sm_90 GPU)"
+    assert gluon_ops.engine_status((9, 0), "3.6.0") == (
+        "Gluon engine: off (needs Triton >= 3.9, have 3.6.0)"
+    )
+    assert gluon_ops.engine_status((9, 0), "3.9.0").startswith("Gluon engine: on from 256 rows")
+
+
+def test_runner_availability_carries_the_engine_status():
+    from moekit.hardware import Platform
+    from moekit.runners.triton_kernel import TritonKernelRunner
+
+    h100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1, {"triton": "3.9.0"})
+    a = TritonKernelRunner.availability(h100)
+    assert a.ok and a.reason.startswith("Gluon engine: on")
+
+
 def test_triton_version_gate(monkeypatch):
     gluon_ops._gluon_import_error.cache_clear()
     monkeypatch.setattr(gluon_ops.triton, "__version__", "3.6.0")

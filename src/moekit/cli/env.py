@@ -204,7 +204,7 @@ def _render(doc: dict) -> None:
                     f"devices {','.join(caps['devices'])} · formats {','.join(caps['formats'])}"
                     f" · weights {','.join(caps['weight_formats'])} · "
                     f"cuda graph {'yes' if caps['cuda_graph'] else 'no'}"
-                )
+                ) + (f" · {b['reason']}" if b["reason"] else "")
             t.add_row(b["name"], status, detail)
         console.print(t)
 

@@ -13,6 +13,9 @@ stores rows by pair for a deterministic sum kernel (reduce 'sum', bit-reproducib
 are data (`configs.py`): tuned tables per shape / device shipped in
 src/moekit/configs/triton_kernel/, a heuristic table elsewhere.
 
+On sm_90 with Triton >= 3.9, large batches run the GEMMs as warp-specialized Gluon kernels
+instead (`gluon_ops`: a TMA producer warp, two wgmma warpgroups; MOEKIT_TRITON_KERNEL_ENGINE).
+
 Supports: the standard dispatch format (not masked), unquantized weights, activations silu /
 gelu / swiglu_oai, biases, interleaved gate/up, float16 / bfloat16 (and float32), on CUDA
 (compute capability >= 8.0) and CUDA graphs; on CPU only in the Triton interpreter
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
 from moekit.runners._triton_base import TritonRunnerBase, triton_devices
 from moekit.runners.base import RunnerCaps, RunnerError
 from moekit.runners.registry import register
@@ -43,6 +47,17 @@ class TritonKernelRunner(TritonRunnerBase):
         devices=triton_devices(),
         cuda_graph=True,
     )
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        """As every Triton runner; on CUDA the reason also says whether the Gluon engine is on."""
+        a = super().availability(platform)
+        if a.ok and platform.is_cuda:
+            from moekit.runners.triton_kernel import gluon_ops
+
+            return Availability(True, gluon_ops.engine_status(platform.capability,
+                                                             platform.libraries.get("triton")))  # fmt: skip
+        return a
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec

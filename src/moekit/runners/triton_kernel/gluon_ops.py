@@ -85,6 +85,17 @@ def _gluon_import_error() -> str | None:
     return None
 
 
+def engine_status(capability: tuple[int, int] | None, triton_version: str | None) -> str:
+    """One line for `moekit env`: whether the engine can run on this GPU and Triton, and when
+    auto takes it."""
+    if capability != (9, 0):
+        return "Gluon engine: off (needs an sm_90 GPU)"
+    if triton_version is None or _version(triton_version) < MIN_TRITON:
+        return f"Gluon engine: off (needs Triton >= 3.9, have {triton_version})"
+    return (f"Gluon engine: on from {MIN_ROWS_PER_EXPERT} rows per expert when I >= "
+            f"{MIN_INTERMEDIATE} ({envs.MOEKIT_TRITON_KERNEL_ENGINE.name})")  # fmt: skip
+
+
 def _tma_rows_ok(t: torch.Tensor) -> bool:
     """A 2-D TMA view of t: 16-byte aligned base and row stride, unit column stride."""
     es = t.element_size()
@@ -246,4 +257,5 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     return sum_topk(y, ids, E, torch.empty_like(x_TH))
 
 
-__all__ = ["DEFAULT", "GluonConfig", "config_for", "engine_for", "fused_moe", "unavailable_reason"]
+__all__ = ["DEFAULT", "GluonConfig", "config_for", "engine_for", "engine_status", "fused_moe",
+           "unavailable_reason"]  # fmt: skip
