@@ -55,8 +55,8 @@ class TritonKernelRunner(TritonRunnerBase):
         if a.ok and platform.is_cuda:
             from moekit.runners.triton_kernel import gluon_ops
 
-            return Availability(True, gluon_ops.engine_status(platform.capability,
-                                                             platform.libraries.get("triton")))  # fmt: skip
+            status = gluon_ops.engine_status(platform.capability, platform.libraries.get("triton"))
+            return Availability(True, status)
         return a
 
     def run(
