@@ -11,14 +11,17 @@ explicit warp specialization, which Triton's own compiler does not build for the
   `ready[s]`, issues the async wgmma, frees the stage once the step's wgmma has retired, and
   runs the epilogue, while the producer already loads the next item's operands.
 
-Both operands come through TMA, so the activation rows must be contiguous per expert: gate_up
-reads xs [P, H] (x's rows copied into sorted order), down reads h [P, I]. A tile's rows past
-its valid ones (the next expert's, or out of bounds and zero-filled) are computed but never
-stored: the epilogue stores from registers with a row mask.
+The weights always come through TMA. The activation rows: down reads h [P, I] (sorted rows)
+through TMA; gate_up either reads xs [P, H] (x's rows copied into sorted order first) through
+TMA, or (`gate_up_gather_kernel`) has a producer of four warps copy each tile's rows of x with
+cp.async. A tile's rows past its valid ones (the next expert's, out of bounds and zero-filled,
+or not gathered) are computed but never stored: the epilogue stores from registers with a row
+mask.
 
-  gate_up_kernel  h[row] = act(xs[row] @ w13[e].T + b13[e])          (two accumulators)
-  down_kernel     y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]), or (ATOMIC) added
-                  into out[token(row)]
+  gate_up_kernel         h[row] = act(xs[row] @ w13[e].T + b13[e])   (two accumulators)
+  gate_up_gather_kernel  the same from x [T, H] and the sorted pairs
+  down_kernel            y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]), or (ATOMIC)
+                         added into out[token(row)]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ BLOCK_M = 128  # two consumer warpgroups of 64 rows
 NUM_WARPS = 8  # the default (consumer) partition
 PRODUCER_REGS = gl.constexpr(40)  # registers of the producer warp (setmaxnreg)
 GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.async
-GATHER_REGS = gl.constexpr(88)
+GATHER_REGS = gl.constexpr(88)  # its registers: row pointers and masks of 8 copies a thread
 MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
 
 

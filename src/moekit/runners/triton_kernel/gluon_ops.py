@@ -29,10 +29,10 @@ ENGINES = ("auto", "triton", "gluon")
 # auto picks this engine from this many mean rows per expert (T * K / E) on, for layers with
 # an intermediate size of at least MIN_INTERMEDIATE. Measured on the H100 with Triton 3.9,
 # timed in turns against the runner's Triton engine (scripts/gpu_gluon_engine_ab.py,
-# benchmarks/triton_kernel_notes.md): mixtral-8x7b TP2 (I 7168) 1.13-1.25x and deepseek-v3
-# EP8 (I 2048) 1.03-1.15x at T = 1024-16384, gpt-oss-120b (I 2880) 1.08x at T = 16384 (512
+# benchmarks/triton_kernel_notes.md): mixtral-8x7b TP2 (I 7168) 1.06-1.25x and deepseek-v3
+# EP8 (I 2048) 1.03-1.18x at T = 1024-16384; gpt-oss-120b (I 2880) 1.08x at T = 16384 (512
 # rows per expert) but 0.90x at T = 4096 (128: one full and one nearly empty 128-row tile per
-# expert), qwen3-30b-a3b (I 768, short K loop in down) 0.89-0.97x at 256-1024 rows.
+# expert); qwen3-30b-a3b (I 768: a short K loop in down) 1.04x at 256 rows but 0.97x at 1024.
 MIN_ROWS_PER_EXPERT = 256
 MIN_INTERMEDIATE = 2048
 
@@ -43,8 +43,9 @@ class GluonConfig:
     gate_up's block_n counts activated columns (it loads gate and up tiles of that many rows);
     stages: shared-memory load stages; group_m: work tiles sharing a weight column block in
     program order; reduce as in `KernelConfig` ('sum' or 'atomic'); gather: gate_up's producer
-    warps copy x's rows of each tile with cp.async where H is a multiple of its block_k (else,
-    and with False, x's rows are first copied into sorted order, xs, and read through TMA)."""
+    warps copy x's rows of each tile with cp.async where H is a multiple of its block_k and x's
+    rows are 16-byte aligned (else, and with False, x's rows are first copied into sorted order,
+    xs, and read through TMA)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -201,7 +202,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
               float(act.limit))  # fmt: skip
-    if cfg.gather and H % bk == 0:  # the gathering producer copies whole K steps
+    # the gathering producer copies whole K steps of 16-byte aligned rows
+    if cfg.gather and H % bk == 0 and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0:
         a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
         gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common, **tail,
                                        BM=gk.BLOCK_M, A_LAYOUT=a_layout, num_warps=gk.NUM_WARPS,
