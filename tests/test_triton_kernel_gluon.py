@@ -1,5 +1,6 @@
 """The `triton_kernel` runner's Gluon engine (`gluon_ops`): the engine choice on CPU (pure
-rules, environment injected); on an sm_90 GPU with Triton >= 3.9 (marked gpu, skipped with the
+rules, environment injected), the kernels compiled for sm_90 on the host (Triton >= 3.9, no
+GPU needed); on an sm_90 GPU with Triton >= 3.9 (marked gpu, skipped with the
 reason elsewhere) its output against the reference on odd and preset shapes, both reductions,
 and CUDA graph replay against eager."""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
 from helpers import TOLERANCE, make_topk, make_weights, rel_err  # noqa: E402
 
 from moekit import envs  # noqa: E402
@@ -81,6 +83,66 @@ def test_triton_version_gate(monkeypatch):
         )
     finally:
         gluon_ops._gluon_import_error.cache_clear()
+
+
+def _compile_sm90(kernel, signature: dict, constexprs: dict, attrs=None):
+    """Compile a Gluon kernel for sm_90 on the host (no GPU needed); returns its PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moekit.runners.triton_kernel import _gluon_kernels as gk
+
+    src = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": gk.NUM_WARPS, "maxnreg": gk.MAX_REGS}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def test_kernels_compile_for_sm90_on_the_host():
+    """The three kernels build for Hopper with this Triton (CI's CPU machine runs 3.9): the
+    warp-specialized partitions (setmaxnreg), wgmma, TMA and, in the gathering gate_up, the
+    cp.async copies with their barrier arrival are all in the PTX."""
+    if gluon_ops._gluon_import_error() is not None:
+        pytest.skip(gluon_ops._gluon_import_error())
+    from triton.experimental.gluon import language as gl
+
+    from moekit.runners.triton_kernel import _gluon_kernels as gk
+
+    E, H, I, P = 4, 256, 192, 512
+    x = torch.empty(P, H, dtype=torch.bfloat16)
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16)
+    h = torch.empty(P, I, dtype=torch.bfloat16)
+    bm, cfg = gk.BLOCK_M, gluon_ops.DEFAULT
+    wd = gluon_ops._desc(w13, [E * 2 * I, H], [H, 1], [cfg.gate_up_block_n, cfg.gate_up_block_k])
+    tiles = {n: "*i32" for n in ("tile_expert_ptr", "tile_row0_ptr", "tile_rows_ptr",
+                                 "num_tiles_ptr")}  # fmt: skip
+    gate_up_sig = {"w_desc": wd.__mangle__(), "w_up_desc": wd.__mangle__(), "bias_ptr": "*bf16",
+                   "h_ptr": "*bf16", **tiles, "N": "i32", "K": "i32", "b_row_step": "i32",
+                   "up_row_off": "i32", "stride_be": "i32", "stride_hm": "i32", "alpha": "fp32",
+                   "limit": "fp32"}  # fmt: skip
+    consts = {"ACT": 2, "HAS_BIAS": True, "INTERLEAVED": False, "STAGES": 4, "GROUP_M": 8,
+              "num_warps": gk.NUM_WARPS}  # fmt: skip
+    xd = gluon_ops._desc(x, [P, H], [H, 1], [bm, cfg.gate_up_block_k])
+    sig = {"xs_desc": xd.__mangle__(), **gate_up_sig}
+    ptx = _compile_sm90(gk.gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, cfg.gate_up_block_k], gl.bfloat16)
+    gather_consts = {**consts, "BM": bm, "A_LAYOUT": a_layout}
+    sig = {"x_ptr": "*bf16", "stride_xm": "i32", "sorted_pairs_ptr": "*i32", "top_k": "i32",
+           **gate_up_sig, **dict.fromkeys(gather_consts, "constexpr")}  # fmt: skip
+    aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    ptx = _compile_sm90(gk.gate_up_gather_kernel, sig, gather_consts, aligned)
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
+    w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
+    down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
+                   "num_warps": gk.NUM_WARPS}  # fmt: skip
+    sig = {"h_desc": hd.__mangle__(), "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
+           "y_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_pairs_ptr": "*i32", **tiles,
+           "top_k": "i32", "N": "i32", "K": "i32", "stride_be": "i32", "stride_ym": "i32",
+           **dict.fromkeys(down_consts, "constexpr")}  # fmt: skip
+    ptx = _compile_sm90(gk.down_kernel, sig, down_consts)
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
 
 
 def _skip_unless_engine(x, w, act):
