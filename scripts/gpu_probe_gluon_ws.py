@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_probe_fp8_ws import _graph_us  # CUDA-graph replay timing shared with that probe
 from gpu_probe_gluon import _mma_layout, grouped_gemm_kernel
 from probe_out import write_probe
 
@@ -237,28 +238,6 @@ def compile_only() -> None:
         if os.environ.get("PROBE_DUMP"):
             with open(os.environ["PROBE_DUMP"], "w") as f:
                 f.write(k.asm["ptx"])
-
-
-def _graph_us(fn, reps: int = 5) -> float:
-    """Median time (us) of one call, from CUDA-graph replays of `reps` calls."""
-    import statistics
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(9):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def _check(c, a, b, E, rows, N) -> float:
