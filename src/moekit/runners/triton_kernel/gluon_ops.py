@@ -142,7 +142,9 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
         if mode == "gluon":
             raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}=gluon: the Gluon engine "
                              f"{reason}")  # fmt: skip
-        log_once(logging.INFO, f"triton_kernel runner: Gluon engine not used: it {reason}")
+        if x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0):
+            # on a Hopper GPU the user could have it: say why not (elsewhere it is noise)
+            log_once(logging.INFO, f"triton_kernel runner: Gluon engine not used: it {reason}")
         return "triton"
     log_once(
         logging.INFO,
