@@ -38,6 +38,8 @@ def test_engine_choice_rules(monkeypatch):
     monkeypatch.setattr(gluon_ops, "unavailable_reason", lambda *a: None)  # as on an H100
     assert gluon_ops.engine_for(big, w, act, 2) == "gluon"
     assert gluon_ops.engine_for(torch.zeros(8, 64), w, act, 2) == "triton"  # few rows
+    # an EP rank's share of local pairs: 512 * 1/4 = 128 rows per expert, under the bound
+    assert gluon_ops.engine_for(big, w, act, 2, local_share=0.25) == "triton"
     monkeypatch.setattr(gluon_ops, "MIN_INTERMEDIATE", 64)  # a narrower layer than the bound
     assert gluon_ops.engine_for(big, w, act, 2) == "triton"
     monkeypatch.undo()

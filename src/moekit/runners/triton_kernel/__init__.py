@@ -68,8 +68,10 @@ class TritonKernelRunner(TritonRunnerBase):
         try:
             # its tables (T >= 4096, every pair local) are looked up by T: on the H100
             # sweep at 0ce4834, T * local_share (deepseek-v3 EP8 T = 4096 -> 512, no table
-            # near) took the heuristic and ran 1.94x the floor against 1.45x by T
-            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act)
+            # near) took the heuristic and ran 1.94x the floor against 1.45x by T. The Gluon
+            # engine's choice counts the local pairs (its 128-row tiles waste the most there).
+            out = ops.fused_moe(dispatch_out.x, dispatch_out.topk, weights, act,
+                                local_share=dispatch_out.local_share)  # fmt: skip
             return StandardRunnerOutput(out)
         except ValueError as err:
             raise RunnerError(str(err)) from err

@@ -123,18 +123,19 @@ def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -
     return _gluon_import_error()
 
 
-def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: int) -> str:
+def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: int,
+               local_share: float = 1.0) -> str:  # fmt: skip
     """'gluon' or 'triton' for a call, from MOEKIT_TRITON_KERNEL_ENGINE: auto takes this
-    engine where it can run, the mean rows per expert reach MIN_ROWS_PER_EXPERT and the
-    intermediate size MIN_INTERMEDIATE; gluon forces it (ValueError naming the reason where it
-    cannot run)."""
+    engine where it can run, the mean rows per expert (T * top_k * local_share / E: an EP
+    rank's local pairs) reach MIN_ROWS_PER_EXPERT and the intermediate size MIN_INTERMEDIATE;
+    gluon forces it (ValueError naming the reason where it cannot run)."""
     mode = envs.MOEKIT_TRITON_KERNEL_ENGINE.get().strip().lower()
     if mode not in ENGINES:
         raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}={mode!r}; allowed: "
                          f"{', '.join(ENGINES)}")  # fmt: skip
     if mode == "triton":
         return "triton"
-    rows = x.shape[0] * top_k / max(w.num_experts, 1)
+    rows = x.shape[0] * top_k * local_share / max(w.num_experts, 1)
     if mode == "auto" and (rows < MIN_ROWS_PER_EXPERT or w.intermediate_size < MIN_INTERMEDIATE):
         return "triton"
     reason = unavailable_reason(x, w, act)

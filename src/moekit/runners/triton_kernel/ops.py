@@ -176,11 +176,13 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
 
 
 def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
-              config: KernelConfig | None = None) -> torch.Tensor:  # fmt: skip
+              config: KernelConfig | None = None,
+              local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
     contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`) and
     keeps the Triton engine; without one, large batches on Hopper may take the Gluon engine
-    (`gluon_ops.engine_for`)."""
+    (`gluon_ops.engine_for`, sized by the T * local_share tokens' worth of local pairs:
+    `StandardDispatchOutput.local_share`)."""
     check_inputs(x_TH, w, act)
     T, H = x_TH.shape
     K = topk.top_k
@@ -188,7 +190,7 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     E, I = w.num_experts, w.intermediate_size
-    if config is None and gluon_ops.engine_for(x_TH, w, act, K) == "gluon":
+    if config is None and gluon_ops.engine_for(x_TH, w, act, K, local_share) == "gluon":
         return gluon_ops.fused_moe(x_TH, ids, weights, w, act)
     if config is None:
         dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
