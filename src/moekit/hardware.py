@@ -26,6 +26,16 @@ OPTIONAL_LIBRARIES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA `device` (index None: the current one); cached."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @dataclass(frozen=True)
 class Availability:
     """Whether a backend can run here; `reason` says why not (missing library, needs SM100...)."""

@@ -33,13 +33,11 @@ first call of each GEMM shape compiles a kernel (about 10-60 s, then cached on d
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
-from moekit.hardware import Availability, Platform
+from moekit.hardware import Availability, Platform, sm_count
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners import deep_gemm_jit as jit
 from moekit.runners._grouped import group_rows
@@ -56,11 +54,6 @@ SHAPE_ALIGN = 16  # H and I must be multiples of this: TMA rows start on 16 byte
 FP8_BLOCK = (128, 128)
 ACT_GROUP = kernels.FP8_GROUP  # activation scale group: DeepGEMM's 1x128
 CONTIGUOUS_ALIGN = 128  # rows per expert in the contiguous layout: the kernel's row tile
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def spec_problem(spec) -> str | None:
@@ -185,7 +178,7 @@ class DeepGemmRunner(Runner):
         [E, N/128, K/128]."""
         E, N, K = w.shape
         dev = a.device
-        cfg = jit.choose(sfa is not None, masked, N, K, E, rows_per_group, _num_sms(dev))
+        cfg = jit.choose(sfa is not None, masked, N, K, E, rows_per_group, sm_count(dev))
         d = torch.empty(a.shape[0], N, dtype=torch.bfloat16, device=dev)
         if a.shape[0]:
             with torch.cuda.device(dev):

@@ -285,9 +285,14 @@ def table_triton_version(path: Path | str) -> str:
     return Path(path).name.rsplit(",triton=", 1)[-1].removesuffix(".json")
 
 
-def _version_key(path: Path) -> tuple:
-    version = table_triton_version(path)
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A version string as comparable numbers ('3.9.0+git1' -> (3, 9, 0, 0); parts that are
+    not numbers count 0)."""
     return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+-]", version))
+
+
+def _version_key(path: Path) -> tuple:
+    return version_tuple(table_triton_version(path))
 
 
 def version_candidates(directories, name: str, version: str) -> list[Path]:

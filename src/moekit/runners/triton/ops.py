@@ -301,7 +301,7 @@ def decode_pdl(x: torch.Tensor, num_pairs: int) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
+def tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and row strides and a unit last stride."""
     for t in tensors:
         es = t.element_size()
@@ -486,7 +486,7 @@ def gate_up(
     fused = _fuse_act_quant(wq, rows, cfg, x)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         x, xs = quantize_input(x, w.spec, rows.valid_rows(), pdl=(pdl, pdl))
-    use_tma = _use_tma(cfg, wq) and _tma_ok(w.w13) and w.w13.is_contiguous()
+    use_tma = _use_tma(cfg, wq) and tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
     if use_tma:
         rows_per_tile = 2 * cfg.block_n if act.interleaved else cfg.block_n
@@ -554,7 +554,7 @@ def down(
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         # unwritten rows of h are zeros for dynamic_tensor
         h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
-    use_tma = _use_tma(cfg, wq) and _tma_ok(w.w2, h) and w.w2.is_contiguous()
+    use_tma = _use_tma(cfg, wq) and tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
     if use_tma:
         h_desc = _desc(h, [cfg.block_m, cfg.block_k])

@@ -20,8 +20,11 @@ import triton
 
 from moekit import envs
 from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import sm_count
 from moekit.log import log_once
 from moekit.runners._triton_common import ACT_CODES
+from moekit.runners.triton.configs import version_tuple
+from moekit.runners.triton.ops import tma_ok
 
 MIN_TRITON = (3, 9)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -71,13 +74,9 @@ def config_for(w: ExpertWeights) -> GluonConfig:
     return replace(DEFAULT, gather=w.intermediate_size < GATHER_MAX_INTERMEDIATE)
 
 
-def _version(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
-
-
 @functools.lru_cache(maxsize=None)
 def _gluon_import_error() -> str | None:
-    if _version(triton.__version__) < MIN_TRITON:
+    if version_tuple(triton.__version__) < MIN_TRITON:
         return f"needs Triton >= 3.9 (Gluon warp specialization); this is {triton.__version__}"
     try:
         from moekit.runners.triton_kernel import _gluon_kernels  # noqa: F401
@@ -91,16 +90,10 @@ def engine_status(capability: tuple[int, int] | None, triton_version: str | None
     auto takes it."""
     if capability != (9, 0):
         return "Gluon engine: off (needs an sm_90 GPU)"
-    if triton_version is None or _version(triton_version) < MIN_TRITON:
+    if triton_version is None or version_tuple(triton_version) < MIN_TRITON:
         return f"Gluon engine: off (needs Triton >= 3.9, have {triton_version})"
     return (f"Gluon engine: on from {MIN_ROWS_PER_EXPERT} rows per expert when I >= "
             f"{MIN_INTERMEDIATE} ({envs.MOEKIT_TRITON_KERNEL_ENGINE.name})")  # fmt: skip
-
-
-def _tma_rows_ok(t: torch.Tensor) -> bool:
-    """A 2-D TMA view of t: 16-byte aligned base and row stride, unit column stride."""
-    es = t.element_size()
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.stride(-2) * es) % 16 == 0
 
 
 def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -> str | None:
@@ -118,7 +111,7 @@ def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -
         return "needs H and I to be multiples of 8 (16-byte TMA rows)"
     if not (w.w13.is_contiguous() and w.w2.is_contiguous()):
         return "needs contiguous weights"
-    if not (_tma_rows_ok(w.w13.view(-1, H)) and _tma_rows_ok(w.w2.view(-1, I))):
+    if not tma_ok(w.w13, w.w2):
         return "needs 16-byte aligned weights"
     return _gluon_import_error()
 
@@ -163,14 +156,9 @@ def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int
     return TensorDescriptor(t, shape, strides, block, layout)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _grid(device: torch.device, work_bound: int) -> tuple[int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return (max(1, min(_sm_count(idx), work_bound)),)
+    """Persistent: one program per SM, fewer if there is less work."""
+    return (max(1, min(sm_count(device), work_bound)),)
 
 
 def _gl_dtype(t: torch.Tensor):

@@ -20,12 +20,14 @@ import torch
 import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import sm_count
 from moekit.router import TopKOutput
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import (  # shared with the triton runner
     check_weight_tensors,
     kernel_inputs,
     sum_topk,
+    tma_ok,
 )
 from moekit.runners.triton_kernel import _kernels as k
 from moekit.runners.triton_kernel import gluon_ops
@@ -52,13 +54,9 @@ def _precision(t: torch.Tensor):
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA descriptors need contiguous tensors with 16-byte aligned bases and row strides."""
-    for t in tensors:
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return False
-        if any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
+    """TMA descriptors of contiguous tensors (`triton.ops.tma_ok`: 16-byte aligned bases and
+    row strides)."""
+    return all(t.is_contiguous() for t in tensors) and tma_ok(*tensors)
 
 
 def _desc(t2d: torch.Tensor, block: list[int]):
@@ -72,11 +70,6 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int,
                  persistent: bool = True) -> int:  # fmt: skip
     """Grid size: persistent, SMs * programs_per_sm (ROUTING.cpu_programs in the interpreter),
@@ -84,7 +77,7 @@ def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int,
     if not persistent:
         return max(1, work_bound)
     if device.type == "cuda":
-        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n = sm_count(device)
         n *= cfg.programs_per_sm
     else:
         n = ROUTING.cpu_programs
