@@ -62,7 +62,7 @@ def fake_runner(name: str, *, needs_gpu=True, sm=None, lib=None, formats=("stand
             return Availability(True)
 
         @classmethod
-        def workload_problem(cls, work):
+        def workload_problem(cls, work, platform=None):
             if min_h and work.hidden_size is not None and work.hidden_size < min_h:
                 return f"needs H >= {min_h}"
             return None

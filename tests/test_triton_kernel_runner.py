@@ -293,7 +293,7 @@ def test_registered_and_caps():
     caps = TritonKernelRunner.caps
     assert caps.cuda_graph and caps.formats == {"standard"}
     assert caps.activations == {"silu", "gelu", "swiglu_oai"}
-    assert caps.weight_formats == {"unquantized"}
+    assert caps.weight_formats == {"unquantized", "fp8_w8a8"}  # fp8: Gluon engine only
 
 
 def test_refuses_what_it_cannot_run():
@@ -304,7 +304,7 @@ def test_refuses_what_it_cannot_run():
         assert why and "device 'cpu'" in why
     why = TritonKernelRunner.unsupported("masked", "unquantized", "silu", "float16", "cuda", False)
     assert why and "standard" in why
-    why = TritonKernelRunner.unsupported("standard", "fp8_w8a8", "silu", "float16", "cuda", False)
+    why = TritonKernelRunner.unsupported("standard", "int4_w4a16", "silu", "float16", "cuda", False)
     assert why and "unquantized" in why
     w = make_weights(2, 32, 16, torch.float32, False)
     x = torch.randn(2, 3, 32, device=DEVICE)

@@ -143,8 +143,8 @@ def why_not(backend: str, work: Workload, platform: Platform) -> str | None:
 
     Checks the runner's availability here (hardware, libraries), its declared capabilities
     (formats, weight formats, activations, dtypes, devices, biases) and, for runners that define
-    `workload_problem(work)`, workload rules (shape alignment, quantization parameters,
-    parallelism)."""
+    `workload_problem(work, platform)`, workload rules (shape alignment, quantization
+    parameters, parallelism, and what of them needs more of the platform)."""
     avail = registry.availability(backend, platform)
     if not avail:
         return avail.reason
@@ -153,7 +153,7 @@ def why_not(backend: str, work: Workload, platform: Platform) -> str | None:
         work.format, work.weight_format, work.activation, work.dtype, work.device, work.has_bias
     )
     if problem is None and hasattr(cls, "workload_problem"):
-        problem = cls.workload_problem(work)
+        problem = cls.workload_problem(work, platform)
     return problem
 
 

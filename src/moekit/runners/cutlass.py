@@ -230,7 +230,7 @@ class CutlassRunner(Runner):
         return problem
 
     @classmethod
-    def workload_problem(cls, work) -> str | None:
+    def workload_problem(cls, work, platform=None) -> str | None:
         """fp8: the spec must be rowwise and H, I multiples of 16 (used by moekit.select)."""
         if work.weight_format != "fp8_w8a8":
             return None

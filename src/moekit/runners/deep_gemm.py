@@ -134,7 +134,7 @@ class DeepGemmRunner(Runner):
         return Availability(True, "DeepGEMM's SM90 kernels, built by moekit with nvcc")
 
     @classmethod
-    def workload_problem(cls, work) -> str | None:
+    def workload_problem(cls, work, platform=None) -> str | None:
         """Shape and quantization rules beyond the caps (used by moekit.select)."""
         if work.weight_format != "unquantized":
             problem = spec_problem(work.weight_spec) if work.weight_spec is not None else None

@@ -55,7 +55,7 @@ class TritonRunner(TritonRunnerBase):
     )
 
     @classmethod
-    def workload_problem(cls, work) -> str | None:
+    def workload_problem(cls, work, platform=None) -> str | None:
         """Quantization parameters the kernels do not support (used by moekit.select)."""
         spec = getattr(work, "weight_spec", None)
         if spec is not None and spec.act_scheme == "static_tensor":

@@ -16,8 +16,9 @@ src/moekit/configs/triton_kernel/, a heuristic table elsewhere.
 On sm_90 with Triton >= 3.9, large batches run the GEMMs as warp-specialized Gluon kernels
 instead (`gluon_ops`: a TMA producer warp, two wgmma warpgroups; MOEKIT_TRITON_KERNEL_ENGINE).
 
-Supports: the standard dispatch format (not masked), unquantized weights, activations silu /
-gelu / swiglu_oai, biases, interleaved gate/up, float16 / bfloat16 (and float32), on CUDA
+Supports: the standard dispatch format (not masked), unquantized weights (and, in the Gluon
+engine only, fp8_w8a8 with 128 x 128 block scales and per-token-group activations), activations
+silu / gelu / swiglu_oai, biases, interleaved gate/up, float16 / bfloat16 (and float32), on CUDA
 (compute capability >= 8.0) and CUDA graphs; on CPU only in the Triton interpreter
 (TRITON_INTERPRET=1 set before import; float32 / float16, as bfloat16 is wrong there).
 Importing this module needs no Triton (the runner then reports itself unavailable).
@@ -42,7 +43,7 @@ class TritonKernelRunner(TritonRunnerBase):
     name = "triton_kernel"
     caps = RunnerCaps(
         formats=frozenset({STANDARD}),
-        weight_formats=frozenset({"unquantized"}),
+        weight_formats=frozenset({"unquantized", "fp8_w8a8"}),
         activations=frozenset(ACTIVATIONS),
         devices=triton_devices(),
         cuda_graph=True,
@@ -58,6 +59,27 @@ class TritonKernelRunner(TritonRunnerBase):
             status = gluon_ops.engine_status(platform.capability, platform.libraries.get("triton"))
             return Availability(True, status)
         return a
+
+    @classmethod
+    def workload_problem(cls, work, platform: Platform | None = None) -> str | None:
+        """fp8 weights: 128 x 128 block scales with per-token-group activations, H a multiple
+        of 16 and I of 64, run in the Gluon engine (sm_90, Triton >= 3.9; used by moekit.select)."""
+        if work.weight_format != "fp8_w8a8":
+            return None
+        from moekit.runners.triton_kernel import gluon_ops
+
+        problem = None
+        if work.weight_spec is not None:
+            problem = gluon_ops.fp8_problem(work.weight_spec)
+        H, I = work.hidden_size, work.intermediate_size
+        if problem is None and ((H is not None and H % 16) or (I is not None and I % 64)):
+            problem = f"runs fp8 with H a multiple of 16 and I of 64, got H={H}, I={I}"
+        if problem is None and platform is not None:
+            problem = gluon_ops.platform_problem(platform.capability,
+                                                 platform.libraries.get("triton"))  # fmt: skip
+            if problem:
+                problem = f"runs fp8 weights in its Gluon engine, which {problem}"
+        return f"runner 'triton_kernel' {problem}" if problem else None
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec

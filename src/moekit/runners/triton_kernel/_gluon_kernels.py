@@ -46,10 +46,12 @@ MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K 
 
 
 @gluon.constexpr_function
-def _acc_layout(BN, num_warps):
-    """wgmma accumulator layout: warps stacked along M (16 rows each), one N instruction."""
+def _acc_layout(BN, num_warps, dtype):
+    """wgmma accumulator layout: warps stacked along M (16 rows each), one N instruction of
+    32 bytes of K (16 for 16-bit operands, 32 for fp8)."""
     return gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1],
+        instr_shape=[16, BN, 256 // dtype.primitive_bitwidth],
     )
 
 
@@ -108,16 +110,17 @@ def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc,
                      GROUP_M: gl.constexpr):  # fmt: skip
     """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
     are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
-    (16 bytes a thread and copy; rows past the tile's valid ones are zero-filled; K must be a
-    multiple of BK and x's row stride of 8), each thread arriving on `ready[s]` when its copies
-    land (the barrier counts the threads and the weight tiles' expect-tx arrival)."""
+    (16 bytes a thread and copy; rows past the tile's valid ones and columns past K are
+    zero-filled; x's row stride a multiple of 16 bytes), each thread arriving on `ready[s]` when
+    its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
+    VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth  # elements of a 16-byte copy
     nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [GATHER_WARPS, 1],
-                                            [1, 0])  # fmt: skip
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BK, BK // VEC],
+                                            [GATHER_WARPS, 1], [1, 0])  # fmt: skip
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     num_n = gl.cdiv(N, BN)
@@ -131,7 +134,7 @@ def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc,
         b_row = expert * b_row_step + pid_n * BN
         row_ok = offs_m < nrows
         pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
-        row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, 8)
+        row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, VEC)
         a_rows = x_ptr + row_off[:, None]
         for ki in range(num_k):
             s = count % STAGES
@@ -140,8 +143,11 @@ def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc,
             mbarrier.expect(bar, nbytes)
             tma.async_load(b_desc, [b_row, ki * BK], bar, b_bufs.index(s))
             tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s))
-            cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, 8), 8)
-            async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=row_ok[:, None])
+            cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
+            # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
+            col_ok = gl.max_constancy(cols < K, VEC)
+            mask = row_ok[:, None] & col_ok[None, :]
+            async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=mask)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             count += 1
 
@@ -162,21 +168,41 @@ def _activate(g, u, alpha, limit, ACT: gl.constexpr):
 
 
 @gluon.jit
+def _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m, row_ok,
+                BY_TOKEN: gl.constexpr):  # fmt: skip
+    """Pointers to each tile row's activation scales (SCALED): the token's row of x's scales
+    (BY_TOKEN: gate_up's gathered rows) or the sorted row's of h's."""
+    if BY_TOKEN:
+        pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+        rows = (pair // top_k).to(gl.int64)
+    else:
+        rows = (row0 + offs_m).to(gl.int64)
+    return a_scale_ptr + rows * stride_as
+
+
+@gluon.jit
 def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
                       tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm,
-                      alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr, GATHERED: gl.constexpr,
+                      alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr, stride_as,
+                      w_scale_ptr, stride_wse, stride_wsn, ACT: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr,
+                      GATHERED: gl.constexpr, SCALED: gl.constexpr,
                       num_warps: gl.constexpr):  # fmt: skip
     """Two accumulators (gate: b_bufs, up: b2_bufs) per work item; epilogue: bias, activation,
     h rows stored from registers. GATHERED: the A tiles were written by the producer's
-    cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads."""
+    cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads.
+    SCALED (fp8 with 128 x 128 weight blocks and activation groups of 128 = BK): each K step's
+    products land in fresh accumulators, which are added in scaled by the step's activation
+    scale (per row: x's scales [T, cdiv(H, 128)] by token) and weight scale (one per gate / up
+    tile: w_scale [E, cdiv(2I, 128), cdiv(H, 128)]; BN = 64 keeps a tile in one row block)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    layout: gl.constexpr = _acc_layout(BN, num_warps)
+    layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    zero = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
@@ -185,22 +211,53 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
-        acc_g = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
-        acc_u = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+        row_ok = offs_m < nrows
+        acc_g = zero
+        acc_u = zero
+        if SCALED:
+            a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
+                                   row_ok, True)  # fmt: skip
+            if INTERLEAVED:  # gate row 2n, up row 2n + 1: one row block of 2 * BN rows
+                g_blk = pid_n * BN * 2 // 128
+                u_blk = g_blk
+            else:  # gate row n, up row N + n
+                g_blk = pid_n * BN // 128
+                u_blk = (N + pid_n * BN) // 128
+            ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+            g_s_ptr = ws_base + g_blk * stride_wsn
+            u_s_ptr = ws_base + u_blk * stride_wsn
         for ki in range(num_k):
             s = count % STAGES
+            if SCALED:  # the step's scales load while its operands arrive
+                a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
+                g_s = a_s * gl.load(g_s_ptr + ki)
+                u_s = a_s * gl.load(u_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
             if GATHERED:
                 fence_async_shared()
             a = a_bufs.index(s)
-            acc_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-            acc_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-            # this step's two wgmma groups may run on; the previous step's have retired
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+            if SCALED:
+                # fresh products, retired before they are scaled in (ptxas serializes wgmma
+                # whose accumulators other instructions read while later ones run); the other
+                # warpgroup's wgmma keeps the tensor cores busy meanwhile
+                p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
+                mbarrier.arrive(empty.index(s))
+                acc_g += p_g * g_s[:, None]
+                acc_u += p_u * u_s[:, None]
+            else:
+                acc_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                # this step's two wgmma groups may run on; the previous step's have retired
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
             count += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+        if not SCALED:
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
         n_out = pid_n * BN + offs_n
         col_ok = n_out < N
         if HAS_BIAS:
@@ -216,8 +273,7 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
         out = _activate(acc_g, acc_u, alpha, limit, ACT)
         rows = (row0 + offs_m).to(gl.int64)
         ptrs = h_ptr + rows[:, None] * stride_hm + n_out[None, :]
-        gl.store(ptrs, out.to(h_ptr.dtype.element_ty),
-                 mask=(offs_m < nrows)[:, None] & col_ok[None, :])  # fmt: skip
+        gl.store(ptrs, out.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @gluon.jit
@@ -244,8 +300,9 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
         [
             (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
                                  tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                 N, K, stride_be, stride_hm, alpha, limit, ACT, HAS_BIAS,
-                                 INTERLEAVED, GROUP_M, False, num_warps)),  # fmt: skip
+                                 N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
+                                 bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
+                                 GROUP_M, False, False, num_warps)),  # fmt: skip
             (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
                          tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
                          b_row_step, up_row_off, True, GROUP_M)),  # fmt: skip
@@ -259,12 +316,16 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
 def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, bias_ptr,
                           h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N,
                           K, b_row_step, up_row_off, stride_be, stride_hm, alpha, limit,
+                          x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn,
                           ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
-                          A_LAYOUT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                          A_LAYOUT: gl.constexpr, SCALED: gl.constexpr,
+                          num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
-    shared layout of an A tile [BM, BK] (BK = the weight block's)."""
+    shared layout of an A tile [BM, BK] (BK = the weight block's). SCALED: x and w13 are fp8
+    with block scales (`_gate_up_consumer`): x_scale [T, cdiv(H, 128)] (row stride stride_xs),
+    w_scale [E, cdiv(2I, 128), cdiv(H, 128)] (strides stride_wse, stride_wsn)."""
     dtype: gl.constexpr = w_desc.dtype
     BK: gl.constexpr = w_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
@@ -281,8 +342,10 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
         [
             (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
                                  tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                 N, K, stride_be, stride_hm, alpha, limit, ACT, HAS_BIAS,
-                                 INTERLEAVED, GROUP_M, True, num_warps)),  # fmt: skip
+                                 N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr,
+                                 top_k, x_scale_ptr, stride_xs, w_scale_ptr, stride_wse,
+                                 stride_wsn, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True, SCALED,
+                                 num_warps)),  # fmt: skip
             (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc,
                                 a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr,
                                 tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
@@ -296,18 +359,22 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
 @gluon.jit
 def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
                    sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                   num_tiles_ptr, top_k, N, K, stride_be, stride_ym, HAS_BIAS: gl.constexpr,
-                   ATOMIC: gl.constexpr, GROUP_M: gl.constexpr,
+                   num_tiles_ptr, top_k, N, K, stride_be, stride_ym, a_scale_ptr, stride_as,
+                   w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS: gl.constexpr,
+                   ATOMIC: gl.constexpr, GROUP_M: gl.constexpr, SCALED: gl.constexpr,
                    num_warps: gl.constexpr):  # fmt: skip
     """One accumulator per work item; epilogue: bias, routing weight, store by pair (or atomic
-    add by token) from registers."""
+    add by token) from registers. SCALED: as `_gate_up_consumer`, with h's scales [P,
+    cdiv(I, 128)] by sorted row and w2's [E, cdiv(H, 128), cdiv(I, 128)] (BN = 128: one row
+    block a tile)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    layout: gl.constexpr = _acc_layout(BN, num_warps)
+    layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    zero = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
@@ -316,23 +383,38 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
-        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+        row_ok = offs_m < nrows
+        acc = zero
+        if SCALED:
+            a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
+                                   row_ok, False)  # fmt: skip
+            w_s_ptr = (w_scale_ptr + expert.to(gl.int64) * stride_wse
+                       + (pid_n * BN // 128) * stride_wsn)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
+            if SCALED:
+                scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
-                                is_async=True)  # fmt: skip
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+            if SCALED:  # as in `_gate_up_consumer`
+                p = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero,
+                                  use_acc=False, is_async=True)  # fmt: skip
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * scale[:, None]
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
+                                    is_async=True)  # fmt: skip
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
             count += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+        if not SCALED:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
         n_out = pid_n * BN + offs_n
         col_ok = n_out < N
         if HAS_BIAS:
             acc += gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n_out, mask=col_ok,
                            other=0.0).to(gl.float32)[None, :]  # fmt: skip
-        row_ok = offs_m < nrows
         pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
         acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         if ATOMIC:
@@ -350,12 +432,15 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
 @gluon.jit
 def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K,
-                stride_be, stride_ym, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
-                STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr, stride_wse,
+                stride_wsn, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
+                GROUP_M: gl.constexpr, SCALED: gl.constexpr,
                 num_warps: gl.constexpr):  # fmt: skip
     """y = weight * (h @ w2[e].T + b2[e]) per sorted row (module docstring); N = H, K = I.
     h_desc: h [P, I], block [BM, BK]; w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H]
-    by pair, or (ATOMIC) out [T, H], zeroed before, by token."""
+    by pair, or (ATOMIC) out [T, H], zeroed before, by token. SCALED: h and w2 are fp8 with
+    block scales (`_down_consumer`): h_scale [P, cdiv(I, 128)] (row stride stride_hs), w_scale
+    [E, cdiv(H, 128), cdiv(I, 128)]."""
     dtype: gl.constexpr = h_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -368,8 +453,9 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
         [
             (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
                               sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                              num_tiles_ptr, top_k, N, K, stride_be, stride_ym, HAS_BIAS,
-                              ATOMIC, GROUP_M, num_warps)),  # fmt: skip
+                              num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
+                              stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
+                              GROUP_M, SCALED, num_warps)),  # fmt: skip
             (_producer, (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty,
                          tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N,
                          0, False, GROUP_M)),  # fmt: skip

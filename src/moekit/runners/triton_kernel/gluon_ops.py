@@ -22,6 +22,7 @@ from moekit import envs
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.log import log_once
+from moekit.quant.spec import FP8_DTYPE
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.configs import version_tuple
 from moekit.runners.triton.ops import tma_ok
@@ -62,6 +63,12 @@ class GluonConfig:
 
 
 DEFAULT = GluonConfig()
+# fp8 with 128 x 128 weight blocks (block_k = the scale group; gate_up's block_n 64 keeps a gate
+# or up tile inside one 128-row scale block, and the four float32 accumulators of a warpgroup
+# within the registers; down's 128 is one row block).
+FP8_BLOCK = (128, 128)
+FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=5, down_block_n=128,
+                  down_block_k=128, down_stages=5)  # fmt: skip
 # gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
 # copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
 # elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
@@ -70,8 +77,23 @@ GATHER_MAX_INTERMEDIATE = 4096
 
 
 def config_for(w: ExpertWeights) -> GluonConfig:
-    """The engine's config for a layer: DEFAULT with the gather rule above."""
+    """The engine's config for a layer: FP8 for fp8 weights, else DEFAULT with the gather rule
+    above."""
+    if w.format == "fp8_w8a8":
+        return FP8
     return replace(DEFAULT, gather=w.intermediate_size < GATHER_MAX_INTERMEDIATE)
+
+
+def fp8_problem(spec) -> str | None:
+    """None if an fp8_w8a8 spec is the engine's recipe (128 x 128 weight blocks, activations
+    per token and group of 128), else why not."""
+    if getattr(spec, "weight_scale", None) != "block" or tuple(spec.block_shape) != FP8_BLOCK:
+        return (f"runs fp8_w8a8 with {FP8_BLOCK[0]}x{FP8_BLOCK[1]} block scales "
+                f"(weight_scale='block') only, got {spec.describe()}")  # fmt: skip
+    if spec.act_scheme != "token_group" or spec.act_group_size != FP8_BLOCK[1]:
+        return (f"runs fp8_w8a8 with per-token-group ({FP8_BLOCK[1]}) activation scales only, "
+                f"got {spec.describe()}")  # fmt: skip
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,15 +107,24 @@ def _gluon_import_error() -> str | None:
     return None
 
 
+def platform_problem(capability: tuple[int, int] | None, triton_version: str | None) -> str | None:
+    """Why the engine cannot run on a GPU of this compute capability with this Triton, or None."""
+    if capability != (9, 0):
+        return "needs an sm_90 GPU"
+    if triton_version is None or version_tuple(triton_version) < MIN_TRITON:
+        return f"needs Triton >= 3.9, have {triton_version}"
+    return None
+
+
 def engine_status(capability: tuple[int, int] | None, triton_version: str | None) -> str:
     """One line for `moekit env`: whether the engine can run on this GPU and Triton, and when
     auto takes it."""
-    if capability != (9, 0):
-        return "Gluon engine: off (needs an sm_90 GPU)"
-    if triton_version is None or version_tuple(triton_version) < MIN_TRITON:
-        return f"Gluon engine: off (needs Triton >= 3.9, have {triton_version})"
+    problem = platform_problem(capability, triton_version)
+    if problem:
+        return f"Gluon engine: off ({problem}; fp8 block-wise weights need it)"
     return (f"Gluon engine: on from {MIN_ROWS_PER_EXPERT} rows per expert when I >= "
-            f"{MIN_INTERMEDIATE} ({envs.MOEKIT_TRITON_KERNEL_ENGINE.name})")  # fmt: skip
+            f"{MIN_INTERMEDIATE}, and for fp8 block-wise weights "
+            f"({envs.MOEKIT_TRITON_KERNEL_ENGINE.name})")  # fmt: skip
 
 
 def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -> str | None:
@@ -104,10 +135,21 @@ def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -
         return "needs an sm_90 GPU (Hopper wgmma)"
     if x.dtype not in DTYPES:
         return f"runs float16 / bfloat16, got {x.dtype}"
-    if w.format != "unquantized" or act.name not in ACT_CODES:
-        return "runs unquantized weights and the standard activations only"
+    if act.name not in ACT_CODES:
+        return "runs the standard activations only"
     H, I = w.hidden_size, w.intermediate_size
-    if (H * x.element_size()) % 16 or (I * x.element_size()) % 16:
+    if w.format == "fp8_w8a8":
+        problem = fp8_problem(w.spec)
+        if problem:
+            return problem
+        if H % 16 or I % 64:
+            return (f"runs fp8 with H a multiple of 16 and I of 64 (16-byte fp8 rows, one scale "
+                    f"block a gate / up tile), got H={H}, I={I}")  # fmt: skip
+        if not (w.w13_scale.is_contiguous() and w.w2_scale.is_contiguous()):
+            return "needs contiguous weight scales"
+    elif w.format != "unquantized":
+        return f"runs unquantized or fp8_w8a8 block-wise weights, got {w.format}"
+    elif (H * x.element_size()) % 16 or (I * x.element_size()) % 16:
         return "needs H and I to be multiples of 8 (16-byte TMA rows)"
     if not (w.w13.is_contiguous() and w.w2.is_contiguous()):
         return "needs contiguous weights"
@@ -121,11 +163,18 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
     """'gluon' or 'triton' for a call, from MOEKIT_TRITON_KERNEL_ENGINE: auto takes this
     engine where it can run, the mean rows per expert (T * top_k * local_share / E: an EP
     rank's local pairs) reach MIN_ROWS_PER_EXPERT and the intermediate size MIN_INTERMEDIATE;
-    gluon forces it (ValueError naming the reason where it cannot run)."""
+    gluon forces it (ValueError naming the reason where it cannot run). fp8 weights run here
+    only: 'gluon', or a ValueError that says why not."""
     mode = envs.MOEKIT_TRITON_KERNEL_ENGINE.get().strip().lower()
     if mode not in ENGINES:
         raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}={mode!r}; allowed: "
                          f"{', '.join(ENGINES)}")  # fmt: skip
+    if w.format != "unquantized":  # only this engine runs quantized weights
+        reason = unavailable_reason(x, w, act)
+        if mode == "triton" or reason is not None:
+            raise ValueError(f"triton_kernel runs {w.format} weights in its Gluon engine only, "
+                             f"which {reason or 'MOEKIT_TRITON_KERNEL_ENGINE=triton turns off'}")  # fmt: skip
+        return "gluon"
     if mode == "triton":
         return "triton"
     rows = x.shape[0] * top_k * local_share / max(w.num_experts, 1)
@@ -164,21 +213,33 @@ def _grid(device: torch.device, work_bound: int) -> tuple[int]:
 def _gl_dtype(t: torch.Tensor):
     from triton.experimental.gluon import language as gl
 
-    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+            FP8_DTYPE: gl.float8e4nv}[t.dtype]  # fmt: skip
+
+
+def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, dummy: torch.Tensor):
+    """(a_scale, its row stride, w_scale, its expert and row-block strides) for SCALED
+    kernels; placeholders (never read) otherwise."""
+    if a_scale is None:
+        return dummy, 0, dummy, 0, 0
+    return a_scale, a_scale.stride(0), w_scale, w_scale.stride(0), w_scale.stride(1)
 
 
 def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: GluonConfig,
-            top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            top_k: int, out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """h [P, I] in sorted row order = act(x[token(row)] @ w13[e].T + b13[e]) for x [T, H];
-    rows past the valid pairs are left unwritten."""
+    rows past the valid pairs are left unwritten. fp8 block-wise weights: x is fp8 with
+    x_scale [T, cdiv(H, 128)] (its rows are always gathered), h in out_dtype."""
     from triton.experimental.gluon import language as gl
 
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
+    scaled = x_scale is not None
     if out is None:
-        out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
+        out = torch.empty(r.num_pairs, I, dtype=out_dtype or x.dtype, device=x.device)
     if act.interleaved:  # gate rows 2n and up rows 2n + 1: two [E * I, H] views, row stride 2H
         w_desc = _desc(w.w13, [E * I, H], [2 * H, 1], [bn, bk])
         w_up_desc = _desc(w.w13.view(-1)[H:], [E * I, H], [2 * H, 1], [bn, bk])
@@ -193,12 +254,16 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
               float(act.limit))  # fmt: skip
-    # the gathering producer copies whole K steps of 16-byte aligned rows
-    if cfg.gather and H % bk == 0 and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0:
+    # the gathering producer copies 16-byte pieces of x's rows
+    aligned = x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+    if scaled and not aligned:
+        raise ValueError("fp8 gate_up gathers x's rows: they must be 16-byte aligned")
+    if scaled or (cfg.gather and aligned):
         a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
-        gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common, **tail,
-                                       BM=gk.BLOCK_M, A_LAYOUT=a_layout, num_warps=gk.NUM_WARPS,
-                                       maxnreg=gk.MAX_REGS)  # fmt: skip
+        gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common,
+                                       *_scale_args(x_scale, w.w13_scale, b13), **tail,
+                                       BM=gk.BLOCK_M, A_LAYOUT=a_layout, SCALED=scaled,
+                                       num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS)  # fmt: skip
     else:
         xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
         xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
@@ -208,9 +273,10 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
 
 
 def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: torch.Tensor,
-         top_k: int, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+         top_k: int, out: torch.Tensor, h_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """reduce 'sum': out [P, H] by pair = weight[pair] * (h[row] @ w2[e].T + b2[e]) (rows of
-    masked pairs unwritten); 'atomic': those rows added into out [T, H] (zeroed before)."""
+    masked pairs unwritten); 'atomic': those rows added into out [T, H] (zeroed before).
+    fp8 block-wise weights: h is fp8 with h_scale [P, cdiv(I, 128)]."""
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
@@ -222,8 +288,9 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
     gk.down_kernel[grid](
         h_desc, w_desc, b2, out, topk_weights, r.sorted_pairs, r.tile_expert, r.tile_row0,
         r.tile_rows, r.num_tiles, top_k, H, I, b2.stride(0), out.stride(0),
-        HAS_BIAS=w.b2 is not None, ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages,
-        GROUP_M=cfg.group_m, num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS,
+        *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
+        ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
+        SCALED=h_scale is not None, num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
@@ -242,13 +309,20 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     E = w.num_experts
     cfg = config_for(w) if cfg is None else cfg
     r = route(ids, E, gk.BLOCK_M)
-    h = gate_up(x_TH, r, w, act, cfg, K)
+    if w.format == "fp8_w8a8":  # block-wise: both GEMM inputs quantized per group of 128
+        from moekit.quant.act_quant import quantize_act
+
+        xq, xs = quantize_act(x_TH, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
+        h = gate_up(xq, r, w, act, cfg, K, x_scale=xs, out_dtype=x_TH.dtype)
+        h, hs = quantize_act(h, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
+    else:
+        h, hs = gate_up(x_TH, r, w, act, cfg, K), None
     if cfg.reduce == "atomic":
-        return down(h, r, w, cfg, weights.view(-1), K, torch.zeros_like(x_TH))
-    y = down(h, r, w, cfg, weights.view(-1), K, torch.empty(T * K, H, dtype=x_TH.dtype,
-                                                            device=x_TH.device))  # fmt: skip
+        return down(h, r, w, cfg, weights.view(-1), K, torch.zeros_like(x_TH), hs)
+    y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
+    y = down(h, r, w, cfg, weights.view(-1), K, y, hs)
     return sum_topk(y, ids, E, torch.empty_like(x_TH))
 
 
-__all__ = ["DEFAULT", "GluonConfig", "config_for", "engine_for", "engine_status", "fused_moe",
-           "unavailable_reason"]  # fmt: skip
+__all__ = ["DEFAULT", "FP8", "GluonConfig", "config_for", "engine_for", "engine_status",
+           "fp8_problem", "fused_moe", "platform_problem", "unavailable_reason"]  # fmt: skip

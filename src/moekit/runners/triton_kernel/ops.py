@@ -35,14 +35,17 @@ from moekit.runners.triton_kernel.configs import ROUTING, KernelConfig, config_f
 from moekit.runners.triton_kernel.routing import Routing, route
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# fp8_w8a8: block-wise, in the Gluon engine only (`gluon_ops.engine_for` says where it cannot run)
+WEIGHT_FORMATS = ("unquantized", "fp8_w8a8")
 
 
 def check_inputs(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -> None:
     """ValueError naming the option and the allowed values for anything this runner cannot run."""
     if x.dtype not in DTYPES:
         raise ValueError(f"dtype: {x.dtype} is not supported; allowed: float16, bfloat16, float32")
-    if w.format != "unquantized":
-        raise ValueError(f"weight format {w.format!r}: the triton_kernel runner supports: unquantized")
+    if w.format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {w.format!r}: the triton_kernel runner supports: "
+                         f"{', '.join(WEIGHT_FORMATS)}")  # fmt: skip
     if act.name not in ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
     check_weight_tensors(x, w)  # unquantized here: every tensor in x's dtype
@@ -173,7 +176,8 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
               local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
     """out [T, H] in x's dtype = sum over k of weight_k * expert_{id_k}(x); ids of -1 (or >= E)
     contribute 0. `config` overrides the tuned table / heuristic (`configs.config_for`) and
-    keeps the Triton engine; without one, large batches on Hopper may take the Gluon engine
+    keeps the Triton engine (fp8 weights run in the Gluon engine only, and ignore it); without
+    one, large batches on Hopper may take the Gluon engine
     (`gluon_ops.engine_for`, sized by the T * local_share tokens' worth of local pairs:
     `StandardDispatchOutput.local_share`)."""
     check_inputs(x_TH, w, act)
@@ -183,7 +187,9 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     E, I = w.num_experts, w.intermediate_size
-    if config is None and gluon_ops.engine_for(x_TH, w, act, K, local_share) == "gluon":
+    if (config is None or w.is_quantized) and gluon_ops.engine_for(
+        x_TH, w, act, K, local_share
+    ) == "gluon":
         return gluon_ops.fused_moe(x_TH, ids, weights, w, act)
     if config is None:
         dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
