@@ -2,7 +2,8 @@
 # fp8 block-wise in triton_kernel's Gluon engine on the H100, with the carried Triton 3.9
 # (.whl_t39/triton39.tar.xz; the machines run 3.6): its GPU tests, then fp8 (triton,
 # triton_kernel) against bf16 triton timed in turns (scripts/gpu_fp8_vs_bf16.py).
-#   bash scripts/gpu_fp8_gluon.sh [tests] [time]     # results under $OUT
+#   bash scripts/gpu_fp8_gluon.sh [tests] [time] [ab]   # results under $OUT (ab: config variants,
+#                                                     scripts/gpu_gluon_fp8_ab.py)
 set -u
 steps=${*:-tests time}
 mkdir -p /tmp/t39 && tar xJf .whl_t39/triton39.tar.xz -C /tmp/t39
@@ -18,4 +19,7 @@ fi
 if [[ " $steps " == *" time "* ]]; then
   timeout ${TIME_TIMEOUT:-330} python3 scripts/gpu_fp8_vs_bf16.py --fp8 triton,triton_kernel \
     --batches ${BATCHES:-1024,4096,16384} 2>&1 | grep -v Warning | tail -30
+fi
+if [[ " $steps " == *" ab "* ]]; then
+  timeout ${AB_TIMEOUT:-300} python3 scripts/gpu_gluon_fp8_ab.py 2>&1 | grep -v Warning | tail -20
 fi

@@ -196,7 +196,10 @@ def compile_kernels_for_sm90() -> None:
     ptx = _compile_sm90(gk.gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, cfg.gate_up_block_k], gl.bfloat16)
-    gather_consts = {**consts, "BM": bm, "A_LAYOUT": a_layout, "SCALED": False}
+    bb_layout = gl.NVMMASharedLayout.get_default_for([2 * cfg.gate_up_block_n,
+                                                      cfg.gate_up_block_k], gl.bfloat16)  # fmt: skip
+    gather_consts = {**consts, "BM": bm, "A_LAYOUT": a_layout, "SCALED": False, "FUSED": False,
+                     "BB_LAYOUT": bb_layout}  # fmt: skip
     aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
     scales = {"x_scale_ptr": "*fp32", "stride_xs": "i32", "w_scale_ptr": "*fp32",
               "stride_wse": "i32", "stride_wsn": "i32"}  # fmt: skip
@@ -204,19 +207,27 @@ def compile_kernels_for_sm90() -> None:
                   "top_k": "i32", **gate_up_sig, **scales}  # fmt: skip
     ptx = _compile_sm90(gk.gate_up_gather_kernel,
                         {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
-                        {**gather_consts, "SCALED": False}, aligned)  # fmt: skip
+                        gather_consts, aligned)  # fmt: skip
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    ptx = _compile_sm90(gk.gate_up_gather_kernel,
+                        {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
+                        {**gather_consts, "FUSED": True}, aligned)  # fmt: skip
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx  # gate and up at once
     # fp8 block-wise: e4m3 wgmma, one fresh product a K step scaled into the accumulators
     fp8 = gluon_ops.FP8
     w13q = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
     wq = gluon_ops._desc(w13q, [E * 2 * I, H], [H, 1], [fp8.gate_up_block_n, fp8.gate_up_block_k])
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, fp8.gate_up_block_k], gl.float8e4nv)
+    bb_layout = gl.NVMMASharedLayout.get_default_for([2 * fp8.gate_up_block_n,
+                                                      fp8.gate_up_block_k], gl.float8e4nv)  # fmt: skip
     fp8_consts = {**gather_consts, "A_LAYOUT": a_layout, "STAGES": fp8.gate_up_stages,
-                  "SCALED": True}  # fmt: skip
+                  "SCALED": True, "BB_LAYOUT": bb_layout}  # fmt: skip
     sig = {**gather_sig, "x_ptr": "*fp8e4nv", "w_desc": wq.__mangle__(),
            "w_up_desc": wq.__mangle__(), **dict.fromkeys(fp8_consts, "constexpr")}  # fmt: skip
-    ptx = _compile_sm90(gk.gate_up_gather_kernel, sig, fp8_consts, aligned)
-    assert "e4m3.e4m3" in ptx and "cp.async.cg.shared.global" in ptx
+    for fused in (False, True):
+        ptx = _compile_sm90(gk.gate_up_gather_kernel, sig, {**fp8_consts, "FUSED": fused},
+                            aligned)  # fmt: skip
+        assert "e4m3.e4m3" in ptx and "cp.async.cg.shared.global" in ptx
     hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
@@ -252,6 +263,7 @@ def _gluon(x, topk, w, act, cfg=gluon_ops.DEFAULT):
 
 ATOMIC = replace(gluon_ops.DEFAULT, reduce="atomic")
 COPY = replace(gluon_ops.DEFAULT, gather=False)
+FUSED = replace(gluon_ops.DEFAULT, gate_up_fused=True)
 PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
            ("gpt-oss-120b", 1, 1)]  # fmt: skip
 # (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
@@ -265,13 +277,15 @@ ODD_CASES = [
     (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, gluon_ops.DEFAULT),
     (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False, COPY),
     (6, 320, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, gluon_ops.DEFAULT),
+    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, FUSED),
+    (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False, FUSED),
 ]
 
 
 def _case_id(c) -> str:
     tags = ("-masked" if c[9] else "") + ("-skew" if c[10] else "")
     return (f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
-            f"{'-gather' if c[11].gather else '-copy'}")  # fmt: skip
+            f"{'-gather' if c[11].gather else '-copy'}{'-fused' if c[11].gate_up_fused else ''}")  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -342,7 +356,10 @@ def test_fp8_block_matches_reference_gpu(case):
     topk = make_topk(T, K, E, masked=masked, one_expert=skew)
     out = ops.fused_moe(x, topk, w, act)  # fp8: the engine at any T
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert rel_err(out, _fp8_reference(x, topk, w, act)) < 3e-2
+    ref = _fp8_reference(x, topk, w, act)
+    assert rel_err(out, ref) < 3e-2
+    fused = replace(gluon_ops.FP8, gate_up_fused=not gluon_ops.FP8.gate_up_fused)
+    assert rel_err(_gluon(x, topk, w, act, fused), ref) < 3e-2  # the other gate_up layout
 
 
 @pytest.mark.gpu

@@ -106,17 +106,19 @@ def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, ti
 @gluon.jit
 def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs,
                      b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                     num_tiles_ptr, N, K, b_row_step, b2_row_off,
-                     GROUP_M: gl.constexpr):  # fmt: skip
+                     num_tiles_ptr, N, K, b_row_step, b2_row_off, GROUP_M: gl.constexpr,
+                     FUSED: gl.constexpr):  # fmt: skip
     """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
     are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
     (16 bytes a thread and copy; rows past the tile's valid ones and columns past K are
     zero-filled; x's row stride a multiple of 16 bytes), each thread arriving on `ready[s]` when
-    its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival)."""
+    its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival).
+    FUSED: b_bufs [2 * STAGES, BN, BK] takes stage s's gate tile at 2s, its up tile at 2s + 1
+    (b2_bufs unused)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = b_bufs.type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
     VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth  # elements of a 16-byte copy
     nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BK, BK // VEC],
@@ -141,8 +143,14 @@ def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc,
             mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            tma.async_load(b_desc, [b_row, ki * BK], bar, b_bufs.index(s))
-            tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s))
+            if FUSED:
+                b_dst = b_bufs.index(2 * s)
+                b2_dst = b_bufs.index(2 * s + 1)
+            else:
+                b_dst = b_bufs.index(s)
+                b2_dst = b2_bufs.index(s)
+            tma.async_load(b_desc, [b_row, ki * BK], bar, b_dst)
+            tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst)
             cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
             # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
             col_ok = gl.max_constancy(cols < K, VEC)
@@ -178,6 +186,112 @@ def _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m, r
     else:
         rows = (row0 + offs_m).to(gl.int64)
     return a_scale_ptr + rows * stride_as
+
+
+@gluon.jit
+def _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert, pid_n, N,
+                        BN: gl.constexpr, INTERLEAVED: gl.constexpr):  # fmt: skip
+    """Pointers to the weight scales (one per K block) of a gate_up work item's gate and up
+    tiles: w_scale [E, cdiv(2I, 128), cdiv(H, 128)]; BN = 64 keeps each tile in one 128-row
+    block."""
+    if INTERLEAVED:  # gate row 2n, up row 2n + 1: one row block of 2 * BN rows
+        g_blk = pid_n * BN * 2 // 128
+        u_blk = g_blk
+    else:  # gate row n, up row N + n
+        g_blk = pid_n * BN // 128
+        u_blk = (N + pid_n * BN) // 128
+    base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+    return base + g_blk * stride_wsn, base + u_blk * stride_wsn
+
+
+@gluon.jit
+def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be, stride_hm,
+                   alpha, limit, BN: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   INTERLEAVED: gl.constexpr):  # fmt: skip
+    """Epilogue of gate_up: gate g and up u [BM, BN] (float32, any distributed layout) of a
+    work item -> bias, activation, h rows stored from registers (rows past nrows masked)."""
+    BM: gl.constexpr = g.shape[0]
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, g.type.layout))
+    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, g.type.layout))
+    n_out = pid_n * BN + offs_n
+    col_ok = n_out < N
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(gl.int64) * stride_be
+        if INTERLEAVED:  # b13[e] holds gate column n at 2n, up at 2n + 1
+            g_col = 2 * n_out
+            u_col = g_col + 1
+        else:  # gate at n, up at I + n
+            g_col = n_out
+            u_col = N + n_out
+        g += gl.load(b_base + g_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+        u += gl.load(b_base + u_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+    out = _activate(g, u, alpha, limit, ACT)
+    rows = (row0 + offs_m).to(gl.int64)
+    ptrs = h_ptr + rows[:, None] * stride_hm + n_out[None, :]
+    gl.store(ptrs, out.to(h_ptr.dtype.element_ty),
+             mask=(offs_m < nrows)[:, None] & col_ok[None, :])  # fmt: skip
+
+
+@gluon.jit
+def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
+                            tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be,
+                            stride_hm, alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr,
+                            stride_as, w_scale_ptr, stride_wse, stride_wsn, ACT: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
+                            GROUP_M: gl.constexpr, SCALED: gl.constexpr,
+                            num_warps: gl.constexpr):  # fmt: skip
+    """`_gate_up_consumer` (gathered A) with a stage's gate and up tiles the two halves of one
+    [2 * BN, BK] buffer (bb_bufs): one wgmma of 2 * BN columns a step (A is read once), the
+    accumulator split into gate and up in registers for the epilogue. SCALED: the weight
+    scale of each half applied per column."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN2: gl.constexpr = bb_bufs.type.shape[1]
+    BN: gl.constexpr = BN2 // 2
+    layout: gl.constexpr = _acc_layout(BN2, num_warps, a_bufs.dtype)
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    is_gate = gl.arange(0, BN2, layout=gl.SliceLayout(0, layout)) < BN
+    zero = gl.zeros((BM, BN2), dtype=gl.float32, layout=layout)
+    num_n = gl.cdiv(N, BN)
+    num_k = gl.cdiv(K, BK)
+    num_tiles = gl.load(num_tiles_ptr)
+    count = 0
+    for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
+        expert, row0, nrows, pid_n = _work_item(
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+        )
+        row_ok = offs_m < nrows
+        acc = zero
+        if SCALED:
+            a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
+                                   row_ok, True)  # fmt: skip
+            g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert,
+                                                   pid_n, N, BN, INTERLEAVED)  # fmt: skip
+        for ki in range(num_k):
+            s = count % STAGES
+            if SCALED:
+                a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
+                col_s = gl.where(is_gate, gl.load(g_s_ptr + ki), gl.load(u_s_ptr + ki))
+            mbarrier.wait(ready.index(s), (count // STAGES) & 1)
+            fence_async_shared()  # the gathered A tile: generic-proxy writes
+            b = bb_bufs.index(s).permute((1, 0))
+            if SCALED:
+                p = warpgroup_mma(a_bufs.index(s), b, zero, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * (a_s[:, None] * col_s[None, :])
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+            count += 1
+        if not SCALED:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+        g, u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
+        _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
+                       stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
 
 
 @gluon.jit
@@ -217,15 +331,8 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
         if SCALED:
             a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
                                    row_ok, True)  # fmt: skip
-            if INTERLEAVED:  # gate row 2n, up row 2n + 1: one row block of 2 * BN rows
-                g_blk = pid_n * BN * 2 // 128
-                u_blk = g_blk
-            else:  # gate row n, up row N + n
-                g_blk = pid_n * BN // 128
-                u_blk = (N + pid_n * BN) // 128
-            ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
-            g_s_ptr = ws_base + g_blk * stride_wsn
-            u_s_ptr = ws_base + u_blk * stride_wsn
+            g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert,
+                                                   pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
             if SCALED:  # the step's scales load while its operands arrive
@@ -319,41 +426,66 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                           x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn,
                           ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
-                          A_LAYOUT: gl.constexpr, SCALED: gl.constexpr,
-                          num_warps: gl.constexpr):  # fmt: skip
+                          A_LAYOUT: gl.constexpr, SCALED: gl.constexpr, FUSED: gl.constexpr,
+                          BB_LAYOUT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
     shared layout of an A tile [BM, BK] (BK = the weight block's). SCALED: x and w13 are fp8
     with block scales (`_gate_up_consumer`): x_scale [T, cdiv(H, 128)] (row stride stride_xs),
-    w_scale [E, cdiv(2I, 128), cdiv(H, 128)] (strides stride_wse, stride_wsn)."""
+    w_scale [E, cdiv(2I, 128), cdiv(H, 128)] (strides stride_wse, stride_wsn). FUSED: a stage's
+    gate and up tiles are adjacent, read as one [2 * BN, BK] tile of shared layout BB_LAYOUT
+    (`_gate_up_fused_consumer`; the same swizzle as the weight tiles': 128-byte rows)."""
     dtype: gl.constexpr = w_desc.dtype
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    b2_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_up_desc.block_type.shape,
-                                        w_up_desc.layout)  # fmt: skip
+    if FUSED:  # stage s's gate tile at 2s, up at 2s + 1: together one [2 * BN, BK] tile
+        b_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, BK], w_desc.layout)
+        b2_bufs = b_bufs
+    else:
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
+        b2_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_up_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # the weight tiles' expect-tx arrival, and one cp.async arrival per producer thread
         mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(
-        [
-            (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                 N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr,
-                                 top_k, x_scale_ptr, stride_xs, w_scale_ptr, stride_wse,
-                                 stride_wsn, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True, SCALED,
-                                 num_warps)),  # fmt: skip
-            (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc,
-                                a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr,
-                                tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
-                                up_row_off, GROUP_M)),  # fmt: skip
-        ],
-        [GATHER_WARPS],
-        [GATHER_REGS],
-    )
+    producer = (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, a_bufs, b_bufs,
+                b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)  # fmt: skip
+    if FUSED:
+        gl.warp_specialize(
+            [
+                (_gate_up_fused_consumer, (a_bufs, b_bufs.reinterpret(dtype, [STAGES, 2 * BN, BK],
+                                                                      BB_LAYOUT),
+                                           ready, empty, bias_ptr, h_ptr,
+                                           tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                           num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
+                                           limit, sorted_pairs_ptr, top_k, x_scale_ptr,
+                                           stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
+                                           HAS_BIAS, INTERLEAVED, GROUP_M, SCALED,
+                                           num_warps)),  # fmt: skip
+                (_gather_producer, producer),
+            ],
+            [GATHER_WARPS],
+            [GATHER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                     num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
+                                     sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
+                                     w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
+                                     INTERLEAVED, GROUP_M, True, SCALED,
+                                     num_warps)),  # fmt: skip
+                (_gather_producer, producer),
+            ],
+            [GATHER_WARPS],
+            [GATHER_REGS],
+        )
 
 
 @gluon.jit

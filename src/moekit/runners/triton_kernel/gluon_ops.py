@@ -49,7 +49,8 @@ class GluonConfig:
     program order; reduce as in `KernelConfig` ('sum' or 'atomic'); gather: gate_up's producer
     warps copy x's rows of each tile with cp.async where H is a multiple of its block_k and x's
     rows are 16-byte aligned (else, and with False, x's rows are first copied into sorted order,
-    xs, and read through TMA)."""
+    xs, and read through TMA); gate_up_fused (gathering gate_up only): a stage's gate and up
+    tiles are the halves of one buffer, multiplied by one wgmma of 2 * block_n columns."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -60,6 +61,7 @@ class GluonConfig:
     group_m: int = 8
     reduce: str = "sum"
     gather: bool = True
+    gate_up_fused: bool = False
 
 
 DEFAULT = GluonConfig()
@@ -68,7 +70,7 @@ DEFAULT = GluonConfig()
 # within the registers; down's 128 is one row block).
 FP8_BLOCK = (128, 128)
 FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=5, down_block_n=128,
-                  down_block_k=128, down_stages=5)  # fmt: skip
+                  down_block_k=128, down_stages=5, gate_up_fused=True)  # fmt: skip
 # gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
 # copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
 # elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
@@ -260,9 +262,11 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
         raise ValueError("fp8 gate_up gathers x's rows: they must be 16-byte aligned")
     if scaled or (cfg.gather and aligned):
         a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
+        bb_layout = gl.NVMMASharedLayout.get_default_for([2 * bn, bk], _gl_dtype(w.w13))
         gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common,
                                        *_scale_args(x_scale, w.w13_scale, b13), **tail,
                                        BM=gk.BLOCK_M, A_LAYOUT=a_layout, SCALED=scaled,
+                                       FUSED=cfg.gate_up_fused, BB_LAYOUT=bb_layout,
                                        num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS)  # fmt: skip
     else:
         xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
