@@ -19,9 +19,14 @@ or not gathered) are computed but never stored: the epilogue stores from registe
 mask.
 
   gate_up_kernel         h[row] = act(xs[row] @ w13[e].T + b13[e])   (two accumulators)
-  gate_up_gather_kernel  the same from x [T, H] and the sorted pairs
+  gate_up_gather_kernel  the same from x [T, H] and the sorted pairs (FUSED: gate and up tiles
+                         side by side, one wgmma; SCALED: fp8 x and w13 with block scales)
   down_kernel            y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]), or (ATOMIC)
-                         added into out[token(row)]
+                         added into out[token(row)]   (SCALED: fp8 h and w2 with block scales)
+
+SCALED (fp8, 128 x 128 weight blocks, activation groups of 128 = BK): each K step's products
+land in fresh accumulators, retire, and are added into the sums times the rows' activation
+scales and the tile's weight scale.
 """
 
 from __future__ import annotations

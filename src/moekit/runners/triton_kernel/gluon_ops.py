@@ -3,6 +3,8 @@ over the runner's routing, for large batches on sm_90 with Triton >= 3.9.
 
   fused_moe(x [T, H], ids, weights, w, act, cfg) -> [T, H]
     route (BM = 128) -> gate_up (x's rows gathered by the producer) -> down -> sum over K
+    fp8_w8a8 with 128 x 128 weight blocks: x and h quantized per token and group of 128 first
+    (`quantize_act`), the scales applied per K step inside the GEMMs (`FP8`, `fp8_problem`)
 
 `unavailable_reason` says why the engine cannot run a call (None: it can); `ops.fused_moe`
 asks it (through `engine_for`) before choosing the engine, so nothing here is reached on other
@@ -47,10 +49,10 @@ class GluonConfig:
     gate_up's block_n counts activated columns (it loads gate and up tiles of that many rows);
     stages: shared-memory load stages; group_m: work tiles sharing a weight column block in
     program order; reduce as in `KernelConfig` ('sum' or 'atomic'); gather: gate_up's producer
-    warps copy x's rows of each tile with cp.async where H is a multiple of its block_k and x's
-    rows are 16-byte aligned (else, and with False, x's rows are first copied into sorted order,
-    xs, and read through TMA); gate_up_fused (gathering gate_up only): a stage's gate and up
-    tiles are the halves of one buffer, multiplied by one wgmma of 2 * block_n columns."""
+    warps copy x's rows of each tile with cp.async where x's rows are 16-byte aligned (else, and
+    with False, x's rows are first copied into sorted order, xs, and read through TMA; fp8 always
+    gathers); gate_up_fused (gathering gate_up only): a stage's gate and up tiles side by side,
+    multiplied by one wgmma of 2 * block_n columns (FP8's; bf16 at block_n 128 spills)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
