@@ -77,11 +77,12 @@ def fake_runner(name: str, *, needs_gpu=True, sm=None, lib=None, formats=("stand
 @pytest.fixture
 def fakes(monkeypatch):
     """Replace the registry with fake runners: triton (GPU, unquantized + fp8_w8a8),
-    triton_kernel (GPU), cutlass (GPU, SM90, standard + masked), deep_gemm (SM90 +
+    triton_kernel (GPU, unquantized + fp8_w8a8), cutlass (GPU, SM90, standard + masked), deep_gemm (SM90 +
     sgl-deep-gemm), torch (anywhere)."""
     runners = {
         "triton": fake_runner("triton", lib="triton", weight_formats=("unquantized", "fp8_w8a8")),
-        "triton_kernel": fake_runner("triton_kernel", lib="triton"),
+        "triton_kernel": fake_runner("triton_kernel", lib="triton",
+                                     weight_formats=("unquantized", "fp8_w8a8")),
         "cutlass": fake_runner("cutlass", sm=90, formats=("standard", "masked")),
         "deep_gemm": fake_runner("deep_gemm", sm=90, lib="sgl-deep-gemm",
                                  formats=("standard", "masked"),
