@@ -129,7 +129,7 @@ def test_requested_format_and_workload_rules(fakes):
     with pytest.raises(ConfigError, match="dispatch format 'masked'"):
         select_runner(shaped(8, format="masked"), RunnerConfig("triton"), H100, tables=NO_TABLES)
     with pytest.raises(ConfigError, match="weight format 'fp8_w8a8'"):
-        select_runner(shaped(8, weight_format="fp8_w8a8"), RunnerConfig("triton_kernel"), H100,
+        select_runner(shaped(8, weight_format="fp8_w8a8"), RunnerConfig("cutlass"), H100,
                       tables=NO_TABLES)
 
 
