@@ -5,8 +5,9 @@ other and against the bf16 `triton` runner, timed in turns (`moekit.bench.time_m
 
 Per preset shape (uniform random routing, deepseek-v3 EP8 with every pair local) and T in
 BATCHES: bf16 `triton` on the unquantized weights, and the engine on the same weights quantized
-to fp8 (128 x 128 blocks) with `gluon_ops.FP8` and its VARIANTS (gate and up in one wgmma,
-stage counts), each checked against the torch runner's fp8 math first.
+to fp8 (128 x 128 blocks) with `gluon_ops.FP8` and its VARIANTS (consumer partitions, stage
+counts), and the engine in bf16 (`config_for`, and with consumers=2), each checked against the
+torch runner on the same weights first (fp8: its dequantized math).
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8
            "gpt-oss-120b": (1, 1)}  # fmt: skip
 BATCHES = tuple(int(t) for t in os.environ.get("AB_BATCHES", "4096,16384").split(","))
 ROUNDS = int(os.environ.get("AB_ROUNDS", "5"))
+# name: (fp8 weights, config edits over FP8 / the bf16 layer's config_for)
 VARIANTS = {
-    "fp8": gluon_ops.FP8,
-    "fused": replace(gluon_ops.FP8, gate_up_fused=True),
-    "fused_s6": replace(gluon_ops.FP8, gate_up_fused=True, gate_up_stages=6, down_stages=6),
-    "s6": replace(gluon_ops.FP8, gate_up_stages=6, down_stages=6),
+    "fp8": (True, {}),
+    "fp8 c1": (True, {"consumers": 1}),
+    "fp8 c2": (True, {"consumers": 2}),
+    "fp8 c2 s6": (True, {"consumers": 2, "gate_up_stages": 6, "down_stages": 6}),
+    "bf16": (False, {}),
+    "bf16 c2": (False, {"consumers": 2}),
 }
+AB = [n for n in os.environ.get("AB_VARIANTS", ",".join(VARIANTS)).split(",") if n]
 
 
 def main() -> None:
@@ -55,21 +60,31 @@ def main() -> None:
             x = torch.randn(T, shape.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
             x_TH, ids, weights = kernel_inputs(x, topk)
             fns = {"bf16 triton": lambda: triton_ops.fused_moe(x, topk, w, act)}
-            for name, cfg in VARIANTS.items():
-                fns[name] = (lambda c=cfg: gluon_ops.fused_moe(x_TH, ids, weights, wq, act, c))
-            ref = TorchRunner().run(StandardDispatchOutput(x, topk), wq, act).out.float()
-            errs = {n: ((fns[n]().float() - ref).norm() / ref.norm()).item() for n in VARIANTS}
+            refs = {fp8: TorchRunner().run(StandardDispatchOutput(x, topk), wq if fp8 else w,
+                                           act).out.float()
+                    for fp8 in {VARIANTS[n][0] for n in AB}}  # fmt: skip
+            errs = {}
+            for name in AB:
+                fp8, edits = VARIANTS[name]
+                wn = wq if fp8 else w
+                cfg = replace(gluon_ops.config_for(wn), **edits)
+                fns[name] = (lambda c=cfg, wn=wn: gluon_ops.fused_moe(x_TH, ids, weights, wn, act,
+                                                                      c))  # fmt: skip
+                ref = refs[fp8]
+                errs[name] = ((fns[name]().float() - ref).norm() / ref.norm()).item()
+            refs = None
             ms = time_ms_interleaved(fns, dev, rounds=ROUNDS)
-            rec = {"model": model, "T": T, "ms": ms, "rel_err_vs_torch_fp8": errs,
-                   "bf16_triton_over": {n: ms["bf16 triton"] / ms[n] for n in VARIANTS}}  # fmt: skip
+            rec = {"model": model, "T": T, "ms": ms, "rel_err_vs_torch": errs,
+                   "bf16_triton_over": {n: ms["bf16 triton"] / ms[n] for n in AB}}  # fmt: skip
             print(f"{model:<15}{T:>6}  bf16 triton {ms['bf16 triton']:.3f}  " + "  ".join(
                 f"{n} {ms[n]:.3f} ({rec['bf16_triton_over'][n]:.2f}x, err {errs[n]:.4f})"
-                for n in VARIANTS), flush=True)  # fmt: skip
+                for n in AB), flush=True)  # fmt: skip
             recs.append(rec)
         w = wq = None
         torch.cuda.empty_cache()
-    write_probe("gluon_fp8_ab.json", {"rounds": ROUNDS, "variants": {
-        n: vars(c) for n, c in VARIANTS.items()}, "results": recs})  # fmt: skip
+    write_probe("gluon_fp8_ab.json", {"rounds": ROUNDS, "fp8_config": vars(gluon_ops.FP8),
+                                      "variants": {n: VARIANTS[n] for n in AB},
+                                      "results": recs})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict, attrs=None):
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
     src = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": gk.NUM_WARPS, "maxnreg": gk.MAX_REGS}
+    options = {"num_warps": constexprs["num_warps"], "maxnreg": gk.MAX_REGS}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
@@ -190,7 +190,7 @@ def compile_kernels_for_sm90() -> None:
                    "up_row_off": "i32", "stride_be": "i32", "stride_hm": "i32", "alpha": "fp32",
                    "limit": "fp32"}  # fmt: skip
     consts = {"ACT": 2, "HAS_BIAS": True, "INTERLEAVED": False, "STAGES": 4, "GROUP_M": 8,
-              "num_warps": gk.NUM_WARPS}  # fmt: skip
+              "CONSUMERS": 1, "num_warps": gk.NUM_WARPS}  # fmt: skip
     xd = gluon_ops._desc(x, [P, H], [H, 1], [bm, cfg.gate_up_block_k])
     sig = {"xs_desc": xd.__mangle__(), **gate_up_sig}
     ptx = _compile_sm90(gk.gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
@@ -224,14 +224,15 @@ def compile_kernels_for_sm90() -> None:
                   "SCALED": True, "BB_LAYOUT": bb_layout}  # fmt: skip
     sig = {**gather_sig, "x_ptr": "*fp8e4nv", "w_desc": wq.__mangle__(),
            "w_up_desc": wq.__mangle__(), **dict.fromkeys(fp8_consts, "constexpr")}  # fmt: skip
-    for fused in (False, True):
-        ptx = _compile_sm90(gk.gate_up_gather_kernel, sig, {**fp8_consts, "FUSED": fused},
-                            aligned)  # fmt: skip
+    split = {"CONSUMERS": 2, "num_warps": gk.NUM_WARPS // 2}  # a partition per warpgroup
+    for variant in ({"FUSED": False}, {"FUSED": True}, {"FUSED": True, **split}):
+        ptx = _compile_sm90(gk.gate_up_gather_kernel, sig, {**fp8_consts, **variant}, aligned)
         assert "e4m3.e4m3" in ptx and "cp.async.cg.shared.global" in ptx
+    assert "m64n128k32.f32.e4m3.e4m3" in ptx and "bar.sync 0, 256" not in ptx
     hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
-                   "SCALED": False, "num_warps": gk.NUM_WARPS}  # fmt: skip
+                   "SCALED": False, "CONSUMERS": 1, "num_warps": gk.NUM_WARPS}  # fmt: skip
     down_sig = {"h_desc": hd.__mangle__(), "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
                 "y_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_pairs_ptr": "*i32",
                 **tiles, "top_k": "i32", "N": "i32", "K": "i32", "stride_be": "i32",
@@ -245,9 +246,10 @@ def compile_kernels_for_sm90() -> None:
     hd = gluon_ops._desc(hq, [P, I], [I, 1], [bm, fp8.down_block_k])
     w2d = gluon_ops._desc(w2q, [E * H, I], [I, 1], [fp8.down_block_n, fp8.down_block_k])
     down_consts = {**down_consts, "STAGES": fp8.down_stages, "SCALED": True}
-    ptx = _compile_sm90(gk.down_kernel, {**down_sig, "h_desc": hd.__mangle__(),
-                                         "w_desc": w2d.__mangle__()}, down_consts)  # fmt: skip
-    assert "e4m3.e4m3" in ptx
+    down_sig = {**down_sig, "h_desc": hd.__mangle__(), "w_desc": w2d.__mangle__()}
+    for variant in ({}, split):
+        ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, **variant})
+        assert "e4m3.e4m3" in ptx
 
 
 def _skip_unless_engine(x, w, act):
@@ -264,6 +266,7 @@ def _gluon(x, topk, w, act, cfg=gluon_ops.DEFAULT):
 ATOMIC = replace(gluon_ops.DEFAULT, reduce="atomic")
 COPY = replace(gluon_ops.DEFAULT, gather=False)
 FUSED = replace(gluon_ops.DEFAULT, gate_up_fused=True)
+SPLIT = replace(gluon_ops.DEFAULT, consumers=2)  # a partition per consumer warpgroup
 PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
            ("gpt-oss-120b", 1, 1)]  # fmt: skip
 # (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
@@ -279,13 +282,19 @@ ODD_CASES = [
     (6, 320, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, gluon_ops.DEFAULT),
     (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, FUSED),
     (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False, FUSED),
+    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, SPLIT),
+    (3, 512, 256, 400, 2, "silu", False, False, torch.bfloat16, 0.0, True, SPLIT),
+    (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, SPLIT),
+    (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False,
+     replace(COPY, consumers=2)),
 ]
 
 
 def _case_id(c) -> str:
     tags = ("-masked" if c[9] else "") + ("-skew" if c[10] else "")
     return (f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
-            f"{'-gather' if c[11].gather else '-copy'}{'-fused' if c[11].gate_up_fused else ''}")  # fmt: skip
+            f"{'-gather' if c[11].gather else '-copy'}{'-fused' if c[11].gate_up_fused else ''}"
+            f"{'-split' if c[11].consumers == 2 else ''}")  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -360,6 +369,8 @@ def test_fp8_block_matches_reference_gpu(case):
     assert rel_err(out, ref) < 3e-2
     fused = replace(gluon_ops.FP8, gate_up_fused=not gluon_ops.FP8.gate_up_fused)
     assert rel_err(_gluon(x, topk, w, act, fused), ref) < 3e-2  # the other gate_up layout
+    split = replace(gluon_ops.FP8, consumers=3 - gluon_ops.FP8.consumers)
+    assert rel_err(_gluon(x, topk, w, act, split), ref) < 3e-2  # the other consumer count
 
 
 @pytest.mark.gpu

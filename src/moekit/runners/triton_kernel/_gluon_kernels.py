@@ -48,6 +48,7 @@ PRODUCER_REGS = gl.constexpr(40)  # registers of the producer warp (setmaxnreg)
 GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.async
 GATHER_REGS = gl.constexpr(88)  # its registers: row pointers and masks of 8 copies a thread
 MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
+CONSUMER_REGS = gl.constexpr(208)  # the second consumer warpgroup's (CONSUMERS = 2)
 
 
 @gluon.constexpr_function
@@ -244,13 +245,14 @@ def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile
                             stride_as, w_scale_ptr, stride_wse, stride_wsn, ACT: gl.constexpr,
                             HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
                             GROUP_M: gl.constexpr, SCALED: gl.constexpr,
-                            num_warps: gl.constexpr):  # fmt: skip
+                            M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """`_gate_up_consumer` (gathered A) with a stage's gate and up tiles the two halves of one
     [2 * BN, BK] buffer (bb_bufs): one wgmma of 2 * BN columns a step (A is read once), the
     accumulator split into gate and up in registers for the epilogue. SCALED: the weight
     scale of each half applied per column."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BM: gl.constexpr = a_bufs.type.shape[1]
+    BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
+    SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN2: gl.constexpr = bb_bufs.type.shape[1]
     BN: gl.constexpr = BN2 // 2
@@ -266,6 +268,8 @@ def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
+        row0 += M_OFF
+        nrows -= M_OFF
         row_ok = offs_m < nrows
         acc = zero
         if SCALED:
@@ -275,6 +279,9 @@ def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
+            a = a_bufs.index(s)
+            if SLICED:
+                a = a.slice(M_OFF, BM)
             if SCALED:
                 a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
                 col_s = gl.where(is_gate, gl.load(g_s_ptr + ki), gl.load(u_s_ptr + ki))
@@ -282,12 +289,12 @@ def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile
             fence_async_shared()  # the gathered A tile: generic-proxy writes
             b = bb_bufs.index(s).permute((1, 0))
             if SCALED:
-                p = warpgroup_mma(a_bufs.index(s), b, zero, use_acc=False, is_async=True)
+                p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
                 p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
                 mbarrier.arrive(empty.index(s))
                 acc += p * (a_s[:, None] * col_s[None, :])
             else:
-                acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+                acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
             count += 1
@@ -306,7 +313,7 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
                       w_scale_ptr, stride_wse, stride_wsn, ACT: gl.constexpr,
                       HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr,
                       GATHERED: gl.constexpr, SCALED: gl.constexpr,
-                      num_warps: gl.constexpr):  # fmt: skip
+                      M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Two accumulators (gate: b_bufs, up: b2_bufs) per work item; epilogue: bias, activation,
     h rows stored from registers. GATHERED: the A tiles were written by the producer's
     cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads.
@@ -315,7 +322,8 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
     scale (per row: x's scales [T, cdiv(H, 128)] by token) and weight scale (one per gate / up
     tile: w_scale [E, cdiv(2I, 128), cdiv(H, 128)]; BN = 64 keeps a tile in one row block)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BM: gl.constexpr = a_bufs.type.shape[1]
+    BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
+    SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
@@ -330,6 +338,8 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
+        row0 += M_OFF
+        nrows -= M_OFF
         row_ok = offs_m < nrows
         acc_g = zero
         acc_u = zero
@@ -340,6 +350,9 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
+            a = a_bufs.index(s)
+            if SLICED:
+                a = a.slice(M_OFF, BM)
             if SCALED:  # the step's scales load while its operands arrive
                 a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
                 g_s = a_s * gl.load(g_s_ptr + ki)
@@ -347,11 +360,11 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
             if GATHERED:
                 fence_async_shared()
-            a = a_bufs.index(s)
             if SCALED:
                 # fresh products, retired before they are scaled in (ptxas serializes wgmma
                 # whose accumulators other instructions read while later ones run); the other
-                # warpgroup's wgmma keeps the tensor cores busy meanwhile
+                # warpgroup's wgmma keeps the tensor cores busy meanwhile, if it is not held
+                # in step with this one (CONSUMERS = 2)
                 p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
                                     is_async=True)  # fmt: skip
                 p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero, use_acc=False,
@@ -393,7 +406,7 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
                    tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, up_row_off, stride_be,
                    stride_hm, alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                    INTERLEAVED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr):  # fmt: skip
+                   CONSUMERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """h [P, N = I] = act(xs @ w13[e].T + b13[e]) per sorted row (module docstring). xs_desc:
     xs [P, H], block [BM, BK]; w_desc / w_up_desc: the gate / up weight rows, block [BN, BK]:
     w13 viewed [E * 2I, H] for both (b_row_step 2I, up_row_off I), or, interleaved, the gate
@@ -407,21 +420,42 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(
-        [
-            (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                 N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
-                                 bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
-                                 GROUP_M, False, False, num_warps)),  # fmt: skip
-            (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
-                         b_row_step, up_row_off, True, GROUP_M)),  # fmt: skip
-        ],
-        [1],
-        [PRODUCER_REGS],
-    )
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [
+                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
+                                     N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
+                                     bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
+                                     GROUP_M, False, False, 0, num_warps)),
+                (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
+                             b_row_step, up_row_off, True, GROUP_M)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+    else:  # a partition per consumer warpgroup (module docstring)
+        gl.warp_specialize(
+            [
+                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
+                                     N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
+                                     bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
+                                     GROUP_M, False, False, 0, num_warps)),
+                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
+                                     N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
+                                     bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
+                                     GROUP_M, False, False, 16 * num_warps, num_warps)),
+                (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
+                             b_row_step, up_row_off, True, GROUP_M)),
+            ],
+            [num_warps, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
 @gluon.jit
@@ -432,7 +466,8 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                           ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
                           A_LAYOUT: gl.constexpr, SCALED: gl.constexpr, FUSED: gl.constexpr,
-                          BB_LAYOUT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                          BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr,
+                          num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
     shared layout of an A tile [BM, BK] (BK = the weight block's). SCALED: x and w13 are fp8
@@ -455,42 +490,92 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
     for i in gl.static_range(STAGES):
         # the weight tiles' expect-tx arrival, and one cp.async arrival per producer thread
         mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS)
-        mbarrier.init(empty.index(i), count=1)
-    producer = (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, a_bufs, b_bufs,
-                b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)  # fmt: skip
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     if FUSED:
-        gl.warp_specialize(
-            [
-                (_gate_up_fused_consumer, (a_bufs, b_bufs.reinterpret(dtype, [STAGES, 2 * BN, BK],
-                                                                      BB_LAYOUT),
-                                           ready, empty, bias_ptr, h_ptr,
-                                           tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                           num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
-                                           limit, sorted_pairs_ptr, top_k, x_scale_ptr,
-                                           stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
-                                           HAS_BIAS, INTERLEAVED, GROUP_M, SCALED,
-                                           num_warps)),  # fmt: skip
-                (_gather_producer, producer),
-            ],
-            [GATHER_WARPS],
-            [GATHER_REGS],
-        )
+        bb_bufs = b_bufs.reinterpret(dtype, [STAGES, 2 * BN, BK], BB_LAYOUT)
+        if CONSUMERS == 1:
+            gl.warp_specialize(
+                [
+                    (_gate_up_fused_consumer, (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr,
+                                               tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                               num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
+                                               limit, sorted_pairs_ptr, top_k, x_scale_ptr,
+                                               stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
+                                               HAS_BIAS, INTERLEAVED, GROUP_M, SCALED, 0, num_warps)),
+                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
+                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                ],
+                [GATHER_WARPS],
+                [GATHER_REGS],
+            )
+        else:  # a partition per consumer warpgroup (module docstring)
+            gl.warp_specialize(
+                [
+                    (_gate_up_fused_consumer, (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr,
+                                               tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                               num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
+                                               limit, sorted_pairs_ptr, top_k, x_scale_ptr,
+                                               stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
+                                               HAS_BIAS, INTERLEAVED, GROUP_M, SCALED, 0, num_warps)),
+                    (_gate_up_fused_consumer, (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr,
+                                               tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                               num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
+                                               limit, sorted_pairs_ptr, top_k, x_scale_ptr,
+                                               stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
+                                               HAS_BIAS, INTERLEAVED, GROUP_M, SCALED, 16 *
+                                               num_warps, num_warps)),
+                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
+                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                ],
+                [num_warps, GATHER_WARPS],
+                [CONSUMER_REGS, GATHER_REGS],
+            )
     else:
-        gl.warp_specialize(
-            [
-                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                     num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
-                                     sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
-                                     w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
-                                     INTERLEAVED, GROUP_M, True, SCALED,
-                                     num_warps)),  # fmt: skip
-                (_gather_producer, producer),
-            ],
-            [GATHER_WARPS],
-            [GATHER_REGS],
-        )
+        if CONSUMERS == 1:
+            gl.warp_specialize(
+                [
+                    (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                         num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
+                                         sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
+                                         w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
+                                         INTERLEAVED, GROUP_M, True, SCALED, 0, num_warps)),
+                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
+                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                ],
+                [GATHER_WARPS],
+                [GATHER_REGS],
+            )
+        else:  # a partition per consumer warpgroup (module docstring)
+            gl.warp_specialize(
+                [
+                    (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                         num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
+                                         sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
+                                         w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
+                                         INTERLEAVED, GROUP_M, True, SCALED, 0, num_warps)),
+                    (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
+                                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                         num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
+                                         sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
+                                         w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
+                                         INTERLEAVED, GROUP_M, True, SCALED, 16 * num_warps,
+                                         num_warps)),
+                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
+                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                ],
+                [num_warps, GATHER_WARPS],
+                [CONSUMER_REGS, GATHER_REGS],
+            )
 
 
 @gluon.jit
@@ -499,13 +584,14 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
                    num_tiles_ptr, top_k, N, K, stride_be, stride_ym, a_scale_ptr, stride_as,
                    w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS: gl.constexpr,
                    ATOMIC: gl.constexpr, GROUP_M: gl.constexpr, SCALED: gl.constexpr,
-                   num_warps: gl.constexpr):  # fmt: skip
+                   M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """One accumulator per work item; epilogue: bias, routing weight, store by pair (or atomic
     add by token) from registers. SCALED: as `_gate_up_consumer`, with h's scales [P,
     cdiv(I, 128)] by sorted row and w2's [E, cdiv(H, 128), cdiv(I, 128)] (BN = 128: one row
     block a tile)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BM: gl.constexpr = a_bufs.type.shape[1]
+    BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
+    SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
@@ -520,6 +606,8 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
+        row0 += M_OFF
+        nrows -= M_OFF
         row_ok = offs_m < nrows
         acc = zero
         if SCALED:
@@ -529,17 +617,20 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
                        + (pid_n * BN // 128) * stride_wsn)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
+            a = a_bufs.index(s)
+            if SLICED:
+                a = a.slice(M_OFF, BM)
             if SCALED:
                 scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
             if SCALED:  # as in `_gate_up_consumer`
-                p = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero,
+                p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
                                   use_acc=False, is_async=True)  # fmt: skip
                 p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
                 mbarrier.arrive(empty.index(s))
                 acc += p * scale[:, None]
             else:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
+                acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc,
                                     is_async=True)  # fmt: skip
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
@@ -571,7 +662,7 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K,
                 stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr, stride_wse,
                 stride_wsn, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
-                GROUP_M: gl.constexpr, SCALED: gl.constexpr,
+                GROUP_M: gl.constexpr, SCALED: gl.constexpr, CONSUMERS: gl.constexpr,
                 num_warps: gl.constexpr):  # fmt: skip
     """y = weight * (h @ w2[e].T + b2[e]) per sorted row (module docstring); N = H, K = I.
     h_desc: h [P, I], block [BM, BK]; w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H]
@@ -585,18 +676,39 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(
-        [
-            (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
-                              sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                              num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
-                              stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
-                              GROUP_M, SCALED, num_warps)),  # fmt: skip
-            (_producer, (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty,
-                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N,
-                         0, False, GROUP_M)),  # fmt: skip
-        ],
-        [1],
-        [PRODUCER_REGS],
-    )
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [
+                (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
+                                  sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                  num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
+                                  stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
+                                  GROUP_M, SCALED, 0, num_warps)),
+                (_producer, (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty,
+                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N,
+                             0, False, GROUP_M)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+    else:  # a partition per consumer warpgroup (module docstring)
+        gl.warp_specialize(
+            [
+                (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
+                                  sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                  num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
+                                  stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
+                                  GROUP_M, SCALED, 0, num_warps)),
+                (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
+                                  sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                  num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
+                                  stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
+                                  GROUP_M, SCALED, 16 * num_warps, num_warps)),
+                (_producer, (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty,
+                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N,
+                             0, False, GROUP_M)),
+            ],
+            [num_warps, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )

@@ -52,7 +52,10 @@ class GluonConfig:
     warps copy x's rows of each tile with cp.async where x's rows are 16-byte aligned (else, and
     with False, x's rows are first copied into sorted order, xs, and read through TMA; fp8 always
     gathers); gate_up_fused (gathering gate_up only): a stage's gate and up tiles side by side,
-    multiplied by one wgmma of 2 * block_n columns (FP8's; bf16 at block_n 128 spills)."""
+    multiplied by one wgmma of 2 * block_n columns (FP8's; bf16 at block_n 128 spills);
+    consumers: 1 = the two consumer warpgroups in one partition, held in step; 2 = one partition
+    each (64 rows of every tile), so one can scale in its products while the other's wgmma
+    runs (`_gluon_kernels._specialize`)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -64,6 +67,14 @@ class GluonConfig:
     reduce: str = "sum"
     gather: bool = True
     gate_up_fused: bool = False
+    consumers: int = 1
+
+    @property
+    def num_warps(self) -> int:
+        """Warps of the kernels' default partition: both consumer warpgroups, or the first."""
+        from moekit.runners.triton_kernel import _gluon_kernels as gk
+
+        return gk.NUM_WARPS // self.consumers
 
 
 DEFAULT = GluonConfig()
@@ -254,7 +265,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     b13 = w.b13 if w.b13 is not None else w.w13
     grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
-                STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m)  # fmt: skip
+                STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
+                num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS)  # fmt: skip
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
               float(act.limit))  # fmt: skip
@@ -268,13 +280,11 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
         gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common,
                                        *_scale_args(x_scale, w.w13_scale, b13), **tail,
                                        BM=gk.BLOCK_M, A_LAYOUT=a_layout, SCALED=scaled,
-                                       FUSED=cfg.gate_up_fused, BB_LAYOUT=bb_layout,
-                                       num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS)  # fmt: skip
+                                       FUSED=cfg.gate_up_fused, BB_LAYOUT=bb_layout)  # fmt: skip
     else:
         xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
         xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
-        gk.gate_up_kernel[grid](xs_desc, *common, **tail, num_warps=gk.NUM_WARPS,
-                                maxnreg=gk.MAX_REGS)  # fmt: skip
+        gk.gate_up_kernel[grid](xs_desc, *common, **tail)
     return out
 
 
@@ -296,7 +306,8 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
         r.tile_rows, r.num_tiles, top_k, H, I, b2.stride(0), out.stride(0),
         *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
         ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
-        SCALED=h_scale is not None, num_warps=gk.NUM_WARPS, maxnreg=gk.MAX_REGS,
+        SCALED=h_scale is not None, CONSUMERS=cfg.consumers, num_warps=cfg.num_warps,
+        maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
