@@ -8,10 +8,15 @@ BATCHES: bf16 `triton` on the unquantized weights, and the engine on the same we
 to fp8 (128 x 128 blocks) with `gluon_ops.FP8` and its VARIANTS (consumer partitions, stage
 counts), and the engine in bf16 (`config_for`, and with consumers=2), each checked against the
 torch runner on the same weights first (fp8: its dequantized math).
+
+AB_PREV_KERNELS=<path of another `_gluon_kernels.py`> (e.g. `git show REV:src/moekit/runners/
+triton_kernel/_gluon_kernels.py > scripts/_prev_gluon_kernels.py`) adds each variant's twin
+"<name> prev" running those kernels: a kernel change timed in turns against its parent.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import replace
@@ -40,14 +45,45 @@ VARIANTS = {
     "fp8 c1": (True, {"consumers": 1}),
     "fp8 c2": (True, {"consumers": 2}),
     "fp8 c2 s6": (True, {"consumers": 2, "gate_up_stages": 6, "down_stages": 6}),
+    "fp8 atomic": (True, {"reduce": "atomic"}),
     "bf16": (False, {}),
     "bf16 c2": (False, {"consumers": 2}),
 }
 AB = [n for n in os.environ.get("AB_VARIANTS", ",".join(VARIANTS)).split(",") if n]
+PREV = os.environ.get("AB_PREV_KERNELS")
+
+
+def _prev_kernels():
+    """The kernels module at AB_PREV_KERNELS, or None."""
+    if not PREV:
+        return None
+    spec = importlib.util.spec_from_file_location("moekit_prev_gluon_kernels", PREV)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _running(kernels, fn):
+    """fn with `gluon_ops` reaching `kernels` as its `_gluon_kernels` (it imports the module
+    from the package at each call) while it runs."""
+    import moekit.runners.triton_kernel as pkg
+    from moekit.runners.triton_kernel import _gluon_kernels  # noqa: F401 - the attribute swapped
+
+    def run():
+        own = pkg._gluon_kernels
+        pkg._gluon_kernels = kernels
+        try:
+            return fn()
+        finally:
+            pkg._gluon_kernels = own
+
+    return run
 
 
 def main() -> None:
     dev = torch.device("cuda")
+    prev = _prev_kernels()
+    names = AB + [f"{n} prev" for n in AB] * (prev is not None)
     recs = []
     for model, (tp, ep) in PRESETS.items():
         shape = shape_for(model, tp, ep)
@@ -70,20 +106,24 @@ def main() -> None:
                 cfg = replace(gluon_ops.config_for(wn), **edits)
                 fns[name] = (lambda c=cfg, wn=wn: gluon_ops.fused_moe(x_TH, ids, weights, wn, act,
                                                                       c))  # fmt: skip
-                ref = refs[fp8]
+                if prev is not None:
+                    fns[f"{name} prev"] = _running(prev, fns[name])
+            for name in names:
+                ref = refs[VARIANTS[name.removesuffix(" prev")][0]]
                 errs[name] = ((fns[name]().float() - ref).norm() / ref.norm()).item()
             refs = None
             ms = time_ms_interleaved(fns, dev, rounds=ROUNDS)
             rec = {"model": model, "T": T, "ms": ms, "rel_err_vs_torch": errs,
-                   "bf16_triton_over": {n: ms["bf16 triton"] / ms[n] for n in AB}}  # fmt: skip
+                   "bf16_triton_over": {n: ms["bf16 triton"] / ms[n] for n in names}}  # fmt: skip
             print(f"{model:<15}{T:>6}  bf16 triton {ms['bf16 triton']:.3f}  " + "  ".join(
                 f"{n} {ms[n]:.3f} ({rec['bf16_triton_over'][n]:.2f}x, err {errs[n]:.4f})"
-                for n in AB), flush=True)  # fmt: skip
+                for n in names), flush=True)  # fmt: skip
             recs.append(rec)
         w = wq = None
         torch.cuda.empty_cache()
     write_probe("gluon_fp8_ab.json", {"rounds": ROUNDS, "fp8_config": vars(gluon_ops.FP8),
                                       "variants": {n: VARIANTS[n] for n in AB},
+                                      "prev_kernels": PREV,
                                       "results": recs})  # fmt: skip
 
 
