@@ -289,13 +289,10 @@ def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile
             fence_async_shared()  # the gathered A tile: generic-proxy writes
             b = bb_bufs.index(s).permute((1, 0))
             if SCALED:
-                if nrows > 0:  # else no valid row in this partition's part of the tile
-                    p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    mbarrier.arrive(empty.index(s))
-                    acc += p * (a_s[:, None] * col_s[None, :])
-                else:
-                    mbarrier.arrive(empty.index(s))
+                p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * (a_s[:, None] * col_s[None, :])
             else:
                 acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -367,19 +364,15 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
                 # fresh products, retired before they are scaled in (ptxas serializes wgmma
                 # whose accumulators other instructions read while later ones run); the other
                 # warpgroup's wgmma keeps the tensor cores busy meanwhile, if it is not held
-                # in step with this one (CONSUMERS = 2). nrows <= 0: no valid row in this
-                # partition's part of the tile, no wgmma
-                if nrows > 0:
-                    p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                        is_async=True)  # fmt: skip
-                    p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                        is_async=True)  # fmt: skip
-                    p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
-                    mbarrier.arrive(empty.index(s))
-                    acc_g += p_g * g_s[:, None]
-                    acc_u += p_u * u_s[:, None]
-                else:
-                    mbarrier.arrive(empty.index(s))
+                # in step with this one (CONSUMERS = 2)
+                p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
+                mbarrier.arrive(empty.index(s))
+                acc_g += p_g * g_s[:, None]
+                acc_u += p_u * u_s[:, None]
             else:
                 acc_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
                 acc_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
@@ -631,14 +624,11 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
                 scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
             if SCALED:  # as in `_gate_up_consumer`
-                if nrows > 0:
-                    p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
-                                      use_acc=False, is_async=True)  # fmt: skip
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    mbarrier.arrive(empty.index(s))
-                    acc += p * scale[:, None]
-                else:
-                    mbarrier.arrive(empty.index(s))
+                p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
+                                  use_acc=False, is_async=True)  # fmt: skip
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * scale[:, None]
             else:
                 acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc,
                                     is_async=True)  # fmt: skip
