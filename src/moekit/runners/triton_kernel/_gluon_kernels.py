@@ -9,7 +9,11 @@ explicit warp specialization, which Triton's own compiler does not build for the
   weight tile(s) into it, which signal `ready[s]`;
 - the default partition (two warpgroups, 64 rows each of a BM = 128-row tile) waits for
   `ready[s]`, issues the async wgmma, frees the stage once the step's wgmma has retired, and
-  runs the epilogue, while the producer already loads the next item's operands.
+  runs the epilogue, while the producer already loads the next item's operands;
+- or (CONSUMERS = 2) each of those warpgroups is a partition of its own (the default one and a
+  worker, 4 warps each, M_OFF its first row of the tile): each frees a stage alone (`empty[s]`
+  counts both), where one partition of 8 warps arrives after a barrier over all of them, which
+  holds the two in step. That matters for SCALED, whose wgmma retire every K step.
 
 The weights always come through TMA. The activation rows: down reads h [P, I] (sorted rows)
 through TMA; gate_up either reads xs [P, H] (x's rows copied into sorted order first) through

@@ -84,7 +84,7 @@ DEFAULT = GluonConfig()
 FP8_BLOCK = (128, 128)
 # consumers=2: each warpgroup waits for its own wgmma every K step (the scales) and frees the
 # stage alone, so one scales in its products while the other's wgmma runs. Timed in turns on
-# the H100 (results/ab/20261122T1755Z_H100_triton39_gluon_consumers_ab.json): 1.04-1.28x over
+# the H100 (results/ab/20261122T1755Z_H100_triton39_gluon_consumers_ab.json): 1.05-1.30x over
 # the two warpgroups in one partition at T = 4096 / 16384 on all four presets; bf16 (no wait
 # each step) gains nothing from it (0.95-1.01x) and keeps one partition.
 FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=5, down_block_n=128,
