@@ -199,6 +199,40 @@ def _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m, r
 
 
 @gluon.jit
+def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
+                BY_PAIR: gl.constexpr):  # fmt: skip
+    """Store a tile out [BM, W] (y's dtype, any layout) at columns n0 ... of y's rows: tile row
+    m to y's row row0 + m, or (BY_PAIR) sorted_pairs[row0 + m]; rows m >= nrows and columns
+    >= N are left alone. Through shared memory into a layout of 16 bytes a thread and row
+    first: a wgmma accumulator row holds 4-byte pieces, whose stores write half of each
+    32-byte sector (W > 128: in two halves, which share the shared memory)."""
+    BM: gl.constexpr = out.shape[0]
+    W: gl.constexpr = out.shape[1]
+    if W > 128:
+        lo, hi = out.reshape([BM, 2, W // 2]).permute((0, 2, 1)).split()
+        _store_rows(lo, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr, BY_PAIR)
+        _store_rows(hi, y_ptr, stride_ym, row0, nrows, n0 + W // 2, N, sorted_pairs_ptr, BY_PAIR)
+    else:
+        VEC: gl.constexpr = 128 // out.dtype.primitive_bitwidth
+        TN: gl.constexpr = W // VEC if W // VEC < 32 else 32
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TN, TN], [gl.num_warps(), 1],
+                                                [1, 0])  # fmt: skip
+        out = gl.convert_layout(out, layout)
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        # n0 is a multiple of W, y's row stride one of VEC (the engine's H and I rules)
+        cols = gl.max_contiguous(gl.multiple_of(n0 + gl.arange(0, W, layout=gl.SliceLayout(
+            0, layout)), VEC), VEC)
+        row_ok = offs_m < nrows
+        if BY_PAIR:
+            rows = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0).to(gl.int64)
+        else:
+            rows = (row0 + offs_m).to(gl.int64)
+        row_off = gl.multiple_of(rows * stride_ym, VEC)
+        gl.store(y_ptr + row_off[:, None] + cols[None, :], out,
+                 mask=row_ok[:, None] & gl.max_constancy(cols < N, VEC)[None, :])  # fmt: skip
+
+
+@gluon.jit
 def _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert, pid_n, N,
                         BN: gl.constexpr, INTERLEAVED: gl.constexpr):  # fmt: skip
     """Pointers to the weight scales (one per K block) of a gate_up work item's gate and up
@@ -236,10 +270,8 @@ def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_
         g += gl.load(b_base + g_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
         u += gl.load(b_base + u_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
     out = _activate(g, u, alpha, limit, ACT)
-    rows = (row0 + offs_m).to(gl.int64)
-    ptrs = h_ptr + rows[:, None] * stride_hm + n_out[None, :]
-    gl.store(ptrs, out.to(h_ptr.dtype.element_ty),
-             mask=(offs_m < nrows)[:, None] & col_ok[None, :])  # fmt: skip
+    _store_rows(out.to(h_ptr.dtype.element_ty), h_ptr, stride_hm, row0, nrows, pid_n * BN, N,
+                h_ptr, False)  # fmt: skip
 
 
 @gluon.jit
@@ -400,9 +432,8 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
             acc_g += gl.load(b_base + g_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
             acc_u += gl.load(b_base + u_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
         out = _activate(acc_g, acc_u, alpha, limit, ACT)
-        rows = (row0 + offs_m).to(gl.int64)
-        ptrs = h_ptr + rows[:, None] * stride_hm + n_out[None, :]
-        gl.store(ptrs, out.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _store_rows(out.to(h_ptr.dtype.element_ty), h_ptr, stride_hm, row0, nrows, pid_n * BN,
+                    N, h_ptr, False)  # fmt: skip
 
 
 @gluon.jit
@@ -650,15 +681,12 @@ def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_p
         pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
         acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         if ATOMIC:
-            y_rows = (pair // top_k).to(gl.int64)
+            ptrs = y_ptr + (pair // top_k).to(gl.int64)[:, None] * stride_ym + n_out[None, :]
+            gl.atomic_add(ptrs, acc.to(y_ptr.dtype.element_ty),
+                          mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")  # fmt: skip
         else:
-            y_rows = pair.to(gl.int64)
-        ptrs = y_ptr + y_rows[:, None] * stride_ym + n_out[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        if ATOMIC:
-            gl.atomic_add(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
-        else:
-            gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows,
+                        pid_n * BN, N, sorted_pairs_ptr, True)  # fmt: skip
 
 
 @gluon.jit
