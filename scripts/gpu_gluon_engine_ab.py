@@ -32,7 +32,7 @@ from moekit.tune import random_weights, shape_for, uniform_topk
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip
-BATCHES = (1024, 4096, 16384)
+BATCHES = tuple(int(t) for t in os.environ.get("AB_BATCHES", "1024,4096,16384").split(","))
 ROUNDS = int(os.environ.get("AB_ROUNDS", "6"))
 
 
