@@ -33,7 +33,7 @@ def test_engine_choice_rules(monkeypatch):
     w = make_weights(4, 64, 32, torch.float32, False, device="cpu")
     act = ActivationSpec()
     big = torch.zeros(1024, 64)  # 1024 * 2 / 4 = 512 rows per expert
-    monkeypatch.setattr(gluon_ops, "MIN_INTERMEDIATE", 32)
+    monkeypatch.setattr(gluon_ops, "MIN_ROWS_PER_EXPERT", 256)
     monkeypatch.setenv(ENV, "triton")
     assert gluon_ops.engine_for(big, w, act, 2) == "triton"
     monkeypatch.setenv(ENV, "auto")
@@ -44,8 +44,8 @@ def test_engine_choice_rules(monkeypatch):
     assert gluon_ops.engine_for(torch.zeros(8, 64), w, act, 2) == "triton"  # few rows
     # an EP rank's share of local pairs: 512 * 1/4 = 128 rows per expert, under the bound
     assert gluon_ops.engine_for(big, w, act, 2, local_share=0.25) == "triton"
-    monkeypatch.setattr(gluon_ops, "MIN_INTERMEDIATE", 64)  # a narrower layer than the bound
-    assert gluon_ops.engine_for(big, w, act, 2) == "triton"
+    monkeypatch.setattr(gluon_ops, "MIN_ROWS_PER_EXPERT", 128)
+    assert gluon_ops.engine_for(big, w, act, 2, local_share=0.25) == "gluon"  # at the bound
     monkeypatch.undo()
     monkeypatch.setenv(ENV, "gluon")
     with pytest.raises(ValueError, match=f"{ENV}=gluon: the Gluon engine runs on CUDA only"):
@@ -70,7 +70,7 @@ def test_engine_status_for_moekit_env():
     assert gluon_ops.engine_status((9, 0), "3.6.0") == (
         "Gluon engine: off (needs Triton >= 3.9, have 3.6.0; fp8 block-wise weights need it)"
     )
-    assert gluon_ops.engine_status((9, 0), "3.9.0").startswith("Gluon engine: on from 256 rows")
+    assert gluon_ops.engine_status((9, 0), "3.9.0").startswith("Gluon engine: on from 32 rows")
 
 
 def _fp8_weights(E=4, H=256, I=128, spec=None):

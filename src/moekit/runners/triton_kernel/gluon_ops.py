@@ -32,15 +32,14 @@ from moekit.runners.triton.ops import tma_ok
 MIN_TRITON = (3, 9)
 DTYPES = (torch.float16, torch.bfloat16)
 ENGINES = ("auto", "triton", "gluon")
-# auto picks this engine from this many mean rows per expert (T * K / E) on, for layers with
-# an intermediate size of at least MIN_INTERMEDIATE. Measured on the H100 with Triton 3.9,
-# timed in turns against the runner's Triton engine (scripts/gpu_gluon_engine_ab.py,
-# benchmarks/triton_kernel_notes.md): mixtral-8x7b TP2 (I 7168) 1.06-1.25x and deepseek-v3
-# EP8 (I 2048) 1.03-1.18x at T = 1024-16384; gpt-oss-120b (I 2880) 1.08x at T = 16384 (512
-# rows per expert) but 0.90x at T = 4096 (128: one full and one nearly empty 128-row tile per
-# expert); qwen3-30b-a3b (I 768: a short K loop in down) 1.04x at 256 rows but 0.97x at 1024.
-MIN_ROWS_PER_EXPERT = 256
-MIN_INTERMEDIATE = 2048
+# auto picks this engine from this many mean rows per expert (T * K / E) on. Measured on the
+# H100 with Triton 3.9, timed in turns against the runner's Triton engine since the epilogue
+# stores through shared memory (scripts/gpu_gluon_engine_ab.py, results/ab/20261122T1826Z_*,
+# benchmarks/triton_kernel_notes.md): faster at 15 of 16 points from 32 rows per expert up,
+# qwen3-30b-a3b 1.07-1.15x (64-1024 rows), mixtral-8x7b TP2 1.19-1.28x, deepseek-v3 1.12-1.23x,
+# gpt-oss-120b 1.07x at 32 rows, 0.99x at 64, 1.01x at 128, 1.15x at 512. Fewer rows: not
+# measured, the Triton engine stays.
+MIN_ROWS_PER_EXPERT = 32
 
 
 @dataclass(frozen=True)
@@ -142,8 +141,8 @@ def engine_status(capability: tuple[int, int] | None, triton_version: str | None
     problem = platform_problem(capability, triton_version)
     if problem:
         return f"Gluon engine: off ({problem}; fp8 block-wise weights need it)"
-    return (f"Gluon engine: on from {MIN_ROWS_PER_EXPERT} rows per expert when I >= "
-            f"{MIN_INTERMEDIATE}, and for fp8 block-wise weights "
+    return (f"Gluon engine: on from {MIN_ROWS_PER_EXPERT} rows per expert, and for fp8 "
+            f"block-wise weights "
             f"({envs.MOEKIT_TRITON_KERNEL_ENGINE.name})")  # fmt: skip
 
 
@@ -182,7 +181,7 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
                local_share: float = 1.0) -> str:  # fmt: skip
     """'gluon' or 'triton' for a call, from MOEKIT_TRITON_KERNEL_ENGINE: auto takes this
     engine where it can run, the mean rows per expert (T * top_k * local_share / E: an EP
-    rank's local pairs) reach MIN_ROWS_PER_EXPERT and the intermediate size MIN_INTERMEDIATE;
+    rank's local pairs) reach MIN_ROWS_PER_EXPERT;
     gluon forces it (ValueError naming the reason where it cannot run). fp8 weights run here
     only: 'gluon', or a ValueError that says why not."""
     mode = envs.MOEKIT_TRITON_KERNEL_ENGINE.get().strip().lower()
@@ -198,7 +197,7 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
     if mode == "triton":
         return "triton"
     rows = x.shape[0] * top_k * local_share / max(w.num_experts, 1)
-    if mode == "auto" and (rows < MIN_ROWS_PER_EXPERT or w.intermediate_size < MIN_INTERMEDIATE):
+    if mode == "auto" and rows < MIN_ROWS_PER_EXPERT:
         return "triton"
     reason = unavailable_reason(x, w, act)
     if reason is not None:
