@@ -82,12 +82,12 @@ def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr,
-              tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, b2_row_off,
-              TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     """One warp: the TMA loads of every (work item, K step) of this program, at most STAGES
     ahead of the consumer. Weight rows of expert e, column block n0: b_desc at e * b_row_step +
     n0, and (TWO_B) b2_desc at that + b2_row_off."""
+    (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr,
+     tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, b2_row_off) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -114,10 +114,7 @@ def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, ti
 
 
 @gluon.jit
-def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs,
-                     b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                     num_tiles_ptr, N, K, b_row_step, b2_row_off, GROUP_M: gl.constexpr,
-                     FUSED: gl.constexpr):  # fmt: skip
+def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
     """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
     are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
     (16 bytes a thread and copy; rows past the tile's valid ones and columns past K are
@@ -125,6 +122,9 @@ def _gather_producer(x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc,
     its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival).
     FUSED: b_bufs [2 * STAGES, BN, BK] takes stage s's gate tile at 2s, its up tile at 2s + 1
     (b2_bufs unused)."""
+    (x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
+     empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
+     b2_row_off) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -275,17 +275,16 @@ def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_
 
 
 @gluon.jit
-def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
-                            tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be,
-                            stride_hm, alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr,
-                            stride_as, w_scale_ptr, stride_wse, stride_wsn, ACT: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
-                            GROUP_M: gl.constexpr, SCALED: gl.constexpr,
-                            M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED:
+                            gl.constexpr, GROUP_M: gl.constexpr, SCALED: gl.constexpr, M_OFF:
+                            gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """`_gate_up_consumer` (gathered A) with a stage's gate and up tiles the two halves of one
     [2 * BN, BK] buffer (bb_bufs): one wgmma of 2 * BN columns a step (A is read once), the
     accumulator split into gate and up in registers for the epilogue. SCALED: the weight
     scale of each half applied per column."""
+    (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+     num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr,
+     stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
@@ -343,13 +342,9 @@ def _gate_up_fused_consumer(a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile
 
 
 @gluon.jit
-def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
-                      tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm,
-                      alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr, stride_as,
-                      w_scale_ptr, stride_wse, stride_wsn, ACT: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr,
-                      GATHERED: gl.constexpr, SCALED: gl.constexpr,
-                      M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
+                      GROUP_M: gl.constexpr, GATHERED: gl.constexpr, SCALED: gl.constexpr, M_OFF:
+                      gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Two accumulators (gate: b_bufs, up: b2_bufs) per work item; epilogue: bias, activation,
     h rows stored from registers. GATHERED: the A tiles were written by the producer's
     cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads.
@@ -357,6 +352,9 @@ def _gate_up_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, ti
     products land in fresh accumulators, which are added in scaled by the step's activation
     scale (per row: x's scales [T, cdiv(H, 128)] by token) and weight scale (one per gate / up
     tile: w_scale [E, cdiv(2I, 128), cdiv(H, 128)]; BN = 64 keeps a tile in one row block)."""
+    (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr,
+     tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr,
+     top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
@@ -456,17 +454,18 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    consumer = (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
+                tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
+                limit, tile_expert_ptr, 1, bias_ptr, 0, bias_ptr, 0, 0)  # fmt: skip
+    producer = (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
+                tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
+                up_row_off)  # fmt: skip
     if CONSUMERS == 1:
         gl.warp_specialize(
             [
-                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                     N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
-                                     bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
-                                     GROUP_M, False, False, 0, num_warps)),
-                (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
-                             b_row_step, up_row_off, True, GROUP_M)),
+                (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
+                                     0, num_warps)),
+                (_producer, (producer, True, GROUP_M)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -474,19 +473,11 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
     else:  # a partition per consumer warpgroup (module docstring)
         gl.warp_specialize(
             [
-                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                     N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
-                                     bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
-                                     GROUP_M, False, False, 0, num_warps)),
-                (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
-                                     N, K, stride_be, stride_hm, alpha, limit, tile_expert_ptr, 1,
-                                     bias_ptr, 0, bias_ptr, 0, 0, ACT, HAS_BIAS, INTERLEAVED,
-                                     GROUP_M, False, False, 16 * num_warps, num_warps)),
-                (_producer, (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K,
-                             b_row_step, up_row_off, True, GROUP_M)),
+                (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
+                                     0, num_warps)),
+                (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
+                                     16 * num_warps, num_warps)),
+                (_producer, (producer, True, GROUP_M)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -526,21 +517,21 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
         # the weight tiles' expect-tx arrival, and one cp.async arrival per producer thread
         mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    producer = (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, a_bufs, b_bufs,
+                b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                num_tiles_ptr, N, K, b_row_step, up_row_off)  # fmt: skip
+    shared = (ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+              num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k,
+              x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn)  # fmt: skip
     if FUSED:
         bb_bufs = b_bufs.reinterpret(dtype, [STAGES, 2 * BN, BK], BB_LAYOUT)
+        consumer = (a_bufs, bb_bufs) + shared
         if CONSUMERS == 1:
             gl.warp_specialize(
                 [
-                    (_gate_up_fused_consumer, (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr,
-                                               tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                               num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
-                                               limit, sorted_pairs_ptr, top_k, x_scale_ptr,
-                                               stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
-                                               HAS_BIAS, INTERLEAVED, GROUP_M, SCALED, 0, num_warps)),
-                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
-                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                    (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
+                                               SCALED, 0, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -548,41 +539,23 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
         else:  # a partition per consumer warpgroup (module docstring)
             gl.warp_specialize(
                 [
-                    (_gate_up_fused_consumer, (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr,
-                                               tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                               num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
-                                               limit, sorted_pairs_ptr, top_k, x_scale_ptr,
-                                               stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
-                                               HAS_BIAS, INTERLEAVED, GROUP_M, SCALED, 0, num_warps)),
-                    (_gate_up_fused_consumer, (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr,
-                                               tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                               num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
-                                               limit, sorted_pairs_ptr, top_k, x_scale_ptr,
-                                               stride_xs, w_scale_ptr, stride_wse, stride_wsn, ACT,
-                                               HAS_BIAS, INTERLEAVED, GROUP_M, SCALED, 16 *
-                                               num_warps, num_warps)),
-                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
-                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                    (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
+                                               SCALED, 0, num_warps)),
+                    (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
+                                               SCALED, 16 * num_warps, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
             )
     else:
+        consumer = (a_bufs, b_bufs, b2_bufs) + shared
         if CONSUMERS == 1:
             gl.warp_specialize(
                 [
-                    (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                         num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
-                                         sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
-                                         w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
-                                         INTERLEAVED, GROUP_M, True, SCALED, 0, num_warps)),
-                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
-                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                    (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
+                                         SCALED, 0, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -590,23 +563,11 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
         else:  # a partition per consumer warpgroup (module docstring)
             gl.warp_specialize(
                 [
-                    (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                         num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
-                                         sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
-                                         w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
-                                         INTERLEAVED, GROUP_M, True, SCALED, 0, num_warps)),
-                    (_gate_up_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr,
-                                         tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                         num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit,
-                                         sorted_pairs_ptr, top_k, x_scale_ptr, stride_xs,
-                                         w_scale_ptr, stride_wse, stride_wsn, ACT, HAS_BIAS,
-                                         INTERLEAVED, GROUP_M, True, SCALED, 16 * num_warps,
-                                         num_warps)),
-                    (_gather_producer, (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc,
-                                        w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                                        tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                        num_tiles_ptr, N, K, b_row_step, up_row_off, GROUP_M, FUSED)),
+                    (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
+                                         SCALED, 0, num_warps)),
+                    (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
+                                         SCALED, 16 * num_warps, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
@@ -614,16 +575,15 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
 
 
 @gluon.jit
-def _down_consumer(a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
-                   sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                   num_tiles_ptr, top_k, N, K, stride_be, stride_ym, a_scale_ptr, stride_as,
-                   w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS: gl.constexpr,
-                   ATOMIC: gl.constexpr, GROUP_M: gl.constexpr, SCALED: gl.constexpr,
-                   M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: gl.constexpr,
+                   SCALED: gl.constexpr, M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """One accumulator per work item; epilogue: bias, routing weight, store by pair (or atomic
     add by token) from registers. SCALED: as `_gate_up_consumer`, with h's scales [P,
     cdiv(I, 128)] by sorted row and w2's [E, cdiv(H, 128), cdiv(I, 128)] (BN = 128: one row
     block a tile)."""
+    (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
+     tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K, stride_be,
+     stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
@@ -709,17 +669,17 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    consumer = (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
+                sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
+                top_k, N, K, stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr,
+                stride_wse, stride_wsn)  # fmt: skip
+    producer = (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N, 0)  # fmt: skip
     if CONSUMERS == 1:
         gl.warp_specialize(
             [
-                (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
-                                  sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                  num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
-                                  stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
-                                  GROUP_M, SCALED, 0, num_warps)),
-                (_producer, (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty,
-                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N,
-                             0, False, GROUP_M)),
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, num_warps)),
+                (_producer, (producer, False, GROUP_M)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -727,19 +687,10 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
     else:  # a partition per consumer warpgroup (module docstring)
         gl.warp_specialize(
             [
-                (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
-                                  sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                  num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
-                                  stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
-                                  GROUP_M, SCALED, 0, num_warps)),
-                (_down_consumer, (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
-                                  sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                  num_tiles_ptr, top_k, N, K, stride_be, stride_ym, h_scale_ptr,
-                                  stride_hs, w_scale_ptr, stride_wse, stride_wsn, HAS_BIAS, ATOMIC,
-                                  GROUP_M, SCALED, 16 * num_warps, num_warps)),
-                (_producer, (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty,
-                             tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N,
-                             0, False, GROUP_M)),
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, num_warps)),
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps,
+                                  num_warps)),
+                (_producer, (producer, False, GROUP_M)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
