@@ -46,8 +46,13 @@ VARIANTS = {
     "fp8 c2": (True, {"consumers": 2}),
     "fp8 c2 s6": (True, {"consumers": 2, "gate_up_stages": 6, "down_stages": 6}),
     "fp8 atomic": (True, {"reduce": "atomic"}),
+    "fp8 g4": (True, {"group_m": 4}),
+    "fp8 g16": (True, {"group_m": 16}),
+    "fp8 s4": (True, {"gate_up_stages": 4, "down_stages": 4}),
     "bf16": (False, {}),
     "bf16 c2": (False, {"consumers": 2}),
+    "bf16 dn128": (False, {"down_block_n": 128}),
+    "bf16 g16": (False, {"group_m": 16}),
 }
 AB = [n for n in os.environ.get("AB_VARIANTS", ",".join(VARIANTS)).split(",") if n]
 PREV = os.environ.get("AB_PREV_KERNELS")
