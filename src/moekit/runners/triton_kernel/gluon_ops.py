@@ -85,9 +85,13 @@ FP8_BLOCK = (128, 128)
 # stage alone, so one scales in its products while the other's wgmma runs. Timed in turns on
 # the H100 (results/ab/20261122T1755Z_H100_triton39_gluon_consumers_ab.json): 1.05-1.30x over
 # the two warpgroups in one partition at T = 4096 / 16384 on all four presets; bf16 (no wait
-# each step) gains nothing from it (0.95-1.01x) and keeps one partition.
-FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=5, down_block_n=128,
-                  down_block_k=128, down_stages=5, gate_up_fused=True, consumers=2)  # fmt: skip
+# each step) gains nothing from it (0.95-1.01x) and keeps one partition. 4 stages and group_m 4
+# (results/ab/20261122T1851Z_*, 1855Z_*): 4 stages faster than 5 at all 8 points of the second
+# run (0.1-3.1%); group_m 4 over 8 at 6 of 8 (up to 8.7%, gpt-oss T = 4096), 0.3-0.8% slower on
+# qwen3.
+FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=4, down_block_n=128,
+                  down_block_k=128, down_stages=4, group_m=4, gate_up_fused=True,
+                  consumers=2)  # fmt: skip
 # gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
 # copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
 # elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
