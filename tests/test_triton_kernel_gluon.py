@@ -63,6 +63,13 @@ def test_config_for_gathers_below_the_intermediate_bound():
     assert not gluon_ops.config_for(wide).gather
 
 
+def test_config_consumers_is_one_or_two():
+    assert gluon_ops.FP8.consumers == 2 and gluon_ops.FP8.num_warps == 4
+    assert gluon_ops.DEFAULT.num_warps == 8
+    with pytest.raises(ValueError, match=r"GluonConfig.consumers=3; allowed: 1, 2"):
+        replace(gluon_ops.DEFAULT, consumers=3)
+
+
 def test_engine_status_for_moekit_env():
     assert gluon_ops.engine_status((8, 0), "3.9.0") == (
         "Gluon engine: off (needs an sm_90 GPU; fp8 block-wise weights need it)"

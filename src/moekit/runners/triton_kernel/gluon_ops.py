@@ -54,7 +54,7 @@ class GluonConfig:
     multiplied by one wgmma of 2 * block_n columns (FP8's; bf16 at block_n 128 spills);
     consumers: 1 = the two consumer warpgroups in one partition, held in step; 2 = one partition
     each (64 rows of every tile), so one can scale in its products while the other's wgmma
-    runs (`_gluon_kernels._specialize`)."""
+    runs (the `_gluon_kernels` docstring)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -67,6 +67,10 @@ class GluonConfig:
     gather: bool = True
     gate_up_fused: bool = False
     consumers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.consumers not in (1, 2):
+            raise ValueError(f"GluonConfig.consumers={self.consumers!r}; allowed: 1, 2")
 
     @property
     def num_warps(self) -> int:
