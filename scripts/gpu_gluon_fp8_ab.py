@@ -57,6 +57,8 @@ VARIANTS = {
     "bf16 c2": (False, {"consumers": 2}),
     "bf16 dn128": (False, {"down_block_n": 128}),
     "bf16 g16": (False, {"group_m": 16}),
+    "bf16 g4": (False, {"group_m": 4}),
+    "bf16 s3": (False, {"gate_up_stages": 3, "down_stages": 3}),
 }
 AB = [n for n in os.environ.get("AB_VARIANTS", ",".join(VARIANTS)).split(",") if n]
 PREV = os.environ.get("AB_PREV_KERNELS")
