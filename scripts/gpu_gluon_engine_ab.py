@@ -28,7 +28,7 @@ from moekit.runners.triton.ops import kernel_inputs
 from moekit.runners.triton_kernel import gluon_ops
 from moekit.runners.triton_kernel import ops as tk_ops
 from moekit.runners.triton_kernel.configs import config_for
-from moekit.tune import random_weights, shape_for, uniform_topk
+from moekit.tune import random_weights, seeded_batch, shape_for
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip
@@ -45,9 +45,7 @@ def main() -> None:
         w = random_weights(shape, dev)
         act, E, K = shape.act, shape.num_experts, shape.top_k
         for T in BATCHES:
-            gen = torch.Generator(device=dev).manual_seed(T)
-            topk = uniform_topk(T, E, K, dev, gen)
-            x = torch.randn(T, shape.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+            x, topk = seeded_batch(shape, T, dev)
             x_TH, ids, weights = kernel_inputs(x, topk)
             cfg = config_for(T, K, E, shape.hidden, shape.intermediate, act.interleaved,
                              act.name, "bfloat16", name)  # fmt: skip

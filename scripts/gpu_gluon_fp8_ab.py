@@ -33,7 +33,7 @@ from moekit.runners.triton import ops as triton_ops
 from moekit.runners.triton.ops import kernel_inputs
 from moekit.runners.triton_kernel import gluon_ops
 from moekit.stages import StandardDispatchOutput
-from moekit.tune import random_weights, shape_for, uniform_topk
+from moekit.tune import random_weights, seeded_batch, shape_for
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip
@@ -100,11 +100,9 @@ def main() -> None:
         shape = shape_for(model, tp, ep)
         w = random_weights(shape, dev)
         wq = quantize_experts(w, "fp8_w8a8")
-        act, E, K = shape.act, shape.num_experts, shape.top_k
+        act = shape.act
         for T in BATCHES:
-            gen = torch.Generator(device=dev).manual_seed(T)
-            topk = uniform_topk(T, E, K, dev, gen)
-            x = torch.randn(T, shape.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+            x, topk = seeded_batch(shape, T, dev)
             x_TH, ids, weights = kernel_inputs(x, topk)
             fns = {"bf16 triton": lambda: triton_ops.fused_moe(x, topk, w, act)}
             refs = {fp8: TorchRunner().run(StandardDispatchOutput(x, topk), wq if fp8 else w,

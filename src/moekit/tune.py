@@ -349,6 +349,16 @@ def uniform_topk(T: int, E: int, K: int, device, generator=None) -> TopKOutput:
     return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
+def seeded_batch(shape: TuneShape, T: int, device,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, TopKOutput]:  # fmt: skip
+    """x [T, H] and uniform routing for a batch of T tokens of `shape`, seeded by T: the same
+    inputs in every run and for every variant timed on them."""
+    gen = torch.Generator(device=device).manual_seed(T)
+    topk = uniform_topk(T, shape.num_experts, shape.top_k, device, gen)
+    x = torch.randn(T, shape.hidden, device=device, dtype=dtype, generator=gen)
+    return x, topk
+
+
 def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) -> TopKOutput:
     """K distinct experts per token drawn with probability ~ 1 / rank^s over a random ranking of
     the experts (skewed, like real routing)."""

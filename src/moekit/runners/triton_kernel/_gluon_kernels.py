@@ -67,9 +67,10 @@ def _acc_layout(BN, num_warps, dtype):
 
 @gluon.jit
 def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n,
-               GROUP_M: gl.constexpr):  # fmt: skip
+               GROUP_M: gl.constexpr, M_OFF: gl.constexpr = 0):  # fmt: skip
     """Work item w -> (expert, first sorted row, valid rows, column block). GROUP_M work tiles
-    fastest within each column block: the programs running at once read a weight tile once."""
+    fastest within each column block: the programs running at once read a weight tile once.
+    M_OFF: the calling partition's first row of the tile (rows and count counted from it)."""
     width = GROUP_M * num_n
     first = (w // width) * GROUP_M
     size = gl.minimum(num_tiles - first, GROUP_M)
@@ -78,7 +79,17 @@ def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_
     expert = gl.load(tile_expert_ptr + tile)
     row0 = gl.load(tile_row0_ptr + tile)
     nrows = gl.load(tile_rows_ptr + tile)
-    return expert, row0, nrows, pid_n
+    return expert, row0 + M_OFF, nrows - M_OFF, pid_n
+
+
+@gluon.jit
+def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
+    """Stage s's A tile, or its BM rows from M_OFF where the calling partition takes fewer rows
+    than the tile has (CONSUMERS = 2)."""
+    a = a_bufs.index(s)
+    if BM != a_bufs.type.shape[1]:
+        a = a.slice(M_OFF, BM)
+    return a
 
 
 @gluon.jit
@@ -214,7 +225,7 @@ def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
         _store_rows(hi, y_ptr, stride_ym, row0, nrows, n0 + W // 2, N, sorted_pairs_ptr, BY_PAIR)
     else:
         VEC: gl.constexpr = 128 // out.dtype.primitive_bitwidth
-        TN: gl.constexpr = W // VEC if W // VEC < 32 else 32
+        TN: gl.constexpr = min(W // VEC, 32)
         layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TN, TN], [gl.num_warps(), 1],
                                                 [1, 0])  # fmt: skip
         out = gl.convert_layout(out, layout)
@@ -253,9 +264,7 @@ def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_
                    alpha, limit, BN: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                    INTERLEAVED: gl.constexpr):  # fmt: skip
     """Epilogue of gate_up: gate g and up u [BM, BN] (float32, any distributed layout) of a
-    work item -> bias, activation, h rows stored from registers (rows past nrows masked)."""
-    BM: gl.constexpr = g.shape[0]
-    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, g.type.layout))
+    work item -> bias, activation, h rows stored (`_store_rows`; rows past nrows left alone)."""
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, g.type.layout))
     n_out = pid_n * BN + offs_n
     col_ok = n_out < N
@@ -275,9 +284,10 @@ def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_
 
 
 @gluon.jit
-def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED:
-                            gl.constexpr, GROUP_M: gl.constexpr, SCALED: gl.constexpr, M_OFF:
-                            gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr,
+                            SCALED: gl.constexpr, M_OFF: gl.constexpr,
+                            num_warps: gl.constexpr):  # fmt: skip
     """`_gate_up_consumer` (gathered A) with a stage's gate and up tiles the two halves of one
     [2 * BN, BK] buffer (bb_bufs): one wgmma of 2 * BN columns a step (A is read once), the
     accumulator split into gate and up in registers for the epilogue. SCALED: the weight
@@ -287,7 +297,6 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INT
      stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
-    SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN2: gl.constexpr = bb_bufs.type.shape[1]
     BN: gl.constexpr = BN2 // 2
@@ -301,10 +310,8 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INT
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
         expert, row0, nrows, pid_n = _work_item(
-            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
-        row0 += M_OFF
-        nrows -= M_OFF
         row_ok = offs_m < nrows
         acc = zero
         if SCALED:
@@ -314,9 +321,7 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INT
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
-            a = a_bufs.index(s)
-            if SLICED:
-                a = a.slice(M_OFF, BM)
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:
                 a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
                 col_s = gl.where(is_gate, gl.load(g_s_ptr + ki), gl.load(u_s_ptr + ki))
@@ -343,8 +348,8 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INT
 
 @gluon.jit
 def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
-                      GROUP_M: gl.constexpr, GATHERED: gl.constexpr, SCALED: gl.constexpr, M_OFF:
-                      gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                      GROUP_M: gl.constexpr, GATHERED: gl.constexpr, SCALED: gl.constexpr,
+                      M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Two accumulators (gate: b_bufs, up: b2_bufs) per work item; epilogue: bias, activation,
     h rows stored from registers. GATHERED: the A tiles were written by the producer's
     cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads.
@@ -357,12 +362,10 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
      top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
-    SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     zero = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -370,10 +373,8 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
         expert, row0, nrows, pid_n = _work_item(
-            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
-        row0 += M_OFF
-        nrows -= M_OFF
         row_ok = offs_m < nrows
         acc_g = zero
         acc_u = zero
@@ -384,9 +385,7 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
-            a = a_bufs.index(s)
-            if SLICED:
-                a = a.slice(M_OFF, BM)
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:  # the step's scales load while its operands arrive
                 a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
                 g_s = a_s * gl.load(g_s_ptr + ki)
@@ -417,21 +416,8 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
         if not SCALED:
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        n_out = pid_n * BN + offs_n
-        col_ok = n_out < N
-        if HAS_BIAS:
-            b_base = bias_ptr + expert.to(gl.int64) * stride_be
-            if INTERLEAVED:  # b13[e] holds gate column n at 2n, up at 2n + 1
-                g_col = 2 * n_out
-                u_col = g_col + 1
-            else:  # gate at n, up at I + n
-                g_col = n_out
-                u_col = N + n_out
-            acc_g += gl.load(b_base + g_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-            acc_u += gl.load(b_base + u_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-        out = _activate(acc_g, acc_u, alpha, limit, ACT)
-        _store_rows(out.to(h_ptr.dtype.element_ty), h_ptr, stride_hm, row0, nrows, pid_n * BN,
-                    N, h_ptr, False)  # fmt: skip
+        _gate_up_store(acc_g, acc_u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
+                       stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
 
 
 @gluon.jit
@@ -586,7 +572,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
      stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
-    SLICED: gl.constexpr = BM != a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
@@ -599,10 +584,8 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
         expert, row0, nrows, pid_n = _work_item(
-            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
-        row0 += M_OFF
-        nrows -= M_OFF
         row_ok = offs_m < nrows
         acc = zero
         if SCALED:
@@ -612,9 +595,7 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                        + (pid_n * BN // 128) * stride_wsn)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
-            a = a_bufs.index(s)
-            if SLICED:
-                a = a.slice(M_OFF, BM)
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:
                 scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
