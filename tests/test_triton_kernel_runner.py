@@ -47,8 +47,6 @@ ROUTE_CASES = [  # (T, K, E, block_m, masked, one_expert, chunk)
     (37, 2, 6, 16, 0.0, True, 16),  # one expert takes every pair
     (25, 4, 130, 32, 0.2, False, 32),  # E not a power of two, EP = 256
     (20, 2, 3, 16, 1.0, False, 16),  # every id masked
-    (40, 3, 7, 24, 0.1, False, 16),  # tiles not a power of two (the Gluon engine's 192)
-    (300, 4, 5, 192, 0.0, False, 64),
 ]
 
 
@@ -95,7 +93,7 @@ def test_routing_refuses_bad_input():
     with pytest.raises(ValueError, match="int32"):
         routing.route(ids, 4, 16)
     with pytest.raises(ValueError, match="block_m"):
-        routing.route(ids.int(), 4, 0)
+        routing.route(ids.int(), 4, 24)
     with pytest.raises(ValueError, match=r"\[T, K\]"):
         routing.route(ids.int().view(-1), 4, 16)
 

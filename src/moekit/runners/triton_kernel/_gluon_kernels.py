@@ -46,21 +46,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+BLOCK_M = 128  # two consumer warpgroups of 64 rows
+NUM_WARPS = 8  # the default (consumer) partition
 PRODUCER_REGS = gl.constexpr(40)  # registers of the producer warp (setmaxnreg)
 GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.async
 GATHER_REGS = gl.constexpr(88)  # its registers: row pointers and masks of 8 copies a thread
+MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
 CONSUMER_REGS = gl.constexpr(208)  # the second consumer warpgroup's (CONSUMERS = 2)
-# CONSUMERS = 3 (16 warps, 128 registers each at launch): the two worker consumers take 152
-# (fp8 needs about 148: 64 accumulator + 64 product registers a thread), the producer 40 (TMA)
-# or 56 (gathering, `_gather_producer` copies 64 rows at a time), the default partition the rest
-CONSUMER3_REGS = gl.constexpr(152)
-GATHER3_REGS = gl.constexpr(40)
-
-
-def max_regs(consumers: int) -> int:
-    """Per-thread register cap at launch: 12 warps (two consumer warpgroups and the producer's)
-    or 16 (CONSUMERS = 3) share one SM's 64K registers."""
-    return 128 if consumers == 3 else 168
 
 
 @gluon.constexpr_function
@@ -91,17 +83,12 @@ def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_
 
 
 @gluon.jit
-def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
     """Stage s's A tile, or its BM rows from M_OFF where the calling partition takes fewer rows
-    than the tile has (CONSUMERS = 2), or (CONSUMERS = 3: a_bufs [STAGES * 3, 64, BK], a tile's
-    three 64-row pieces side by side) the partition's piece."""
-    PIECES: gl.constexpr = a_bufs.type.shape[0] // STAGES
-    if PIECES > 1:
-        a = a_bufs.index(s * PIECES + M_OFF // a_bufs.type.shape[1])
-    else:
-        a = a_bufs.index(s)
-        if BM != a_bufs.type.shape[1]:
-            a = a.slice(M_OFF, BM)
+    than the tile has (CONSUMERS = 2)."""
+    a = a_bufs.index(s)
+    if BM != a_bufs.type.shape[1]:
+        a = a.slice(M_OFF, BM)
     return a
 
 
@@ -112,13 +99,10 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     n0, and (TWO_B) b2_desc at that + b2_row_off."""
     (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr,
      tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, b2_row_off) = args  # fmt: skip
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    PIECES: gl.constexpr = a_bufs.type.shape[0] // STAGES  # A boxes a tile (`_stage_rows`)
-    PM: gl.constexpr = a_bufs.type.shape[1]
-    nbytes: gl.constexpr = (PIECES * a_desc.block_type.nbytes
-                            + b_desc.block_type.nbytes * (1 + TWO_B))  # fmt: skip
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes * (1 + TWO_B)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
@@ -133,9 +117,7 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
             mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            for p in gl.static_range(PIECES):
-                tma.async_load(a_desc, [row0 + p * PM, ki * BK], bar,
-                               a_bufs.index(s * PIECES + p))  # fmt: skip
+            tma.async_load(a_desc, [row0, ki * BK], bar, a_bufs.index(s))
             tma.async_load(b_desc, [b_row, ki * BK], bar, b_bufs.index(s))
             if TWO_B:
                 tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s))
@@ -150,23 +132,19 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: 
     zero-filled; x's row stride a multiple of 16 bytes), each thread arriving on `ready[s]` when
     its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival).
     FUSED: b_bufs [2 * STAGES, BN, BK] takes stage s's gate tile at 2s, its up tile at 2s + 1
-    (b2_bufs unused). A tile of 128 rows is copied whole from row pointers made once per work
-    item; one of 192 (CONSUMERS = 3: a_bufs holds its three 64-row pieces, `_stage_rows`) a
-    piece at a time from pointers made at each K step (three sets would not fit the producer's
-    registers)."""
+    (b2_bufs unused)."""
     (x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
      empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
      b2_row_off) = args  # fmt: skip
-    STAGES: gl.constexpr = ready.type.shape[0]
-    PIECES: gl.constexpr = a_bufs.type.shape[0] // STAGES
-    PM: gl.constexpr = a_bufs.type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth  # elements of a 16-byte copy
     nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BK, BK // VEC],
                                             [GATHER_WARPS, 1], [1, 0])  # fmt: skip
-    offs_m = gl.arange(0, PM, layout=gl.SliceLayout(1, layout))
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -177,9 +155,10 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: 
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
         b_row = expert * b_row_step + pid_n * BN
-        if PIECES == 1:
-            row_ok, a_rows = _gather_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0,
-                                          nrows, offs_m, VEC)  # fmt: skip
+        row_ok = offs_m < nrows
+        pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+        row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, VEC)
+        a_rows = x_ptr + row_off[:, None]
         for ki in range(num_k):
             s = count % STAGES
             mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
@@ -196,28 +175,10 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: 
             cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
             # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
             col_ok = gl.max_constancy(cols < K, VEC)
-            if PIECES == 1:
-                async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :],
-                                      mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
-            else:
-                for p in gl.static_range(PIECES):
-                    p_ok, p_rows = _gather_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k,
-                                                row0 + p * PM, nrows - p * PM, offs_m,
-                                                VEC)  # fmt: skip
-                    async_copy.async_load(a_bufs.index(s * PIECES + p), p_rows + cols[None, :],
-                                          mask=p_ok[:, None] & col_ok[None, :])  # fmt: skip
+            mask = row_ok[:, None] & col_ok[None, :]
+            async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=mask)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             count += 1
-
-
-@gluon.jit
-def _gather_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0, nrows, offs_m,
-                 VEC: gl.constexpr):  # fmt: skip
-    """(row_ok, pointers to x's rows) of sorted rows row0 + offs_m (valid below nrows)."""
-    row_ok = offs_m < nrows
-    pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
-    row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, VEC)
-    return row_ok, x_ptr + row_off[:, None]
 
 
 @gluon.jit
@@ -334,7 +295,7 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
     (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
      num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr,
      stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN2: gl.constexpr = bb_bufs.type.shape[1]
@@ -360,7 +321,7 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
-            a = _stage_rows(a_bufs, s, M_OFF, BM, STAGES)
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:
                 a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
                 col_s = gl.where(is_gate, gl.load(g_s_ptr + ki), gl.load(u_s_ptr + ki))
@@ -399,7 +360,7 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
     (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr,
      tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr,
      top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -424,7 +385,7 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
-            a = _stage_rows(a_bufs, s, M_OFF, BM, STAGES)
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:  # the step's scales load while its operands arrive
                 a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
                 g_s = a_s * gl.load(g_s_ptr + ki)
@@ -470,9 +431,7 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
     w13 viewed [E * 2I, H] for both (b_row_step 2I, up_row_off I), or, interleaved, the gate
     rows and the up rows each viewed [E * I, H] with row stride 2H (b_row_step I, 0)."""
     dtype: gl.constexpr = xs_desc.dtype
-    PIECES: gl.constexpr = 3 if CONSUMERS == 3 else 1  # A boxes a tile (`_stage_rows`)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * PIECES] + xs_desc.block_type.shape,
-                                       xs_desc.layout)  # fmt: skip
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + xs_desc.block_type.shape, xs_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     b2_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_up_desc.block_type.shape,
                                         w_up_desc.layout)  # fmt: skip
@@ -497,7 +456,7 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
             [1],
             [PRODUCER_REGS],
         )
-    elif CONSUMERS == 2:  # a partition per consumer warpgroup (module docstring)
+    else:  # a partition per consumer warpgroup (module docstring)
         gl.warp_specialize(
             [
                 (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
@@ -508,20 +467,6 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
-        )
-    else:  # three: BM = 192
-        gl.warp_specialize(
-            [
-                (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
-                                     0, num_warps)),
-                (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
-                                     16 * num_warps, num_warps)),
-                (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
-                                     32 * num_warps, num_warps)),
-                (_producer, (producer, True, GROUP_M)),
-            ],
-            [num_warps, num_warps, 1],
-            [CONSUMER3_REGS, CONSUMER3_REGS, PRODUCER_REGS],
         )
 
 
@@ -545,8 +490,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
     dtype: gl.constexpr = w_desc.dtype
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
-    PIECES: gl.constexpr = 3 if CONSUMERS == 3 else 1  # A pieces a tile (`_stage_rows`)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * PIECES, BM // PIECES, BK], A_LAYOUT)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
     if FUSED:  # stage s's gate tile at 2s, up at 2s + 1: together one [2 * BN, BK] tile
         b_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, BK], w_desc.layout)
         b2_bufs = b_bufs
@@ -578,7 +522,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 [GATHER_WARPS],
                 [GATHER_REGS],
             )
-        elif CONSUMERS == 2:  # a partition per consumer warpgroup (module docstring)
+        else:  # a partition per consumer warpgroup (module docstring)
             gl.warp_specialize(
                 [
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
@@ -589,20 +533,6 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
-            )
-        else:  # three: BM = 192
-            gl.warp_specialize(
-                [
-                    (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
-                                               SCALED, 0, num_warps)),
-                    (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
-                                               SCALED, 16 * num_warps, num_warps)),
-                    (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
-                                               SCALED, 32 * num_warps, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED)),
-                ],
-                [num_warps, num_warps, GATHER_WARPS],
-                [CONSUMER3_REGS, CONSUMER3_REGS, GATHER3_REGS],
             )
     else:
         consumer = (a_bufs, b_bufs, b2_bufs) + shared
@@ -616,7 +546,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 [GATHER_WARPS],
                 [GATHER_REGS],
             )
-        elif CONSUMERS == 2:  # a partition per consumer warpgroup (module docstring)
+        else:  # a partition per consumer warpgroup (module docstring)
             gl.warp_specialize(
                 [
                     (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
@@ -627,20 +557,6 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
-            )
-        else:  # three: BM = 192
-            gl.warp_specialize(
-                [
-                    (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
-                                         SCALED, 0, num_warps)),
-                    (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
-                                         SCALED, 16 * num_warps, num_warps)),
-                    (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
-                                         SCALED, 32 * num_warps, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED)),
-                ],
-                [num_warps, num_warps, GATHER_WARPS],
-                [CONSUMER3_REGS, CONSUMER3_REGS, GATHER3_REGS],
             )
 
 
@@ -654,7 +570,7 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
     (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K, stride_be,
      stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
-    STAGES: gl.constexpr = ready.type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -679,7 +595,7 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                        + (pid_n * BN // 128) * stride_wsn)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
-            a = _stage_rows(a_bufs, s, M_OFF, BM, STAGES)
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:
                 scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
@@ -727,9 +643,7 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
     block scales (`_down_consumer`): h_scale [P, cdiv(I, 128)] (row stride stride_hs), w_scale
     [E, cdiv(H, 128), cdiv(I, 128)]."""
     dtype: gl.constexpr = h_desc.dtype
-    PIECES: gl.constexpr = 3 if CONSUMERS == 3 else 1  # A boxes a tile (`_stage_rows`)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * PIECES] + h_desc.block_type.shape,
-                                       h_desc.layout)  # fmt: skip
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -751,7 +665,7 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
             [1],
             [PRODUCER_REGS],
         )
-    elif CONSUMERS == 2:  # a partition per consumer warpgroup (module docstring)
+    else:  # a partition per consumer warpgroup (module docstring)
         gl.warp_specialize(
             [
                 (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, num_warps)),
@@ -761,17 +675,4 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
-        )
-    else:  # three: BM = 192
-        gl.warp_specialize(
-            [
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, num_warps)),
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps,
-                                  num_warps)),
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 32 * num_warps,
-                                  num_warps)),
-                (_producer, (producer, False, GROUP_M)),
-            ],
-            [num_warps, num_warps, 1],
-            [CONSUMER3_REGS, CONSUMER3_REGS, PRODUCER_REGS],
         )

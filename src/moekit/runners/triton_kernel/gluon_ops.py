@@ -69,23 +69,15 @@ class GluonConfig:
     consumers: int = 1
 
     def __post_init__(self) -> None:
-        if self.consumers not in (1, 2, 3):
-            raise ValueError(f"GluonConfig.consumers={self.consumers!r}; allowed: 1, 2, 3")
-
-    @property
-    def block_m(self) -> int:
-        """Rows of a work tile: 64 a consumer warpgroup, two of them at least."""
-        return 64 * max(2, self.consumers)
-
-    @property
-    def a_rows(self) -> int:
-        """Rows of one activation box in shared memory: the tile, or (3 consumers) a third."""
-        return 64 if self.consumers == 3 else self.block_m
+        if self.consumers not in (1, 2):
+            raise ValueError(f"GluonConfig.consumers={self.consumers!r}; allowed: 1, 2")
 
     @property
     def num_warps(self) -> int:
         """Warps of the kernels' default partition: both consumer warpgroups, or the first."""
-        return 8 if self.consumers == 1 else 4
+        from moekit.runners.triton_kernel import _gluon_kernels as gk
+
+        return gk.NUM_WARPS // self.consumers
 
 
 DEFAULT = GluonConfig()
@@ -252,12 +244,6 @@ def _gl_dtype(t: torch.Tensor):
             FP8_DTYPE: gl.float8e4nv}[t.dtype]  # fmt: skip
 
 
-def _check_tiles(r, cfg: GluonConfig) -> None:
-    if r.block_m != cfg.block_m:
-        raise ValueError(f"routing tiles of {r.block_m} rows, the config's are {cfg.block_m} "
-                         f"(consumers={cfg.consumers})")  # fmt: skip
-
-
 def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, dummy: torch.Tensor):
     """(a_scale, its row stride, w_scale, its expert and row-block strides) for SCALED
     kernels; placeholders (never read) otherwise."""
@@ -276,7 +262,6 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
 
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
-    _check_tiles(r, cfg)
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
     scaled = x_scale is not None
@@ -293,7 +278,7 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
                 STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
-                num_warps=cfg.num_warps, maxnreg=gk.max_regs(cfg.consumers))  # fmt: skip
+                num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS)  # fmt: skip
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
               float(act.limit))  # fmt: skip
@@ -302,15 +287,15 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     if scaled and not aligned:
         raise ValueError("fp8 gate_up gathers x's rows: they must be 16-byte aligned")
     if scaled or (cfg.gather and aligned):
-        a_layout = gl.NVMMASharedLayout.get_default_for([cfg.a_rows, bk], _gl_dtype(x))
+        a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
         bb_layout = gl.NVMMASharedLayout.get_default_for([2 * bn, bk], _gl_dtype(w.w13))
         gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common,
                                        *_scale_args(x_scale, w.w13_scale, b13), **tail,
-                                       BM=cfg.block_m, A_LAYOUT=a_layout, SCALED=scaled,
+                                       BM=gk.BLOCK_M, A_LAYOUT=a_layout, SCALED=scaled,
                                        FUSED=cfg.gate_up_fused, BB_LAYOUT=bb_layout)  # fmt: skip
     else:
         xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
-        xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [cfg.a_rows, bk])
+        xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
         gk.gate_up_kernel[grid](xs_desc, *common, **tail)
     return out
 
@@ -322,10 +307,9 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
     fp8 block-wise weights: h is fp8 with h_scale [P, cdiv(I, 128)]."""
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
-    _check_tiles(r, cfg)
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     bn, bk = cfg.down_block_n, cfg.down_block_k
-    h_desc = _desc(h, [h.shape[0], I], [I, 1], [cfg.a_rows, bk])
+    h_desc = _desc(h, [h.shape[0], I], [I, 1], [gk.BLOCK_M, bk])
     w_desc = _desc(w.w2, [E * H, I], [I, 1], [bn, bk])
     b2 = w.b2 if w.b2 is not None else w.w2
     grid = _grid(h.device, r.max_tiles * triton.cdiv(H, bn))
@@ -335,7 +319,7 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
         *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
         ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
         SCALED=h_scale is not None, CONSUMERS=cfg.consumers, num_warps=cfg.num_warps,
-        maxnreg=gk.max_regs(cfg.consumers),
+        maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
@@ -353,7 +337,7 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     K = ids.shape[1]
     E = w.num_experts
     cfg = config_for(w) if cfg is None else cfg
-    r = route(ids, E, cfg.block_m)
+    r = route(ids, E, gk.BLOCK_M)
     if w.format == "fp8_w8a8":  # block-wise: both GEMM inputs quantized per group of 128
         from moekit.quant.act_quant import quantize_act
 

@@ -59,8 +59,8 @@ def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:
         raise ValueError(f"topk ids must be int32, got {ids_TK.dtype}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
-    if block_m < 1:
-        raise ValueError(f"block_m must be positive, got {block_m}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
 
 
 def _alloc(P: int, E: int, block_m: int, device) -> Routing:
