@@ -45,7 +45,6 @@ VARIANTS = {
     "fp8 c1": (True, {"consumers": 1}),
     "fp8 c2": (True, {"consumers": 2}),
     "fp8 c2 s6": (True, {"consumers": 2, "gate_up_stages": 6, "down_stages": 6}),
-    "fp8 hpass": (True, {"quantize_h": False}),  # h quantized by a separate pass
     "fp8 atomic": (True, {"reduce": "atomic"}),
     "fp8 g4": (True, {"group_m": 4}),
     "fp8 g16": (True, {"group_m": 16}),

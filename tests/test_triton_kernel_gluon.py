@@ -70,13 +70,6 @@ def test_config_consumers_is_one_or_two():
         replace(gluon_ops.DEFAULT, consumers=3)
 
 
-def test_config_quantize_h_needs_the_fused_64_column_gate_up():
-    with pytest.raises(ValueError, match="quantize_h needs gate_up_fused=True"):
-        replace(gluon_ops.FP8, gate_up_fused=False)
-    with pytest.raises(ValueError, match="gate_up_block_n=64"):
-        replace(gluon_ops.DEFAULT, gate_up_fused=True, quantize_h=True)
-
-
 def test_engine_status_for_moekit_env():
     assert gluon_ops.engine_status((8, 0), "3.9.0") == (
         "Gluon engine: off (needs an sm_90 GPU; fp8 block-wise weights need it)"
@@ -213,11 +206,10 @@ def compile_kernels_for_sm90() -> None:
     bb_layout = gl.NVMMASharedLayout.get_default_for([2 * cfg.gate_up_block_n,
                                                       cfg.gate_up_block_k], gl.bfloat16)  # fmt: skip
     gather_consts = {**consts, "BM": bm, "A_LAYOUT": a_layout, "SCALED": False, "FUSED": False,
-                     "BB_LAYOUT": bb_layout, "QUANT_H": False, "H_DTYPE": gl.bfloat16}  # fmt: skip
+                     "BB_LAYOUT": bb_layout}  # fmt: skip
     aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
     scales = {"x_scale_ptr": "*fp32", "stride_xs": "i32", "w_scale_ptr": "*fp32",
-              "stride_wse": "i32", "stride_wsn": "i32", "hs_ptr": "*fp32",
-              "stride_hs": "i32"}  # fmt: skip
+              "stride_wse": "i32", "stride_wsn": "i32"}  # fmt: skip
     gather_sig = {"x_ptr": "*bf16", "stride_xm": "i32", "sorted_pairs_ptr": "*i32",
                   "top_k": "i32", **gate_up_sig, **scales}  # fmt: skip
     ptx = _compile_sm90(gk.gate_up_gather_kernel,
@@ -244,11 +236,6 @@ def compile_kernels_for_sm90() -> None:
         ptx = _compile_sm90(gk.gate_up_gather_kernel, sig, {**fp8_consts, **variant}, aligned)
         assert "e4m3.e4m3" in ptx and "cp.async.cg.shared.global" in ptx
     assert "m64n128k32.f32.e4m3.e4m3" in ptx and "bar.sync 0, 256" not in ptx
-    # h quantized in the epilogue: fp8 stores of h (16 bytes a thread) and a division per value
-    quant = {"FUSED": True, **split, "QUANT_H": True}
-    ptx = _compile_sm90(gk.gate_up_gather_kernel, {**sig, "h_ptr": "*fp8e4nv"},
-                        {**fp8_consts, **quant}, aligned)  # fmt: skip
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
     hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
@@ -387,12 +374,8 @@ def test_fp8_block_matches_reference_gpu(case):
     assert out.shape == x.shape and out.dtype == x.dtype
     ref = _fp8_reference(x, topk, w, act)
     assert rel_err(out, ref) < 3e-2
-    # h quantized in gate_up's epilogue is the separate pass's twin bit for bit
-    assert gluon_ops.FP8.quantize_h
-    h_pass = replace(gluon_ops.FP8, quantize_h=False)
-    assert torch.equal(_gluon(x, topk, w, act, gluon_ops.FP8), _gluon(x, topk, w, act, h_pass))
-    unfused = replace(h_pass, gate_up_fused=False)
-    assert rel_err(_gluon(x, topk, w, act, unfused), ref) < 3e-2  # the other gate_up layout
+    fused = replace(gluon_ops.FP8, gate_up_fused=not gluon_ops.FP8.gate_up_fused)
+    assert rel_err(_gluon(x, topk, w, act, fused), ref) < 3e-2  # the other gate_up layout
     split = replace(gluon_ops.FP8, consumers=3 - gluon_ops.FP8.consumers)
     assert rel_err(_gluon(x, topk, w, act, split), ref) < 3e-2  # the other consumer count
 

@@ -35,7 +35,6 @@ scales and the tile's weight scale.
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -47,8 +46,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moekit.quant.act_quant import EPS
-
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 NUM_WARPS = 8  # the default (consumer) partition
 PRODUCER_REGS = gl.constexpr(40)  # registers of the producer warp (setmaxnreg)
@@ -56,9 +53,6 @@ GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.asy
 GATHER_REGS = gl.constexpr(88)  # its registers: row pointers and masks of 8 copies a thread
 MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
 CONSUMER_REGS = gl.constexpr(208)  # the second consumer warpgroup's (CONSUMERS = 2)
-# h quantized in gate_up's epilogue (QUANT_H) as `quant.act_quant.quantize_act` does it
-FP8_MAX = gl.constexpr(float(torch.finfo(torch.float8_e4m3fn).max))
-QUANT_EPS = gl.constexpr(EPS)
 
 
 @gluon.constexpr_function
@@ -131,28 +125,28 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
 
 
 @gluon.jit
-def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr,
-                     HALVES: gl.constexpr = 1):  # fmt: skip
+def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
     """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
     are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
     (16 bytes a thread and copy; rows past the tile's valid ones and columns past K are
     zero-filled; x's row stride a multiple of 16 bytes), each thread arriving on `ready[s]` when
     its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival).
     FUSED: b_bufs [2 * STAGES, BN, BK] takes stage s's gate tile at 2s, its up tile at 2s + 1
-    (b2_bufs unused). HALVES = 2: a work item is two column blocks in turn, the second skipped
-    past N (`_gate_up_fused_consumer`'s QUANT_H)."""
+    (b2_bufs unused)."""
     (x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
      empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
      b2_row_off) = args  # fmt: skip
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth  # elements of a 16-byte copy
+    nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BK, BK // VEC],
                                             [GATHER_WARPS, 1], [1, 0])  # fmt: skip
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-    num_n = gl.cdiv(N, BN * HALVES)
+    num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
@@ -160,51 +154,31 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr,
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
+        b_row = expert * b_row_step + pid_n * BN
         row_ok = offs_m < nrows
         pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
         row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, VEC)
         a_rows = x_ptr + row_off[:, None]
-        b_row = expert * b_row_step + pid_n * HALVES * BN
-        count = _gather_steps(b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, count,
-                              num_k, b_row, b2_row_off, a_rows, row_ok, offs_k, K, FUSED)  # fmt: skip
-        if HALVES == 2:
-            if (pid_n * 2 + 1) * BN < N:
-                count = _gather_steps(b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
-                                      count, num_k, b_row + BN, b2_row_off, a_rows, row_ok,
-                                      offs_k, K, FUSED)  # fmt: skip
-
-
-@gluon.jit
-def _gather_steps(b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, count, num_k, b_row,
-                  b2_row_off, a_rows, row_ok, offs_k, K, FUSED: gl.constexpr):  # fmt: skip
-    """`_gather_producer`'s K steps of one column block (weight rows from b_row) from stage
-    counter count; returns the counter after them."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth  # elements of a 16-byte copy
-    nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
-    for ki in range(num_k):
-        s = count % STAGES
-        # stages start free: the first pass waits on the phase before the initial one
-        mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        if FUSED:
-            b_dst = b_bufs.index(2 * s)
-            b2_dst = b_bufs.index(2 * s + 1)
-        else:
-            b_dst = b_bufs.index(s)
-            b2_dst = b2_bufs.index(s)
-        tma.async_load(b_desc, [b_row, ki * BK], bar, b_dst)
-        tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst)
-        cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
-        # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
-        col_ok = gl.max_constancy(cols < K, VEC)
-        mask = row_ok[:, None] & col_ok[None, :]
-        async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=mask)
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-        count += 1
-    return count
+        for ki in range(num_k):
+            s = count % STAGES
+            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            if FUSED:
+                b_dst = b_bufs.index(2 * s)
+                b2_dst = b_bufs.index(2 * s + 1)
+            else:
+                b_dst = b_bufs.index(s)
+                b2_dst = b2_bufs.index(s)
+            tma.async_load(b_desc, [b_row, ki * BK], bar, b_dst)
+            tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst)
+            cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
+            # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
+            col_ok = gl.max_constancy(cols < K, VEC)
+            mask = row_ok[:, None] & col_ok[None, :]
+            async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=mask)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            count += 1
 
 
 @gluon.jit
@@ -286,10 +260,11 @@ def _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert, pid_n, N,
 
 
 @gluon.jit
-def _gate_up_act(g, u, expert, pid_n, bias_ptr, N, stride_be, alpha, limit, BN: gl.constexpr,
-                 ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr):  # fmt: skip
-    """gate g and up u [BM, BN] (float32, any distributed layout) of column block pid_n ->
-    act(g + b_gate) * (u + b_up), float32."""
+def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be, stride_hm,
+                   alpha, limit, BN: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   INTERLEAVED: gl.constexpr):  # fmt: skip
+    """Epilogue of gate_up: gate g and up u [BM, BN] (float32, any distributed layout) of a
+    work item -> bias, activation, h rows stored (`_store_rows`; rows past nrows left alone)."""
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, g.type.layout))
     n_out = pid_n * BN + offs_n
     col_ok = n_out < N
@@ -303,138 +278,72 @@ def _gate_up_act(g, u, expert, pid_n, bias_ptr, N, stride_be, alpha, limit, BN: 
             u_col = N + n_out
         g += gl.load(b_base + g_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
         u += gl.load(b_base + u_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-    return _activate(g, u, alpha, limit, ACT)
-
-
-@gluon.jit
-def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be, stride_hm,
-                   alpha, limit, BN: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   INTERLEAVED: gl.constexpr):  # fmt: skip
-    """Epilogue of gate_up: `_gate_up_act`, h rows stored (`_store_rows`; rows past nrows left
-    alone)."""
-    out = _gate_up_act(g, u, expert, pid_n, bias_ptr, N, stride_be, alpha, limit, BN, ACT,
-                       HAS_BIAS, INTERLEAVED)  # fmt: skip
+    out = _activate(g, u, alpha, limit, ACT)
     _store_rows(out.to(h_ptr.dtype.element_ty), h_ptr, stride_hm, row0, nrows, pid_n * BN, N,
                 h_ptr, False)  # fmt: skip
 
 
 @gluon.jit
-def _store_h_quantized(h0, h1, row0, nrows, pid_q, N, h_ptr, stride_hm, hs_ptr, stride_hs,
-                       QMAX: gl.constexpr, EPS: gl.constexpr):  # fmt: skip
-    """h's group pid_q of 128 columns, its two halves h0, h1 [BM, 64] (x's dtype; h1 zero past
-    N) -> fp8 h rows (`_store_rows`) and their scales hs[row, pid_q] = max(amax, EPS) / QMAX,
-    as `quant.quantize_act` makes them from the stored h (its twin, bit for bit)."""
-    f0 = h0.to(gl.float32)
-    f1 = h1.to(gl.float32)
-    amax = gl.maximum(gl.max(gl.abs(f0), axis=1), gl.max(gl.abs(f1), axis=1))
-    scale = gl.div_rn(gl.maximum(amax, EPS), QMAX)
-    BN: gl.constexpr = h0.shape[1]
-    dtype: gl.constexpr = h_ptr.dtype.element_ty
-    q0 = gl.minimum(gl.maximum(gl.div_rn(f0, scale[:, None]), -QMAX), QMAX).to(dtype)
-    q1 = gl.minimum(gl.maximum(gl.div_rn(f1, scale[:, None]), -QMAX), QMAX).to(dtype)
-    _store_rows(q0, h_ptr, stride_hm, row0, nrows, 2 * pid_q * BN, N, h_ptr, False)
-    _store_rows(q1, h_ptr, stride_hm, row0, nrows, (2 * pid_q + 1) * BN, N, h_ptr, False)
-    offs_m = gl.arange(0, h0.shape[0], layout=scale.type.layout)
-    gl.store(hs_ptr + (row0 + offs_m).to(gl.int64) * stride_hs + pid_q, scale,
-             mask=offs_m < nrows)  # fmt: skip
-
-
-@gluon.jit
-def _fused_k_steps(a_bufs, bb_bufs, ready, empty, count, num_k, zero, is_gate, a_s_rows, row_ok,
-                   g_s_ptr, u_s_ptr, SCALED: gl.constexpr, M_OFF: gl.constexpr,
-                   BM: gl.constexpr):  # fmt: skip
-    """The K loop of one work item of `_gate_up_fused_consumer` from stage counter count:
-    returns the accumulator [BM, 2 * BN] (gate columns first) and the counter after it."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    acc = zero
-    for ki in range(num_k):
-        s = count % STAGES
-        a = _stage_rows(a_bufs, s, M_OFF, BM)
-        if SCALED:
-            a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
-            col_s = gl.where(is_gate, gl.load(g_s_ptr + ki), gl.load(u_s_ptr + ki))
-        mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-        fence_async_shared()  # the gathered A tile: generic-proxy writes
-        b = bb_bufs.index(s).permute((1, 0))
-        if SCALED:
-            p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            mbarrier.arrive(empty.index(s))
-            acc += p * (a_s[:, None] * col_s[None, :])
-        else:
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
-        count += 1
-    if not SCALED:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-    return acc, count
-
-
-@gluon.jit
 def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             INTERLEAVED: gl.constexpr, GROUP_M: gl.constexpr,
-                            SCALED: gl.constexpr, QUANT_H: gl.constexpr, H_DTYPE: gl.constexpr,
-                            M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                            SCALED: gl.constexpr, M_OFF: gl.constexpr,
+                            num_warps: gl.constexpr):  # fmt: skip
     """`_gate_up_consumer` (gathered A) with a stage's gate and up tiles the two halves of one
     [2 * BN, BK] buffer (bb_bufs): one wgmma of 2 * BN columns a step (A is read once), the
     accumulator split into gate and up in registers for the epilogue. SCALED: the weight
-    scale of each half applied per column. QUANT_H (SCALED, BN = 64): a work item is a group
-    of 128 h columns, two column blocks in turn (the second skipped past N); the first's
-    activated tile waits in registers (in H_DTYPE, the dtype h would be stored in) for the
-    second, then both are quantized to fp8 with one scale per row (`_store_h_quantized`; hs
-    [P, cdiv(I, 128)], row stride stride_hs), so no separate pass quantizes h."""
+    scale of each half applied per column."""
     (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
      num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr,
-     stride_as, w_scale_ptr, stride_wse, stride_wsn, hs_ptr, stride_hs) = args  # fmt: skip
+     stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN2: gl.constexpr = bb_bufs.type.shape[1]
     BN: gl.constexpr = BN2 // 2
-    HALVES: gl.constexpr = 2 if QUANT_H else 1  # column blocks a work item
-    gl.static_assert(not QUANT_H or (SCALED and BN * HALVES == 128), "QUANT_H: fp8, BN 64")
     layout: gl.constexpr = _acc_layout(BN2, num_warps, a_bufs.dtype)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     is_gate = gl.arange(0, BN2, layout=gl.SliceLayout(0, layout)) < BN
     zero = gl.zeros((BM, BN2), dtype=gl.float32, layout=layout)
-    num_n = gl.cdiv(N, BN * HALVES)
+    num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, nrows, pid_w = _work_item(
+        expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
         row_ok = offs_m < nrows
-        a_s_rows = a_scale_ptr
+        acc = zero
         if SCALED:
             a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
                                    row_ok, True)  # fmt: skip
-        pid_n = pid_w * HALVES
-        g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert,
-                                               pid_n, N, BN, INTERLEAVED)  # fmt: skip
-        acc, count = _fused_k_steps(a_bufs, bb_bufs, ready, empty, count, num_k, zero, is_gate,
-                                    a_s_rows, row_ok, g_s_ptr, u_s_ptr, SCALED, M_OFF, BM)  # fmt: skip
+            g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert,
+                                                   pid_n, N, BN, INTERLEAVED)  # fmt: skip
+        for ki in range(num_k):
+            s = count % STAGES
+            a = _stage_rows(a_bufs, s, M_OFF, BM)
+            if SCALED:
+                a_s = gl.load(a_s_rows + ki, mask=row_ok, other=0.0)
+                col_s = gl.where(is_gate, gl.load(g_s_ptr + ki), gl.load(u_s_ptr + ki))
+            mbarrier.wait(ready.index(s), (count // STAGES) & 1)
+            fence_async_shared()  # the gathered A tile: generic-proxy writes
+            b = bb_bufs.index(s).permute((1, 0))
+            if SCALED:
+                p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * (a_s[:, None] * col_s[None, :])
+            else:
+                acc = warpgroup_mma(a, b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+            count += 1
+        if not SCALED:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
         g, u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
-        if QUANT_H:
-            h0 = _gate_up_act(g, u, expert, pid_n, bias_ptr, N, stride_be, alpha, limit, BN, ACT,
-                              HAS_BIAS, INTERLEAVED).to(H_DTYPE)  # fmt: skip
-            h1 = gl.zeros_like(h0)
-            if (pid_n + 1) * BN < N:
-                g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn,
-                                                       expert, pid_n + 1, N, BN, INTERLEAVED)  # fmt: skip
-                acc, count = _fused_k_steps(a_bufs, bb_bufs, ready, empty, count, num_k, zero,
-                                            is_gate, a_s_rows, row_ok, g_s_ptr, u_s_ptr, SCALED,
-                                            M_OFF, BM)  # fmt: skip
-                g, u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
-                h1 = _gate_up_act(g, u, expert, pid_n + 1, bias_ptr, N, stride_be, alpha, limit,
-                                  BN, ACT, HAS_BIAS, INTERLEAVED).to(h0.dtype)  # fmt: skip
-            _store_h_quantized(h0, h1, row0, nrows, pid_w, N, h_ptr, stride_hm, hs_ptr,
-                               stride_hs, FP8_MAX, QUANT_EPS)  # fmt: skip
-        else:
-            _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
-                           stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
+        _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
+                       stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
 
 
 @gluon.jit
@@ -565,12 +474,11 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
 def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, bias_ptr,
                           h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N,
                           K, b_row_step, up_row_off, stride_be, stride_hm, alpha, limit,
-                          x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn, hs_ptr,
-                          stride_hs, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          INTERLEAVED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                          BM: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr,
-                          FUSED: gl.constexpr, BB_LAYOUT: gl.constexpr, QUANT_H: gl.constexpr,
-                          H_DTYPE: gl.constexpr, CONSUMERS: gl.constexpr,
+                          x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn,
+                          ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
+                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
+                          A_LAYOUT: gl.constexpr, SCALED: gl.constexpr, FUSED: gl.constexpr,
+                          BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr,
                           num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
@@ -578,10 +486,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
     with block scales (`_gate_up_consumer`): x_scale [T, cdiv(H, 128)] (row stride stride_xs),
     w_scale [E, cdiv(2I, 128), cdiv(H, 128)] (strides stride_wse, stride_wsn). FUSED: a stage's
     gate and up tiles are adjacent, read as one [2 * BN, BK] tile of shared layout BB_LAYOUT
-    (`_gate_up_fused_consumer`; the same swizzle as the weight tiles': 128-byte rows). QUANT_H
-    (SCALED and FUSED): h_ptr is fp8 h, quantized per row and group of 128 columns in the
-    epilogue from the values it would have stored in H_DTYPE, with its scales at hs_ptr [P,
-    cdiv(I, 128)] (row stride stride_hs)."""
+    (`_gate_up_fused_consumer`; the same swizzle as the weight tiles': 128-byte rows)."""
     dtype: gl.constexpr = w_desc.dtype
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -605,15 +510,14 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
               num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k,
               x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn)  # fmt: skip
     if FUSED:
-        HALVES: gl.constexpr = 2 if QUANT_H else 1  # column blocks a work item
         bb_bufs = b_bufs.reinterpret(dtype, [STAGES, 2 * BN, BK], BB_LAYOUT)
-        consumer = (a_bufs, bb_bufs) + shared + (hs_ptr, stride_hs)
+        consumer = (a_bufs, bb_bufs) + shared
         if CONSUMERS == 1:
             gl.warp_specialize(
                 [
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
-                                               SCALED, QUANT_H, H_DTYPE, 0, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED, HALVES)),
+                                               SCALED, 0, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -622,11 +526,10 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
             gl.warp_specialize(
                 [
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
-                                               SCALED, QUANT_H, H_DTYPE, 0, num_warps)),
+                                               SCALED, 0, num_warps)),
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
-                                               SCALED, QUANT_H, H_DTYPE, 16 * num_warps,
-                                               num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED, HALVES)),
+                                               SCALED, 16 * num_warps, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],

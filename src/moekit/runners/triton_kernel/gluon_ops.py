@@ -54,10 +54,7 @@ class GluonConfig:
     multiplied by one wgmma of 2 * block_n columns (FP8's; bf16 at block_n 128 spills);
     consumers: 1 = the two consumer warpgroups in one partition, held in step; 2 = one partition
     each (64 rows of every tile), so one can scale in its products while the other's wgmma
-    runs (the `_gluon_kernels` docstring); quantize_h (fp8 with gate_up_fused, block_n 64):
-    gate_up's epilogue writes h in fp8 with its scales per group of 128 columns, each program
-    taking a group's two column blocks in turn, instead of h in x's dtype and a quantizing
-    pass."""
+    runs (the `_gluon_kernels` docstring)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -70,15 +67,10 @@ class GluonConfig:
     gather: bool = True
     gate_up_fused: bool = False
     consumers: int = 1
-    quantize_h: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2):
             raise ValueError(f"GluonConfig.consumers={self.consumers!r}; allowed: 1, 2")
-        if self.quantize_h and not (self.gate_up_fused and self.gate_up_block_n == 64):
-            raise ValueError("GluonConfig.quantize_h needs gate_up_fused=True and "
-                             f"gate_up_block_n=64, got {self.gate_up_fused}, "
-                             f"{self.gate_up_block_n}")  # fmt: skip
 
     @property
     def num_warps(self) -> int:
@@ -103,7 +95,7 @@ FP8_BLOCK = (128, 128)
 # qwen3.
 FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=4, down_block_n=128,
                   down_block_k=128, down_stages=4, group_m=4, gate_up_fused=True,
-                  consumers=2, quantize_h=True)  # fmt: skip
+                  consumers=2)  # fmt: skip
 # gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
 # copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
 # elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
@@ -246,14 +238,10 @@ def _grid(device: torch.device, work_bound: int) -> tuple[int]:
 
 
 def _gl_dtype(t: torch.Tensor):
-    return _gl_dtype_of(t.dtype)
-
-
-def _gl_dtype_of(dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-            FP8_DTYPE: gl.float8e4nv}[dtype]  # fmt: skip
+            FP8_DTYPE: gl.float8e4nv}[t.dtype]  # fmt: skip
 
 
 def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, dummy: torch.Tensor):
@@ -266,13 +254,10 @@ def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, dumm
 
 def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: GluonConfig,
             top_k: int, out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None,
-            h_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """h [P, I] in sorted row order = act(x[token(row)] @ w13[e].T + b13[e]) for x [T, H];
     rows past the valid pairs are left unwritten. fp8 block-wise weights: x is fp8 with
-    x_scale [T, cdiv(H, 128)] (its rows are always gathered), h in out_dtype, or (h_scale
-    given, cfg.quantize_h) h quantized per row and group of 128 into out [P, I] fp8 with its
-    scales in h_scale [P, cdiv(I, 128)] float32, from the values h would have in out_dtype."""
+    x_scale [T, cdiv(H, 128)] (its rows are always gathered), h in out_dtype."""
     from triton.experimental.gluon import language as gl
 
     from moekit.runners.triton_kernel import _gluon_kernels as gk
@@ -280,10 +265,6 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
     bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
     scaled = x_scale is not None
-    quantize_h = h_scale is not None
-    if quantize_h and not (scaled and cfg.quantize_h and out is not None and out_dtype):
-        raise ValueError("gate_up: h_scale needs fp8 x, cfg.quantize_h, an fp8 out and the "
-                         "out_dtype h is quantized from")  # fmt: skip
     if out is None:
         out = torch.empty(r.num_pairs, I, dtype=out_dtype or x.dtype, device=x.device)
     if act.interleaved:  # gate rows 2n and up rows 2n + 1: two [E * I, H] views, row stride 2H
@@ -294,7 +275,7 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
         w_desc = w_up_desc = _desc(w.w13, [E * 2 * I, H], [H, 1], [bn, bk])
         row_step, up_off = 2 * I, I
     b13 = w.b13 if w.b13 is not None else w.w13
-    grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn * (2 if quantize_h else 1)))
+    grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
                 STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
                 num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS)  # fmt: skip
@@ -308,15 +289,10 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     if scaled or (cfg.gather and aligned):
         a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
         bb_layout = gl.NVMMASharedLayout.get_default_for([2 * bn, bk], _gl_dtype(w.w13))
-        hs = h_scale if quantize_h else b13
         gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common,
-                                       *_scale_args(x_scale, w.w13_scale, b13), hs,
-                                       hs.stride(0) if quantize_h else 0, **tail,
+                                       *_scale_args(x_scale, w.w13_scale, b13), **tail,
                                        BM=gk.BLOCK_M, A_LAYOUT=a_layout, SCALED=scaled,
-                                       FUSED=cfg.gate_up_fused, BB_LAYOUT=bb_layout,
-                                       QUANT_H=quantize_h,
-                                       H_DTYPE=_gl_dtype_of(out_dtype if quantize_h
-                                                            else torch.bfloat16))  # fmt: skip
+                                       FUSED=cfg.gate_up_fused, BB_LAYOUT=bb_layout)  # fmt: skip
     else:
         xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
         xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
@@ -366,14 +342,8 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
         from moekit.quant.act_quant import quantize_act
 
         xq, xs = quantize_act(x_TH, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
-        if cfg.quantize_h:  # in gate_up's epilogue
-            I = w.intermediate_size
-            h = torch.empty(r.num_pairs, I, dtype=FP8_DTYPE, device=x_TH.device)
-            hs = torch.empty(r.num_pairs, triton.cdiv(I, FP8_BLOCK[1]), device=x_TH.device)
-            gate_up(xq, r, w, act, cfg, K, out=h, x_scale=xs, out_dtype=x_TH.dtype, h_scale=hs)
-        else:
-            h = gate_up(xq, r, w, act, cfg, K, x_scale=xs, out_dtype=x_TH.dtype)
-            h, hs = quantize_act(h, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
+        h = gate_up(xq, r, w, act, cfg, K, x_scale=xs, out_dtype=x_TH.dtype)
+        h, hs = quantize_act(h, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
     else:
         h, hs = gate_up(x_TH, r, w, act, cfg, K), None
     if cfg.reduce == "atomic":
