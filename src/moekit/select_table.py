@@ -18,8 +18,9 @@ tables one measured with the same library versions is preferred, else the first 
 decision says which versions differ. The point used is the measured batch size nearest to T in
 log scale (T = 0 uses the smallest). Files: shipped in `moekit/configs/select/`, and in the user
 directory `$MOEKIT_CONFIG_DIR/select/`, whose tables take precedence. A key may have several
-files, one per library set (shipped: `<key>__triton<version>.json` beside `<key>.json`), every
-*.json of a directory being read.
+files, one per library set (shipped: `<key>__triton<version>.json` and
+`<key>__triton<version>_deepgemm<version>.json` beside `<key>.json`), every *.json of a
+directory being read.
 """
 
 from __future__ import annotations
