@@ -291,6 +291,24 @@ def test_table_prefers_matching_library_versions(fakes):
     assert "measured with triton 3.5.0 (here 3.6.0)" in d.reason
 
 
+def test_table_measured_with_a_library_missing_here_beats_one_of_another_triton(fakes):
+    """Here: Triton 3.6 without deep_gemm. A table of the same Triton measured with deep_gemm
+    ranks the other backends right (deep_gemm is only skipped); one of another Triton does not,
+    though each differs in one library. Below, the tie between two equally good tables goes to
+    the first, as before."""
+    other_triton = table({16: {"triton": 0.01, "cutlass": 0.02}},
+                         libs={**LIBS, "triton": "3.9.0"}, source="other_triton")
+    with_dg = table({16: {"deep_gemm": 0.005, "cutlass": 0.02, "triton": 0.03}},
+                    libs={**LIBS, "sgl-deep-gemm": "0.2.2"}, source="with_dg")
+    for tables in ([other_triton, with_dg], [with_dg, other_triton]):
+        d = select_runner(shaped(16), RunnerConfig("auto"), H100_NO_DG, tables=tables)
+        assert d.backend == "cutlass" and "selection table with_dg" in d.reason, d.reason
+        assert "sgl-deep-gemm 0.2.2 (here None)" in d.reason
+    same = table({16: {"triton": 0.01, "cutlass": 0.02}}, source="same")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100_NO_DG, tables=[with_dg, same])
+    assert "selection table same" in d.reason  # no difference at all beats a missing library
+
+
 def test_table_with_spec_key_for_fp8(fakes):
     spec = make_spec("fp8_w8a8")
     work = shaped(16, weight_format="fp8_w8a8", weight_spec=spec)
@@ -555,3 +573,18 @@ def test_shipped_tables_are_keyed_like_their_presets_layers_and_drive_auto(fakes
             point = t.nearest(T)
             assert d.backend == point.ranking[0], (t.source, T, d.reason)
             assert "same library versions" in d.reason
+
+
+def test_shipped_h200_tables_for_triton_39_without_deep_gemm(fakes):
+    """An H200 with Triton 3.9 and no deep_gemm (a plain install of torch 2.15) ranks by the
+    table measured under Triton 3.9 with deep_gemm, not by the Triton 3.6 one: fp8 block-wise
+    at T = 4096 runs the Gluon engine of `triton_kernel` (deep_gemm, the fastest measured, is
+    skipped), which the 3.6 table never measured."""
+    shipped = select_table.load_dir(select_table.shipped_dir())
+    plat = Platform("cuda", "NVIDIA H200", (9, 0), 1,
+                    {"torch": "2.11.0+cu130", "triton": "3.9.0"})  # fmt: skip
+    work = workload_for(preset("qwen3-30b-a3b", weight_format="fp8_w8a8"), 4096,
+                        parallel=ParallelConfig())  # fmt: skip
+    d = select_runner(work, RunnerConfig("auto"), plat, tables=shipped)
+    assert d.backend == "triton_kernel", d.reason
+    assert "__triton3.9.0_deepgemm0.2.2.json" in d.reason and "deep_gemm" in d.reason

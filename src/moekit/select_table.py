@@ -14,8 +14,9 @@ One JSON file per key, written by `moekit tune --select` (moekit.select_tune):
 
 Shape fields are per rank (E_local, I_local; K = routing columns incl. fused shared experts).
 Lookup: the key must match exactly (device name compared case-insensitively); among matching
-tables one measured with the same library versions is preferred, else the first is used and the
-decision says which versions differ. The point used is the measured batch size nearest to T in
+tables the one whose library versions differ least from this process's is used (a library it
+was measured with that is missing here counts only to break ties: its backend is just not
+usable), and the decision says which versions differ. The point used is the measured batch size nearest to T in
 log scale (T = 0 uses the smallest). Files: shipped in `moekit/configs/select/`, and in the user
 directory `$MOEKIT_CONFIG_DIR/select/`, whose tables take precedence. A key may have several
 files, one per library set (shipped: `<key>__triton<version>.json` and
@@ -227,7 +228,20 @@ def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platfor
             if lib in t.libraries and t.libraries.get(lib) != here[lib]
         ]
 
-    best = min(found, key=lambda t: len(diffs(t)))  # stable: earlier (user) tables win ties
+    def misleading(t: SelectionTable) -> int:
+        """Differences that change the ranking of backends usable here: a library installed
+        here at another version than measured, or not measured with. A library measured with
+        but missing here only takes its backend out of the ranking, which `auto` skips anyway:
+        a table measured with Triton 3.9 and deep_gemm ranks the rest right for Triton 3.9
+        without deep_gemm, one measured with Triton 3.6 does not."""
+        return sum(
+            1
+            for lib in LIBRARIES
+            if lib in t.libraries and here[lib] is not None and t.libraries.get(lib) != here[lib]
+        )
+
+    # stable: earlier (user, then by file name) tables win ties
+    best = min(found, key=lambda t: (misleading(t), len(diffs(t))))
     d = diffs(best)
     note = f"measured on {best.key.device_name}"
     note += f", measured with {', '.join(d)}" if d else ", same library versions"
