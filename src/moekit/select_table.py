@@ -17,11 +17,11 @@ Lookup: the key must match exactly (device name compared case-insensitively); am
 tables the one whose library versions differ least from this process's is used (a library it
 was measured with that is missing here counts only to break ties: its backend is just not
 usable), and the decision says which versions differ. The point used is the measured batch
-size nearest to T in log scale (T = 0 uses the smallest). Files: shipped in `moekit/configs/select/`, and in the user
-directory `$MOEKIT_CONFIG_DIR/select/`, whose tables take precedence. A key may have several
-files, one per library set (shipped: `<key>__triton<version>.json` and
-`<key>__triton<version>_deepgemm<version>.json` beside `<key>.json`), every *.json of a
-directory being read.
+size nearest to T in log scale (T = 0 uses the smallest). Files: shipped in
+`moekit/configs/select/`, and in the user directory `$MOEKIT_CONFIG_DIR/select/`, whose tables
+take precedence. A key may have several files, one per library set (shipped:
+`<key>__triton<version>.json` and `<key>__triton<version>_deepgemm<version>.json` beside
+`<key>.json`), every *.json of a directory being read.
 """
 
 from __future__ import annotations
