@@ -225,11 +225,18 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
 
 
 def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t))
-    return TensorDescriptor(t, shape, strides, block, layout)
+    return TensorDescriptor(t, shape, strides, block, _smem_layout(tuple(block), t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a [block] tile of dtype (NVMMA swizzle). Cached: building it
+    is most of a descriptor's 10 us of host time, and a layer call makes four or five."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype_of(dtype))
 
 
 def _grid(device: torch.device, work_bound: int) -> tuple[int]:
@@ -238,10 +245,14 @@ def _grid(device: torch.device, work_bound: int) -> tuple[int]:
 
 
 def _gl_dtype(t: torch.Tensor):
+    return _gl_dtype_of(t.dtype)
+
+
+def _gl_dtype_of(dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-            FP8_DTYPE: gl.float8e4nv}[t.dtype]  # fmt: skip
+            FP8_DTYPE: gl.float8e4nv}[dtype]  # fmt: skip
 
 
 def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, dummy: torch.Tensor):
@@ -258,8 +269,6 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     """h [P, I] in sorted row order = act(x[token(row)] @ w13[e].T + b13[e]) for x [T, H];
     rows past the valid pairs are left unwritten. fp8 block-wise weights: x is fp8 with
     x_scale [T, cdiv(H, 128)] (its rows are always gathered), h in out_dtype."""
-    from triton.experimental.gluon import language as gl
-
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
@@ -287,8 +296,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     if scaled and not aligned:
         raise ValueError("fp8 gate_up gathers x's rows: they must be 16-byte aligned")
     if scaled or (cfg.gather and aligned):
-        a_layout = gl.NVMMASharedLayout.get_default_for([gk.BLOCK_M, bk], _gl_dtype(x))
-        bb_layout = gl.NVMMASharedLayout.get_default_for([2 * bn, bk], _gl_dtype(w.w13))
+        a_layout = _smem_layout((gk.BLOCK_M, bk), x.dtype)
+        bb_layout = _smem_layout((2 * bn, bk), w.w13.dtype)
         gk.gate_up_gather_kernel[grid](x, x.stride(0), r.sorted_pairs, top_k, *common,
                                        *_scale_args(x_scale, w.w13_scale, b13), **tail,
                                        BM=gk.BLOCK_M, A_LAYOUT=a_layout, SCALED=scaled,
