@@ -1,4 +1,5 @@
-"""Shared test helpers: relative error, the tolerance table, random expert weights and routing."""
+"""Shared test helpers: relative error, the tolerance table, random expert weights and routing,
+CUDA-graph capture."""
 
 import torch
 
@@ -44,3 +45,17 @@ def make_topk(T, K, E, masked=0.0, one_expert=False, device=DEVICE) -> TopKOutpu
         ids[torch.rand(T, K, device=device) < masked] = -1
     weights = torch.rand(T, K, device=device) + 0.1
     return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
+
+
+def capture_graph(step):
+    """Run step() once on a side stream (warm-up: compiles, allocator pools), then capture it
+    into a CUDA graph; returns (graph, step's output in the graph's memory)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

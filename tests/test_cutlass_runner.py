@@ -20,7 +20,7 @@ from moekit.quant import quantize_experts
 from moekit.runners.cutlass import CutlassRunner, scaled_grouped_mm_torch
 from moekit.runners.torch import TorchRunner, moe_reference_fp64, run_masked
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
-from tests.helpers import TOLERANCE, rel_err
+from tests.helpers import TOLERANCE, capture_graph, rel_err
 
 
 # The Triton kernels run on CUDA tensors where there is a GPU, else in the interpreter on CPU.
@@ -495,14 +495,7 @@ def test_gpu_cuda_graph_replay_matches_eager():
     runner = CutlassRunner()
     act = act_of(case)
     eager = runner.run_standard(x, topk, w, act)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        runner.run_standard(x, topk, w, act)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = runner.run_standard(x, topk, w, act)
+    graph, static_out = capture_graph(lambda: runner.run_standard(x, topk, w, act))
     # new routing and inputs in place: the replay must follow them
     new = make_topk(case, dev)
     topk.ids.copy_(new.ids)

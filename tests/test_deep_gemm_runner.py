@@ -15,7 +15,7 @@ from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.runners.torch import TorchRunner, moe_reference_fp64
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
-from tests.helpers import TOLERANCE, rel_err
+from tests.helpers import TOLERANCE, capture_graph, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -151,14 +151,7 @@ def test_cuda_graph_replay():
     runner = _runner()
     d = StandardDispatchOutput(x, topk)
     runner.run(d, w, act)  # JIT compile and warm up outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        runner.run(d, w, act)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = runner.run(d, w, act).out
+    graph, static_out = capture_graph(lambda: runner.run(d, w, act).out)
     new = _topk(64, E, K, masked=True)
     topk.ids.copy_(new.ids)
     topk.weights.copy_(new.weights)

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 import triton  # noqa: E402
-from helpers import TOLERANCE, make_topk, make_weights, rel_err  # noqa: E402
+from helpers import TOLERANCE, capture_graph, make_topk, make_weights, rel_err  # noqa: E402
 
 from moekit import envs  # noqa: E402
 from moekit.experts import ActivationSpec  # noqa: E402
@@ -414,14 +414,7 @@ def test_cuda_graph_replay_equals_eager_gpu(fmt):
     def step():
         return _gluon(static_x, TopKOutput(static_w, static_ids), w, act, cfg)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_graph(step)
     for skew in (False, True):  # new inputs and a new routing (tile count) each replay
         x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         topk2 = make_topk(T, K, E, masked=0.1, one_expert=skew)

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import TOLERANCE, make_topk, make_weights, rel_err  # noqa: E402
+from helpers import TOLERANCE, capture_graph, make_topk, make_weights, rel_err  # noqa: E402
 
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
 from moekit.hardware import Platform  # noqa: E402
@@ -380,14 +380,7 @@ def test_cuda_graph_replay_equals_eager(reduce):
     def step():
         return ops.fused_moe(static_x, TopKOutput(static_w, static_ids), w, act, configs=configs)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_graph(step)
     for _ in range(3):  # new inputs and a new routing each replay
         x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         topk2 = make_topk(T, K, E, masked=0.1)
@@ -412,14 +405,7 @@ def test_whole_layer_cuda_graph():
     x = torch.randn(T, 512, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(T, 16, device="cuda")
     eager = layer(x, logits)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer(x, logits)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x, logits)
+    graph, out = capture_graph(lambda: layer(x, logits))
     x.copy_(torch.randn_like(x))
     logits.copy_(torch.randn_like(logits))
     graph.replay()
@@ -457,15 +443,8 @@ def test_decode_pdl_gpu(fmt, T):
         eager = ops.fused_moe(x, topk, w, act, configs=configs)
         assert rel_err(eager, plain) < 1e-2  # atomics add in any order
         static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            ops.fused_moe(static_x, TopKOutput(static_w, static_ids), w, act, configs=configs)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ops.fused_moe(static_x, TopKOutput(static_w, static_ids), w, act,
-                                configs=configs)  # fmt: skip
+        graph, out = capture_graph(lambda: ops.fused_moe(
+            static_x, TopKOutput(static_w, static_ids), w, act, configs=configs))
     for _ in range(3):
         x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         topk2 = make_topk(T, K, E, masked=0.1)
