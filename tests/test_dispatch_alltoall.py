@@ -32,7 +32,7 @@ from moekit.router import TopKOutput
 from moekit.runners.torch import TorchRunner
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput, StandardRunnerOutput
 from tests.dist_utils import ep_inputs, get_pool
-from tests.helpers import TOLERANCE, rel_err
+from tests.helpers import TOLERANCE, capture_graph, rel_err
 
 FP8_TOL = 1e-5  # fp8 cases compare against the reference fed the same dequantized x
 
@@ -460,14 +460,7 @@ def test_single_rank_low_latency_has_no_host_sync_and_captures(fp8):
     (ref,) = moe_reference_ranks([x.cpu()], [TopKOutput(topk.weights.cpu(), topk.ids.cpu())],
                                  placement, ExpertWeights(w13, w2), act)
     assert rel_err(eager, ref) < (0.08 if fp8 else TOLERANCE[torch.bfloat16])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = layer()
+    graph, static = capture_graph(layer)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
@@ -691,14 +684,7 @@ def run_graph_case(T: int, capacity: int, fp8: bool) -> float:
     torch.cuda.synchronize()
     # a host synchronisation inside the capture below would fail it
     static_x, static_w, static_ids = x0.clone(), t0.weights.clone(), t0.ids.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(static_x, TopKOutput(static_w, static_ids))
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x, TopKOutput(static_w, static_ids))
+    graph, static_out = capture_graph(lambda: layer(static_x, TopKOutput(static_w, static_ids)))
     worst = 0.0
     for seed in (2, 3):
         x, topk = inputs(seed)

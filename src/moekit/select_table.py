@@ -221,28 +221,18 @@ def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platfor
         )
     here = library_versions(platform)
 
-    def diffs(t: SelectionTable) -> list[str]:
-        return [
-            f"{lib} {t.libraries.get(lib)} (here {here[lib]})"
-            for lib in LIBRARIES
-            if lib in t.libraries and t.libraries.get(lib) != here[lib]
-        ]
+    def differing(t: SelectionTable) -> list[str]:
+        return [lib for lib in LIBRARIES if lib in t.libraries and t.libraries[lib] != here[lib]]
 
-    def misleading(t: SelectionTable) -> int:
-        """Differences that change the ranking of backends usable here: a library installed
-        here at another version than measured, or not measured with. A library measured with
-        but missing here only takes its backend out of the ranking, which `auto` skips anyway:
-        a table measured with Triton 3.9 and deep_gemm ranks the rest right for Triton 3.9
-        without deep_gemm, one measured with Triton 3.6 does not."""
-        return sum(
-            1
-            for lib in LIBRARIES
-            if lib in t.libraries and here[lib] is not None and t.libraries.get(lib) != here[lib]
-        )
+    def rank(t: SelectionTable) -> tuple[int, int]:
+        # first the differences that change the ranking of backends usable here (a library
+        # installed here at another version, or not measured with); a library measured with but
+        # missing here only takes its backend out of the ranking, which `auto` skips anyway
+        d = differing(t)
+        return sum(here[lib] is not None for lib in d), len(d)
 
-    # stable: earlier (user, then by file name) tables win ties
-    best = min(found, key=lambda t: (misleading(t), len(diffs(t))))
-    d = diffs(best)
+    best = min(found, key=rank)  # stable: earlier (user, then by file name) tables win ties
+    d = [f"{lib} {best.libraries[lib]} (here {here[lib]})" for lib in differing(best)]
     note = f"measured on {best.key.device_name}"
     note += f", measured with {', '.join(d)}" if d else ", same library versions"
     return Match(best, best.nearest(work.num_tokens), note)

@@ -236,7 +236,7 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     is most of a descriptor's 10 us of host time, and a layer call makes four or five."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype_of(dtype))
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
 
 
 def _grid(device: torch.device, work_bound: int) -> tuple[int]:
@@ -244,11 +244,7 @@ def _grid(device: torch.device, work_bound: int) -> tuple[int]:
     return (max(1, min(sm_count(device), work_bound)),)
 
 
-def _gl_dtype(t: torch.Tensor):
-    return _gl_dtype_of(t.dtype)
-
-
-def _gl_dtype_of(dtype: torch.dtype):
+def _gl_dtype(dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
