@@ -1,7 +1,8 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|row1] [--out NAME]
+        [--min-gain 1.03] [--variants split|down-split|row1] [--tiles 'bn,bk,w,s;...']
+        [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
@@ -11,6 +12,7 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   down splitS (--variants down-split) the down GEMM split over K into S shares (2, 4; atomic)
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
+              (ROW1_TILES, or --tiles)
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
 (copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/NAME.json and
@@ -88,7 +90,10 @@ def variants(kind: str = "split") -> dict:
         return c
 
     out["row1"] = lambda c1, c2: (row1(c1), row1(c2))
-    for t in ROW1_TILES:
+    tiles = ROW1_TILES
+    if "--tiles" in sys.argv:  # 'bn,bk,warps,stages;...'
+        tiles = [tuple(int(v) for v in t.split(",")) for t in _option("--tiles", "").split(";")]
+    for t in tiles:
         out["row1 n{}k{}w{}s{}".format(*t)] = lambda c1, c2, t=t: (row1(c1, t), row1(c2, t))
     return out
 

@@ -1,7 +1,8 @@
 """Probe: where the time of a decode-size `triton` call goes (T = 1, 4, 16), through the layer
 as `moekit bench` times it (MoE.forward_topk over rotated input sets, CUDA-graph replay).
 
-    PYTHONPATH=src python3 scripts/gpu_probe_decode.py      # writes $OUT/decode_probe.json
+    PYTHONPATH=src python3 scripts/gpu_probe_decode.py [--jobs 'qwen3-30b-a3b 1 1 mxfp4;...']
+        [--batches 1,4,16] [--out NAME]                # writes $OUT/NAME.json (decode_probe)
 
 Per (job, T): the kernels of one eager pass over the input sets (torch.profiler: name, count,
 mean us), and CUDA-graph times (ms per set) of variants timed in turns
@@ -37,7 +38,6 @@ JOBS = (
     ("deepseek-v3", 8, 8, "fp8_w8a8"),
     ("gpt-oss-120b", 1, 1, "unquantized"),
 )
-BATCHES = (1, 4, 16)
 DTYPE = "bfloat16"
 
 
@@ -101,16 +101,26 @@ def _point(module, spec, T, gen):
     }
 
 
+def _option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
 def main() -> None:
     out = {"meta": metadata(command=" ".join(["python", *sys.argv])), "points": {}}
-    for model, tp, ep, quant in JOBS:
+    jobs = JOBS
+    if "--jobs" in sys.argv:
+        jobs = [(m, int(tp), int(ep), q) for m, tp, ep, q in
+                (j.split() for j in _option("--jobs", "").split(";"))]  # fmt: skip
+    batches = tuple(int(b) for b in _option("--batches", "1,4,16").split(","))
+    for model, tp, ep, quant in jobs:
         spec = sweep_spec(model, tp_size=tp, ep_size=ep, dtype=DTYPE, quantization=quant,
-                          batch_sizes=BATCHES, routing="uniform", time_budget_s=None,
+                          batch_sizes=batches, routing="uniform", time_budget_s=None,
                           backends=("triton",))  # fmt: skip
         module = build_layer(spec)
         module.runners = RunnerCache(RunnerConfig("triton"))
         gen = torch.Generator().manual_seed(0)
-        for T in BATCHES:
+        for T in batches:
             key = f"{model} tp{tp} ep{ep} {quant} T={T}"
             try:
                 with torch.no_grad():
@@ -125,7 +135,7 @@ def main() -> None:
         del module
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "decode_probe.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), _option("--out", "decode_probe") + ".json"), "w") as f:
         json.dump(out, f, indent=1)
 
 
