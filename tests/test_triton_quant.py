@@ -159,36 +159,6 @@ def test_config_variants(name):
     assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
 
 
-# one pair per program with the packed weights read as words (`PipelineConfig.row_gemv`):
-# K steps covering K, a partial last step, split K, interleaved gate / up with biases
-GEMV_VARIANTS = {
-    "int4-g32": Variant("int4-g32-sym", (GemmConfig(1, 32, 64), GemmConfig(1, 16, 128, reduce="atomic"))),
-    "int4-asym-oai": Variant("int4-g64-asym", (GemmConfig(1, 16, 256), GemmConfig(1, 32, 32)), OAI, True, T=1),
-    "int4-g128-f32-scale": Variant("int4-g128-sym", (GemmConfig(1, 16, 64), GemmConfig(1, 16, 64))),
-    "mxfp4-oai": Variant("mxfp4", (GemmConfig(1, 32, 64), GemmConfig(1, 16, 32)), OAI, True),
-    "mxfp4-split": Variant(
-        "mxfp4", (GemmConfig(1, 16, 32, split_k=2), GemmConfig(1, 16, 32, reduce="atomic", split_k=2))
-    ),
-    "nvfp4": Variant("nvfp4", (GemmConfig(1, 16, 32), GemmConfig(1, 16, 16)), T=1),
-    "nvfp4-t9": Variant("nvfp4", (GemmConfig(1, 32, 128), GemmConfig(1, 16, 64))),
-}
-
-
-@pytest.mark.parametrize("name", list(GEMV_VARIANTS))
-def test_row_gemv_variants(name, monkeypatch):
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, row_gemv=True))
-    v = GEMV_VARIANTS[name]
-    spec, H, I = FORMATS[v.fmt]
-    E, K = 4, 2
-    w = make_experts(spec, E, H, I, bias=v.bias)
-    wq = ops.WeightQuant(w, "w13")
-    assert wq.gemv(v.configs[0]) and wq.weight_arg(v.configs[0])[0].dtype == torch.int32
-    x = torch.randn(v.T, H, device=DEVICE, dtype=DTYPE)
-    topk = make_topk(v.T, K, E, masked=0.1)
-    out, ref = run_both(x, topk, w, v.act, v.configs)
-    assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
-
-
 @pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8"])
 def test_masked_format(fmt):
     spec, H, I = FORMATS[fmt]

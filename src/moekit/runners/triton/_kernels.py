@@ -287,148 +287,6 @@ def _dequant_bytes_asm(
     return tl.reshape(lo, [PK, ROWS]), tl.reshape(hi, [PK, ROWS])
 
 
-# ----------------------------------------------------------------------------------------------
-# One activation row times packed 4-bit weight rows on the CUDA cores, word by word (block_m 1)
-# ----------------------------------------------------------------------------------------------
-# A 32-bit word of a packed row holds 8 consecutive K elements (nibble j = element 8w + j). Each
-# thread keeps one float32 partial sum per word it holds, over all K steps, and the sums meet
-# across threads once, after the loop: no reduction per step, and the accumulator is an eighth
-# of the weight tile. Per word the PTX below spreads the 4 bytes to 16-bit lanes (prmt), builds
-# the 8 exact values as bf16 pairs (as `_asm_int4` / `_asm_e2m1`, without the scale), widens
-# each to float32 (a shift or a mask) and adds its product with the activation (fma.rn.f32).
-
-
-def _asm_word_dot(fmt: str) -> str:
-    """PTX: $0 (f32) = sum_j value(nibble j of word $1) * $(2 + j) (f32), j = 0..7; value:
-    int4 ('int4': c - zero, with $10 = -(128 + zero) as a bf16 pair) or e2m1 ('e2m1')."""
-    lines = ["{", ".reg .b32 t0, t1, u, a, b, p, v, acc, k, nz;", "mov.b32 nz, 0x80008000;",
-             "mov.b32 acc, 0;", "prmt.b32 t0, $1, 0, 0x4140;", "prmt.b32 t1, $1, 0, 0x4342;"]
-    if fmt == "int4":
-        lines += ["mov.b32 k, 0x3f803f80;"]  # bf16 pair (1, 1)
-    else:
-        lines += ["mov.b32 k, 0x7e807e80;"]  # bf16 pair (2^126, 2^126)
-    # (source, high nibbles?, element of the low lane, element of the high lane)
-    for src, hi, e_lo, e_hi in (("t0", False, 0, 2), ("t0", True, 1, 3),
-                                ("t1", False, 4, 6), ("t1", True, 5, 7)):  # fmt: skip
-        if fmt == "int4":
-            if hi:
-                lines += [f"shr.u32 u, {src}, 4;",
-                          "lop3.b32 p, u, 0x000f000f, 0x43004300, 0xea;"]  # fmt: skip
-            else:
-                lines += [f"lop3.b32 p, {src}, 0x000f000f, 0x43004300, 0xea;"]
-            lines += ["fma.rn.bf16x2 p, p, k, $10;"]
-        else:
-            sm, ss = (2, 8) if hi else (6, 12)
-            lines += [f"shl.b32 a, {src}, {sm};", "and.b32 a, a, 0x01c001c0;",
-                      f"shl.b32 b, {src}, {ss};", "lop3.b32 p, b, 0x80008000, a, 0xea;",
-                      "fma.rn.bf16x2 p, p, k, nz;"]  # fmt: skip
-        lines += ["shl.b32 v, p, 16;", f"fma.rn.f32 acc, v, ${2 + e_lo}, acc;",
-                  "and.b32 v, p, 0xffff0000;", f"fma.rn.f32 acc, v, ${2 + e_hi}, acc;"]  # fmt: skip
-    return "\n".join(lines + ["mov.b32 $0, acc;", "}"])
-
-
-_ASM_WORD_DOT_INT4 = tl.constexpr(_asm_word_dot("int4"))
-_ASM_WORD_DOT_E2M1 = tl.constexpr(_asm_word_dot("e2m1"))
-
-
-@triton.jit
-def _word_values(words, j: tl.constexpr, z, QUANT: tl.constexpr):
-    """Portable twin of the PTX: value of nibble j of each word (float32, exact): int4
-    c - z, e2m1 through float16 bits (as `_dequant_nibbles`' float32 path)."""
-    c = (words >> (4 * j)) & 15
-    if QUANT == 3:
-        v = c.to(tl.float32) - z
-    else:
-        bits = ((c & 7) << 9) | ((c & 8) << 12)
-        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-    return v
-
-
-@triton.jit
-def _word_scales(s_rows, z_rows, gscale, k8, ok, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_ZERO: tl.constexpr):  # fmt: skip
-    """(s, z) [ROWS, KW] float32 of the words whose first K element is k8 [KW]: the scale of
-    their group (int4 scale, mxfp4 2^(e8m0 - 127), nvfp4 e4m3 * gscale) and (int4) the zero
-    point (8 when symmetric). s_rows / z_rows [ROWS]: each row's first group."""
-    gi = (k8 // GROUP)[None, :]
-    s = tl.load(s_rows[:, None] + gi, mask=ok[None, :], other=0)
-    if QUANT == 3:
-        s = s.to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_rows[:, None] + gi, mask=ok[None, :], other=0).to(tl.float32)
-        else:
-            z = s * 0.0 + 8.0
-    elif QUANT == 4:
-        c = s.to(tl.int32)
-        s = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
-        z = s
-    else:
-        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
-        z = s
-    return s, z
-
-
-@triton.jit
-def _packed_row_gemv(
-    x_row, w_rows, s_rows, z_rows, gscale, k_lo, k_hi, K,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-    ASM: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
-    """[1, ROWS] float32: one activation row times ROWS packed weight rows over K steps
-    k_lo..k_hi - 1 of BLOCK_K elements. x_row [1]: pointer to the row's element 0; w_rows
-    [ROWS]: int32 pointers to each weight row's word 0 (8 elements a word, K % 8 == 0);
-    s_rows / z_rows [ROWS]: pointers to each row's first scale / zero point (`_word_scales`).
-    ASM: the PTX word dot (GPU, bf16 / fp16 / fp32 activations), else its portable twin.
-    EVEN_K: K % BLOCK_K == 0 (unmasked weight loads, 16 bytes at a time)."""
-    KW: tl.constexpr = BLOCK_K // 8
-    kw = tl.arange(0, KW)
-    acc = tl.zeros([w_rows.shape[0], KW], tl.float32)
-    for ki in range(k_lo, k_hi):
-        k8 = ki * BLOCK_K + 8 * kw
-        ok = k8 < K
-        w_ptrs = w_rows[:, None] + (ki * KW + kw)[None, :]
-        if EVEN_K:
-            words = tl.load(w_ptrs)
-        else:
-            words = tl.load(w_ptrs, mask=ok[None, :], other=0)
-        s, z = _word_scales(s_rows, z_rows, gscale, k8, ok, QUANT, GROUP, HAS_ZERO)
-        xp = x_row + k8  # [KW] (x_row: a scalar pointer)
-        x0 = tl.load(xp, mask=ok, other=0).to(tl.float32)[None, :]
-        x1 = tl.load(xp + 1, mask=ok, other=0).to(tl.float32)[None, :]
-        x2 = tl.load(xp + 2, mask=ok, other=0).to(tl.float32)[None, :]
-        x3 = tl.load(xp + 3, mask=ok, other=0).to(tl.float32)[None, :]
-        x4 = tl.load(xp + 4, mask=ok, other=0).to(tl.float32)[None, :]
-        x5 = tl.load(xp + 5, mask=ok, other=0).to(tl.float32)[None, :]
-        x6 = tl.load(xp + 6, mask=ok, other=0).to(tl.float32)[None, :]
-        x7 = tl.load(xp + 7, mask=ok, other=0).to(tl.float32)[None, :]
-        if ASM:
-            if QUANT == 3:
-                nzb = (-(z + 128.0)).to(tl.bfloat16).to(tl.int16, bitcast=True)
-                nz = (nzb.to(tl.int32) & 0xFFFF) * 65537
-                part = tl.inline_asm_elementwise(
-                    _ASM_WORD_DOT_INT4, "=f,r,f,f,f,f,f,f,f,f,r",
-                    [words, x0, x1, x2, x3, x4, x5, x6, x7, nz],
-                    dtype=tl.float32, is_pure=True, pack=1,
-                )  # fmt: skip
-            else:
-                part = tl.inline_asm_elementwise(
-                    _ASM_WORD_DOT_E2M1, "=f,r,f,f,f,f,f,f,f,f",
-                    [words, x0, x1, x2, x3, x4, x5, x6, x7],
-                    dtype=tl.float32, is_pure=True, pack=1,
-                )  # fmt: skip
-        else:
-            part = _word_values(words, 0, z, QUANT) * x0
-            part += _word_values(words, 1, z, QUANT) * x1
-            part += _word_values(words, 2, z, QUANT) * x2
-            part += _word_values(words, 3, z, QUANT) * x3
-            part += _word_values(words, 4, z, QUANT) * x4
-            part += _word_values(words, 5, z, QUANT) * x5
-            part += _word_values(words, 6, z, QUANT) * x6
-            part += _word_values(words, 7, z, QUANT) * x7
-        acc += part * s
-    return tl.sum(acc, axis=1)[None, :]
-
-
 @triton.jit
 def _quant_a_tile(a):
     """An activation tile a [BM, BLOCK_K] (one group of BLOCK_K columns per row) -> (fp8 e4m3
@@ -807,7 +665,6 @@ def _gate_up_block(
     pid,
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
-    GEMV: tl.constexpr = False,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
     row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there)."""
@@ -839,23 +696,7 @@ def _gate_up_block(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    if GEMV:
-        # one row, packed weights as words: gate and up rows alternate in one tile
-        r = tl.arange(0, 2 * BLOCK_N)
-        if INTERLEAVED:
-            gu = (2 * n0 + r) % (2 * N)
-        else:
-            gu = (n0 + r // 2) % N + (r % 2) * N
-        acc = _packed_row_gemv(
-            x_ptr + a_rows * stride_xm, w_base + gu.to(tl.int64) * stride_wn,
-            ws_e + gu * stride_wsn, wz_e + gu * stride_wsn, gscale, k_lo, k_hi, K, QUANT, GROUP,
-            HAS_ZERO, BLOCK_K, ASM, EVEN_K,
-        )  # fmt: skip
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + gu).to(tl.float32)
-            acc += tl.where(split == 0, bias, 0.0)[None, :]
-        acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_N, 2]))
-    elif INTERLEAVED:
+    if INTERLEAVED:
         # one tile of 2 * BLOCK_N rows alternating gate / up
         rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
         w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
@@ -1033,7 +874,6 @@ def _gate_up_kernel(
     GDC_WAIT: tl.constexpr = False,
     GDC_LAUNCH: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
-    GEMV: tl.constexpr = False,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -1100,7 +940,7 @@ def _gate_up_kernel(
             limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
             INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
-            pid_n, split, pid, BLOCK_M, BLOCK_M, GEMV,
+            pid_n, split, pid, BLOCK_M, BLOCK_M,
         )  # fmt: skip
 
 
@@ -1162,7 +1002,6 @@ def _down_block(
     split,
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
-    GEMV: tl.constexpr = False,
 ):
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
@@ -1191,41 +1030,35 @@ def _down_block(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    if GEMV:  # one row, packed weights as words
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
-        acc = _packed_row_gemv(h_ptr + slot * stride_hm, w_rows, s_base, z_base, gscale, k_lo,
-                               k_hi, K, QUANT, GROUP, HAS_ZERO, BLOCK_K, ASM,
-                               EVEN_K)  # fmt: skip
-    else:
-        acc = _zeros_acc(BM, BLOCK_N, SWAP_AB)
-        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
-                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo, k_hi):
-            nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
-                                    WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-            k_left = K - ki * BLOCK_K
-            if USE_TMA and BM == ROW_BLOCK:  # (the descriptor's block is a whole row block)
-                a = h_desc.load([slot0, ki * BLOCK_K])
-            else:
-                a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
-            if USE_TMA:
-                b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
-            elif PACK == 1:
-                b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
-            if PACK == 2:
-                acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
-                                  ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
-            else:
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
-                                  GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-            a_ptrs += BLOCK_K
-            if not USE_TMA:
-                b_ptrs += BLOCK_K // PACK
-            sc1, sc2 = nx1, nx2
-        acc = _unswap(acc, SWAP_AB)
-        if QUANT == 1:
-            acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
+    acc = _zeros_acc(BM, BLOCK_N, SWAP_AB)
+    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                            GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+    for ki in range(k_lo, k_hi):
+        nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
+                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        k_left = K - ki * BLOCK_K
+        if USE_TMA and BM == ROW_BLOCK:  # (the descriptor's block is a whole row block)
+            a = h_desc.load([slot0, ki * BLOCK_K])
+        else:
+            a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
+        if USE_TMA:
+            b = desc_w_tile(w_desc, expert * N + n0, ki * BLOCK_K)
+        elif PACK == 1:
+            b = _w_tile(b_ptrs, s_base, k_left, QUANT, EVEN_K, BLOCK_K, DOT_DTYPE)
+        if PACK == 2:
+            acc = _packed_mma(a, b_ptrs, sc1, sc2, k_left, acc, QUANT, EVEN_K, BLOCK_K, SG, HALF,
+                              ASM, SWAP_AB, DOT_PRECISION, HAS_ZERO)  # fmt: skip
+        else:
+            a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
+            acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
+                              GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+        a_ptrs += BLOCK_K
+        if not USE_TMA:
+            b_ptrs += BLOCK_K // PACK
+        sc1, sc2 = nx1, nx2
+    acc = _unswap(acc, SWAP_AB)
+    if QUANT == 1:
+        acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
 
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)
@@ -1307,7 +1140,6 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
-    GEMV: tl.constexpr = False,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1359,7 +1191,7 @@ def _down_kernel(
             ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS,
             ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
             SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split,
-            BLOCK_M, BLOCK_M, GEMV,
+            BLOCK_M, BLOCK_M,
         )  # fmt: skip
 
 

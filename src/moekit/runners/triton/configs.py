@@ -123,10 +123,7 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md). row_gemv: GEMMs of one pair per program (block_m 1) on the
-    packed 4-bit formats read the weights as 32-bit words and keep one float32 sum per word
-    across K steps (`_kernels._packed_row_gemv`) instead of a [block_k, block_n] product
-    reduced every step.
+    benchmarks/triton_notes.md).
     pdl: standard calls of at most decode_max_pairs (token, expert) pairs on a GPU of compute
     capability 9.0+ chain their kernels (alignment, quantization, GEMMs) as programmatic
     dependent launches, so that each kernel's programs are placed while the one before it
@@ -146,7 +143,6 @@ class PipelineConfig:
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
-    row_gemv: bool = False
     pdl: bool = True
     decode_max_pairs: int = 32
     tail_levels: int = 1

@@ -83,7 +83,7 @@ class WeightQuant:
 
     def __init__(self, w: ExpertWeights, which: str):
         spec = w.spec
-        self.spec, self.which, self.w = spec, which, w
+        self.spec, self.which = spec, which
         data = getattr(w, which)
         self.quant = {
             "fp8_w8a8": k.Q_W8A8, "int8_w8a8": k.Q_W8A8, "int8_w8a16": k.Q_W8A16,
@@ -151,24 +151,6 @@ class WeightQuant:
             return PIPELINE.nvfp4_bf16_scale and act_dtype == torch.bfloat16
         return self.quant == k.Q_MXFP4 and act_dtype == torch.bfloat16
 
-    def gemv(self, cfg: GemmConfig) -> bool:
-        """Whether a GEMM with `cfg` reads this packed weight as 32-bit words, one pair per
-        program (`PipelineConfig.row_gemv`, block_m 1, not swapped; rows of whole aligned
-        words: K % 8 == 0)."""
-        data = getattr(self.w, self.which)
-        return (PIPELINE.row_gemv and self.pack == 2 and cfg.block_m == 1 and not cfg.swap_ab
-                and data.stride(-1) == 1 and data.shape[-1] % 4 == 0
-                and all(st % 4 == 0 for st in data.stride()[:-1])
-                and data.storage_offset() % 4 == 0)  # fmt: skip
-
-    def weight_arg(self, cfg: GemmConfig) -> tuple[torch.Tensor, int, int]:
-        """(weight tensor, expert stride, row stride) as the GEMM kernels take them: the
-        stored data, or its int32 view (strides in words) where `gemv`."""
-        data = getattr(self.w, self.which)
-        if self.gemv(cfg):
-            data = data.view(torch.int32)
-        return data, data.stride(0), data.stride(1)
-
     def asm_dequant(self, cfg: GemmConfig, tile_rows: int, act_dtype: torch.dtype) -> bool:
         """Whether the packed formats dequantize in PTX (`_kernels._dequant_bytes_asm`): on a
         CUDA GPU of compute capability 8.0+ (bf16x2 fma), bf16 / fp16 activations, not under
@@ -176,14 +158,14 @@ class WeightQuant:
         tile_rows] weight tile per thread (the PTX converts 4 bytes at a time)."""
         if self.pack != 2 or not PIPELINE.asm_dequant:
             return False
-        if act_dtype not in (torch.bfloat16, torch.float16) and not self.gemv(cfg):
+        if act_dtype not in (torch.bfloat16, torch.float16):
             return False
         dev = self.scale.device
         if dev.type != "cuda" or interpret_mode():
             return False
         if torch.cuda.get_device_capability(dev) < (8, 0):
             return False
-        return self.gemv(cfg) or cfg.block_k // 2 * tile_rows >= 4 * 32 * cfg.num_warps
+        return cfg.block_k // 2 * tile_rows >= 4 * 32 * cfg.num_warps
 
     def meta(self, cfg: GemmConfig, tile_rows: int, act_dtype: torch.dtype,
              fused_act_quant: bool = False) -> dict:  # fmt: skip
@@ -195,7 +177,7 @@ class WeightQuant:
             QUANT=self.quant, ASCALE=ascale, WSCALE=self.wscale, WROWS=self.wrows,
             GROUP=self.group, SG=sg, HAS_ZERO=self.zero is not None, PACK=self.pack,
             HALF=self.half_dequant(act_dtype), ASM=self.asm_dequant(cfg, tile_rows, act_dtype),
-            INT_DOT=self.int_dot, GEMV=self.gemv(cfg),
+            INT_DOT=self.int_dot,
         )  # fmt: skip
 
 
@@ -511,12 +493,10 @@ def gate_up(
         w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, cfg.block_k])
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
-    w13, stride_we, stride_wn = wq.weight_arg(cfg) if wq is not None else (
-        w.w13, w.w13.stride(0), w.w13.stride(1))  # fmt: skip
     args = (
-        x, w13, w_desc, b13, out, zero_t, *row_args,
+        x, w.w13, w_desc, b13, out, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
-        x.stride(0), stride_we, stride_wn, b13.stride(0), out.stride(0),
+        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         part, part.stride(0) if split > 1 else 0, count,
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
     )  # fmt: skip
@@ -581,11 +561,9 @@ def down(
         w_desc = _desc(w.w2.view(E * H, I), [cfg.block_n, cfg.block_k])
     b2 = w.b2 if w.b2 is not None else w.w2
     tw = topk_weights if topk_weights is not None else out
-    w2, stride_we, stride_wn = wq.weight_arg(cfg) if wq is not None else (
-        w.w2, w.w2.stride(0), w.w2.stride(1))  # fmt: skip
     args = (
-        h, h_desc, w2, w_desc, b2, out, tw, *row_args, H, I,
-        h.stride(0), stride_we, stride_wn, b2.stride(0), out.stride(0),
+        h, h_desc, w.w2, w_desc, b2, out, tw, *row_args, H, I,
+        h.stride(0), w.w2.stride(0), w.w2.stride(1), b2.stride(0), out.stride(0),
         *_quant_args(wq, w.w2, hs),
     )  # fmt: skip
     meta = dict(
