@@ -1,7 +1,7 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|row1|pipe] [--tiles 'bn,bk,w,s;...']
+        [--min-gain 1.03] [--variants split|down-split|row1] [--tiles 'bn,bk,w,s;...']
         [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
@@ -13,8 +13,6 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
               (ROW1_TILES, or --tiles)
-  pipe ...    (--variants pipe) `PipelineConfig.row1_pipeline` on: the table's configs, and
-              the row1 tiles as above
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
 (copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/NAME.json and
@@ -23,7 +21,6 @@ $OUT/NAME_cfg.tgz (NAME: --out, default decode_variants).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -92,24 +89,13 @@ def variants(kind: str = "split") -> dict:
             c = replace(c, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma=False)
         return c
 
-    if kind == "pipe":  # (run with PipelineConfig.row1_pipeline: see pipeline_for)
-        out["pipe"] = lambda c1, c2: (c1, c2)
-    else:
-        out["row1"] = lambda c1, c2: (row1(c1), row1(c2))
+    out["row1"] = lambda c1, c2: (row1(c1), row1(c2))
     tiles = ROW1_TILES
     if "--tiles" in sys.argv:  # 'bn,bk,warps,stages;...'
         tiles = [tuple(int(v) for v in t.split(",")) for t in _option("--tiles", "").split(";")]
     for t in tiles:
-        name = "{} n{}k{}w{}s{}".format("pipe" if kind == "pipe" else "row1", *t)
-        out[name] = lambda c1, c2, t=t: (row1(c1, t), row1(c2, t))
+        out["row1 n{}k{}w{}s{}".format(*t)] = lambda c1, c2, t=t: (row1(c1, t), row1(c2, t))
     return out
-
-
-def pipeline_for(name: str):
-    """The runner's PipelineConfig for variant `name`: row1_pipeline on for the 'pipe' ones."""
-    if name.startswith("pipe"):
-        return replace(ops.PIPELINE, row1_pipeline=True)
-    return ops.PIPELINE
 
 
 def looked_up(gemm: str, w, T_local: float, dtype: torch.dtype):
@@ -151,20 +137,16 @@ def main() -> None:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
             seen = {}
 
-            def make(change, pipe, seen=seen, sets=sets, module=module):
+            def make(change, seen=seen, sets=sets, module=module):
                 def configs_for(num_tokens, top_k, w, dtype, device):
                     seen["args"] = (num_tokens, top_k, w, dtype, device)
                     return change(*real_configs_for(num_tokens, top_k, w, dtype, device))
 
-                @contextlib.contextmanager
-                def patched():
-                    with mock.patch.object(ops, "configs_for", configs_for), \
-                            mock.patch.object(ops, "PIPELINE", pipe):  # fmt: skip
-                        yield
+                return layer_over_sets(
+                    module, sets, lambda: mock.patch.object(ops, "configs_for", configs_for)
+                )
 
-                return layer_over_sets(module, sets, patched)
-
-            fns = {n: make(c, pipeline_for(n)) for n, c in variants(kind).items()}
+            fns = {n: make(c) for n, c in variants(kind).items()}
             ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
             us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
             best = min(us, key=us.get)

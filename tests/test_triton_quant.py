@@ -159,15 +159,6 @@ def test_config_variants(name):
     assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
 
 
-@pytest.mark.parametrize("name", [n for n in VARIANTS if "row1" in n])
-def test_row1_pipelined_variants(name, monkeypatch):
-    """One pair per program with the K loop's weight loads in flight (`row1_pipeline`)."""
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, row1_pipeline=True))
-    v = VARIANTS[name]
-    assert ops._loop_meta(v.configs[0]) == {"LOOP_STAGES": v.configs[0].num_stages}
-    test_config_variants(name)
-
-
 @pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8"])
 def test_masked_format(fmt):
     spec, H, I = FORMATS[fmt]

@@ -665,7 +665,6 @@ def _gate_up_block(
     pid,
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = None,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
     row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there)."""
@@ -706,7 +705,7 @@ def _gate_up_block(
         acc = _zeros_acc(BM, 2 * BLOCK_N, SWAP_AB)
         sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                                 GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in tl.range(k_lo, k_hi, num_stages=LOOP_STAGES):
+        for ki in range(k_lo, k_hi):
             nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
@@ -748,7 +747,7 @@ def _gate_up_block(
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in tl.range(k_lo, k_hi, num_stages=LOOP_STAGES):
+        for ki in range(k_lo, k_hi):
             ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
@@ -875,7 +874,6 @@ def _gate_up_kernel(
     GDC_WAIT: tl.constexpr = False,
     GDC_LAUNCH: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
-    LOOP_STAGES: tl.constexpr = None,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -932,7 +930,7 @@ def _gate_up_kernel(
                     stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
                     WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
                     DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level), LOOP_STAGES,
+                    BLOCK_M >> (TAIL_LEVELS - level),
                 )  # fmt: skip
     else:
         _gate_up_block(
@@ -942,7 +940,7 @@ def _gate_up_kernel(
             limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
             INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
-            pid_n, split, pid, BLOCK_M, BLOCK_M, LOOP_STAGES,
+            pid_n, split, pid, BLOCK_M, BLOCK_M,
         )  # fmt: skip
 
 
@@ -1004,7 +1002,6 @@ def _down_block(
     split,
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = None,
 ):
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
@@ -1036,7 +1033,7 @@ def _down_block(
     acc = _zeros_acc(BM, BLOCK_N, SWAP_AB)
     sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                             GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-    for ki in tl.range(k_lo, k_hi, num_stages=LOOP_STAGES):
+    for ki in range(k_lo, k_hi):
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
@@ -1143,7 +1140,6 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
-    LOOP_STAGES: tl.constexpr = None,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1185,7 +1181,7 @@ def _down_kernel(
                     HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
                     HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
                     BLOCK_K, pid_m, pid_n, split, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level), LOOP_STAGES,
+                    BLOCK_M >> (TAIL_LEVELS - level),
                 )  # fmt: skip
     else:
         _down_block(
@@ -1195,7 +1191,7 @@ def _down_kernel(
             ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS,
             ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
             SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split,
-            BLOCK_M, BLOCK_M, LOOP_STAGES,
+            BLOCK_M, BLOCK_M,
         )  # fmt: skip
 
 

@@ -123,10 +123,7 @@ class PipelineConfig:
     rounded to bf16 first (off: in float32, bit-identical to `moekit.quant.dequantize`).
     packed_maxnreg: a register cap (PTX .maxnreg) for the GEMMs of the packed 4-bit formats,
     to fit more programs per SM (None: the compiler's choice; an experiment knob, see
-    benchmarks/triton_notes.md). row1_pipeline: the K loops of GEMMs with one pair per
-    program (block_m 1) keep the config's num_stages weight tiles in flight (cp.async into
-    shared memory, `tl.range(num_stages=...)`); without it Triton issues each step's loads
-    only when the step begins, as these loops hold no dot.
+    benchmarks/triton_notes.md).
     pdl: standard calls of at most decode_max_pairs (token, expert) pairs on a GPU of compute
     capability 9.0+ chain their kernels (alignment, quantization, GEMMs) as programmatic
     dependent launches, so that each kernel's programs are placed while the one before it
@@ -146,7 +143,6 @@ class PipelineConfig:
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None
-    row1_pipeline: bool = False
     pdl: bool = True
     decode_max_pairs: int = 32
     tail_levels: int = 1

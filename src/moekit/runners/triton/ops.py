@@ -252,14 +252,6 @@ def _gemm_meta(cfg: GemmConfig, k_dim: int, use_tma: bool) -> dict:
     )
 
 
-def _loop_meta(cfg: GemmConfig) -> dict:
-    """LOOP_STAGES of a GEMM: the config's num_stages for the K loop of one pair per program
-    (`PipelineConfig.row1_pipeline`), else Triton's default for the kernel."""
-    if PIPELINE.row1_pipeline and cfg.block_m == 1:
-        return {"LOOP_STAGES": cfg.num_stages}
-    return {}
-
-
 def _pdl_meta(wait: bool, launch: bool) -> dict:
     """GDC_WAIT / GDC_LAUNCH constexprs and the launch option of a GEMM (see `decode_pdl`)."""
     meta = dict(GDC_WAIT=wait)
@@ -519,7 +511,6 @@ def gate_up(
         **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
-        **_loop_meta(cfg),
     )
     _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows, wq), warmup)
     return out
@@ -584,7 +575,6 @@ def down(
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
         **_pdl_meta(pdl, False),
-        **_loop_meta(cfg),
     )
     _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows, wq), warmup)
     return out
