@@ -20,11 +20,14 @@ import torch
 @dataclass(frozen=True)
 class AlignTuning:
     """single_max: largest P done by one program; above it, P is cut into at most max_chunks
-    chunks of at least min_chunk pairs (powers of two), sorted by one program each."""
+    chunks of at least min_chunk pairs (powers of two), sorted by one program each. few: the
+    one program places each pair by counting the earlier pairs of its expert
+    (`_align_few_kernel`) instead of sorting (`_align_small_kernel`)."""
 
     single_max: int = 256
     min_chunk: int = 256
     max_chunks: int = 64
+    few: bool = True
 
     def chunk(self, num_pairs: int) -> int:
         return max(self.min_chunk, _next_pow2(-(-num_pairs // self.max_chunks)))
@@ -88,7 +91,8 @@ def _empty(P: int, E: int, block_m: int, device, groups: bool = False) -> AlignO
     return AlignOutput(
         sorted_ids=torch.empty(blocks * block_m, dtype=torch.int32, device=device),
         block_expert=torch.empty(blocks, dtype=torch.int32, device=device),
-        num_rows=torch.zeros(1, dtype=torch.int32, device=device),
+        # written by the kernels (no memset) unless there are no pairs
+        num_rows=(torch.zeros if P == 0 else torch.empty)(1, dtype=torch.int32, device=device),
         block_m=block_m,
         num_pairs=P,
         counts=groups_buffer() if groups else None,
@@ -100,7 +104,7 @@ def align_block_size(
     ids_TK: torch.Tensor,
     num_experts: int,
     block_m: int,
-    tuning: AlignTuning = ALIGN_TUNING,
+    tuning: AlignTuning | None = None,
     *,
     groups: bool = False,
     pdl: bool = False,
@@ -113,6 +117,7 @@ def align_block_size(
 
     from moekit.runners import _align_kernels as k
 
+    tuning = tuning or ALIGN_TUNING
     _check(ids_TK, num_experts, block_m)
     ids = ids_TK.reshape(-1)
     if not ids.is_contiguous():
@@ -126,6 +131,16 @@ def align_block_size(
     EP = _next_pow2(E + 1)
     pad_step = min(block_m, 16)
     blocks_step = max(16, min(128, 4096 // EP))
+    if P <= tuning.single_max and tuning.few:
+        chunk = _next_pow2(max(P, 16))
+        per_expert = -(-min(P, chunk) // block_m)  # most blocks one expert can take
+        k._align_few_kernel[(1,)](
+            ids, out.sorted_ids, out.block_expert, out.num_rows, counts, ends, P, E,
+            out.max_blocks, BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step,
+            NB=min(_next_pow2(per_expert), max(1, 4096 // EP)), BSTEP=128, GROUPS=groups,
+            num_warps=4 if chunk <= 128 else 8, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
+        return out
     if P <= tuning.single_max:
         chunk = _next_pow2(max(P, 16))
         k._align_small_kernel[(1,)](
