@@ -43,12 +43,8 @@ CASES = [
     Case("bm64", 21, 4, 5, 64, masked=0.1),
     Case("chunked", 23, 3, 6, 16, masked=0.15, tuning=SMALL_CHUNKS),
     Case("chunked-one-expert", 40, 2, 5, 32, one_expert=True, tuning=SMALL_CHUNKS),
-    # the one-program kernels: by comparison (default) and by sorting (few=False); E = 600:
-    # one expert's 30 blocks written 4 at a time
-    Case("few-bm1", 37, 4, 9, 1, masked=0.1),
-    Case("few-many-experts", 40, 3, 600, 4, one_expert=True),
-    Case("sorted", 9, 3, 7, 16, masked=0.2, tuning=AlignTuning(few=False)),
-    Case("sorted-bm1", 37, 4, 9, 1, masked=0.1, tuning=AlignTuning(few=False)),
+    Case("bm1", 37, 4, 9, 1, masked=0.1),
+    Case("many-experts", 40, 3, 600, 4, one_expert=True),
     # 10 chunks, scanned 8 at a time (E = 600: [8, 1024] tiles)
     Case("chunked-many-experts", 100, 3, 600, 16, masked=0.1,
          tuning=AlignTuning(single_max=32, min_chunk=16, max_chunks=16)),  # fmt: skip

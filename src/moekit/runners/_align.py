@@ -20,14 +20,11 @@ import torch
 @dataclass(frozen=True)
 class AlignTuning:
     """single_max: largest P done by one program; above it, P is cut into at most max_chunks
-    chunks of at least min_chunk pairs (powers of two), sorted by one program each. few: the
-    one program places each pair by counting the earlier pairs of its expert
-    (`_align_few_kernel`) instead of sorting (`_align_small_kernel`)."""
+    chunks of at least min_chunk pairs (powers of two), sorted by one program each."""
 
     single_max: int = 256
     min_chunk: int = 256
     max_chunks: int = 64
-    few: bool = True
 
     def chunk(self, num_pairs: int) -> int:
         return max(self.min_chunk, _next_pow2(-(-num_pairs // self.max_chunks)))
@@ -131,16 +128,6 @@ def align_block_size(
     EP = _next_pow2(E + 1)
     pad_step = min(block_m, 16)
     blocks_step = max(16, min(128, 4096 // EP))
-    if P <= tuning.single_max and tuning.few:
-        chunk = _next_pow2(max(P, 16))
-        per_expert = -(-min(P, chunk) // block_m)  # most blocks one expert can take
-        k._align_few_kernel[(1,)](
-            ids, out.sorted_ids, out.block_expert, out.num_rows, counts, ends, P, E,
-            out.max_blocks, BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step,
-            NB=min(_next_pow2(per_expert), max(1, 4096 // EP)), BSTEP=128, GROUPS=groups,
-            num_warps=4 if chunk <= 128 else 8, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
-        )  # fmt: skip
-        return out
     if P <= tuning.single_max:
         chunk = _next_pow2(max(P, 16))
         k._align_small_kernel[(1,)](

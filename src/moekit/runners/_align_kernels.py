@@ -100,69 +100,6 @@ def _align_small_kernel(
 
 
 @triton.jit
-def _write_expert_blocks(
-    block_expert_ptr, pad_start, pad_end, max_blocks,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr, BSTEP: tl.constexpr,
-):  # fmt: skip
-    """block_expert[b] = e for the blocks of each expert's padded segment [pad_start[e],
-    pad_end[e]) (NB blocks of every expert at a time, plain stores), then -1 from the last
-    used block to max_blocks."""
-    ee = tl.arange(0, EP)
-    first = pad_start // BLOCK_M
-    blocks = (pad_end - pad_start) // BLOCK_M
-    j = tl.arange(0, NB)
-    for j0 in range(0, tl.max(blocks, 0), NB):
-        jj = j0 + j[None, :]
-        tl.store(block_expert_ptr + first[:, None] + jj, ee[:, None] + jj * 0,
-                 mask=jj < blocks[:, None])  # fmt: skip
-    for b0 in range(tl.sum(blocks, 0), max_blocks, BSTEP):
-        b = b0 + tl.arange(0, BSTEP)
-        tl.store(block_expert_ptr + b, tl.full([BSTEP], -1, tl.int32), mask=b < max_blocks)
-
-
-@triton.jit
-def _align_few_kernel(
-    ids_ptr,
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_rows_ptr,
-    counts_ptr,
-    ends_ptr,
-    P,
-    E,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-    EP: tl.constexpr,
-    PAD_STEP: tl.constexpr,
-    NB: tl.constexpr,
-    BSTEP: tl.constexpr,
-    GROUPS: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """One program does the whole alignment of a few pairs (P <= CHUNK) without sorting: a
-    pair's row is its expert's first row plus the number of earlier pairs of that expert
-    (a [CHUNK, CHUNK] comparison). PDL: as `_align_small_kernel`."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    p = tl.arange(0, CHUNK)
-    e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    e = tl.where((e >= 0) & (e < E), e, E)
-    q = tl.arange(0, CHUNK)
-    earlier = (e[None, :] == e[:, None]) & (q[None, :] < p[:, None])
-    rank = tl.sum(earlier.to(tl.int32), 1)
-    cnt = tl.where(tl.arange(0, EP) < E, tl.histogram(e, EP), 0)
-    pad_start, pad_end = _write_layout(
-        cnt, sorted_ids_ptr, num_rows_ptr, counts_ptr, ends_ptr, P, E, BLOCK_M, EP, PAD_STEP,
-        GROUPS,
-    )  # fmt: skip
-    _write_expert_blocks(block_expert_ptr, pad_start, pad_end, max_blocks, BLOCK_M, EP, NB, BSTEP)
-    dest = tl.gather(pad_start, tl.minimum(e, EP - 1), 0) + rank
-    tl.store(sorted_ids_ptr + dest, p, mask=e < E)
-
-
-@triton.jit
 def _align_chunk_kernel(
     ids_ptr, expert_ptr, pair_ptr, rank_ptr, hist_ptr, P, E,
     CHUNK: tl.constexpr, EP: tl.constexpr,
