@@ -121,6 +121,25 @@ def test_standard_matches_reference(case: Case):
         assert rel_err(out, run_standard(x, topk, w, act)) < TOLERANCE[case.dtype]
 
 
+# direct rows (no alignment) above one token: an expert's pairs gathered into the block of its
+# first pair, 16 at a time (one expert taking 20 pairs: two groups), or one pair per block
+DIRECT_CASES = [
+    Case("direct-repeats", T=9, K=3, E=4, masked=0.2, bias=True),
+    Case("direct-one-expert-20", T=20, K=1, one_expert=True, configs=ATOMIC),
+    Case("direct-tma-oai", configs=TMA, T=6, H=64, I=48, E=3, act="swiglu_oai", interleaved=True,
+         bias=True, dtype=torch.float16),  # fmt: skip
+    Case("direct-row1", configs=ROW1, T=7, K=2, E=3, masked=0.2),
+    Case("direct-split", configs=SPLIT_GATE_UP4_TMA, T=5, K=3, E=4, H=64, I=48, bias=True,
+         act="swiglu_oai", interleaved=True),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: c.name)
+def test_direct_rows_match_reference(case: Case, monkeypatch):
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, direct_max_tokens=32))
+    test_standard_matches_reference(case)
+
+
 def masked_reference(x_ECH, counts, w: ExpertWeights, act):
     to64 = {n: (None if t is None else t.double()) for n, t in vars(w).items()
             if isinstance(t, torch.Tensor) or t is None}  # fmt: skip

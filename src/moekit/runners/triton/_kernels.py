@@ -551,13 +551,18 @@ def _tile_rows(
     ROW_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
+    DIRECT_P: tl.constexpr = 1,
 ):
     """The first BLOCK_M rows of row block pid_m (blocks of ROW_BLOCK rows). Returns (expert,
     row_ok [BM], pair [BM], token [BM], slot [BM] int64, slot0, first_ok). Only rows with
     row_ok are stored; loads use in-bounds rows.
     ROWS_SORTED: row_map = sorted pair ids of the alignment; slot = row of the sorted order.
     ROWS_MASKED: slot = e * capacity + local row (local 0 where not row_ok); pair, token unused.
-    ROWS_DIRECT: one pair per block (row 0): row_map = expert id of each pair; slot = pair.
+    ROWS_DIRECT: no alignment; row_map = expert id of each pair (num_pairs <= DIRECT_P, a power
+    of two), one block per pair: the pairs of one expert, ranked by pair index, go in groups
+    of BLOCK_M to the blocks of the first pair of each group (so an expert's weights are read
+    once per BLOCK_M of its pairs), the other blocks have no work; slot = pair (rows of h are
+    the pairs, not contiguous within a block).
     slot0: the block's first slot (its row in h for TMA loads). first_ok: the block has work."""
     offs = tl.arange(0, BLOCK_M)
     if ROWS == 1:
@@ -573,10 +578,16 @@ def _tile_rows(
         first_ok = local0 < count
     elif ROWS == 2:
         e = tl.load(row_map_ptr + pid_m)
-        first_ok = (e >= 0) & (e < num_experts)
-        expert = tl.where(first_ok, e, 0)
-        row_ok = (offs == 0) & first_ok
-        pair = tl.zeros([BLOCK_M], dtype=tl.int32) + pid_m
+        valid = (e >= 0) & (e < num_experts)
+        expert = tl.where(valid, e, 0)
+        q = tl.arange(0, DIRECT_P)
+        same = (tl.load(row_map_ptr + q, mask=q < num_pairs, other=-1) == e) & valid
+        rank = tl.cumsum(same.to(tl.int32), 0) - 1  # among the pairs of this expert
+        r = tl.sum((same & (q < pid_m)).to(tl.int32), 0)  # this pair's rank
+        first_ok = valid & (r % BLOCK_M == 0)
+        hit = same[None, :] & (rank[None, :] == (r + offs)[:, None])  # [BLOCK_M, DIRECT_P]
+        row_ok = (tl.sum(hit.to(tl.int32), 1) > 0) & first_ok
+        pair = tl.where(row_ok, tl.sum(tl.where(hit, q[None, :], 0), 1), pid_m)
         token = pair // top_k
         slot = pair.to(tl.int64)
         slot0 = pid_m
@@ -665,12 +676,13 @@ def _gate_up_block(
     pid,
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
+    DIRECT_P: tl.constexpr = 1,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
     row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there)."""
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS,
+        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
     )  # fmt: skip
     if ROWS == 1:
         a_rows = slot
@@ -874,6 +886,7 @@ def _gate_up_kernel(
     GDC_WAIT: tl.constexpr = False,
     GDC_LAUNCH: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
+    DIRECT_P: tl.constexpr = 1,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -914,7 +927,7 @@ def _gate_up_kernel(
             return
     _, row_ok, _, _, _, _, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS,
+        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS, DIRECT_P,
     )  # fmt: skip
     if not first_ok:
         return
@@ -930,7 +943,7 @@ def _gate_up_kernel(
                     stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
                     WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
                     DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level),
+                    BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P,
                 )  # fmt: skip
     else:
         _gate_up_block(
@@ -940,7 +953,7 @@ def _gate_up_kernel(
             limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
             INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
-            pid_n, split, pid, BLOCK_M, BLOCK_M,
+            pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
         )  # fmt: skip
 
 
@@ -1002,13 +1015,14 @@ def _down_block(
     split,
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
+    DIRECT_P: tl.constexpr = 1,
 ):
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
     rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows)."""
     expert, row_ok, pair, token, slot, slot0, _ = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS,
+        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
     )  # fmt: skip
     n0 = pid_n * BLOCK_N
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -1037,7 +1051,7 @@ def _down_block(
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
-        if USE_TMA and BM == ROW_BLOCK:  # (the descriptor's block is a whole row block)
+        if USE_TMA and BM == ROW_BLOCK and ROWS != 2:  # (a whole block of consecutive rows)
             a = h_desc.load([slot0, ki * BLOCK_K])
         else:
             a = load_a_tile(a_ptrs, k_left, EVEN_K, BLOCK_K)
@@ -1140,6 +1154,7 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
+    DIRECT_P: tl.constexpr = 1,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1164,7 +1179,7 @@ def _down_kernel(
             return
     _, row_ok, _, _, _, _, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS,
+        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS, DIRECT_P,
     )  # fmt: skip
     if not first_ok:
         return
@@ -1181,7 +1196,7 @@ def _down_kernel(
                     HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
                     HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
                     BLOCK_K, pid_m, pid_n, split, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level),
+                    BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P,
                 )  # fmt: skip
     else:
         _down_block(
@@ -1191,7 +1206,7 @@ def _down_kernel(
             ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS,
             ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
             SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split,
-            BLOCK_M, BLOCK_M,
+            BLOCK_M, BLOCK_M, DIRECT_P,
         )  # fmt: skip
 
 

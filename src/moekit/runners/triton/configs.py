@@ -111,8 +111,12 @@ class GemmConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     """Choices above the GEMM configs. direct_max_tokens: batches of at most this many tokens
-    skip the alignment (one pair per row block; weights of an expert picked twice are read
-    twice). fuse_act_quant: with direct rows, fp8 per-token-group activations are quantized
+    skip the alignment kernel: each GEMM block finds the pairs of its expert among the
+    call's pairs itself (`ops.Rows.direct`; block_m capped at 16, and with block_m 1 an expert
+    picked twice is read twice). On the H100 (six preset / format jobs, T = 2 and 4, layer in
+    turns against the alignment, benchmarks/triton_notes.md) that took 1.6% off in geometric
+    mean (qwen3 fp8 T = 2: 7%; worst point 1.6% slower); at T = 8 and 16 it lost up to 18%.
+    fuse_act_quant: with direct rows, fp8 per-token-group activations are quantized
     inside the GEMMs (no separate quantization launches). Off: on the H100 the qwen3 fp8
     block-wise T = 1 call measured 29.1 us with it (together with group scales loaded one
     step ahead) against 25.5 us with neither; each program re-quantizes its 16 identical
@@ -138,7 +142,7 @@ class PipelineConfig:
     layer; a second (block_m / 4) took up to 4% more where experts get 1-2 blocks and lost
     1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails."""
 
-    direct_max_tokens: int = 1
+    direct_max_tokens: int = 4
     fuse_act_quant: bool = False
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True

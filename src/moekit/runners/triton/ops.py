@@ -320,8 +320,9 @@ def _desc(t2d: torch.Tensor, block: list[int]):
 
 class Rows:
     """How the GEMMs' row blocks map to rows (see `_kernels._tile_rows`):
-    Rows.sorted(align) for the standard format, Rows.direct(ids) for one pair per block (tiny
-    batches: no alignment), Rows.masked(counts, capacity, E) for the masked format.
+    Rows.sorted(align) for the standard format, Rows.direct(ids) for tiny batches (no
+    alignment: one block per pair, the pairs of one expert gathered into the block of the
+    first), Rows.masked(counts, capacity, E) for the masked format.
     rows_per_expert (sorted): the expected pairs of a used expert, known on the host (no
     device read), which sets the GEMMs' tail levels (`_tail_meta`); None: not known."""
 
@@ -360,6 +361,13 @@ class Rows:
         if self.mode == k.ROWS_DIRECT:
             return self.ids.numel()
         return self.capacity * self.num_experts
+
+    def meta(self) -> dict:
+        """The GEMM kernels' constexprs of this mode: DIRECT_P (direct rows), the number of
+        pairs rounded up to a power of two (`_kernels._tile_rows`)."""
+        if self.mode == k.ROWS_DIRECT:
+            return {"DIRECT_P": triton.next_power_of_2(max(self.ids.numel(), 1))}
+        return {}
 
     def args(self, block_m: int, top_k: int) -> tuple:
         """(row_map, block_expert, num_rows, counts, num_pairs, top_k, num_experts, capacity,
@@ -511,6 +519,7 @@ def gate_up(
         **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
+        **rows.meta(),
     )
     _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows, wq), warmup)
     return out
@@ -575,6 +584,7 @@ def down(
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
         **_pdl_meta(pdl, False),
+        **rows.meta(),
     )
     _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows, wq), warmup)
     return out
@@ -649,7 +659,7 @@ def fused_moe(
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
     pdl = decode_pdl(x_TH, T * K)
-    if T <= PIPELINE.direct_max_tokens:  # one pair per row block (row 0 of 16, or of 1)
+    if T <= PIPELINE.direct_max_tokens:  # no alignment; an expert's pairs share a block
         cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in (cfg1, cfg2))
         rows = Rows.direct(ids.view(-1), w.num_experts)
     else:
