@@ -135,7 +135,8 @@ def main() -> None:
         del module
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), _option("--out", "decode_probe") + ".json"), "w") as f:
+    name = _option("--out", "decode_probe") + ".json"
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
         json.dump(out, f, indent=1)
 
 
