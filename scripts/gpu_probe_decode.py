@@ -23,6 +23,9 @@ from dataclasses import replace
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from probe_out import option
+
 from moekit.bench import time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache, run_experts
@@ -101,18 +104,13 @@ def _point(module, spec, T, gen):
     }
 
 
-def _option(name: str, default: str) -> str:
-    args = sys.argv[1:]
-    return args[args.index(name) + 1] if name in args else default
-
-
 def main() -> None:
     out = {"meta": metadata(command=" ".join(["python", *sys.argv])), "points": {}}
     jobs = JOBS
     if "--jobs" in sys.argv:
         jobs = [(m, int(tp), int(ep), q) for m, tp, ep, q in
-                (j.split() for j in _option("--jobs", "").split(";"))]  # fmt: skip
-    batches = tuple(int(b) for b in _option("--batches", "1,4,16").split(","))
+                (j.split() for j in option("--jobs", "").split(";"))]  # fmt: skip
+    batches = tuple(int(b) for b in option("--batches", "1,4,16").split(","))
     for model, tp, ep, quant in jobs:
         spec = sweep_spec(model, tp_size=tp, ep_size=ep, dtype=DTYPE, quantization=quant,
                           batch_sizes=batches, routing="uniform", time_budget_s=None,
@@ -135,7 +133,7 @@ def main() -> None:
         del module
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    name = _option("--out", "decode_probe") + ".json"
+    name = option("--out", "decode_probe") + ".json"
     with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
         json.dump(out, f, indent=1)
 

@@ -1,15 +1,19 @@
-"""The `triton` runner's decode kernels chained as programmatic dependent launches
-(`PipelineConfig.pdl`), timed through the layer in turns against plain launches.
+"""Decode-time choices of the `triton` runner's pipeline (`PipelineConfig`), timed through the
+layer in turns.
 
-    PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--out NAME]
+    PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--variants pdl|direct]
+        [--jobs 'J1;J2'] [--batches 1,4,16,64] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T the
 layer (MoE.forward_topk, `triton` runner, the shipped tables, CUDA-graph replay, the input sets
-rotated as `moekit bench` does) runs with:
+rotated as `moekit bench` does) runs with (--variants pdl, the default):
   plain        PIPELINE with pdl off
   pdl          PIPELINE with pdl on and decode_max_pairs unbounded (so that each T is measured)
-Writes $OUT/NAME.json (default decode_pdl.json): per point the microseconds of each.
+or (--variants direct):
+  align        the alignment kernel from T = 2 (direct_max_tokens 1)
+  direct       direct rows, no alignment kernel, up to the largest T of --batches
+Writes $OUT/NAME.json (default decode_pdl.json / decode_direct.json): per point the
+microseconds of each, the fastest, and the first variant's time over the fastest's.
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;"
 
 
 
-def variants() -> dict:
+def variants(kind: str, batches: list[int]) -> dict:
+    """name -> PipelineConfig; the first is the baseline."""
+    if kind == "direct":
+        return {"align": replace(ops.PIPELINE, direct_max_tokens=1),
+                "direct": replace(ops.PIPELINE, direct_max_tokens=max(batches))}  # fmt: skip
     base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, pdl=False)
     return {"plain": base, "pdl": replace(base, pdl=True)}
 
@@ -46,8 +54,10 @@ def variants() -> dict:
 def main() -> None:
     jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in option("--batches", "1,4,16,64").split(",")]
-    name = option("--out", "decode_pdl") + ".json"
-    pipes = variants()
+    kind = option("--variants", "pdl")
+    name = option("--out", f"decode_{kind}") + ".json"
+    pipes = variants(kind, batches)
+    first = next(iter(pipes))
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep, fmt in jobs:
         spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
@@ -66,8 +76,8 @@ def main() -> None:
             best = min(us, key=us.get)
             point = f"{model} tp{tp} ep{ep} {fmt} T={T}"
             res["points"][point] = {"us": us, "best": best,
-                                    "gain": round(us["plain"] / us[best], 4)}  # fmt: skip
-            print(point, us, "->", best, f"{us['plain'] / us[best]:.3f}", flush=True)
+                                    "gain": round(us[first] / us[best], 4)}  # fmt: skip
+            print(point, us, "->", best, f"{us[first] / us[best]:.3f}", flush=True)
             write_probe(name, res)
         del module
         torch.cuda.empty_cache()
