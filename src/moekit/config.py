@@ -24,6 +24,7 @@ RUNNER_BACKENDS = (
     "flashinfer_cutlass",
     "flashinfer_mxfp4",
     "flashinfer_cutedsl",
+    "w4a16",
     "torch",
 )
 A2A_BACKENDS = ("none", "alltoall", "deepep", "mooncake", "flashinfer", "ascend_fuseep")

@@ -386,7 +386,9 @@ def run_sweep(
     probe = make_routing(1, spec.moe.num_experts, spec.moe.top_k, generator=gen,
                          num_shared=spec.moe.num_shared_experts, device=spec.device)
     x_probe = torch.randn(1, spec.moe.hidden_size).to(spec.device, spec.moe.torch_dtype)
-    work0 = replace(workload(module, x_probe, probe), num_tokens=max(spec.batch_sizes))
+    # backends that can run the smallest batch run; a backend limited to smaller batches (a
+    # decode runner) is left out of the larger ones, with the reason in `skipped`
+    work0 = replace(workload(module, x_probe, probe), num_tokens=min(spec.batch_sizes))
     run, skipped = split_backends(spec.backends, work0, platform)
     caches: dict[str, RunnerCache] = {}
     for b in list(run):
@@ -427,6 +429,10 @@ def run_sweep(
             ref_out = module.forward_topk(*sets[0]).float()
         timed: dict[str, tuple[Record, Callable[[], None], bool]] = {}
         for backend in run:
+            problem = None if backend == "auto" else why_not(backend, work, platform)
+            if problem is not None:
+                skipped.setdefault(backend, f"from T={T}: {problem}")
+                continue
             if on_point:
                 on_point(backend, T, None)
             rec = Record(

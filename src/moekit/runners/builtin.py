@@ -6,3 +6,4 @@ from moekit.runners import triton  # noqa: F401
 from moekit.runners import flashinfer  # noqa: F401
 from moekit.runners import deep_gemm  # noqa: F401
 from moekit.runners import triton_kernel  # noqa: F401
+from moekit.runners import w4a16  # noqa: F401

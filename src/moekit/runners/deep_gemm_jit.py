@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import importlib.util
-import os
-import shutil
-import subprocess
-import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from moekit.runners import _nvcc
+
 SOURCE = Path(__file__).with_name("csrc") / "deep_gemm_launch.cu"
 PACKAGE = "deep_gemm"  # import name of sgl-deep-gemm
 SMEM_LIMIT = 232448  # SM90 dynamic shared memory per block
 MAX_STAGES = 8
-COMPILE_TIMEOUT_S = 600
-DEFAULT_CUDA_HOMES = ("/usr/local/cuda",)
+DEFAULT_CUDA_HOMES = _nvcc.DEFAULT_CUDA_HOMES
 
 
 def include_dir() -> Path | None:
@@ -50,11 +46,7 @@ def include_dir() -> Path | None:
 
 def nvcc() -> str | None:
     """Path of nvcc: $CUDA_HOME/bin, /usr/local/cuda/bin, then PATH."""
-    env = (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"))
-    for home in (*env, *DEFAULT_CUDA_HOMES):
-        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
-            return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc")
+    return _nvcc.nvcc(DEFAULT_CUDA_HOMES)
 
 
 def problem() -> str | None:
@@ -163,29 +155,6 @@ def choose(fp8: bool, masked: bool, n: int, k: int, groups: int, rows_per_group:
 
 
 @functools.lru_cache(maxsize=None)
-def _nvcc_version(path: str) -> str:
-    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
-    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "?"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MOEKIT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moekit"
-    )
-    return Path(root) / "deep_gemm"
-
-
-_locks: dict[Path, threading.Lock] = {}
-_locks_lock = threading.Lock()
-
-
-def _lock(path: Path) -> threading.Lock:
-    """One lock per library file: builds of different configurations run in parallel."""
-    with _locks_lock:
-        return _locks.setdefault(path, threading.Lock())
-
-
-@functools.lru_cache(maxsize=None)
 def library(cfg: KernelConfig) -> ctypes.CDLL:
     """The compiled launcher of `cfg` (built on first use, then loaded from the disk cache;
     thread-safe, so several configurations can be built at once)."""
@@ -193,30 +162,16 @@ def library(cfg: KernelConfig) -> ctypes.CDLL:
     if why:
         raise RuntimeError(why)
     inc, compiler = include_dir(), nvcc()
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(repr(sorted(asdict(cfg).items())).encode())
-    key.update(str(inc.resolve()).encode())
-    key.update((inc / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh").read_bytes())
-    key.update(_nvcc_version(compiler).encode())
-    path = cache_dir() / f"mk_{key.hexdigest()[:24]}.so"
-    with _lock(path):
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp.so")
-            cmd = [
-                compiler, str(SOURCE), "-o", str(tmp), "-shared", "-std=c++20", "-O3",
-                "-Xcompiler", "-fPIC,-fconcepts,-Wno-abi",
-                "-gencode=arch=compute_90a,code=sm_90a",
-                "--expt-relaxed-constexpr", "--expt-extended-lambda",
-                "--diag-suppress=39,161,174,177,186,940", f"-I{inc}", *cfg.defines(),
-            ]  # fmt: skip
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
-                               check=False)  # fmt: skip
-            if r.returncode != 0:
-                tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-8:])
-                raise RuntimeError(f"nvcc failed to build DeepGEMM kernel {cfg}:\n{tail}")
-            os.replace(tmp, path)
+    args = [
+        str(SOURCE), "-shared", "-std=c++20", "-O3", "-Xcompiler", "-fPIC,-fconcepts,-Wno-abi",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "--expt-relaxed-constexpr", "--expt-extended-lambda",
+        "--diag-suppress=39,161,174,177,186,940", f"-I{inc}", *cfg.defines(),
+    ]  # fmt: skip
+    key = [SOURCE.read_bytes(), repr(sorted(asdict(cfg).items())).encode(),
+           str(inc.resolve()).encode(),
+           (inc / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh").read_bytes()]  # fmt: skip
+    path = _nvcc.build(compiler, args, "deep_gemm", key, f"DeepGEMM kernel {cfg}")
     lib = ctypes.CDLL(str(path))
     lib.mk_launch.restype = ctypes.c_int
     lib.mk_launch.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_uint32] * 2 + [ctypes.c_void_p]

@@ -1,0 +1,449 @@
+// moekit's 4-bit weight-only MoE GEMMs for decode batches (the `w4a16` runner).
+//
+// Two kernels per call, on at most MAX_P (token, expert) pairs:
+//   gate_up: h [P, I] = act(x[token] @ w13[e].T + b13[e]) for each pair; also zeroes out [T, H];
+//   down:    out [T, H] += weight * (h[pair] @ w2[e].T + b2[e]) (bf16 atomics).
+// Each block first groups the call's pairs by expert in shared memory (no alignment kernel),
+// in segments of at most 8 * NT pairs of one expert, then loops over the work items
+// (segment, 16 or 32 weight rows); its WARPS warps split K and meet in shared memory.
+//
+// Weights are streamed from a layout permuted once on the host (moekit.runners.w4a16.pack):
+// a tile of 16 rows x 64 columns is 512 bytes, 16 per lane, which are exactly that lane's
+// A fragments of four m16n8k16 bf16 MMAs (the weights are the MMA's A operand, the pairs its
+// columns). The 64 columns of a tile are assigned to MMA slots so that a lane's activations
+// for the tile are 16 consecutive values of one row (two 16-byte loads). The 4-bit codes are
+// turned into bf16 in registers with a few integer operations and one or two bf16 products
+// (the scale); the products and sums run on the tensor cores in float32.
+//
+// Compile-time format (-D): MK_FMT 0 int4 (w = (q - z) * s; bf16 scales, zero offsets
+// 128 + z in bf16 when MK_ZERO), 1 mxfp4 (e8m0 scale per 32), 2 nvfp4 (e4m3 scale per 16
+// times a float32 global scale per expert). MK_TWO_MUL (fp4): the exact e2m1 value first,
+// then the scale, for scales too large to fold 2^126 into (see pack.py).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <cstdio>
+
+#ifndef MK_FMT
+#define MK_FMT 0
+#endif
+#ifndef MK_ZERO
+#define MK_ZERO 0
+#endif
+#ifndef MK_TWO_MUL
+#define MK_TWO_MUL 0
+#endif
+
+namespace {
+
+constexpr int FMT_INT4 = 0, FMT_MXFP4 = 1, FMT_NVFP4 = 2;
+constexpr int MAX_P = 128;   // pairs per call (one per thread in the grouping)
+constexpr int WARPS = 4;     // warps per block, splitting K
+constexpr int THREADS = WARPS * 32;
+constexpr int DEPTH = 4;     // K chunks of 64 in flight per warp
+constexpr int MT = 2;        // 16-row tiles per item: gate and up (gate_up), two rows of down
+constexpr int GATE_UP = 0, DOWN = 1;
+constexpr int ACT_SILU = 0, ACT_GELU = 1, ACT_SWIGLU_OAI = 2;
+static_assert(THREADS == MAX_P, "the grouping gives each thread one pair");
+
+struct Args {
+  const __nv_bfloat16* x;     // gate_up: x [T, K]; down: h [P, K]  (K: the reduction dim)
+  const int* ids;             // [P] local expert of each pair; < 0 or >= E: none
+  const float* topk_w;        // [P] routing weights (down)
+  const uint4* wq;            // [E, rows / 16, K / 64, 32] packed tiles
+  const uint8_t* ws;          // scales, per tile and K chunk (pack.py)
+  const uint8_t* wz;          // int4 zero offsets, same layout as ws (MK_ZERO)
+  const float* gscale;        // nvfp4: [E]
+  const __nv_bfloat16* bias;  // gate_up: [E, 2N] (gate rows, then up); down: [E, N]
+  __nv_bfloat16* out;         // gate_up: h [P, N]; down: out [T, N] (added into)
+  __nv_bfloat16* zero_out;    // gate_up: out [T, H] to zero for down
+  long long zero_n;           // elements of zero_out (a multiple of 8)
+  int P, topk, E, N, K, group;
+  float alpha, limit;
+};
+
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t u) {
+  return *reinterpret_cast<__nv_bfloat162*>(&u);
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Bytes of scales per tile and K chunk, and this lane's offset in them: entries
+// [groups in the chunk][g 0..7][row g, row g + 8], of 2 bytes (int4: bf16) or 1 (fp4 codes).
+constexpr int SCALE_ELEM = MK_FMT == FMT_INT4 ? 2 : 1;
+
+// A fragment register j (0..3) of one 32-bit word of 8 codes, as bf16x2; m: the row's scale
+// multiplier (bf16x2), z: int4 zero offset (bf16x2 of 128 + z).
+template <int J>
+__device__ __forceinline__ uint32_t dequant(uint32_t q, uint32_t m, uint32_t z) {
+#if MK_FMT == FMT_INT4
+  // codes j and j + 4 -> the mantissas of bf16 128 + q
+  const uint32_t t = ((q >> (4 * J)) & 0x000F000Fu) | 0x43004300u;
+  return as_u32(__hmul2(__hsub2(as_bf2(t), as_bf2(z)), as_bf2(m)));
+#else
+  // codes 3 - j and 7 - j: sign to bit 15 / 31, exponent and mantissa to bits 8..6 / 24..22:
+  // bf16 2^-126 times the e2m1 value (subnormal for codes 0, 1)
+  const uint32_t u = q << (4 * J);
+  const uint32_t r = (u & 0x80008000u) | ((u >> 6) & 0x01C001C0u);
+#if MK_TWO_MUL
+  return as_u32(__hmul2(__hmul2(as_bf2(r), as_bf2(0x7E807E80u)), as_bf2(m)));  // * 2^126
+#else
+  return as_u32(__hmul2(as_bf2(r), as_bf2(m)));  // m holds 2^126 * scale
+#endif
+#endif
+}
+
+// bf16 multiplier bits of one scale code (fp4 formats).
+__device__ __forceinline__ uint32_t fp4_multiplier(uint32_t code, float gs) {
+#if MK_FMT == FMT_MXFP4
+#if MK_TWO_MUL
+  return code ? code << 7 : 0x0040u;  // 2^(code - 127); code 0: 2^-127 (subnormal)
+#else
+  return (code + 126u) << 7;  // 2^126 * 2^(code - 127)
+#endif
+#else
+  __nv_fp8_e4m3 s;
+  s.__x = static_cast<__nv_fp8_storage_t>(code);
+  float f = static_cast<float>(s) * gs;
+#if !MK_TWO_MUL
+  f *= 8.507059173023462e37f;  // 2^126
+#endif
+  __nv_bfloat16 b = __float2bfloat16_rn(f);
+  return *reinterpret_cast<uint16_t*>(&b);
+#endif
+}
+
+template <int NT>
+struct Chunk {
+  uint4 a[MT];       // packed codes, 16 bytes per tile
+  uint32_t s[MT];    // scales of rows g and g + 8
+  uint32_t z[MT];    // int4 zero offsets
+  uint4 b[NT][2];    // activations: 16 values of pair row g
+};
+
+template <int KIND, int ACT, bool BIAS, int NT>
+__global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
+  constexpr int SEG = 8 * NT;
+  __shared__ int s_id[MAX_P];
+  __shared__ int s_rank[MAX_P];
+  __shared__ int s_sorted[MAX_P];
+  __shared__ int s_seg_start[MAX_P], s_seg_len[MAX_P], s_seg_e[MAX_P];
+  __shared__ int s_nseg;
+  __shared__ float s_red[WARPS - 1][MT * NT * 4][32];
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int P = a.P;
+
+  // ---- group the pairs by expert: sorted position and segments (one pair per thread)
+  int e_p = -1;
+  if (tid < P) {
+    const int v = a.ids[tid];
+    e_p = (v >= 0 && v < a.E) ? v : -1;
+  }
+  s_id[tid] = e_p;
+  if (tid == 0) s_nseg = 0;
+  __syncthreads();
+  int less = 0, same = 0, cnt = 0;
+  if (e_p >= 0) {
+    for (int q = 0; q < P; ++q) {
+      const int f = s_id[q];
+      if (f < 0) continue;
+      less += f < e_p;
+      cnt += f == e_p;
+      same += (f == e_p) & (q < tid);
+    }
+    s_sorted[less + same] = tid;
+  }
+  s_rank[tid] = same;
+  __syncthreads();
+  if (e_p >= 0 && same % SEG == 0) {  // this pair leads a segment
+    int sid = 0;
+    for (int q = 0; q < P; ++q) {
+      const int f = s_id[q];
+      if (f < 0 || s_rank[q] % SEG) continue;
+      sid += (f < e_p) | ((f == e_p) & (s_rank[q] < same));
+    }
+    s_seg_start[sid] = less + same;
+    s_seg_len[sid] = min(SEG, cnt - same);
+    s_seg_e[sid] = e_p;
+    atomicAdd(&s_nseg, 1);
+  }
+  __syncthreads();
+  const int nseg = s_nseg;
+
+  if (KIND == GATE_UP) {  // zero the output that down adds into
+    const long long step = 8LL * gridDim.x * THREADS;
+    for (long long i = 8LL * (blockIdx.x * THREADS + tid); i < a.zero_n; i += step)
+      *reinterpret_cast<uint4*>(a.zero_out + i) = make_uint4(0, 0, 0, 0);
+  }
+
+  const int N = a.N, K = a.K, KC = K / 64;
+  const int rows_per_item = KIND == GATE_UP ? 16 : 32;
+  const int R = N / rows_per_item;
+  const int kc0 = warp * KC / WARPS, kc1 = (warp + 1) * KC / WARPS;
+  const int gsz = a.group < 64 ? a.group : 64;
+  const int SB = (64 / gsz) * 16 * SCALE_ELEM;
+  const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
+  const int row_div = KIND == GATE_UP ? a.topk : 1;
+  const int tiles_per_e = KIND == GATE_UP ? 2 * N / 16 : N / 16;
+
+  for (int item = blockIdx.x; item < nseg * R; item += gridDim.x) {
+    const int seg = item / R, rb = item - seg * R;
+    const int e = s_seg_e[seg], start = s_seg_start[seg], len = s_seg_len[seg];
+    const __nv_bfloat16* xrow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int slot = nt * 8 + g;
+      xrow[nt] = slot < len ? a.x + (long long)(s_sorted[start + slot] / row_div) * K : nullptr;
+    }
+    long long tile[MT];
+    if (KIND == GATE_UP) {
+      tile[0] = (long long)e * tiles_per_e + rb;            // gate rows
+      tile[1] = (long long)e * tiles_per_e + N / 16 + rb;   // up rows
+    } else {
+      tile[0] = (long long)e * tiles_per_e + 2 * rb;
+      tile[1] = tile[0] + 1;
+    }
+    float gs = 1.f;
+    if (MK_FMT == FMT_NVFP4) gs = a.gscale[e];
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[t][nt][v] = 0.f;
+
+    auto load = [&](Chunk<NT>& ch, int kc) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const long long tk = tile[t] * KC + kc;
+        ch.a[t] = ld_stream(a.wq + tk * 32 + lane);
+        const uint8_t* sp = a.ws + tk * SB + soff;
+        if (SCALE_ELEM == 2) {
+          ch.s[t] = __ldg(reinterpret_cast<const uint32_t*>(sp));
+          if (MK_ZERO) ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + tk * SB + soff));
+        } else {
+          ch.s[t] = __ldg(reinterpret_cast<const uint16_t*>(sp));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (xrow[nt] != nullptr) {
+          const uint4* bp = reinterpret_cast<const uint4*>(xrow[nt] + kc * 64 + 16 * c);
+          ch.b[nt][0] = __ldg(bp);
+          ch.b[nt][1] = __ldg(bp + 1);
+        } else {
+          ch.b[nt][0] = ch.b[nt][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    };
+
+    auto compute = [&](const Chunk<NT>& ch) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        uint32_t m0, m1, z0 = 0x43084308u, z1 = 0x43084308u;  // int4 symmetric: 128 + 8
+        if (MK_FMT == FMT_INT4) {
+          m0 = __byte_perm(ch.s[t], 0, 0x1010);  // row g, both halves
+          m1 = __byte_perm(ch.s[t], 0, 0x3232);  // row g + 8
+          if (MK_ZERO) {
+            z0 = __byte_perm(ch.z[t], 0, 0x1010);
+            z1 = __byte_perm(ch.z[t], 0, 0x3232);
+          }
+        } else {
+          const uint32_t b0 = fp4_multiplier(ch.s[t] & 0xFFu, gs);
+          const uint32_t b1 = fp4_multiplier((ch.s[t] >> 8) & 0xFFu, gs);
+          m0 = b0 | (b0 << 16);
+          m1 = b1 | (b1 << 16);
+        }
+        const uint32_t w[4] = {ch.a[t].x, ch.a[t].y, ch.a[t].z, ch.a[t].w};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t a0 = dequant<0>(w[s], m0, z0), a1 = dequant<1>(w[s], m1, z1);
+          const uint32_t a2 = dequant<2>(w[s], m0, z0), a3 = dequant<3>(w[s], m1, z1);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 bv = ch.b[nt][s >> 1];
+            const uint32_t b0 = (s & 1) ? bv.z : bv.x, b1 = (s & 1) ? bv.w : bv.y;
+            mma(acc[t][nt], a0, a1, a2, a3, b0, b1);
+          }
+        }
+      }
+    };
+
+    Chunk<NT> buf[DEPTH];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d)
+      if (kc0 + d < kc1) load(buf[d], kc0 + d);
+    for (int kc = kc0; kc < kc1; kc += DEPTH) {
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d) {
+        if (kc + d < kc1) {
+          compute(buf[d]);
+          if (kc + d + DEPTH < kc1) load(buf[d], kc + d + DEPTH);
+        }
+      }
+    }
+
+    // ---- the warps' K shares meet in warp 0, which writes the item
+    if (warp > 0) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) s_red[warp - 1][(t * NT + nt) * 4 + v][lane] = acc[t][nt][v];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int w2 = 0; w2 < WARPS - 1; ++w2)
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[t][nt][v] += s_red[w2][(t * NT + nt) * 4 + v][lane];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int slot = nt * 8 + 2 * c + (v & 1);
+          if (slot >= len) continue;
+          const int pair = s_sorted[start + slot];
+          const int r = g + 8 * (v >> 1);
+          if (KIND == GATE_UP) {
+            const int f = rb * 16 + r;
+            float gv = acc[0][nt][v], uv = acc[1][nt][v];
+            if (BIAS) {
+              gv += __bfloat162float(a.bias[(long long)e * 2 * N + f]);
+              uv += __bfloat162float(a.bias[(long long)e * 2 * N + N + f]);
+            }
+            float hv;
+            if (ACT == ACT_SILU) {
+              hv = gv / (1.f + __expf(-gv)) * uv;
+            } else if (ACT == ACT_GELU) {
+              hv = 0.5f * gv * (1.f + erff(gv * 0.7071067811865476f)) * uv;
+            } else {
+              gv = fminf(gv, a.limit);
+              uv = fminf(fmaxf(uv, -a.limit), a.limit);
+              hv = gv / (1.f + __expf(-a.alpha * gv)) * (uv + 1.f);
+            }
+            a.out[(long long)pair * N + f] = __float2bfloat16_rn(hv);
+          } else {
+            const float wt = a.topk_w[pair];
+            const int token = pair / a.topk;
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+              const int n = (2 * rb + t) * 16 + r;
+              float y = acc[t][nt][v];
+              if (BIAS) y += __bfloat162float(a.bias[(long long)e * N + n]);
+              atomicAdd(a.out + (long long)token * N + n, __float2bfloat16_rn(y * wt));
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <int KIND, int ACT, bool BIAS, int NT>
+int launch(const Args& a, cudaStream_t stream) {
+  auto kernel = moe_w4<KIND, ACT, BIAS, NT>;
+  static int per_sm = 0, sms = 0;
+  if (per_sm == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0);
+    if (per_sm < 1) per_sm = 1;
+  }
+  const long long T = a.P / a.topk, seg = 8 * NT;
+  long long segs = (long long)a.E * ((T + seg - 1) / seg);
+  if (segs > a.P) segs = a.P;
+  const long long items = segs * (a.N / (KIND == GATE_UP ? 16 : 32));
+  long long grid = (long long)per_sm * sms;
+  if (items < grid) grid = items;
+  if (grid < 1) grid = 1;
+  kernel<<<(unsigned)grid, THREADS, 0, stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+template <int KIND, int ACT, bool BIAS>
+int launch_nt(int nt, const Args& a, cudaStream_t s) {
+  return nt == 1 ? launch<KIND, ACT, BIAS, 1>(a, s) : launch<KIND, ACT, BIAS, 2>(a, s);
+}
+
+template <int KIND, int ACT>
+int launch_bias(int bias, int nt, const Args& a, cudaStream_t s) {
+  return bias ? launch_nt<KIND, ACT, true>(nt, a, s) : launch_nt<KIND, ACT, false>(nt, a, s);
+}
+
+thread_local char last_error[256];
+
+}  // namespace
+
+extern "C" {
+
+int mk_w4_max_pairs() { return MAX_P; }
+
+const char* mk_w4_last_error() { return last_error; }
+
+// kind 0: gate_up (act 0 silu, 1 gelu, 2 swiglu_oai), 1: down. nt: 1 or 2 (pairs per expert
+// segment: 8 * nt). Returns 0 or a CUDA error code (mk_w4_last_error says which).
+int mk_w4_launch(int kind, int act, int has_bias, int nt, const void* x, const void* ids,
+                 const void* topk_w, const void* wq, const void* ws, const void* wz,
+                 const void* gscale, const void* bias, void* out, void* zero_out,
+                 long long zero_n, int P, int topk, int E, int N, int K, int group, float alpha,
+                 float limit, void* stream) {
+  last_error[0] = 0;
+  if (P < 0 || P > MAX_P || topk < 1 || K % 64 || N % 32 || (nt != 1 && nt != 2) || zero_n % 8) {
+    snprintf(last_error, sizeof last_error,
+             "bad arguments: P=%d (max %d) topk=%d N=%d K=%d nt=%d zero_n=%lld", P, MAX_P, topk,
+             N, K, nt, zero_n);
+    return -1;
+  }
+  Args a{static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(ids),
+         static_cast<const float*>(topk_w), static_cast<const uint4*>(wq),
+         static_cast<const uint8_t*>(ws), static_cast<const uint8_t*>(wz),
+         static_cast<const float*>(gscale), static_cast<const __nv_bfloat16*>(bias),
+         static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16*>(zero_out), zero_n,
+         P, topk, E, N, K, group, alpha, limit};
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  int err;
+  if (kind == DOWN) {
+    err = launch_bias<DOWN, 0>(has_bias, nt, a, s);
+  } else if (act == ACT_SILU) {
+    err = launch_bias<GATE_UP, ACT_SILU>(has_bias, nt, a, s);
+  } else if (act == ACT_GELU) {
+    err = launch_bias<GATE_UP, ACT_GELU>(has_bias, nt, a, s);
+  } else {
+    err = launch_bias<GATE_UP, ACT_SWIGLU_OAI>(has_bias, nt, a, s);
+  }
+  if (err) snprintf(last_error, sizeof last_error, "%s", cudaGetErrorString((cudaError_t)err));
+  return err;
+}
+
+}  // extern "C"

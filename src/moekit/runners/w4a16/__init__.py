@@ -1,0 +1,149 @@
+"""The `w4a16` runner: moekit's own CUDA kernels for 4-bit weight-only experts (int4_w4a16,
+mxfp4, nvfp4) at decode batch sizes, with bf16 activations.
+
+At decode an expert sees a handful of tokens, so a layer call is a stream of 4-bit weights; the
+`triton` runner's kernels spend several instructions per weight turning codes into products on
+the CUDA cores (benchmarks/triton_notes.md, session 21). These kernels (csrc/w4a16.cu) load each
+lane's MMA fragments of a weight layout permuted once (`pack.py`), turn the codes into bf16 with
+a few bit operations and one or two bf16 products, and multiply on the tensor cores. Two
+launches per call, no alignment kernel:
+  gate_up: groups the pairs by expert in shared memory, h [P, I] = act(x @ w13[e].T + b13[e]),
+           and zeroes the output;
+  down:    out [T, H] += weight * (h @ w2[e].T + b2[e]), bf16 atomics.
+
+Limits (said at selection): standard format; bfloat16 activations; at most 128 (token, expert)
+pairs per call (`jit.MAX_PAIRS`: decode batches; `auto` picks another runner above); H and I
+multiples of 64; a CUDA GPU of compute capability 8.0+ and nvcc (the kernels are built on first
+use, about 20 s per weight format, then cached). The permuted copy of the weights (the same size
+as the stored ones) is made on the first call with a set of weights (outside CUDA-graph
+capture) and kept until the weights change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.config import ACTIVATIONS
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Availability, Platform
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.registry import register
+from moekit.runners.w4a16 import jit
+from moekit.runners.w4a16.pack import PackedExperts, pack_experts
+from moekit.stages import STANDARD
+
+WEIGHT_FORMATS = ("int4_w4a16", "mxfp4", "nvfp4")
+SHAPE_ALIGN = 64  # H and I: whole 64-column chunks of the packed layout
+MIN_CAPABILITY = (8, 0)  # bf16 m16n8k16 MMA, bf16 atomics
+
+
+def shape_problem(hidden: int | None, intermediate: int | None) -> str | None:
+    bad = [f"{n}={v}" for n, v in (("H", hidden), ("I", intermediate))
+           if v is not None and v % SHAPE_ALIGN]  # fmt: skip
+    if bad:
+        return (f"runner 'w4a16' needs H and I (per rank) to be multiples of {SHAPE_ALIGN}, got "
+                + ", ".join(bad))  # fmt: skip
+    return None
+
+
+def pairs_problem(num_tokens: int, top_k: int | None) -> str | None:
+    pairs = num_tokens * (top_k or 1)
+    if pairs > jit.MAX_PAIRS:
+        return (f"runner 'w4a16' runs decode batches of at most {jit.MAX_PAIRS} (token, expert) "
+                f"pairs; T={num_tokens} x K={top_k} is {pairs}")  # fmt: skip
+    return None
+
+
+def _weights_key(w: ExpertWeights, interleaved: bool) -> tuple:
+    parts = [interleaved]
+    for name in ("w13", "w2", "b13", "b2", "w13_scale", "w2_scale", "w13_zero", "w2_zero",
+                 "w13_global_scale", "w2_global_scale"):  # fmt: skip
+        t = getattr(w, name)
+        parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape)))
+    return tuple(parts)
+
+
+@register
+class W4A16Runner(Runner):
+    """4-bit weight-only experts on the tensor cores at decode batch sizes (CUDA, nvcc)."""
+
+    name = "w4a16"
+    caps = RunnerCaps(
+        formats=frozenset({STANDARD}),
+        weight_formats=frozenset(WEIGHT_FORMATS),
+        activations=frozenset(ACTIVATIONS),
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16"}),
+        bias=True,
+        cuda_graph=True,
+    )
+
+    # why kernels cannot be built here (None: they can); a class attribute so tests can inject it
+    toolchain_problem = staticmethod(jit.problem)
+
+    def __init__(self) -> None:
+        self._packed: tuple[tuple, PackedExperts] | None = None  # one layer's weights
+
+    @classmethod
+    def availability(cls, platform: Platform) -> Availability:
+        if not platform.is_cuda:
+            return Availability(False, "needs a CUDA GPU (compute capability 8.0+); no CUDA GPU")
+        if platform.capability is None or platform.capability < MIN_CAPABILITY:
+            return Availability(
+                False, f"needs compute capability 8.0+ (bf16 tensor cores); this GPU is "
+                f"SM{platform.sm()}"
+            )  # fmt: skip
+        problem = cls.toolchain_problem()
+        if problem is not None:
+            return Availability(False, problem)
+        return Availability(True, "moekit's 4-bit decode kernels, built with nvcc")
+
+    @classmethod
+    def workload_problem(cls, work, platform=None) -> str | None:
+        """Batch and shape limits beyond the caps (used by moekit.select)."""
+        return pairs_problem(work.num_tokens, work.top_k) or shape_problem(
+            work.hidden_size, work.intermediate_size
+        )
+
+    def packed(self, w: ExpertWeights, interleaved: bool) -> PackedExperts:
+        """The weights in the kernels' layout, permuted on the first call with them."""
+        key = _weights_key(w, interleaved)
+        if self._packed is not None and self._packed[0] == key:
+            return self._packed[1]
+        if torch.cuda.is_current_stream_capturing():
+            raise RunnerError(
+                "runner 'w4a16' permutes a new set of weights on its first call with them; make "
+                "one call outside CUDA-graph capture first (a warm-up)"
+            )
+        self._packed = None  # free the old copy first
+        packed = pack_experts(w, interleaved)
+        self._packed = (key, packed)
+        return packed
+
+    def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec) -> torch.Tensor:
+        """x [T, H] bf16, topk ids / weights [T, K] -> out [T, H] bf16."""
+        T, H = x_TH.shape
+        K = topk.top_k
+        problem = pairs_problem(T, K) or shape_problem(w.hidden_size, w.intermediate_size)
+        if problem:
+            raise RunnerError(problem)
+        if H != w.hidden_size:
+            raise RunnerError(f"runner 'w4a16': x has hidden size {H}, weights {w.hidden_size}")
+        if T == 0 or K == 0:
+            return x_TH.new_zeros(T, H)
+        p = self.packed(w, act.interleaved)
+        if x_TH.stride(-1) != 1 or x_TH.stride(0) != H or x_TH.data_ptr() % 16:
+            x_TH = x_TH.contiguous()
+        ids = topk.ids.to(torch.int32).contiguous().view(-1)
+        weights = topk.weights.float().contiguous().view(-1)
+        I = w.intermediate_size
+        h = torch.empty(T * K, I, dtype=x_TH.dtype, device=x_TH.device)
+        out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
+        with torch.cuda.device(x_TH.device):
+            jit.launch(jit.GATE_UP, p.w13, x_TH, ids, weights, p.b13, h, K, I, act.name,
+                       act.alpha, act.limit, zero_out=out)  # fmt: skip
+            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H)
+        return out
+
+
+__all__ = ["W4A16Runner"]

@@ -1,0 +1,87 @@
+"""Build and launch the `w4a16` kernels (csrc/w4a16.cu): nvcc, one shared library per weight
+format variant (format, zero points, one or two scale products) and GPU architecture, cached on
+disk (`moekit.runners._nvcc`); ctypes calls it on torch's current stream (CUDA-graph safe)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from moekit.runners import _nvcc
+from moekit.runners.w4a16.pack import PackedMatrix
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "w4a16.cu"
+MAX_PAIRS = 128  # mirrors MAX_P in the .cu file (checked when a library loads)
+GATE_UP, DOWN = 0, 1
+ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+PAIRS_PER_SEGMENT = 8  # columns of one MMA: an expert's pairs per segment are 8 * nt
+
+
+def problem() -> str | None:
+    """None when the kernels can be built here, else why not."""
+    if _nvcc.nvcc() is None:
+        return "needs nvcc (CUDA 11.8+) to build its kernels: set CUDA_HOME or add it to PATH"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
+    """The compiled kernels of one format variant for `arch` ('90' for sm_90)."""
+    why = problem()
+    if why:
+        raise RuntimeError(why)
+    args = [
+        str(SOURCE), "-shared", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        f"-DMK_FMT={fmt}", f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}",
+    ]  # fmt: skip
+    path = _nvcc.build(_nvcc.nvcc(), args, "w4a16", [SOURCE.read_bytes()],
+                       f"w4a16 kernels (format {fmt}, zero {zero}, two_mul {two_mul})")  # fmt: skip
+    lib = ctypes.CDLL(str(path))
+    lib.mk_w4_max_pairs.restype = ctypes.c_int
+    if lib.mk_w4_max_pairs() != MAX_PAIRS:
+        raise RuntimeError(f"w4a16 kernels take {lib.mk_w4_max_pairs()} pairs, jit.py says "
+                           f"{MAX_PAIRS}: the two are out of step")  # fmt: skip
+    lib.mk_w4_last_error.restype = ctypes.c_char_p
+    lib.mk_w4_launch.restype = ctypes.c_int
+    lib.mk_w4_launch.argtypes = (
+        [ctypes.c_int] * 4 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
+        + [ctypes.c_int] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+    )  # fmt: skip
+    return lib
+
+
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
+           topk_weights: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+           top_k: int, n: int, act: str = "silu", alpha: float = 0.0, limit: float = 0.0,
+           zero_out: torch.Tensor | None = None) -> None:  # fmt: skip
+    """One GEMM over the P = ids.numel() pairs (see the .cu file). gate_up (kind 0): x [T, K]
+    bf16 -> out h [P, n]; down (kind 1): x = h [P, K] -> added into out [T, n]. ids int32 [P],
+    topk_weights float32 [P], n the output rows (gate_up: I). zero_out: zeroed by gate_up."""
+    P = ids.numel()
+    T = P // top_k
+    nt = 1 if T <= PAIRS_PER_SEGMENT else 2  # an expert has at most one pair per token
+    E = w.codes.shape[0]
+    K = w.codes.shape[2] * 64
+    lib = library(w.fmt, w.has_zero, w.two_mul, arch_of(x.device))
+    zero_n = zero_out.numel() if zero_out is not None else 0
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    err = lib.mk_w4_launch(
+        kind, ACT_CODES[act], int(bias is not None), nt, _ptr(x), _ptr(ids), _ptr(topk_weights),
+        _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros), _ptr(w.global_scale), _ptr(bias),
+        _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, alpha, limit, stream,
+    )  # fmt: skip
+    if err:
+        raise RuntimeError(f"w4a16 kernel: {lib.mk_w4_last_error().decode()}")

@@ -1,0 +1,177 @@
+"""The `w4a16` kernels' weight layout: 4-bit weights permuted once so that each lane of a warp
+loads its MMA fragments with one 16-byte load (see csrc/w4a16.cu).
+
+A matrix [E, N, K] (N output rows, K the reduction) of 4-bit codes becomes tiles of 16 rows x
+64 columns, int32 [E, N/16, K/64, 32 lanes, 4 words]. Lane l = 4g + c holds, in word s, the
+codes of rows g and g + 8 at columns 16c + 4s + (0..3) of the tile, as the A registers of one
+m16n8k16 MMA: register j (0..3) is row g + 8 (j & 1), columns 16c + 4s + 2 (j >> 1) + (0, 1).
+Its two codes sit at nibbles (j, j + 4) of the word for int4 (`CODE_NIBBLES`), at (3 - j,
+7 - j) for e2m1, where the kernel's bit operations expect them.
+
+Scales become bytes [E, N/16, K/64, groups in the chunk, 8, 2]: per K chunk of 64, for each
+scale group that starts in it (one group when the group is 64 or more), the entries of rows
+(g, g + 8), g = 0..7. int4: bf16 scales and zero offsets 128 + z in bf16 (the kernel
+subtracts them from 128 + q); mxfp4: the e8m0 codes; nvfp4: the e4m3 codes (and the float32
+global scale per expert, unchanged).
+
+`unpack_codes` / `unpack_scales` invert the permutation: the reference twins the tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts import ExpertWeights
+from moekit.quant.packing import unpack_uint4
+
+TILE_ROWS, CHUNK = 16, 64
+LANES, WORDS, NIBBLES = 32, 4, 8
+FMT_CODES = {"int4_w4a16": 0, "mxfp4": 1, "nvfp4": 2}
+# The largest fp4 scale that still lets the kernel fold 2^126 into one bf16 multiplier:
+# bf16 tops out below 2^128, so scale * 2^126 must stay below 4 * 2^126.
+ONE_MUL_MAX_SCALE = 3.98
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    """One expert matrix [E, N, K] in the kernels' layout (see the module docstring).
+    fmt: FMT_CODES value; two_mul: fp4 scales too large for one bf16 multiplier."""
+
+    codes: torch.Tensor  # int32 [E, N/16, K/64, 32, 4]
+    scales: torch.Tensor  # uint8 [E, N/16, K/64, scale bytes per chunk]
+    zeros: torch.Tensor | None  # int4 with zero points: like scales
+    global_scale: torch.Tensor | None  # nvfp4: float32 [E]
+    fmt: int
+    group: int
+    two_mul: bool
+
+    @property
+    def has_zero(self) -> bool:
+        return self.zeros is not None
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """w13 with gate rows first, then up rows (interleaved checkpoints de-interleaved), w2, and
+    the biases in the same row order (bf16)."""
+
+    w13: PackedMatrix
+    w2: PackedMatrix
+    b13: torch.Tensor | None  # [E, 2I]
+    b2: torch.Tensor | None  # [E, H]
+
+
+def _lane_map(fmt: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) in the 16 x 64 tile of each code, long [32 lanes, 4 words, 8 nibbles]."""
+    lane = torch.arange(LANES).view(LANES, 1, 1)
+    word = torch.arange(WORDS).view(1, WORDS, 1)
+    nib = torch.arange(NIBBLES).view(1, 1, NIBBLES)
+    half = nib // 4  # 0: the register's first code, 1: its second
+    j = nib % 4 if fmt == FMT_CODES["int4_w4a16"] else 3 - nib % 4
+    g, c = lane // 4, lane % 4
+    row = g + 8 * (j & 1)
+    col = 16 * c + 4 * word + 2 * (j >> 1) + half
+    return row.expand(LANES, WORDS, NIBBLES).to(device), col.to(device)
+
+
+def pack_codes(codes: torch.Tensor, fmt: int) -> torch.Tensor:
+    """uint8 codes 0..15 [E, N, K] -> int32 [E, N/16, K/64, 32, 4] (N % 16 == 0, K % 64 == 0)."""
+    E, N, K = codes.shape
+    row, col = _lane_map(fmt, codes.device)
+    flat = (row * CHUNK + col).reshape(-1)
+    shifts = (4 * torch.arange(NIBBLES, device=codes.device)).to(torch.int64)
+    out = torch.empty(E, N // TILE_ROWS, K // CHUNK, LANES, WORDS, dtype=torch.int32,
+                      device=codes.device)  # fmt: skip
+    for e in range(E):  # one expert at a time: the int64 words of all of them would be large
+        t = codes[e].view(N // TILE_ROWS, TILE_ROWS, K // CHUNK, CHUNK).permute(0, 2, 1, 3)
+        t = t.reshape(N // TILE_ROWS, K // CHUNK, TILE_ROWS * CHUNK)[..., flat]
+        t = t.view(N // TILE_ROWS, K // CHUNK, LANES, WORDS, NIBBLES).to(torch.int64)
+        words = (t << shifts).sum(-1)
+        out[e] = (words - ((words >> 31) << 32)).to(torch.int32)  # the low 32 bits, signed
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The inverse of pack_codes: int32 [E, N/16, K/64, 32, 4] -> uint8 [E, N, K]."""
+    E, NT, KC = packed.shape[:3]
+    row, col = _lane_map(fmt, packed.device)
+    shifts = 4 * torch.arange(NIBBLES, device=packed.device)
+    nibbles = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
+    tile = torch.empty(E, NT, KC, TILE_ROWS * CHUNK, dtype=torch.uint8, device=packed.device)
+    tile[..., (row * CHUNK + col).reshape(-1)] = nibbles.reshape(E, NT, KC, -1)
+    tile = tile.view(E, NT, KC, TILE_ROWS, CHUNK).permute(0, 1, 3, 2, 4)
+    return tile.reshape(E, NT * TILE_ROWS, KC * CHUNK)
+
+
+def _chunk_groups(K: int, group: int, device) -> torch.Tensor:
+    """long [K/64, groups per chunk]: the scale group of each group start in each chunk."""
+    gsz = min(group, CHUNK)
+    starts = torch.arange(0, K, CHUNK).view(-1, 1) + gsz * torch.arange(CHUNK // gsz)
+    return (starts // group).to(device)
+
+
+def pack_scales(scale: torch.Tensor, group: int) -> torch.Tensor:
+    """[E, N, K/group] per-group values (any dtype) -> uint8 [E, N/16, K/64, bytes per chunk]
+    in the kernels' order (bytes of the dtype, little-endian)."""
+    E, N, _ = scale.shape
+    K = scale.shape[2] * group
+    idx = _chunk_groups(K, group, scale.device)
+    s = scale[:, :, idx]  # [E, N, KC, GC]
+    s = s.view(E, N // TILE_ROWS, 2, 8, *idx.shape).permute(0, 1, 4, 5, 3, 2).contiguous()
+    return s.view(torch.uint8).reshape(E, N // TILE_ROWS, idx.shape[0], -1)
+
+
+def unpack_scales(packed: torch.Tensor, dtype: torch.dtype, group: int, K: int) -> torch.Tensor:
+    """The inverse of pack_scales: -> [E, N, K/group] of `dtype`."""
+    E, NT, KC = packed.shape[:3]
+    GC = CHUNK // min(group, CHUNK)
+    s = packed.contiguous().view(dtype).view(E, NT, KC, GC, 8, 2).permute(0, 1, 5, 4, 2, 3)
+    s = s.reshape(E, NT * TILE_ROWS, KC * GC)
+    starts = _chunk_groups(K, group, packed.device).reshape(-1)
+    out = torch.empty(E, NT * TILE_ROWS, K // group, dtype=dtype, device=packed.device)
+    out[:, :, starts] = s  # a group spanning several chunks is written once per chunk
+    return out
+
+
+def pack_matrix(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                global_scale: torch.Tensor | None, spec) -> PackedMatrix:  # fmt: skip
+    """A 4-bit format's stored matrix [E, N, K/2] (two codes per byte) and its scale tensors
+    (moekit.quant.spec) -> PackedMatrix."""
+    fmt = FMT_CODES[spec.name]
+    group = spec.group_size
+    codes = pack_codes(unpack_uint4(data), fmt)
+    two_mul = False
+    if spec.name == "int4_w4a16":
+        scales = pack_scales(scale.to(torch.bfloat16), group)
+        zeros = None
+        if zero is not None:
+            zeros = pack_scales((zero.float() + 128).to(torch.bfloat16), group)
+    else:
+        scales, zeros = pack_scales(scale.view(torch.uint8), group), None
+        if spec.name == "mxfp4":  # 2^(code - 1) must be a finite bf16
+            two_mul = bool(scale.numel()) and int(scale.max()) > 128
+        else:
+            largest = scale.float().amax(dim=(1, 2)) * global_scale
+            two_mul = bool(largest.numel()) and float(largest.max()) > ONE_MUL_MAX_SCALE
+    gs = global_scale.float().contiguous() if global_scale is not None else None
+    return PackedMatrix(codes, scales, zeros, gs, fmt, group, two_mul)
+
+
+def _gate_up_rows(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rows of a w13-shaped tensor [E, 2I, ...] in gate-then-up order."""
+    if not interleaved:
+        return t
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
+
+
+def pack_experts(w: ExpertWeights, interleaved: bool) -> PackedExperts:
+    """ExpertWeights of a 4-bit format -> PackedExperts (w13 rows in gate-then-up order)."""
+    rows = lambda t: None if t is None else _gate_up_rows(t, interleaved)  # noqa: E731
+    w13 = pack_matrix(rows(w.w13), rows(w.w13_scale), rows(w.w13_zero), w.w13_global_scale,
+                      w.spec)  # fmt: skip
+    w2 = pack_matrix(w.w2, w.w2_scale, w.w2_zero, w.w2_global_scale, w.spec)
+    b13 = rows(w.b13)
+    bf16 = lambda t: None if t is None else t.to(torch.bfloat16).contiguous()  # noqa: E731
+    return PackedExperts(w13, w2, bf16(b13), bf16(w.b2))

@@ -1,0 +1,302 @@
+"""The `w4a16` runner (moekit's CUDA kernels for 4-bit weight-only experts at decode sizes).
+
+CPU: the permuted weight layout (`runners/w4a16/pack.py`) round trips, and an emulation of the
+kernels' dequantization (the same bit operations and bf16 products, on the packed layout)
+reproduces `moekit.quant.dequantize` exactly (nvfp4: with its scale rounded to bf16, as the
+kernel does); availability and workload rules. GPU (marked): every format, activation, bias,
+masked ids and batch size against the torch reference runner, the preset shapes, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import make_topk, rel_err
+
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.hardware import Platform
+from moekit.quant import Int4W4A16, make_spec, quantize_experts
+from moekit.quant.packing import e2m1_decode, unpack_uint4
+from moekit.quant.quantize import QuantizedTensor, dequantize, quantize
+from moekit.runners import registry
+from moekit.runners.base import RunnerError
+from moekit.runners.torch import TorchRunner
+from moekit.runners.w4a16 import W4A16Runner, jit
+from moekit.runners.w4a16 import pack as pk
+from moekit.select import Workload, why_not
+from moekit.stages import StandardDispatchOutput
+
+SPECS = {
+    "int4-g128-sym": Int4W4A16(128, True),
+    "int4-g32-asym-f16": Int4W4A16(32, False, torch.float16),
+    "int4-g64-asym-f32": Int4W4A16(64, False, torch.float32),
+    "mxfp4": make_spec("mxfp4"),
+    "nvfp4": make_spec("nvfp4"),
+}
+BOUND = 3e-2  # bf16 against the reference (TOLERANCE[bfloat16]); bf16 atomics sum the K pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the layout and an emulation of the kernels' dequantization
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2])
+def test_codes_round_trip(fmt):
+    codes = torch.randint(0, 16, (3, 48, 192), dtype=torch.uint8)
+    packed = pk.pack_codes(codes, fmt)
+    assert packed.shape == (3, 3, 3, 32, 4) and packed.dtype == torch.int32
+    assert torch.equal(pk.unpack_codes(packed, fmt), codes)
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
+def test_scales_round_trip(group, dtype):
+    s = torch.randint(0, 255, (2, 32, 256 // group), dtype=torch.uint8)
+    if dtype == torch.bfloat16:
+        s = torch.randn(2, 32, 256 // group).to(dtype)
+    packed = pk.pack_scales(s, group)
+    assert torch.equal(pk.unpack_scales(packed, dtype, group, 256), s)
+
+
+def _bf16(bits: torch.Tensor) -> torch.Tensor:
+    """uint16 bit patterns (held in int64) -> bf16 values."""
+    return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _halves(word: torch.Tensor):
+    return _bf16(word & 0xFFFF), _bf16((word >> 16) & 0xFFFF)
+
+
+def _multipliers(m: pk.PackedMatrix, scales: torch.Tensor, e: torch.Tensor):
+    """The kernel's bf16 multiplier of each (row, group) entry: int4 the scale; mxfp4
+    2^(code - 1) (one product) or 2^(code - 127); nvfp4 bf16(2^126 s g) or bf16(s g)."""
+    if m.fmt == pk.FMT_CODES["int4_w4a16"]:
+        return scales.float()
+    if m.fmt == pk.FMT_CODES["mxfp4"]:
+        code = scales.to(torch.int64)
+        if m.two_mul:
+            return _bf16(torch.where(code > 0, code << 7, 0x40)).float()
+        return _bf16((code + 126) << 7).float()
+    f = scales.view(torch.float8_e4m3fn).float() * m.global_scale[e]
+    return (f if m.two_mul else f * 2.0**126).to(torch.bfloat16).float()
+
+
+def emulate_dequant(m: pk.PackedMatrix, N: int, K: int) -> torch.Tensor:
+    """bf16 [E, N, K]: what the kernels feed the MMAs, computed from the packed tensors with the
+    kernels' bit operations (csrc/w4a16.cu `dequant`, `fp4_multiplier`)."""
+    E = m.codes.shape[0]
+    q = m.codes.to(torch.int64) & 0xFFFFFFFF  # [E, NT, KC, 32, 4]
+    dt = torch.bfloat16 if m.fmt == pk.FMT_CODES["int4_w4a16"] else torch.uint8
+    scales = pk.unpack_scales(m.scales, dt, m.group, K)  # [E, N, K / group]
+    e = torch.arange(E).view(E, 1, 1)
+    mult = _multipliers(m, scales, e).repeat_interleave(m.group, dim=2)  # [E, N, K]
+    zero = None
+    if m.zeros is not None:
+        zero = pk.unpack_scales(m.zeros, torch.bfloat16, m.group, K)
+        zero = zero.repeat_interleave(m.group, dim=2)
+    row, col = pk._lane_map(m.fmt, q.device)  # [32, 4, 8]
+    vals = torch.empty(*q.shape, 8, dtype=torch.bfloat16)
+    for j in range(4):
+        if m.fmt == pk.FMT_CODES["int4_w4a16"]:
+            t = ((q >> (4 * j)) & 0x000F000F) | 0x43004300
+        else:
+            u = (q << (4 * j)) & 0xFFFFFFFF
+            t = (u & 0x80008000) | ((u >> 6) & 0x01C001C0)
+        for half, v in enumerate(_halves(t)):
+            nib = j + 4 * half if m.fmt == pk.FMT_CODES["int4_w4a16"] else 3 - j + 4 * half
+            vals[..., nib] = v
+    # place each value at its (row, column) and apply the kernel's arithmetic there
+    NT, KC = q.shape[1], q.shape[2]
+    tile = torch.empty(E, NT, KC, 16 * 64, dtype=torch.bfloat16)
+    tile[..., (row * 64 + col).reshape(-1)] = vals.reshape(E, NT, KC, -1)
+    raw = tile.view(E, NT, KC, 16, 64).permute(0, 1, 3, 2, 4).reshape(E, N, K)
+    if m.fmt == pk.FMT_CODES["int4_w4a16"]:
+        z = zero if zero is not None else torch.full_like(raw, 136.0)
+        return ((raw - z) * mult.to(torch.bfloat16)).to(torch.bfloat16)
+    if m.two_mul:
+        raw = raw * torch.tensor(2.0**126, dtype=torch.bfloat16)
+    return raw * mult.to(torch.bfloat16)
+
+
+def reference_bf16(q: QuantizedTensor) -> torch.Tensor:
+    """The weights as the kernels must see them: `dequantize` rounded to bf16, with the scale
+    first rounded to bf16 where the kernel does (int4 float32 / float16 scales, nvfp4)."""
+    spec = q.spec
+    if spec.name == "int4_w4a16":
+        s = q.scale.to(torch.bfloat16).to(spec.scale_dtype)
+        return dequantize(replace(q, scale=s), torch.bfloat16)
+    if spec.name == "nvfp4":
+        v = e2m1_decode(unpack_uint4(q.data))
+        s = (q.scale.float() * q.global_scale[:, None, None]).to(torch.bfloat16).float()
+        return (v * s.repeat_interleave(16, dim=-1)).to(torch.bfloat16)
+    return dequantize(q, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+@pytest.mark.parametrize("scale_up", [1.0, 2.0**10])
+def test_emulated_dequant_matches_reference(fmt, scale_up):
+    """The kernels' bit tricks give the reference's bf16 weights exactly, for codes of every
+    value (e2m1 subnormals included) and scales large enough to need two products."""
+    spec = SPECS[fmt]
+    w = torch.randn(3, 32, 256) * scale_up
+    w[0, 0, :64] = 0.0  # an all-zero group
+    w[1, 3, 5] = 10 * scale_up  # an outlier (fp4 scale 2: still one product)
+    q = quantize(w, spec)
+    m = pk.pack_matrix(q.data, q.scale, q.zero, q.global_scale, spec)
+    if spec.name in ("mxfp4", "nvfp4"):
+        assert m.two_mul == (scale_up > 1)
+    got = emulate_dequant(m, 32, 256)
+    assert torch.equal(got, reference_bf16(q)), fmt
+
+
+def test_pack_experts_deinterleaves_gate_and_up():
+    spec = make_spec("mxfp4")
+    E, H, I = 2, 64, 64
+    w = ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(E, 2 * I),
+                      torch.randn(E, H))  # fmt: skip
+    q = quantize_experts(w, spec)
+    p = pk.pack_experts(q, interleaved=True)
+    codes = pk.unpack_codes(p.w13.codes, p.w13.fmt)
+    stored = unpack_uint4(q.w13)
+    assert torch.equal(codes[:, :I], stored[:, 0::2]) and torch.equal(codes[:, I:], stored[:, 1::2])
+    assert torch.equal(p.b13.float(), torch.cat((q.b13[:, 0::2], q.b13[:, 1::2]), 1).to(
+        torch.bfloat16).float())  # fmt: skip
+    plain = pk.pack_experts(q, interleaved=False)
+    assert torch.equal(pk.unpack_codes(plain.w13.codes, 1), stored)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: availability and workload rules
+# ---------------------------------------------------------------------------------------------
+
+H100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1, {"torch": "2.11"})
+T4 = Platform("cuda", "Tesla T4", (7, 5), 1, {"torch": "2.11"})
+CPU = Platform("cpu", "cpu", None, 0, {"torch": "2.11"})
+
+
+def test_availability(monkeypatch):
+    assert "no CUDA GPU" in registry.availability("w4a16", CPU).reason
+    assert "SM75" in registry.availability("w4a16", T4).reason
+    monkeypatch.setattr(W4A16Runner, "toolchain_problem", staticmethod(lambda: None))
+    assert registry.availability("w4a16", H100)
+    monkeypatch.setattr(W4A16Runner, "toolchain_problem", staticmethod(lambda: "needs nvcc"))
+    assert registry.availability("w4a16", H100).reason == "needs nvcc"
+
+
+def test_workload_rules(monkeypatch):
+    monkeypatch.setattr(W4A16Runner, "toolchain_problem", staticmethod(lambda: None))
+    base = dict(weight_format="mxfp4", num_experts=128, hidden_size=2880, intermediate_size=2880,
+                top_k=4)  # fmt: skip
+    assert why_not("w4a16", Workload(32, **base), H100) is None
+    assert "at most 128" in why_not("w4a16", Workload(33, **base), H100)
+    odd = dict(base, intermediate_size=96)
+    assert "I=96" in why_not("w4a16", Workload(1, **odd), H100)
+    bf16 = dict(base, weight_format="unquantized")
+    assert "weight format 'unquantized'" in why_not("w4a16", Workload(1, **bf16), H100)
+    masked = Workload(1, format="masked", **base)
+    assert "dispatch format 'masked'" in why_not("w4a16", masked, H100)
+
+
+def test_run_refuses_large_batches():
+    spec = make_spec("mxfp4")
+    w = quantize_experts(ExpertWeights(torch.randn(4, 128, 64), torch.randn(4, 64, 64)), spec)
+    x = torch.randn(65, 64, dtype=torch.bfloat16)
+    with pytest.raises(RunnerError, match="at most 128"):
+        W4A16Runner().run_standard(x, make_topk(65, 2, 4, device="cpu"), w, ActivationSpec())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: against the reference runner
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_both(x, topk, w, act, runner=None):
+    d = StandardDispatchOutput(x, topk)
+    out = (runner or W4A16Runner()).run(d, w, act).out
+    ref = TorchRunner().run(d, w, act).out
+    return out, ref
+
+
+def _experts(spec, E, H, I, bias):
+    w13 = (torch.rand(E, 2 * I, H, device="cuda") * 2 - 1) / H**0.5
+    w2 = (torch.rand(E, H, I, device="cuda") * 2 - 1) / I**0.5
+    b13 = b2 = None
+    if bias:
+        b13 = (torch.randn(E, 2 * I, device="cuda") * 0.1).to(torch.bfloat16)
+        b2 = (torch.randn(E, H, device="cuda") * 0.1).to(torch.bfloat16)
+    return quantize_experts(ExpertWeights(w13, w2, b13, b2), spec)
+
+
+ACTS = {
+    "silu": (ActivationSpec(), False),
+    "gelu": (ActivationSpec("gelu"), False),
+    "swiglu_oai": (ActivationSpec("swiglu_oai", interleaved=True), True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(SPECS))
+@pytest.mark.parametrize("act", list(ACTS))
+def test_formats_and_activations_gpu(fmt, act):
+    """E not a power of two, masked ids, T = 0, 1, 5 (one segment per expert) and 16 (two
+    MMA column groups), and every pair on one expert (segments of 8 / 16 pairs)."""
+    torch.manual_seed(0)
+    spec, (a, bias) = SPECS[fmt], ACTS[act]
+    E, K, H, I = 12, 4, 256, 192
+    w = _experts(spec, E, H, I, bias)
+    runner = W4A16Runner()
+    for T, kw in ((0, {}), (1, {}), (5, dict(masked=0.2)), (16, dict(masked=0.1)),
+                  (16, dict(one_expert=True)), (3, dict(one_expert=True))):  # fmt: skip
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        topk = make_topk(T, K, E, device="cuda", **kw)
+        out, ref = _run_both(x, topk, w, a, runner)
+        assert out.shape == (T, H) and out.dtype == torch.bfloat16
+        assert rel_err(out, ref) < BOUND, (fmt, act, T, kw, rel_err(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4-g128-sym", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("model,tp,ep", [("qwen3-30b-a3b", 1, 1), ("deepseek-v3", 8, 8),
+                                         ("gpt-oss-120b", 1, 1), ("mixtral-8x7b", 2, 1)])
+def test_presets_gpu(model, tp, ep, fmt):
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for(model, tp, ep)
+    spec = SPECS[fmt]
+    if shape.hidden % getattr(spec, "group_size", 1) or shape.intermediate % spec.group_size:
+        pytest.skip(f"group {spec.group_size} does not divide H / I")
+    torch.manual_seed(0)
+    w = quantize_experts(random_weights(shape, "cuda"), spec)
+    runner = W4A16Runner()
+    for T in (1, 4, 16):
+        T = min(T, jit.MAX_PAIRS // shape.top_k)
+        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.1 if ep > 1 else 0.0,
+                         device="cuda")  # fmt: skip
+        out, ref = _run_both(x, topk, w, shape.act, runner)
+        assert rel_err(out, ref) < BOUND, (model, fmt, T, rel_err(out, ref))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_gpu():
+    from helpers import capture_graph
+
+    spec = SPECS["mxfp4"]
+    E, K, H, I, T = 16, 4, 512, 256, 9
+    w = _experts(spec, E, H, I, bias=True)
+    act = ActivationSpec("swiglu_oai", interleaved=True)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    topk = make_topk(T, K, E, device="cuda")
+    runner = W4A16Runner()
+    d = StandardDispatchOutput(x, topk)
+    graph, out = capture_graph(lambda: runner.run(d, w, act).out)
+    x.copy_(torch.randn_like(x))
+    topk.ids.copy_(make_topk(T, K, E, device="cuda").ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = TorchRunner().run(d, w, act).out
+    assert rel_err(out, ref) < BOUND
