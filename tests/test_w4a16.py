@@ -98,17 +98,17 @@ def emulate_dequant(m: pk.PackedMatrix, N: int, K: int) -> torch.Tensor:
     if m.zeros is not None:
         zero = pk.unpack_scales(m.zeros, torch.bfloat16, m.group, K)
         zero = zero.repeat_interleave(m.group, dim=2)
-    row, col = pk._lane_map(m.fmt, q.device)  # [32, 4, 8]
-    vals = torch.empty(*q.shape, 8, dtype=torch.bfloat16)
+    row, col = pk._lane_map(q.device)  # [32, 4, 4, 2]
+    vals = torch.empty(*q.shape, 4, 2, dtype=torch.bfloat16)
     for j in range(4):
         if m.fmt == pk.FMT_CODES["int4_w4a16"]:
             t = ((q >> (4 * j)) & 0x000F000F) | 0x43004300
+        elif j < 3:
+            t = (q << (3 * j)) & 0x81C081C0
         else:
-            u = (q << (4 * j)) & 0xFFFFFFFF
-            t = (u & 0x80008000) | ((u >> 6) & 0x01C001C0)
+            t = ((q << 1) & 0x80008000) | ((q >> 5) & 0x01000100) | ((q >> 4) & 0x00C000C0)
         for half, v in enumerate(_halves(t)):
-            nib = j + 4 * half if m.fmt == pk.FMT_CODES["int4_w4a16"] else 3 - j + 4 * half
-            vals[..., nib] = v
+            vals[..., j, half] = v
     # place each value at its (row, column) and apply the kernel's arithmetic there
     NT, KC = q.shape[1], q.shape[2]
     tile = torch.empty(E, NT, KC, 16 * 64, dtype=torch.bfloat16)
@@ -246,7 +246,7 @@ def test_formats_and_activations_gpu(fmt, act):
     MMA column groups), and every pair on one expert (segments of 8 / 16 pairs)."""
     torch.manual_seed(0)
     spec, (a, bias) = SPECS[fmt], ACTS[act]
-    E, K, H, I = 12, 4, 256, 192
+    E, K, H, I = 12, 4, 384, 256
     w = _experts(spec, E, H, I, bias)
     runner = W4A16Runner()
     for T, kw in ((0, {}), (1, {}), (5, dict(masked=0.2)), (16, dict(masked=0.1)),

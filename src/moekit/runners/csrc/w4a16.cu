@@ -25,8 +25,12 @@
 #include <stdint.h>
 #include <cstdio>
 
+// format codes (macros: the preprocessor branches on them)
+#define MK_INT4 0
+#define MK_MXFP4 1
+#define MK_NVFP4 2
 #ifndef MK_FMT
-#define MK_FMT 0
+#define MK_FMT MK_INT4
 #endif
 #ifndef MK_ZERO
 #define MK_ZERO 0
@@ -37,7 +41,6 @@
 
 namespace {
 
-constexpr int FMT_INT4 = 0, FMT_MXFP4 = 1, FMT_NVFP4 = 2;
 constexpr int MAX_P = 128;   // pairs per call (one per thread in the grouping)
 constexpr int WARPS = 4;     // warps per block, splitting K
 constexpr int THREADS = WARPS * 32;
@@ -59,7 +62,7 @@ struct Args {
   __nv_bfloat16* out;         // gate_up: h [P, N]; down: out [T, N] (added into)
   __nv_bfloat16* zero_out;    // gate_up: out [T, H] to zero for down
   long long zero_n;           // elements of zero_out (a multiple of 8)
-  int P, topk, E, N, K, group;
+  int P, topk, E, N, K, group, split_k;
   float alpha, limit;
 };
 
@@ -89,21 +92,25 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 
 // Bytes of scales per tile and K chunk, and this lane's offset in them: entries
 // [groups in the chunk][g 0..7][row g, row g + 8], of 2 bytes (int4: bf16) or 1 (fp4 codes).
-constexpr int SCALE_ELEM = MK_FMT == FMT_INT4 ? 2 : 1;
+constexpr int SCALE_ELEM = MK_FMT == MK_INT4 ? 2 : 1;
 
 // A fragment register j (0..3) of one 32-bit word of 8 codes, as bf16x2; m: the row's scale
 // multiplier (bf16x2), z: int4 zero offset (bf16x2 of 128 + z).
 template <int J>
 __device__ __forceinline__ uint32_t dequant(uint32_t q, uint32_t m, uint32_t z) {
-#if MK_FMT == FMT_INT4
+#if MK_FMT == MK_INT4
   // codes j and j + 4 -> the mantissas of bf16 128 + q
   const uint32_t t = ((q >> (4 * J)) & 0x000F000Fu) | 0x43004300u;
   return as_u32(__hmul2(__hsub2(as_bf2(t), as_bf2(z)), as_bf2(m)));
 #else
-  // codes 3 - j and 7 - j: sign to bit 15 / 31, exponent and mantissa to bits 8..6 / 24..22:
+  // sign to bit 15 / 31, exponent and mantissa to bits 8..6 / 24..22 (pack.bit_positions):
   // bf16 2^-126 times the e2m1 value (subnormal for codes 0, 1)
-  const uint32_t u = q << (4 * J);
-  const uint32_t r = (u & 0x80008000u) | ((u >> 6) & 0x01C001C0u);
+  uint32_t r;
+  if (J < 3) {
+    r = (q << (3 * J)) & 0x81C081C0u;
+  } else {
+    r = ((q << 1) & 0x80008000u) | ((q >> 5) & 0x01000100u) | ((q >> 4) & 0x00C000C0u);
+  }
 #if MK_TWO_MUL
   return as_u32(__hmul2(__hmul2(as_bf2(r), as_bf2(0x7E807E80u)), as_bf2(m)));  // * 2^126
 #else
@@ -114,7 +121,7 @@ __device__ __forceinline__ uint32_t dequant(uint32_t q, uint32_t m, uint32_t z) 
 
 // bf16 multiplier bits of one scale code (fp4 formats).
 __device__ __forceinline__ uint32_t fp4_multiplier(uint32_t code, float gs) {
-#if MK_FMT == FMT_MXFP4
+#if MK_FMT == MK_MXFP4
 #if MK_TWO_MUL
   return code ? code << 7 : 0x0040u;  // 2^(code - 127); code 0: 2^-127 (subnormal)
 #else
@@ -148,7 +155,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
   __shared__ int s_sorted[MAX_P];
   __shared__ int s_seg_start[MAX_P], s_seg_len[MAX_P], s_seg_e[MAX_P];
   __shared__ int s_nseg;
-  __shared__ float s_red[WARPS - 1][MT * NT * 4][32];
+  __shared__ float s_red[WARPS][MT * NT * 4][32];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -198,9 +205,14 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
   }
 
   const int N = a.N, K = a.K, KC = K / 64;
-  const int rows_per_item = KIND == GATE_UP ? 16 : 32;
-  const int R = N / rows_per_item;
-  const int kc0 = warp * KC / WARPS, kc1 = (warp + 1) * KC / WARPS;
+  // warps: WARPS / split_k row blocks of 16 (gate_up: gate and up) or 32 (down) rows, each
+  // over split_k shares of K
+  const int split_k = a.split_k, wn_n = WARPS / split_k;
+  const int wn = warp / split_k, wk = warp % split_k;
+  const int rows_per_warp = KIND == GATE_UP ? 16 : 32;
+  const int row_blocks = N / rows_per_warp;
+  const int R = (row_blocks + wn_n - 1) / wn_n;
+  const int kc0 = wk * KC / split_k, kc1 = (wk + 1) * KC / split_k;
   const int gsz = a.group < 64 ? a.group : 64;
   const int SB = (64 / gsz) * 16 * SCALE_ELEM;
   const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
@@ -208,7 +220,8 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
   const int tiles_per_e = KIND == GATE_UP ? 2 * N / 16 : N / 16;
 
   for (int item = blockIdx.x; item < nseg * R; item += gridDim.x) {
-    const int seg = item / R, rb = item - seg * R;
+    const int seg = item / R, rb = (item - seg * R) * wn_n + wn;  // this warp's row block
+    const bool busy = rb < row_blocks;
     const int e = s_seg_e[seg], start = s_seg_start[seg], len = s_seg_len[seg];
     const __nv_bfloat16* xrow[NT];
 #pragma unroll
@@ -225,7 +238,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
       tile[1] = tile[0] + 1;
     }
     float gs = 1.f;
-    if (MK_FMT == FMT_NVFP4) gs = a.gscale[e];
+    if (MK_FMT == MK_NVFP4) gs = a.gscale[e];
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -264,7 +277,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         uint32_t m0, m1, z0 = 0x43084308u, z1 = 0x43084308u;  // int4 symmetric: 128 + 8
-        if (MK_FMT == FMT_INT4) {
+        if (MK_FMT == MK_INT4) {
           m0 = __byte_perm(ch.s[t], 0, 0x1010);  // row g, both halves
           m1 = __byte_perm(ch.s[t], 0, 0x3232);  // row g + 8
           if (MK_ZERO) {
@@ -295,8 +308,8 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
     Chunk<NT> buf[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d)
-      if (kc0 + d < kc1) load(buf[d], kc0 + d);
-    for (int kc = kc0; kc < kc1; kc += DEPTH) {
+      if (busy && kc0 + d < kc1) load(buf[d], kc0 + d);
+    for (int kc = busy ? kc0 : kc1; kc < kc1; kc += DEPTH) {
 #pragma unroll
       for (int d = 0; d < DEPTH; ++d) {
         if (kc + d < kc1) {
@@ -306,19 +319,18 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
       }
     }
 
-    // ---- the warps' K shares meet in warp 0, which writes the item
-    if (warp > 0) {
+    // ---- the K shares of a row block meet in its first warp, which writes them
+    if (wk > 0) {
 #pragma unroll
       for (int t = 0; t < MT; ++t)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int v = 0; v < 4; ++v) s_red[warp - 1][(t * NT + nt) * 4 + v][lane] = acc[t][nt][v];
+          for (int v = 0; v < 4; ++v) s_red[warp][(t * NT + nt) * 4 + v][lane] = acc[t][nt][v];
     }
     __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (int w2 = 0; w2 < WARPS - 1; ++w2)
+    if (wk == 0 && busy) {
+      for (int w2 = warp + 1; w2 < warp + split_k; ++w2)
 #pragma unroll
         for (int t = 0; t < MT; ++t)
 #pragma unroll
@@ -383,7 +395,8 @@ int launch(const Args& a, cudaStream_t stream) {
   const long long T = a.P / a.topk, seg = 8 * NT;
   long long segs = (long long)a.E * ((T + seg - 1) / seg);
   if (segs > a.P) segs = a.P;
-  const long long items = segs * (a.N / (KIND == GATE_UP ? 16 : 32));
+  const long long row_blocks = a.N / (KIND == GATE_UP ? 16 : 32), wn = WARPS / a.split_k;
+  const long long items = segs * ((row_blocks + wn - 1) / wn);
   long long grid = (long long)per_sm * sms;
   if (items < grid) grid = items;
   if (grid < 1) grid = 1;
@@ -416,13 +429,14 @@ const char* mk_w4_last_error() { return last_error; }
 int mk_w4_launch(int kind, int act, int has_bias, int nt, const void* x, const void* ids,
                  const void* topk_w, const void* wq, const void* ws, const void* wz,
                  const void* gscale, const void* bias, void* out, void* zero_out,
-                 long long zero_n, int P, int topk, int E, int N, int K, int group, float alpha,
-                 float limit, void* stream) {
+                 long long zero_n, int P, int topk, int E, int N, int K, int group,
+                 int split_k, float alpha, float limit, void* stream) {
   last_error[0] = 0;
-  if (P < 0 || P > MAX_P || topk < 1 || K % 64 || N % 32 || (nt != 1 && nt != 2) || zero_n % 8) {
+  if (P < 0 || P > MAX_P || topk < 1 || K % 64 || N % 32 || (nt != 1 && nt != 2) || zero_n % 8 ||
+      (split_k != 1 && split_k != 2 && split_k != 4)) {
     snprintf(last_error, sizeof last_error,
-             "bad arguments: P=%d (max %d) topk=%d N=%d K=%d nt=%d zero_n=%lld", P, MAX_P, topk,
-             N, K, nt, zero_n);
+             "bad arguments: P=%d (max %d) topk=%d N=%d K=%d nt=%d zero_n=%lld split_k=%d", P,
+             MAX_P, topk, N, K, nt, zero_n, split_k);
     return -1;
   }
   Args a{static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(ids),
@@ -430,7 +444,7 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, const void* x, const v
          static_cast<const uint8_t*>(ws), static_cast<const uint8_t*>(wz),
          static_cast<const float*>(gscale), static_cast<const __nv_bfloat16*>(bias),
          static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16*>(zero_out), zero_n,
-         P, topk, E, N, K, group, alpha, limit};
+         P, topk, E, N, K, group, split_k, alpha, limit};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int err;
   if (kind == DOWN) {

@@ -25,12 +25,12 @@ import torch
 
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
-from moekit.hardware import Availability, Platform
+from moekit.hardware import Availability, Platform, sm_count
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.runners.w4a16 import jit
 from moekit.runners.w4a16.pack import PackedExperts, pack_experts
-from moekit.stages import STANDARD
+from moekit.stages import STANDARD, StandardRunnerOutput
 
 WEIGHT_FORMATS = ("int4_w4a16", "mxfp4", "nvfp4")
 SHAPE_ALIGN = 64  # H and I: whole 64-column chunks of the packed layout
@@ -120,8 +120,16 @@ class W4A16Runner(Runner):
         self._packed = (key, packed)
         return packed
 
-    def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec) -> torch.Tensor:
-        """x [T, H] bf16, topk ids / weights [T, K] -> out [T, H] bf16."""
+    def run(self, dispatch_out, weights, act):
+        self.check(dispatch_out, weights, act)
+        out = self.run_standard(dispatch_out.x, dispatch_out.topk, weights, act,
+                                local_share=dispatch_out.local_share)  # fmt: skip
+        return StandardRunnerOutput(out)
+
+    def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec,
+                     local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
+        """x [T, H] bf16, topk ids / weights [T, K] -> out [T, H] bf16. local_share: the
+        expected share of the pairs that are local (sizes the launches only)."""
         T, H = x_TH.shape
         K = topk.top_k
         problem = pairs_problem(T, K) or shape_problem(w.hidden_size, w.intermediate_size)
@@ -136,13 +144,18 @@ class W4A16Runner(Runner):
             x_TH = x_TH.contiguous()
         ids = topk.ids.to(torch.int32).contiguous().view(-1)
         weights = topk.weights.float().contiguous().view(-1)
-        I = w.intermediate_size
+        I, E = w.intermediate_size, w.num_experts
+        pairs = T * K * local_share
+        per_expert = pairs / E
+        sms = sm_count(x_TH.device)
         h = torch.empty(T * K, I, dtype=x_TH.dtype, device=x_TH.device)
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
         with torch.cuda.device(x_TH.device):
-            jit.launch(jit.GATE_UP, p.w13, x_TH, ids, weights, p.b13, h, K, I, act.name,
-                       act.alpha, act.limit, zero_out=out)  # fmt: skip
-            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H)
+            jit.launch(jit.GATE_UP, p.w13, x_TH, ids, weights, p.b13, h, K, I,
+                       jit.plan(jit.GATE_UP, pairs, E, I, sms, per_expert), act.name, act.alpha,
+                       act.limit, zero_out=out)  # fmt: skip
+            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H,
+                       jit.plan(jit.DOWN, pairs, E, H, sms, per_expert))  # fmt: skip
         return out
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +19,13 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "w4a16.cu"
 MAX_PAIRS = 128  # mirrors MAX_P in the .cu file (checked when a library loads)
 GATE_UP, DOWN = 0, 1
 ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
-PAIRS_PER_SEGMENT = 8  # columns of one MMA: an expert's pairs per segment are 8 * nt
+WARPS = 4  # per block (mirrors the .cu file)
+SPLITS = (1, 2, 4)  # warps of a block on one row block's K
+# Blocks of work per multiprocessor below which a GEMM splits K further. Measured on the H100
+# (qwen3-30b-a3b / gpt-oss-120b mxfp4, T = 1, 4, 16, each GEMM timed at split 1, 2 and 4):
+# gate_up was as fast or faster with more warps on K (gpt-oss T = 4: 90 -> 78 us at split 2),
+# down slower once it had about two blocks per multiprocessor (qwen3 T = 4: 26 -> 34 us).
+BLOCKS_PER_SM = {GATE_UP: 8, DOWN: 2}
 
 
 def problem() -> str | None:
@@ -49,7 +57,7 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
     lib.mk_w4_launch.restype = ctypes.c_int
     lib.mk_w4_launch.argtypes = (
         [ctypes.c_int] * 4 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
-        + [ctypes.c_int] * 6 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        + [ctypes.c_int] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
     )  # fmt: skip
     return lib
 
@@ -63,25 +71,49 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How one GEMM call spreads: nt MMA column groups of 8 pairs per expert segment (2 when
+    experts expect 2+ pairs, else segments of 8), split_k warps of a block per 16 / 32 weight
+    rows (the others take more rows, sharing activation loads through L1)."""
+
+    nt: int
+    split_k: int
+
+
+def plan(kind: int, num_pairs: float, num_experts: int, n: int, sms: int,
+         pairs_per_expert: float) -> Plan:  # fmt: skip
+    """The smallest K split that still gives every multiprocessor BLOCKS_PER_SM blocks of work,
+    for `num_pairs` local pairs expected over `num_experts` experts."""
+    nt = 2 if pairs_per_expert >= 2 else 1
+    used = num_experts * -math.expm1(num_pairs * math.log1p(-1 / num_experts)) if (
+        num_experts > 1) else min(1.0, num_pairs)  # fmt: skip
+    segments = max(1.0, used)
+    row_blocks = n // (16 if kind == GATE_UP else 32)
+    for split_k in SPLITS:
+        if segments * math.ceil(row_blocks * split_k / WARPS) >= BLOCKS_PER_SM[kind] * sms:
+            return Plan(nt, split_k)
+    return Plan(nt, SPLITS[-1])
+
+
 def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
            topk_weights: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           top_k: int, n: int, act: str = "silu", alpha: float = 0.0, limit: float = 0.0,
-           zero_out: torch.Tensor | None = None) -> None:  # fmt: skip
+           top_k: int, n: int, how: Plan, act: str = "silu", alpha: float = 0.0,
+           limit: float = 0.0, zero_out: torch.Tensor | None = None) -> None:  # fmt: skip
     """One GEMM over the P = ids.numel() pairs (see the .cu file). gate_up (kind 0): x [T, K]
     bf16 -> out h [P, n]; down (kind 1): x = h [P, K] -> added into out [T, n]. ids int32 [P],
     topk_weights float32 [P], n the output rows (gate_up: I). zero_out: zeroed by gate_up."""
     P = ids.numel()
-    T = P // top_k
-    nt = 1 if T <= PAIRS_PER_SEGMENT else 2  # an expert has at most one pair per token
     E = w.codes.shape[0]
     K = w.codes.shape[2] * 64
     lib = library(w.fmt, w.has_zero, w.two_mul, arch_of(x.device))
     zero_n = zero_out.numel() if zero_out is not None else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = lib.mk_w4_launch(
-        kind, ACT_CODES[act], int(bias is not None), nt, _ptr(x), _ptr(ids), _ptr(topk_weights),
-        _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros), _ptr(w.global_scale), _ptr(bias),
-        _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, alpha, limit, stream,
+        kind, ACT_CODES[act], int(bias is not None), how.nt, _ptr(x), _ptr(ids),
+        _ptr(topk_weights), _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros), _ptr(w.global_scale),
+        _ptr(bias), _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, how.split_k,
+        alpha, limit, stream,
     )  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16 kernel: {lib.mk_w4_last_error().decode()}")

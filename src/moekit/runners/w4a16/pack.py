@@ -5,8 +5,8 @@ A matrix [E, N, K] (N output rows, K the reduction) of 4-bit codes becomes tiles
 64 columns, int32 [E, N/16, K/64, 32 lanes, 4 words]. Lane l = 4g + c holds, in word s, the
 codes of rows g and g + 8 at columns 16c + 4s + (0..3) of the tile, as the A registers of one
 m16n8k16 MMA: register j (0..3) is row g + 8 (j & 1), columns 16c + 4s + 2 (j >> 1) + (0, 1).
-Its two codes sit at nibbles (j, j + 4) of the word for int4 (`CODE_NIBBLES`), at (3 - j,
-7 - j) for e2m1, where the kernel's bit operations expect them.
+Where the bits of its two codes sit in the word (`bit_positions`) is what the kernel's bit
+operations expect: few operations per register.
 
 Scales become bytes [E, N/16, K/64, groups in the chunk, 8, 2]: per K chunk of 64, for each
 scale group that starts in it (one group when the group is 64 or more), the entries of rows
@@ -27,7 +27,7 @@ from moekit.experts import ExpertWeights
 from moekit.quant.packing import unpack_uint4
 
 TILE_ROWS, CHUNK = 16, 64
-LANES, WORDS, NIBBLES = 32, 4, 8
+LANES, WORDS = 32, 4
 FMT_CODES = {"int4_w4a16": 0, "mxfp4": 1, "nvfp4": 2}
 # The largest fp4 scale that still lets the kernel fold 2^126 into one bf16 multiplier:
 # bf16 tops out below 2^128, so scale * 2^126 must stay below 4 * 2^126.
@@ -63,32 +63,53 @@ class PackedExperts:
     b2: torch.Tensor | None  # [E, H]
 
 
-def _lane_map(fmt: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) in the 16 x 64 tile of each code, long [32 lanes, 4 words, 8 nibbles]."""
-    lane = torch.arange(LANES).view(LANES, 1, 1)
-    word = torch.arange(WORDS).view(1, WORDS, 1)
-    nib = torch.arange(NIBBLES).view(1, 1, NIBBLES)
-    half = nib // 4  # 0: the register's first code, 1: its second
-    j = nib % 4 if fmt == FMT_CODES["int4_w4a16"] else 3 - nib % 4
+def _lane_map(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) in the 16 x 64 tile of each code, long [32 lanes, 4 words, 4 registers j,
+    2 halves]: register j of word s holds rows g + 8 (j & 1), columns 16c + 4s + 2 (j >> 1) +
+    half."""
+    lane = torch.arange(LANES).view(LANES, 1, 1, 1)
+    word = torch.arange(WORDS).view(1, WORDS, 1, 1)
+    j = torch.arange(4).view(1, 1, 4, 1)
+    half = torch.arange(2).view(1, 1, 1, 2)
     g, c = lane // 4, lane % 4
-    row = g + 8 * (j & 1)
-    col = 16 * c + 4 * word + 2 * (j >> 1) + half
-    return row.expand(LANES, WORDS, NIBBLES).to(device), col.to(device)
+    row = (g + 8 * (j & 1)).expand(LANES, WORDS, 4, 2)
+    col = (16 * c + 4 * word + 2 * (j >> 1) + half).expand(LANES, WORDS, 4, 2)
+    return row.to(device), col.to(device)
+
+
+def bit_positions(fmt: int) -> torch.Tensor:
+    """long [4 registers j, 2 halves, 4 code bits]: where bit b of each code sits in its word.
+    int4: the code is nibble j + 4 half (the kernel masks nibbles j and j + 4 after a shift of
+    4j). e2m1 (bits: 0 mantissa, 1-2 exponent, 3 sign): registers 0..2 sit where one left
+    shift by 3j puts them at their bf16 places (sign at bit 15, exponent and mantissa at bits
+    8..6, +16 for the high half); register 3 fills the other eight bits (14, 13, 11, 10)."""
+    pos = torch.empty(4, 2, 4, dtype=torch.int64)
+    for j in range(4):
+        for half in range(2):
+            if fmt == FMT_CODES["int4_w4a16"]:
+                bits = [4 * (j + 4 * half) + b for b in range(4)]
+            elif j < 3:
+                bits = [6 - 3 * j, 7 - 3 * j, 8 - 3 * j, 15 - 3 * j]
+            else:
+                bits = [10, 11, 13, 14]
+            pos[j, half] = torch.tensor(bits) + (16 * half if fmt != 0 else 0)
+    return pos
 
 
 def pack_codes(codes: torch.Tensor, fmt: int) -> torch.Tensor:
     """uint8 codes 0..15 [E, N, K] -> int32 [E, N/16, K/64, 32, 4] (N % 16 == 0, K % 64 == 0)."""
     E, N, K = codes.shape
-    row, col = _lane_map(fmt, codes.device)
+    row, col = _lane_map(codes.device)
     flat = (row * CHUNK + col).reshape(-1)
-    shifts = (4 * torch.arange(NIBBLES, device=codes.device)).to(torch.int64)
+    pos = bit_positions(fmt).to(codes.device)
     out = torch.empty(E, N // TILE_ROWS, K // CHUNK, LANES, WORDS, dtype=torch.int32,
                       device=codes.device)  # fmt: skip
     for e in range(E):  # one expert at a time: the int64 words of all of them would be large
         t = codes[e].view(N // TILE_ROWS, TILE_ROWS, K // CHUNK, CHUNK).permute(0, 2, 1, 3)
         t = t.reshape(N // TILE_ROWS, K // CHUNK, TILE_ROWS * CHUNK)[..., flat]
-        t = t.view(N // TILE_ROWS, K // CHUNK, LANES, WORDS, NIBBLES).to(torch.int64)
-        words = (t << shifts).sum(-1)
+        t = t.view(N // TILE_ROWS, K // CHUNK, LANES, WORDS, 4, 2, 1).to(torch.int64)
+        bits = (t >> torch.arange(4, device=t.device)) & 1
+        words = (bits << pos).sum((-3, -2, -1))
         out[e] = (words - ((words >> 31) << 32)).to(torch.int32)  # the low 32 bits, signed
     return out
 
@@ -96,11 +117,12 @@ def pack_codes(codes: torch.Tensor, fmt: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, fmt: int) -> torch.Tensor:
     """The inverse of pack_codes: int32 [E, N/16, K/64, 32, 4] -> uint8 [E, N, K]."""
     E, NT, KC = packed.shape[:3]
-    row, col = _lane_map(fmt, packed.device)
-    shifts = 4 * torch.arange(NIBBLES, device=packed.device)
-    nibbles = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
+    row, col = _lane_map(packed.device)
+    pos = bit_positions(fmt).to(packed.device)
+    words = packed.to(torch.int64).view(E, NT, KC, LANES, WORDS, 1, 1, 1)
+    codes = (((words >> pos) & 1) << torch.arange(4, device=packed.device)).sum(-1)
     tile = torch.empty(E, NT, KC, TILE_ROWS * CHUNK, dtype=torch.uint8, device=packed.device)
-    tile[..., (row * CHUNK + col).reshape(-1)] = nibbles.reshape(E, NT, KC, -1)
+    tile[..., (row * CHUNK + col).reshape(-1)] = codes.to(torch.uint8).reshape(E, NT, KC, -1)
     tile = tile.view(E, NT, KC, TILE_ROWS, CHUNK).permute(0, 1, 3, 2, 4)
     return tile.reshape(E, NT * TILE_ROWS, KC * CHUNK)
 
