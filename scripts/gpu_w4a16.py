@@ -64,7 +64,7 @@ def main() -> int:
                              device="cuda")  # fmt: skip
             try:
                 result = run_sweep(spec, platform=plat, ceilings=ceilings)
-            except Exception as err:  # noqa: BLE001 - e.g. a group size that does not divide H
+            except Exception as err:
                 print(f"{job} {fmt}: FAILED {type(err).__name__}: {err}", flush=True)
                 continue
             command = f"python3 scripts/gpu_w4a16.py --jobs {shlex.quote(job)} ({fmt})"

@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from helpers import make_topk, rel_err
 
 from moekit.experts import ActivationSpec, ExpertWeights

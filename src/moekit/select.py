@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 AUTO_PREFERENCE = {
     "cuda": (
         "triton",
+        "w4a16",
         "triton_kernel",
         "cutlass",
         "deep_gemm",
@@ -57,6 +58,7 @@ AUTO_PREFERENCE_LARGE = {
         "deep_gemm",
         "cutlass",
         "flashinfer_cutlass",
+        "w4a16",
         "torch",
     ),
     "cpu": ("torch",),

@@ -29,7 +29,7 @@ def nvcc(homes: tuple[str, ...] = DEFAULT_CUDA_HOMES) -> str | None:
     return shutil.which("nvcc")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def version(path: str) -> str:
     """The last line of `nvcc --version` ('?' when it prints nothing)."""
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)

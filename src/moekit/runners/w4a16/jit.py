@@ -35,7 +35,7 @@ def problem() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
     """The compiled kernels of one format variant for `arch` ('90' for sm_90)."""
     why = problem()

@@ -190,10 +190,10 @@ def _gate_up_rows(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 def pack_experts(w: ExpertWeights, interleaved: bool) -> PackedExperts:
     """ExpertWeights of a 4-bit format -> PackedExperts (w13 rows in gate-then-up order)."""
-    rows = lambda t: None if t is None else _gate_up_rows(t, interleaved)  # noqa: E731
+    rows = lambda t: None if t is None else _gate_up_rows(t, interleaved)
     w13 = pack_matrix(rows(w.w13), rows(w.w13_scale), rows(w.w13_zero), w.w13_global_scale,
                       w.spec)  # fmt: skip
     w2 = pack_matrix(w.w2, w.w2_scale, w.w2_zero, w.w2_global_scale, w.spec)
     b13 = rows(w.b13)
-    bf16 = lambda t: None if t is None else t.to(torch.bfloat16).contiguous()  # noqa: E731
+    bf16 = lambda t: None if t is None else t.to(torch.bfloat16).contiguous()
     return PackedExperts(w13, w2, bf16(b13), bf16(w.b2))
