@@ -74,13 +74,19 @@ def fake_runner(name: str, *, needs_gpu=True, sm=None, lib=None, formats=("stand
     return Fake
 
 
+FOUR_BIT = ("int4_w4a16", "mxfp4", "nvfp4")
+
+
 @pytest.fixture
 def fakes(monkeypatch):
-    """Replace the registry with fake runners: triton (GPU, unquantized + fp8_w8a8),
+    """Replace the registry with fake runners: triton (GPU, unquantized, fp8_w8a8 and the 4-bit
+    formats), w4a16 (GPU, the 4-bit formats),
     triton_kernel (GPU, unquantized + fp8_w8a8), cutlass (GPU, SM90, standard + masked), deep_gemm (SM90 +
     sgl-deep-gemm), torch (anywhere)."""
     runners = {
-        "triton": fake_runner("triton", lib="triton", weight_formats=("unquantized", "fp8_w8a8")),
+        "triton": fake_runner("triton", lib="triton",
+                              weight_formats=("unquantized", "fp8_w8a8", *FOUR_BIT)),
+        "w4a16": fake_runner("w4a16", weight_formats=FOUR_BIT),
         "triton_kernel": fake_runner("triton_kernel", lib="triton",
                                      weight_formats=("unquantized", "fp8_w8a8")),
         "cutlass": fake_runner("cutlass", sm=90, formats=("standard", "masked")),
@@ -214,10 +220,10 @@ def test_auto_on_cpu_picks_the_reference(fakes):
 
 
 def test_auto_without_any_usable_backend(fakes):
-    work = shaped(8, weight_format="int4_w4a16")
+    work = shaped(8, weight_format="int8_w8a16")
     with pytest.raises(ConfigError, match="no runner can run this") as err:
         select_runner(work, RunnerConfig("auto"), H100, tables=NO_TABLES)
-    assert "deep_gemm: " in str(err.value) and "int4_w4a16" in str(err.value)
+    assert "deep_gemm: " in str(err.value) and "int8_w8a16" in str(err.value)
 
 
 def test_workload_without_shape_uses_the_preference(fakes):
@@ -433,7 +439,7 @@ def test_explain_rows(fakes):
 
 
 def test_explain_when_nothing_can_run(fakes):
-    rows = explain(shaped(1, weight_format="int4_w4a16"), RunnerConfig("auto"), H100,
+    rows = explain(shaped(1, weight_format="int8_w8a16"), RunnerConfig("auto"), H100,
                    tables=NO_TABLES)
     assert rows[0][0] == "(none)" and "no runner can run this" in rows[0][1]
     assert all(s != "chosen" for _, s in rows)
