@@ -38,14 +38,21 @@
 #ifndef MK_TWO_MUL
 #define MK_TWO_MUL 0
 #endif
+#ifndef MK_DEPTH
+#define MK_DEPTH 1
+#endif
+#ifdef MK_MIN_BLOCKS  // probes: at least this many blocks per multiprocessor (caps registers)
+#define MK_BOUNDS __launch_bounds__(THREADS, MK_MIN_BLOCKS)
+#else
+#define MK_BOUNDS __launch_bounds__(THREADS)
+#endif
 
 namespace {
 
 constexpr int MAX_P = 128;   // pairs per call (one per thread in the grouping)
 constexpr int WARPS = 4;     // warps per block, splitting K
 constexpr int THREADS = WARPS * 32;
-constexpr int DEPTH = 4;     // K chunks of 64 in flight per warp
-constexpr int MT = 2;        // 16-row tiles per item: gate and up (gate_up), two rows of down
+constexpr int DEPTH = MK_DEPTH;  // K chunks of 64 in flight per warp
 constexpr int GATE_UP = 0, DOWN = 1;
 constexpr int ACT_SILU = 0, ACT_GELU = 1, ACT_SWIGLU_OAI = 2;
 static_assert(THREADS == MAX_P, "the grouping gives each thread one pair");
@@ -139,7 +146,7 @@ __device__ __forceinline__ uint32_t fp4_multiplier(uint32_t code, float gs) {
 #endif
 }
 
-template <int NT>
+template <int MT, int NT>
 struct Chunk {
   uint4 a[MT];       // packed codes, 16 bytes per tile
   uint32_t s[MT];    // scales of rows g and g + 8
@@ -147,8 +154,10 @@ struct Chunk {
   uint4 b[NT][2];    // activations: 16 values of pair row g
 };
 
-template <int KIND, int ACT, bool BIAS, int NT>
-__global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
+// MT: 16-row weight tiles per warp and item: gate_up 2 (gate and up), down 1 or 2.
+template <int KIND, int ACT, bool BIAS, int NT, int MT>
+__global__ void MK_BOUNDS moe_w4(const Args a) {
+  static_assert(KIND == DOWN || MT == 2, "gate_up takes one gate and one up tile");
   constexpr int SEG = 8 * NT;
   __shared__ int s_id[MAX_P];
   __shared__ int s_rank[MAX_P];
@@ -205,11 +214,11 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
   }
 
   const int N = a.N, K = a.K, KC = K / 64;
-  // warps: WARPS / split_k row blocks of 16 (gate_up: gate and up) or 32 (down) rows, each
-  // over split_k shares of K
+  // warps: WARPS / split_k row blocks of 16 (gate_up: gate and up) or 16 * MT (down) rows,
+  // each over split_k shares of K
   const int split_k = a.split_k, wn_n = WARPS / split_k;
   const int wn = warp / split_k, wk = warp % split_k;
-  const int rows_per_warp = KIND == GATE_UP ? 16 : 32;
+  const int rows_per_warp = KIND == GATE_UP ? 16 : 16 * MT;
   const int row_blocks = N / rows_per_warp;
   const int R = (row_blocks + wn_n - 1) / wn_n;
   const int kc0 = wk * KC / split_k, kc1 = (wk + 1) * KC / split_k;
@@ -234,11 +243,34 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
       tile[0] = (long long)e * tiles_per_e + rb;            // gate rows
       tile[1] = (long long)e * tiles_per_e + N / 16 + rb;   // up rows
     } else {
-      tile[0] = (long long)e * tiles_per_e + 2 * rb;
-      tile[1] = tile[0] + 1;
+#pragma unroll
+      for (int t = 0; t < MT; ++t) tile[t] = (long long)e * tiles_per_e + MT * rb + t;
     }
     float gs = 1.f;
     if (MK_FMT == MK_NVFP4) gs = a.gscale[e];
+    // the epilogue's operands, loaded now so that their latency hides behind the main loop:
+    // biases of rows g and g + 8 of each tile, routing weights of this lane's pair columns
+    float bias_v[MT][2] = {};
+    float wt_v[NT][2] = {};
+    if (busy && wk == 0) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const long long n = KIND == GATE_UP ? (long long)e * 2 * N + t * N + rb * 16 + g + 8 * h
+                                              : (long long)e * N + (MT * rb + t) * 16 + g + 8 * h;
+          if (BIAS) bias_v[t][h] = __bfloat162float(a.bias[n]);
+        }
+      if (KIND == DOWN) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int slot = nt * 8 + 2 * c + j;
+            if (slot < len) wt_v[nt][j] = a.topk_w[s_sorted[start + slot]];
+          }
+      }
+    }
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -248,7 +280,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[t][nt][v] = 0.f;
 
-    auto load = [&](Chunk<NT>& ch, int kc) {
+    auto load = [&](Chunk<MT, NT>& ch, int kc) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         const long long tk = tile[t] * KC + kc;
@@ -273,7 +305,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
       }
     };
 
-    auto compute = [&](const Chunk<NT>& ch) {
+    auto compute = [&](const Chunk<MT, NT>& ch) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         uint32_t m0, m1, z0 = 0x43084308u, z1 = 0x43084308u;  // int4 symmetric: 128 + 8
@@ -305,7 +337,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
       }
     };
 
-    Chunk<NT> buf[DEPTH];
+    Chunk<MT, NT> buf[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d)
       if (busy && kc0 + d < kc1) load(buf[d], kc0 + d);
@@ -347,11 +379,7 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
           const int r = g + 8 * (v >> 1);
           if (KIND == GATE_UP) {
             const int f = rb * 16 + r;
-            float gv = acc[0][nt][v], uv = acc[1][nt][v];
-            if (BIAS) {
-              gv += __bfloat162float(a.bias[(long long)e * 2 * N + f]);
-              uv += __bfloat162float(a.bias[(long long)e * 2 * N + N + f]);
-            }
+            float gv = acc[0][nt][v] + bias_v[0][v >> 1], uv = acc[1][nt][v] + bias_v[1][v >> 1];
             float hv;
             if (ACT == ACT_SILU) {
               hv = gv / (1.f + __expf(-gv)) * uv;
@@ -364,13 +392,12 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
             }
             a.out[(long long)pair * N + f] = __float2bfloat16_rn(hv);
           } else {
-            const float wt = a.topk_w[pair];
+            const float wt = wt_v[nt][v & 1];
             const int token = pair / a.topk;
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
-              const int n = (2 * rb + t) * 16 + r;
-              float y = acc[t][nt][v];
-              if (BIAS) y += __bfloat162float(a.bias[(long long)e * N + n]);
+              const int n = (MT * rb + t) * 16 + r;
+              const float y = acc[t][nt][v] + bias_v[t][v >> 1];
               atomicAdd(a.out + (long long)token * N + n, __float2bfloat16_rn(y * wt));
             }
           }
@@ -381,9 +408,9 @@ __global__ void __launch_bounds__(THREADS) moe_w4(const Args a) {
   }
 }
 
-template <int KIND, int ACT, bool BIAS, int NT>
+template <int KIND, int ACT, bool BIAS, int NT, int MT>
 int launch(const Args& a, cudaStream_t stream) {
-  auto kernel = moe_w4<KIND, ACT, BIAS, NT>;
+  auto kernel = moe_w4<KIND, ACT, BIAS, NT, MT>;
   static int per_sm = 0, sms = 0;
   if (per_sm == 0) {
     int dev = 0;
@@ -395,7 +422,7 @@ int launch(const Args& a, cudaStream_t stream) {
   const long long T = a.P / a.topk, seg = 8 * NT;
   long long segs = (long long)a.E * ((T + seg - 1) / seg);
   if (segs > a.P) segs = a.P;
-  const long long row_blocks = a.N / (KIND == GATE_UP ? 16 : 32), wn = WARPS / a.split_k;
+  const long long row_blocks = a.N / (KIND == GATE_UP ? 16 : 16 * MT), wn = WARPS / a.split_k;
   const long long items = segs * ((row_blocks + wn - 1) / wn);
   long long grid = (long long)per_sm * sms;
   if (items < grid) grid = items;
@@ -404,14 +431,24 @@ int launch(const Args& a, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
+template <int KIND, int ACT, bool BIAS, int NT>
+int launch_mt(int mt, const Args& a, cudaStream_t s) {
+  if constexpr (KIND == DOWN) {
+    if (mt == 1) return launch<KIND, ACT, BIAS, NT, 1>(a, s);
+  }
+  return launch<KIND, ACT, BIAS, NT, 2>(a, s);
+}
+
 template <int KIND, int ACT, bool BIAS>
-int launch_nt(int nt, const Args& a, cudaStream_t s) {
-  return nt == 1 ? launch<KIND, ACT, BIAS, 1>(a, s) : launch<KIND, ACT, BIAS, 2>(a, s);
+int launch_nt(int nt, int mt, const Args& a, cudaStream_t s) {
+  return nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(mt, a, s)
+                 : launch_mt<KIND, ACT, BIAS, 2>(mt, a, s);
 }
 
 template <int KIND, int ACT>
-int launch_bias(int bias, int nt, const Args& a, cudaStream_t s) {
-  return bias ? launch_nt<KIND, ACT, true>(nt, a, s) : launch_nt<KIND, ACT, false>(nt, a, s);
+int launch_bias(int bias, int nt, int mt, const Args& a, cudaStream_t s) {
+  return bias ? launch_nt<KIND, ACT, true>(nt, mt, a, s)
+              : launch_nt<KIND, ACT, false>(nt, mt, a, s);
 }
 
 thread_local char last_error[256];
@@ -425,18 +462,20 @@ int mk_w4_max_pairs() { return MAX_P; }
 const char* mk_w4_last_error() { return last_error; }
 
 // kind 0: gate_up (act 0 silu, 1 gelu, 2 swiglu_oai), 1: down. nt: 1 or 2 (pairs per expert
-// segment: 8 * nt). Returns 0 or a CUDA error code (mk_w4_last_error says which).
-int mk_w4_launch(int kind, int act, int has_bias, int nt, const void* x, const void* ids,
+// segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). Returns 0 or a CUDA
+// error code (mk_w4_last_error says which).
+int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, const void* x, const void* ids,
                  const void* topk_w, const void* wq, const void* ws, const void* wz,
                  const void* gscale, const void* bias, void* out, void* zero_out,
                  long long zero_n, int P, int topk, int E, int N, int K, int group,
                  int split_k, float alpha, float limit, void* stream) {
   last_error[0] = 0;
-  if (P < 0 || P > MAX_P || topk < 1 || K % 64 || N % 32 || (nt != 1 && nt != 2) || zero_n % 8 ||
-      (split_k != 1 && split_k != 2 && split_k != 4)) {
+  if (P < 0 || P > MAX_P || topk < 1 || K % 64 || (nt != 1 && nt != 2) || zero_n % 8 ||
+      (split_k != 1 && split_k != 2 && split_k != 4) || (mt != 1 && mt != 2) ||
+      (kind != DOWN && mt != 2) || N % (kind == DOWN ? 16 * mt : 16)) {
     snprintf(last_error, sizeof last_error,
-             "bad arguments: P=%d (max %d) topk=%d N=%d K=%d nt=%d zero_n=%lld split_k=%d", P,
-             MAX_P, topk, N, K, nt, zero_n, split_k);
+             "bad arguments: kind=%d P=%d (max %d) topk=%d N=%d K=%d nt=%d mt=%d zero_n=%lld "
+             "split_k=%d", kind, P, MAX_P, topk, N, K, nt, mt, zero_n, split_k);
     return -1;
   }
   Args a{static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(ids),
@@ -448,13 +487,13 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, const void* x, const v
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int err;
   if (kind == DOWN) {
-    err = launch_bias<DOWN, 0>(has_bias, nt, a, s);
+    err = launch_bias<DOWN, 0>(has_bias, nt, mt, a, s);
   } else if (act == ACT_SILU) {
-    err = launch_bias<GATE_UP, ACT_SILU>(has_bias, nt, a, s);
+    err = launch_bias<GATE_UP, ACT_SILU>(has_bias, nt, mt, a, s);
   } else if (act == ACT_GELU) {
-    err = launch_bias<GATE_UP, ACT_GELU>(has_bias, nt, a, s);
+    err = launch_bias<GATE_UP, ACT_GELU>(has_bias, nt, mt, a, s);
   } else {
-    err = launch_bias<GATE_UP, ACT_SWIGLU_OAI>(has_bias, nt, a, s);
+    err = launch_bias<GATE_UP, ACT_SWIGLU_OAI>(has_bias, nt, mt, a, s);
   }
   if (err) snprintf(last_error, sizeof last_error, "%s", cudaGetErrorString((cudaError_t)err));
   return err;

@@ -20,12 +20,16 @@ MAX_PAIRS = 128  # mirrors MAX_P in the .cu file (checked when a library loads)
 GATE_UP, DOWN = 0, 1
 ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 WARPS = 4  # per block (mirrors the .cu file)
-SPLITS = (1, 2, 4)  # warps of a block on one row block's K
-# Blocks of work per multiprocessor below which a GEMM splits K further. Measured on the H100
-# (qwen3-30b-a3b / gpt-oss-120b mxfp4, T = 1, 4, 16, each GEMM timed at split 1, 2 and 4):
-# gate_up was as fast or faster with more warps on K (gpt-oss T = 4: 90 -> 78 us at split 2),
-# down slower once it had about two blocks per multiprocessor (qwen3 T = 4: 26 -> 34 us).
-BLOCKS_PER_SM = {GATE_UP: 8, DOWN: 2}
+# How a GEMM's work spreads, in order of growing parallelism: (mt, split_k), mt 16-row weight
+# tiles per warp (gate_up: one gate and one up tile), split_k warps of a block on one row
+# block's K.
+SHARES = {GATE_UP: ((2, 1), (2, 2), (2, 4)), DOWN: ((2, 1), (2, 2), (2, 4), (1, 4))}
+SPLITS = (1, 2, 4)
+# Blocks of work per multiprocessor from which a GEMM stops spreading further. Fitted to the
+# H100 (session 23: each GEMM of the four presets, mxfp4, T = 1 ... 64, timed at every split;
+# scripts/gpu_w4a16_profile.py splits): the first share reaching these numbers was within
+# about 1% of each GEMM's best, on average.
+BLOCKS_PER_SM = {GATE_UP: 11.0, DOWN: 9.0}
 
 
 def problem() -> str | None:
@@ -56,7 +60,7 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
     lib.mk_w4_last_error.restype = ctypes.c_char_p
     lib.mk_w4_launch.restype = ctypes.c_int
     lib.mk_w4_launch.argtypes = (
-        [ctypes.c_int] * 4 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
+        [ctypes.c_int] * 5 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
         + [ctypes.c_int] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
     )  # fmt: skip
     return lib
@@ -74,26 +78,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 @dataclass(frozen=True)
 class Plan:
     """How one GEMM call spreads: nt MMA column groups of 8 pairs per expert segment (2 when
-    experts expect 2+ pairs, else segments of 8), split_k warps of a block per 16 / 32 weight
-    rows (the others take more rows, sharing activation loads through L1)."""
+    experts expect more than 8 pairs, else segments of 8), split_k warps of a block per row
+    block of mt 16-row tiles (the others take more rows, sharing activation loads through L1)."""
 
     nt: int
     split_k: int
+    mt: int = 2
 
 
 def plan(kind: int, num_pairs: float, num_experts: int, n: int, sms: int,
          pairs_per_expert: float) -> Plan:  # fmt: skip
-    """The smallest K split that still gives every multiprocessor BLOCKS_PER_SM blocks of work,
+    """The first of SHARES[kind] that gives every multiprocessor BLOCKS_PER_SM blocks of work,
     for `num_pairs` local pairs expected over `num_experts` experts."""
-    nt = 2 if pairs_per_expert >= 2 else 1
+    nt = 2 if pairs_per_expert > 8 else 1
     used = num_experts * -math.expm1(num_pairs * math.log1p(-1 / num_experts)) if (
         num_experts > 1) else min(1.0, num_pairs)  # fmt: skip
     segments = max(1.0, used)
-    row_blocks = n // (16 if kind == GATE_UP else 32)
-    for split_k in SPLITS:
+    for mt, split_k in SHARES[kind]:
+        row_blocks = n // (16 if kind == GATE_UP else 16 * mt)
         if segments * math.ceil(row_blocks * split_k / WARPS) >= BLOCKS_PER_SM[kind] * sms:
-            return Plan(nt, split_k)
-    return Plan(nt, SPLITS[-1])
+            break
+    return Plan(nt, split_k, mt)
 
 
 def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
@@ -110,7 +115,7 @@ def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
     zero_n = zero_out.numel() if zero_out is not None else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = lib.mk_w4_launch(
-        kind, ACT_CODES[act], int(bias is not None), how.nt, _ptr(x), _ptr(ids),
+        kind, ACT_CODES[act], int(bias is not None), how.nt, how.mt, _ptr(x), _ptr(ids),
         _ptr(topk_weights), _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros), _ptr(w.global_scale),
         _ptr(bias), _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, how.split_k,
         alpha, limit, stream,

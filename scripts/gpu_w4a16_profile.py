@@ -1,0 +1,180 @@
+"""Profile probes for the `w4a16` kernels (H100 findings: benchmarks/w4a16_notes.md).
+
+    # one target, a few eager calls (for ncu -k regex:moe_w4):
+    PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py once deepseek-v3:ep8:mxfp4:16
+    # layer time (CUDA-graph replay over 8 routings) per build variant (-D defines of the .cu):
+    PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
+        --variants "base=;depth2=-DMK_DEPTH=2"
+
+A target is model:epN:format:T (EP: the rank holds E / N experts and sees every token; the
+routing is uniform over all E experts, pairs on other ranks are masked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from moekit.bench import time_ms_interleaved
+from moekit.presets import preset
+from moekit.quant import make_spec, quantize_experts
+from moekit.runners.w4a16 import W4A16Runner, jit
+from moekit.tune import random_weights, shape_for, uniform_topk
+
+DEV = torch.device("cuda")
+
+
+def setup(target: str):
+    model, ep, fmt, T = target.split(":")
+    ep, T = int(ep.removeprefix("ep")), int(T)
+    tp = 2 if model.startswith("mixtral") else ep
+    shape = shape_for(model, tp, ep)
+    E_all = preset(model).num_experts
+    torch.manual_seed(0)
+    w = quantize_experts(random_weights(shape, DEV), make_spec(fmt))
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    sets = []
+    for _ in range(8):
+        tk = uniform_topk(T, E_all, preset(model).top_k, DEV, gen)
+        tk.ids[tk.ids >= shape.num_experts] = -1
+        sets.append(tk)
+    x = torch.randn(T, shape.hidden, device=DEV, dtype=torch.bfloat16)
+    return shape, w, sets, x, 1.0 / ep
+
+
+def run_layer(runner, shape, w, sets, x, share):
+    for tk in sets:
+        runner.run_standard(x, tk, w, shape.act, local_share=share)
+
+
+def once(target: str) -> None:
+    shape, w, sets, x, share = setup(target)
+    r = W4A16Runner()
+    for _ in range(3):
+        run_layer(r, shape, w, sets[:2], x, share)
+    torch.cuda.synchronize()
+
+
+def variants(targets: list[str], specs: dict[str, list[str]]) -> dict:
+    base_library = jit.library.__wrapped__
+    results = {}
+    for target in targets:
+        shape, w, sets, x, share = setup(target)
+        fns = {}
+        for name, defines in specs.items():
+            lib_fn = functools.partial(lambda d, *a: _with_defines(base_library, d, *a), defines)
+            r = W4A16Runner()
+            r.packed(w, shape.act.interleaved)
+
+            def layer(r=r, lib_fn=lib_fn):
+                jit.library = lib_fn
+                run_layer(r, shape, w, sets, x, share)
+
+            layer()
+            fns[name] = layer
+        ms = time_ms_interleaved(fns, DEV)
+        results[target] = {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()}
+        print(target, results[target], flush=True)
+    return results
+
+
+@functools.cache
+def _with_defines(base, defines: tuple[str, ...], fmt, zero, two_mul, arch):
+    from moekit.runners import _nvcc
+    from moekit.runners.w4a16.jit import SOURCE
+
+    source = SOURCE
+    if defines and defines[0].startswith("@"):  # another source file (e.g. an older kernel)
+        source, defines = Path(defines[0][1:]).resolve(), defines[1:]
+    args = [str(source), "-shared", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-DMK_FMT={fmt}",
+            f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}", *defines]  # fmt: skip
+    import ctypes
+
+    path = _nvcc.build(_nvcc.nvcc(), args, "w4a16", [source.read_bytes()], "w4a16 variant")
+    lib = ctypes.CDLL(str(path))
+    real = base(fmt, zero, two_mul, arch)  # for the ctypes signatures
+    for name in ("mk_w4_max_pairs", "mk_w4_last_error", "mk_w4_launch"):
+        getattr(lib, name).restype = getattr(real, name).restype
+    lib.mk_w4_launch.argtypes = real.mk_w4_launch.argtypes
+    return lib
+
+
+def splits(targets: list[str]) -> dict:
+    """Each GEMM alone at every (nt, mt, split_k), and the layer with the runner's own plan."""
+    results = {}
+    for target in targets:
+        shape, w, sets, x, share = setup(target)
+        E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
+        r = W4A16Runner()
+        p = r.packed(w, shape.act.interleaved)
+        T = x.shape[0]
+        h = torch.empty(T * K, I, device=DEV, dtype=torch.bfloat16)
+        out = torch.empty(T, shape.hidden, device=DEV, dtype=torch.bfloat16)
+        flat = [(tk.ids.to(torch.int32).contiguous().view(-1),
+                 tk.weights.float().contiguous().view(-1)) for tk in sets]  # fmt: skip
+        fns = {}
+        for nt in (1, 2):
+            for kind, shares in jit.SHARES.items():
+                for mt, sk in shares:
+                    how = jit.Plan(nt, sk, mt)
+
+                    def gemm(how=how, kind=kind):
+                        for ids, tw in flat:
+                            if kind == jit.GATE_UP:
+                                jit.launch(kind, p.w13, x, ids, tw, p.b13, h, K, I, how,
+                                           shape.act.name, shape.act.alpha, shape.act.limit,
+                                           zero_out=out)  # fmt: skip
+                            else:
+                                jit.launch(kind, p.w2, h, ids, tw, p.b2, out, K, H, how)
+
+                    name = "gate_up" if kind == jit.GATE_UP else "down"
+                    fns[f"{name} nt{nt} sk{sk} mt{mt}"] = gemm
+        fns["layer"] = lambda: run_layer(r, shape, w, sets, x, share)
+        ms = time_ms_interleaved(fns, DEV, rounds=3)
+        pairs = T * K * share
+        results[target] = {
+            "us": {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()},
+            "plan": [str(jit.plan(kind, pairs, E, n, torch.cuda.get_device_properties(DEV)
+                                  .multi_processor_count, pairs / E))
+                     for kind, n in ((jit.GATE_UP, I), (jit.DOWN, H))],
+        }  # fmt: skip
+        print(target, json.dumps(results[target]), flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("once", "variants", "splits"))
+    ap.add_argument("target", nargs="?")
+    ap.add_argument("--targets", default="")
+    ap.add_argument("--variants", default="base=")
+    a = ap.parse_args()
+    if a.mode == "once":
+        once(a.target)
+        return 0
+    if a.mode == "splits":
+        res = splits(a.targets.split(","))
+        with open(os.path.join(os.environ.get("OUT", "."), "w4a16_splits.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
+    specs = {}
+    for item in a.variants.split(";"):
+        name, _, defs = item.partition("=")
+        specs[name] = [d for d in defs.split(",") if d]
+    specs = {k: tuple(v) for k, v in specs.items()}
+    res = variants(a.targets.split(","), specs)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "w4a16_variants.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
