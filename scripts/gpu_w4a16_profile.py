@@ -141,9 +141,11 @@ def splits(targets: list[str]) -> dict:
         pairs = T * K * share
         results[target] = {
             "us": {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()},
-            "plan": [str(jit.plan(kind, pairs, E, n, torch.cuda.get_device_properties(DEV)
-                                  .multi_processor_count, pairs / E))
-                     for kind, n in ((jit.GATE_UP, I), (jit.DOWN, H))],
+            "plan": [str(jit.plan(kind, pairs, E, n, k, torch.cuda.get_device_properties(DEV)
+                                  .multi_processor_count, jit.occupancy(w_, kind, shape.act.name,
+                                                                        b is not None, DEV)))
+                     for kind, n, k, w_, b in ((jit.GATE_UP, I, H, p.w13, p.b13),
+                                               (jit.DOWN, H, I, p.w2, p.b2))],
         }  # fmt: skip
         print(target, json.dumps(results[target]), flush=True)
     return results

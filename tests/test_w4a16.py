@@ -210,17 +210,18 @@ def test_run_refuses_large_batches():
 
 def test_plan_rules():
     """Segments of 16 pairs only when experts expect more than 8; a GEMM with little work (few
-    experts, few rows) spreads further: K over more warps, then down at 16 rows a warp."""
-    sms = 132
+    experts) spreads over more blocks: K over more warps, then down at 16 rows a warp; one with
+    plenty keeps whole rows of K per warp."""
+    sms, occ = 132, (9, 7, 6, 5)  # H100 blocks per multiprocessor, (nt, mt) = 11, 12, 21, 22
     # mixtral-8x7b TP2 at T = 1: two experts
-    assert jit.plan(jit.GATE_UP, 2, 8, 7168, sms, 2 / 8) == jit.Plan(1, 4, 2)
-    assert jit.plan(jit.DOWN, 2, 8, 4096, sms, 2 / 8) == jit.Plan(1, 4, 1)
+    assert jit.plan(jit.GATE_UP, 2, 8, 7168, 4096, sms, occ) == jit.Plan(1, 4, 2)
+    assert jit.plan(jit.DOWN, 2, 8, 4096, 7168, sms, occ) == jit.Plan(1, 4, 1)
     # qwen3-30b-a3b at T = 16: 128 pairs over 128 experts, plenty of blocks
-    assert jit.plan(jit.DOWN, 128, 128, 2048, sms, 1.0) == jit.Plan(1, 1, 2)
+    assert jit.plan(jit.DOWN, 128, 128, 2048, 768, sms, occ) == jit.Plan(1, 1, 2)
     # mixtral-8x7b TP2 at T = 64: 16 pairs an expert
-    assert jit.plan(jit.GATE_UP, 128, 8, 7168, sms, 16.0).nt == 2
+    assert jit.plan(jit.GATE_UP, 128, 8, 7168, 4096, sms, occ).nt == 2
     for kind, n in ((jit.GATE_UP, 768), (jit.DOWN, 2048)):
-        p = jit.plan(kind, 1, 128, n, sms, 1 / 128)
+        p = jit.plan(kind, 1, 128, n, 2048, sms, occ)
         assert (p.mt, p.split_k) in jit.SHARES[kind]
 
 

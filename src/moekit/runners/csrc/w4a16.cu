@@ -408,8 +408,10 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   }
 }
 
+// Launches the kernel, or (occupancy != nullptr) only says how many of its blocks fit on one
+// multiprocessor.
 template <int KIND, int ACT, bool BIAS, int NT, int MT>
-int launch(const Args& a, cudaStream_t stream) {
+int launch(const Args& a, cudaStream_t stream, int* occupancy) {
   auto kernel = moe_w4<KIND, ACT, BIAS, NT, MT>;
   static int per_sm = 0, sms = 0;
   if (per_sm == 0) {
@@ -418,6 +420,10 @@ int launch(const Args& a, cudaStream_t stream) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0);
     if (per_sm < 1) per_sm = 1;
+  }
+  if (occupancy != nullptr) {
+    *occupancy = per_sm;
+    return 0;
   }
   const long long T = a.P / a.topk, seg = 8 * NT;
   long long segs = (long long)a.E * ((T + seg - 1) / seg);
@@ -432,23 +438,31 @@ int launch(const Args& a, cudaStream_t stream) {
 }
 
 template <int KIND, int ACT, bool BIAS, int NT>
-int launch_mt(int mt, const Args& a, cudaStream_t s) {
+int launch_mt(int mt, const Args& a, cudaStream_t s, int* o) {
   if constexpr (KIND == DOWN) {
-    if (mt == 1) return launch<KIND, ACT, BIAS, NT, 1>(a, s);
+    if (mt == 1) return launch<KIND, ACT, BIAS, NT, 1>(a, s, o);
   }
-  return launch<KIND, ACT, BIAS, NT, 2>(a, s);
+  return launch<KIND, ACT, BIAS, NT, 2>(a, s, o);
 }
 
 template <int KIND, int ACT, bool BIAS>
-int launch_nt(int nt, int mt, const Args& a, cudaStream_t s) {
-  return nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(mt, a, s)
-                 : launch_mt<KIND, ACT, BIAS, 2>(mt, a, s);
+int launch_nt(int nt, int mt, const Args& a, cudaStream_t s, int* o) {
+  return nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(mt, a, s, o)
+                 : launch_mt<KIND, ACT, BIAS, 2>(mt, a, s, o);
 }
 
 template <int KIND, int ACT>
-int launch_bias(int bias, int nt, int mt, const Args& a, cudaStream_t s) {
-  return bias ? launch_nt<KIND, ACT, true>(nt, mt, a, s)
-              : launch_nt<KIND, ACT, false>(nt, mt, a, s);
+int launch_bias(int bias, int nt, int mt, const Args& a, cudaStream_t s, int* o) {
+  return bias ? launch_nt<KIND, ACT, true>(nt, mt, a, s, o)
+              : launch_nt<KIND, ACT, false>(nt, mt, a, s, o);
+}
+
+int dispatch(int kind, int act, int has_bias, int nt, int mt, const Args& a, cudaStream_t s,
+             int* o) {
+  if (kind == DOWN) return launch_bias<DOWN, 0>(has_bias, nt, mt, a, s, o);
+  if (act == ACT_SILU) return launch_bias<GATE_UP, ACT_SILU>(has_bias, nt, mt, a, s, o);
+  if (act == ACT_GELU) return launch_bias<GATE_UP, ACT_GELU>(has_bias, nt, mt, a, s, o);
+  return launch_bias<GATE_UP, ACT_SWIGLU_OAI>(has_bias, nt, mt, a, s, o);
 }
 
 thread_local char last_error[256];
@@ -460,6 +474,15 @@ extern "C" {
 int mk_w4_max_pairs() { return MAX_P; }
 
 const char* mk_w4_last_error() { return last_error; }
+
+// Blocks of one kernel variant that fit on a multiprocessor of the current device (0: bad
+// arguments).
+int mk_w4_occupancy(int kind, int act, int has_bias, int nt, int mt) {
+  if ((nt != 1 && nt != 2) || (mt != 1 && mt != 2) || (kind != DOWN && mt != 2)) return 0;
+  int per_sm = 0;
+  dispatch(kind, act, has_bias, nt, mt, Args{}, nullptr, &per_sm);
+  return per_sm;
+}
 
 // kind 0: gate_up (act 0 silu, 1 gelu, 2 swiglu_oai), 1: down. nt: 1 or 2 (pairs per expert
 // segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). Returns 0 or a CUDA
@@ -484,17 +507,8 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, const void* x,
          static_cast<const float*>(gscale), static_cast<const __nv_bfloat16*>(bias),
          static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16*>(zero_out), zero_n,
          P, topk, E, N, K, group, split_k, alpha, limit};
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  int err;
-  if (kind == DOWN) {
-    err = launch_bias<DOWN, 0>(has_bias, nt, mt, a, s);
-  } else if (act == ACT_SILU) {
-    err = launch_bias<GATE_UP, ACT_SILU>(has_bias, nt, mt, a, s);
-  } else if (act == ACT_GELU) {
-    err = launch_bias<GATE_UP, ACT_GELU>(has_bias, nt, mt, a, s);
-  } else {
-    err = launch_bias<GATE_UP, ACT_SWIGLU_OAI>(has_bias, nt, mt, a, s);
-  }
+  const int err = dispatch(kind, act, has_bias, nt, mt, a, static_cast<cudaStream_t>(stream),
+                           nullptr);
   if (err) snprintf(last_error, sizeof last_error, "%s", cudaGetErrorString((cudaError_t)err));
   return err;
 }

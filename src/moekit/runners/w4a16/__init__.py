@@ -144,18 +144,19 @@ class W4A16Runner(Runner):
             x_TH = x_TH.contiguous()
         ids = topk.ids.to(torch.int32).contiguous().view(-1)
         weights = topk.weights.float().contiguous().view(-1)
-        I, E = w.intermediate_size, w.num_experts
+        I, E, dev = w.intermediate_size, w.num_experts, x_TH.device
         pairs = T * K * local_share
-        per_expert = pairs / E
-        sms = sm_count(x_TH.device)
-        h = torch.empty(T * K, I, dtype=x_TH.dtype, device=x_TH.device)
-        out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-        with torch.cuda.device(x_TH.device):
-            jit.launch(jit.GATE_UP, p.w13, x_TH, ids, weights, p.b13, h, K, I,
-                       jit.plan(jit.GATE_UP, pairs, E, I, sms, per_expert), act.name, act.alpha,
-                       act.limit, zero_out=out)  # fmt: skip
-            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H,
-                       jit.plan(jit.DOWN, pairs, E, H, sms, per_expert))  # fmt: skip
+        sms = sm_count(dev)
+        gate_up = jit.plan(jit.GATE_UP, pairs, E, I, H, sms,
+                           jit.occupancy(p.w13, jit.GATE_UP, act.name, p.b13 is not None, dev))
+        down = jit.plan(jit.DOWN, pairs, E, H, I, sms,
+                        jit.occupancy(p.w2, jit.DOWN, act.name, p.b2 is not None, dev))
+        h = torch.empty(T * K, I, dtype=x_TH.dtype, device=dev)
+        out = torch.empty(T, H, dtype=x_TH.dtype, device=dev)
+        with torch.cuda.device(dev):
+            jit.launch(jit.GATE_UP, p.w13, x_TH, ids, weights, p.b13, h, K, I, gate_up, act.name,
+                       act.alpha, act.limit, zero_out=out)  # fmt: skip
+            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H, down)
         return out
 
 

@@ -20,16 +20,15 @@ MAX_PAIRS = 128  # mirrors MAX_P in the .cu file (checked when a library loads)
 GATE_UP, DOWN = 0, 1
 ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 WARPS = 4  # per block (mirrors the .cu file)
-# How a GEMM's work spreads, in order of growing parallelism: (mt, split_k), mt 16-row weight
-# tiles per warp (gate_up: one gate and one up tile), split_k warps of a block on one row
-# block's K.
+# How a GEMM's work can spread: (mt, split_k), mt 16-row weight tiles per warp (gate_up: one
+# gate and one up tile), split_k warps of a block on one row block's K.
 SHARES = {GATE_UP: ((2, 1), (2, 2), (2, 4)), DOWN: ((2, 1), (2, 2), (2, 4), (1, 4))}
-SPLITS = (1, 2, 4)
-# Blocks of work per multiprocessor from which a GEMM stops spreading further. Fitted to the
-# H100 (session 23: each GEMM of the four presets, mxfp4, T = 1 ... 64, timed at every split;
-# scripts/gpu_w4a16_profile.py splits): the first share reaching these numbers was within
-# about 1% of each GEMM's best, on average.
-BLOCKS_PER_SM = {GATE_UP: 11.0, DOWN: 9.0}
+# The cost model `plan` ranks them with, fitted to the H100 (session 23: each GEMM of the four
+# presets, mxfp4, T = 1 ... 64, timed alone at every share; scripts/gpu_w4a16_profile.py
+# splits): the model's pick was the fastest for 18 of 22 GEMMs and within 8.3% for the others.
+ITEM_COST_BYTES = 30_000  # fixed cost of one work item, in bytes of weights streamed
+UNDERFILL_EXP = 0.5  # a grid of fewer blocks than fit streams slower: (fit / blocks) ** this
+BYTES_PER_WEIGHT = 0.53  # about 4.25 bits: codes and scales
 
 
 def problem() -> str | None:
@@ -58,6 +57,8 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
         raise RuntimeError(f"w4a16 kernels take {lib.mk_w4_max_pairs()} pairs, jit.py says "
                            f"{MAX_PAIRS}: the two are out of step")  # fmt: skip
     lib.mk_w4_last_error.restype = ctypes.c_char_p
+    lib.mk_w4_occupancy.restype = ctypes.c_int
+    lib.mk_w4_occupancy.argtypes = [ctypes.c_int] * 5
     lib.mk_w4_launch.restype = ctypes.c_int
     lib.mk_w4_launch.argtypes = (
         [ctypes.c_int] * 5 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
@@ -86,19 +87,45 @@ class Plan:
     mt: int = 2
 
 
-def plan(kind: int, num_pairs: float, num_experts: int, n: int, sms: int,
-         pairs_per_expert: float) -> Plan:  # fmt: skip
-    """The first of SHARES[kind] that gives every multiprocessor BLOCKS_PER_SM blocks of work,
-    for `num_pairs` local pairs expected over `num_experts` experts."""
-    nt = 2 if pairs_per_expert > 8 else 1
+@functools.lru_cache(maxsize=4096)
+def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int,
+         occupancy: tuple[int, int, int, int]) -> Plan:  # fmt: skip
+    """How to spread one GEMM (n output rows, k the reduction) over `num_pairs` local pairs
+    expected on `num_experts` experts: the share of SHARES[kind] with the least modelled time,
+    waves x (bytes of an item + ITEM_COST_BYTES), slower when the grid is underfilled.
+    occupancy: blocks per multiprocessor of the variants (nt, mt) = (1, 1), (1, 2), (2, 1),
+    (2, 2) (`occupancy`)."""
+    nt = 2 if num_pairs / num_experts > 8 else 1
     used = num_experts * -math.expm1(num_pairs * math.log1p(-1 / num_experts)) if (
         num_experts > 1) else min(1.0, num_pairs)  # fmt: skip
     segments = max(1.0, used)
+    best: tuple[float, Plan] | None = None
     for mt, split_k in SHARES[kind]:
-        row_blocks = n // (16 if kind == GATE_UP else 16 * mt)
-        if segments * math.ceil(row_blocks * split_k / WARPS) >= BLOCKS_PER_SM[kind] * sms:
-            break
-    return Plan(nt, split_k, mt)
+        rows = 16 if kind == GATE_UP else 16 * mt  # weight rows of one warp (gate_up: x 2)
+        items = segments * math.ceil(n // rows * split_k / WARPS)
+        grid = max(1, occupancy[2 * (nt - 1) + mt - 1]) * sms
+        item_bytes = (2 if kind == GATE_UP else 1) * rows * k * BYTES_PER_WEIGHT * WARPS / split_k
+        cost = math.ceil(items / grid) * (item_bytes + ITEM_COST_BYTES) * max(
+            1.0, grid / items) ** UNDERFILL_EXP  # fmt: skip
+        if best is None or cost < best[0]:
+            best = (cost, Plan(nt, split_k, mt))
+    return best[1]
+
+
+def occupancy(w: PackedMatrix, kind: int, act: str, has_bias: bool,
+              device: torch.device) -> tuple[int, int, int, int]:  # fmt: skip
+    """Blocks per multiprocessor of the kernel variants (nt, mt) = (1, 1), (1, 2), (2, 1),
+    (2, 2) for these weights (`plan`'s occupancy); 0 where a variant does not exist."""
+    return _occupancy(w.fmt, w.has_zero, w.two_mul, arch_of(device), kind, ACT_CODES[act],
+                      has_bias, device.index)  # fmt: skip
+
+
+@functools.cache
+def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index):
+    lib = library(fmt, zero, two_mul, arch)
+    with torch.cuda.device(device_index):
+        return tuple(lib.mk_w4_occupancy(kind, act, int(has_bias), nt, mt)
+                     for nt in (1, 2) for mt in (1, 2))  # fmt: skip
 
 
 def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
