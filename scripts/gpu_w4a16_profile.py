@@ -74,6 +74,8 @@ def variants(targets: list[str], specs: dict[str, list[str]]) -> dict:
 
             def layer(r=r, lib_fn=lib_fn):
                 jit.library = lib_fn
+                jit._occupancy.cache_clear()  # the variant's own occupancy for the plan
+                jit.plan.cache_clear()
                 run_layer(r, shape, w, sets, x, share)
 
             layer()
