@@ -124,8 +124,8 @@ def splits(targets: list[str]) -> dict:
         fns = {}
         for nt in (1, 2):
             for kind, shares in jit.SHARES.items():
-                for mt, sk in shares:
-                    how = jit.Plan(nt, sk, mt)
+                for mt, sk, kb in shares:
+                    how = jit.Plan(nt, sk, mt, kb)
 
                     def gemm(how=how, kind=kind):
                         for ids, tw in flat:
@@ -137,7 +137,7 @@ def splits(targets: list[str]) -> dict:
                                 jit.launch(kind, p.w2, h, ids, tw, p.b2, out, K, H, how)
 
                     name = "gate_up" if kind == jit.GATE_UP else "down"
-                    fns[f"{name} nt{nt} sk{sk} mt{mt}"] = gemm
+                    fns[f"{name} nt{nt} sk{sk} mt{mt} kb{kb}"] = gemm
         fns["layer"] = lambda: run_layer(r, shape, w, sets, x, share)
         ms = time_ms_interleaved(fns, DEV, rounds=3)
         pairs = T * K * share

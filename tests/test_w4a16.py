@@ -215,14 +215,14 @@ def test_plan_rules():
     sms, occ = 132, (9, 7, 6, 5)  # H100 blocks per multiprocessor, (nt, mt) = 11, 12, 21, 22
     # mixtral-8x7b TP2 at T = 1: two experts
     assert jit.plan(jit.GATE_UP, 2, 8, 7168, 4096, sms, occ) == jit.Plan(1, 4, 2)
-    assert jit.plan(jit.DOWN, 2, 8, 4096, 7168, sms, occ) == jit.Plan(1, 4, 1)
+    assert jit.plan(jit.DOWN, 2, 8, 4096, 7168, sms, occ) == jit.Plan(1, 4, 1, 2)
     # qwen3-30b-a3b at T = 16: 128 pairs over 128 experts, plenty of blocks
     assert jit.plan(jit.DOWN, 128, 128, 2048, 768, sms, occ) == jit.Plan(1, 1, 2)
     # mixtral-8x7b TP2 at T = 64: 16 pairs an expert
     assert jit.plan(jit.GATE_UP, 128, 8, 7168, 4096, sms, occ).nt == 2
     for kind, n in ((jit.GATE_UP, 768), (jit.DOWN, 2048)):
         p = jit.plan(kind, 1, 128, n, 2048, sms, occ)
-        assert (p.mt, p.split_k) in jit.SHARES[kind]
+        assert (p.mt, p.split_k, p.k_blocks) in jit.SHARES[kind]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,23 +301,27 @@ def test_presets_gpu(model, tp, ep, fmt):
 @pytest.mark.parametrize("fmt", ["int4-g64-asym-f32", "nvfp4"])
 def test_every_plan_gpu(fmt, monkeypatch):
     """Every way of spreading the two GEMMs (8 or 16 pairs a segment, K over 1, 2 or 4 warps,
-    down at 16 or 32 rows a warp), whatever `jit.plan` would pick, against the reference."""
+    down at 16 or 32 rows a warp and over 1, 2 or 4 blocks), whatever `jit.plan` would pick,
+    against the reference."""
     torch.manual_seed(0)
     E, K, H, I = 12, 4, 384, 256
     w = _experts(SPECS[fmt], E, H, I, bias=True)
     act = ActivationSpec("swiglu_oai", interleaved=True)
     runner = W4A16Runner()
     for nt in (1, 2):
-        for mt, split_k in jit.SHARES[jit.DOWN]:
-            def forced(kind, *args, nt=nt, split_k=split_k, mt=mt):
-                return jit.Plan(nt, split_k, mt if kind == jit.DOWN else 2)
+        for mt, split_k, k_blocks in jit.SHARES[jit.DOWN]:
+            def forced(kind, *args, nt=nt, split_k=split_k, mt=mt, k_blocks=k_blocks):
+                if kind == jit.DOWN:
+                    return jit.Plan(nt, split_k, mt, k_blocks)
+                return jit.Plan(nt, split_k, 2)
 
             monkeypatch.setattr(jit, "plan", forced)
             for T, kw in ((1, {}), (20, dict(masked=0.1)), (6, dict(one_expert=True))):
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 topk = make_topk(T, K, E, device="cuda", **kw)
                 out, ref = _run_both(x, topk, w, act, runner)
-                assert rel_err(out, ref) < BOUND, (fmt, nt, split_k, mt, T, rel_err(out, ref))
+                assert rel_err(out, ref) < BOUND, (fmt, nt, split_k, mt, k_blocks, T,
+                                                   rel_err(out, ref))  # fmt: skip
 
 
 @pytest.mark.gpu

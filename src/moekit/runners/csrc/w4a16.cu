@@ -70,6 +70,7 @@ struct Args {
   __nv_bfloat16* zero_out;    // gate_up: out [T, H] to zero for down
   long long zero_n;           // elements of zero_out (a multiple of 8)
   int P, topk, E, N, K, group, split_k;
+  int k_blocks;               // down: blocks sharing one row block's K (partial sums added)
   float alpha, limit;
 };
 
@@ -220,17 +221,20 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   const int wn = warp / split_k, wk = warp % split_k;
   const int rows_per_warp = KIND == GATE_UP ? 16 : 16 * MT;
   const int row_blocks = N / rows_per_warp;
-  const int R = (row_blocks + wn_n - 1) / wn_n;
-  const int kc0 = wk * KC / split_k, kc1 = (wk + 1) * KC / split_k;
+  const int R = (row_blocks + wn_n - 1) / wn_n, KB = a.k_blocks;
   const int gsz = a.group < 64 ? a.group : 64;
   const int SB = (64 / gsz) * 16 * SCALE_ELEM;
   const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
   const int row_div = KIND == GATE_UP ? a.topk : 1;
   const int tiles_per_e = KIND == GATE_UP ? 2 * N / 16 : N / 16;
 
-  for (int item = blockIdx.x; item < nseg * R; item += gridDim.x) {
-    const int seg = item / R, rb = (item - seg * R) * wn_n + wn;  // this warp's row block
+  for (int item = blockIdx.x; item < nseg * R * KB; item += gridDim.x) {
+    const int seg = item / (R * KB), rest = item - seg * R * KB, kb = rest % KB;
+    const int rb = rest / KB * wn_n + wn;  // this warp's row block
     const bool busy = rb < row_blocks;
+    // K chunks of this warp: share wk of the block's share kb
+    const int kb0 = kb * KC / KB, kbn = (kb + 1) * KC / KB - kb0;
+    const int kc0 = kb0 + wk * kbn / split_k, kc1 = kb0 + (wk + 1) * kbn / split_k;
     const int e = s_seg_e[seg], start = s_seg_start[seg], len = s_seg_len[seg];
     const __nv_bfloat16* xrow[NT];
 #pragma unroll
@@ -259,7 +263,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
         for (int h = 0; h < 2; ++h) {
           const long long n = KIND == GATE_UP ? (long long)e * 2 * N + t * N + rb * 16 + g + 8 * h
                                               : (long long)e * N + (MT * rb + t) * 16 + g + 8 * h;
-          if (BIAS) bias_v[t][h] = __bfloat162float(a.bias[n]);
+          if (BIAS && kb == 0) bias_v[t][h] = __bfloat162float(a.bias[n]);  // one K share
         }
       if (KIND == DOWN) {
 #pragma unroll
@@ -429,7 +433,7 @@ int launch(const Args& a, cudaStream_t stream, int* occupancy) {
   long long segs = (long long)a.E * ((T + seg - 1) / seg);
   if (segs > a.P) segs = a.P;
   const long long row_blocks = a.N / (KIND == GATE_UP ? 16 : 16 * MT), wn = WARPS / a.split_k;
-  const long long items = segs * ((row_blocks + wn - 1) / wn);
+  const long long items = segs * ((row_blocks + wn - 1) / wn) * a.k_blocks;
   long long grid = (long long)per_sm * sms;
   if (items < grid) grid = items;
   if (grid < 1) grid = 1;
@@ -485,20 +489,23 @@ int mk_w4_occupancy(int kind, int act, int has_bias, int nt, int mt) {
 }
 
 // kind 0: gate_up (act 0 silu, 1 gelu, 2 swiglu_oai), 1: down. nt: 1 or 2 (pairs per expert
-// segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). Returns 0 or a CUDA
-// error code (mk_w4_last_error says which).
+// segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). k_blocks: blocks
+// sharing a row block's K (down only: 1, 2 or 4). Returns 0 or a CUDA error code
+// (mk_w4_last_error says which).
 int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, const void* x, const void* ids,
                  const void* topk_w, const void* wq, const void* ws, const void* wz,
                  const void* gscale, const void* bias, void* out, void* zero_out,
                  long long zero_n, int P, int topk, int E, int N, int K, int group,
-                 int split_k, float alpha, float limit, void* stream) {
+                 int split_k, int k_blocks, float alpha, float limit, void* stream) {
   last_error[0] = 0;
   if (P < 0 || P > MAX_P || topk < 1 || K % 64 || (nt != 1 && nt != 2) || zero_n % 8 ||
       (split_k != 1 && split_k != 2 && split_k != 4) || (mt != 1 && mt != 2) ||
-      (kind != DOWN && mt != 2) || N % (kind == DOWN ? 16 * mt : 16)) {
+      (kind != DOWN && mt != 2) || N % (kind == DOWN ? 16 * mt : 16) ||
+      (k_blocks != 1 && k_blocks != 2 && k_blocks != 4) || (kind != DOWN && k_blocks != 1)) {
     snprintf(last_error, sizeof last_error,
              "bad arguments: kind=%d P=%d (max %d) topk=%d N=%d K=%d nt=%d mt=%d zero_n=%lld "
-             "split_k=%d", kind, P, MAX_P, topk, N, K, nt, mt, zero_n, split_k);
+             "split_k=%d k_blocks=%d", kind, P, MAX_P, topk, N, K, nt, mt, zero_n, split_k,
+             k_blocks);
     return -1;
   }
   Args a{static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(ids),
@@ -506,7 +513,7 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, const void* x,
          static_cast<const uint8_t*>(ws), static_cast<const uint8_t*>(wz),
          static_cast<const float*>(gscale), static_cast<const __nv_bfloat16*>(bias),
          static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16*>(zero_out), zero_n,
-         P, topk, E, N, K, group, split_k, alpha, limit};
+         P, topk, E, N, K, group, split_k, k_blocks, alpha, limit};
   const int err = dispatch(kind, act, has_bias, nt, mt, a, static_cast<cudaStream_t>(stream),
                            nullptr);
   if (err) snprintf(last_error, sizeof last_error, "%s", cudaGetErrorString((cudaError_t)err));

@@ -20,9 +20,13 @@ MAX_PAIRS = 128  # mirrors MAX_P in the .cu file (checked when a library loads)
 GATE_UP, DOWN = 0, 1
 ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 WARPS = 4  # per block (mirrors the .cu file)
-# How a GEMM's work can spread: (mt, split_k), mt 16-row weight tiles per warp (gate_up: one
-# gate and one up tile), split_k warps of a block on one row block's K.
-SHARES = {GATE_UP: ((2, 1), (2, 2), (2, 4)), DOWN: ((2, 1), (2, 2), (2, 4), (1, 4))}
+# How a GEMM's work can spread: (mt, split_k, k_blocks), mt 16-row weight tiles per warp
+# (gate_up: one gate and one up tile), split_k warps of a block on one row block's K, k_blocks
+# blocks on it (down only: its bf16 atomics add the partial sums).
+SHARES = {
+    GATE_UP: ((2, 1, 1), (2, 2, 1), (2, 4, 1)),
+    DOWN: ((2, 1, 1), (2, 2, 1), (2, 4, 1), (1, 4, 1), (1, 4, 2), (1, 4, 4)),
+}
 # The cost model `plan` ranks them with, fitted to the H100 (session 23: each GEMM of the four
 # presets, mxfp4, T = 1 ... 64, timed alone at every share; scripts/gpu_w4a16_profile.py
 # splits): the model's pick was the fastest for 18 of 22 GEMMs and within 8.3% for the others.
@@ -62,7 +66,7 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
     lib.mk_w4_launch.restype = ctypes.c_int
     lib.mk_w4_launch.argtypes = (
         [ctypes.c_int] * 5 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
-        + [ctypes.c_int] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        + [ctypes.c_int] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
     )  # fmt: skip
     return lib
 
@@ -80,11 +84,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class Plan:
     """How one GEMM call spreads: nt MMA column groups of 8 pairs per expert segment (2 when
     experts expect more than 8 pairs, else segments of 8), split_k warps of a block per row
-    block of mt 16-row tiles (the others take more rows, sharing activation loads through L1)."""
+    block of mt 16-row tiles (the others take more rows, sharing activation loads through L1),
+    k_blocks blocks per row block (down)."""
 
     nt: int
     split_k: int
     mt: int = 2
+    k_blocks: int = 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,15 +106,16 @@ def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int
         num_experts > 1) else min(1.0, num_pairs)  # fmt: skip
     segments = max(1.0, used)
     best: tuple[float, Plan] | None = None
-    for mt, split_k in SHARES[kind]:
+    for mt, split_k, k_blocks in SHARES[kind]:
         rows = 16 if kind == GATE_UP else 16 * mt  # weight rows of one warp (gate_up: x 2)
-        items = segments * math.ceil(n // rows * split_k / WARPS)
+        items = segments * math.ceil(n // rows * split_k / WARPS) * k_blocks
         grid = max(1, occupancy[2 * (nt - 1) + mt - 1]) * sms
-        item_bytes = (2 if kind == GATE_UP else 1) * rows * k * BYTES_PER_WEIGHT * WARPS / split_k
+        item_bytes = ((2 if kind == GATE_UP else 1) * rows * k * BYTES_PER_WEIGHT * WARPS
+                      / split_k / k_blocks)  # fmt: skip
         cost = math.ceil(items / grid) * (item_bytes + ITEM_COST_BYTES) * max(
             1.0, grid / items) ** UNDERFILL_EXP  # fmt: skip
         if best is None or cost < best[0]:
-            best = (cost, Plan(nt, split_k, mt))
+            best = (cost, Plan(nt, split_k, mt, k_blocks))
     return best[1]
 
 
@@ -145,7 +152,7 @@ def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
         kind, ACT_CODES[act], int(bias is not None), how.nt, how.mt, _ptr(x), _ptr(ids),
         _ptr(topk_weights), _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros), _ptr(w.global_scale),
         _ptr(bias), _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, how.split_k,
-        alpha, limit, stream,
+        how.k_blocks, alpha, limit, stream,
     )  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16 kernel: {lib.mk_w4_last_error().decode()}")
