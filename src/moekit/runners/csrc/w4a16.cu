@@ -5,7 +5,10 @@
 //   down:    out [T, H] += weight * (h[pair] @ w2[e].T + b2[e]) (bf16 atomics).
 // Each block first groups the call's pairs by expert in shared memory (no alignment kernel),
 // in segments of at most 8 * NT pairs of one expert, then loops over the work items
-// (segment, 16 or 32 weight rows); its WARPS warps split K and meet in shared memory.
+// (segment, weight rows, K share); its WARPS warps split rows or K (meeting in shared memory),
+// and down's K may be split over k_blocks blocks (their partial sums meet in the atomics).
+// One K chunk per warp is in flight (DEPTH 1): more warps hide latency better than deeper
+// register buffers, which cost occupancy (benchmarks/w4a16_notes.md, session 23).
 //
 // Weights are streamed from a layout permuted once on the host (moekit.runners.w4a16.pack):
 // a tile of 16 rows x 64 columns is 512 bytes, 16 per lane, which are exactly that lane's
