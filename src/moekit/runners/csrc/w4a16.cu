@@ -92,6 +92,20 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
+// out[0:2] += (lo, hi) in bf16, as one reduction: on sm_90 a bf16x2 `red` is native, while a
+// scalar bf16 atomicAdd compiles to a load and a compare-and-swap loop that the block then
+// waits for at its barrier (measured: 16% of down's stall samples).
+__device__ __forceinline__ void add_bf16x2(__nv_bfloat16* p, float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.noftz.bf16x2 [%0], %1;" ::"l"(p),
+               "r"(*reinterpret_cast<uint32_t*>(&v))
+               : "memory");
+#else
+  atomicAdd(reinterpret_cast<__nv_bfloat162*>(p), v);
+#endif
+}
+
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -380,11 +394,12 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          const int slot = nt * 8 + 2 * c + (v & 1);
-          if (slot >= len) continue;
-          const int pair = s_sorted[start + slot];
+          const int slot = nt * 8 + 2 * c + (v & 1);  // the same for lanes g and g + 1
+          const bool valid = slot < len;
+          const int pair = valid ? s_sorted[start + slot] : 0;
           const int r = g + 8 * (v >> 1);
-          if (KIND == GATE_UP) {
+          if constexpr (KIND == GATE_UP) {
+            if (!valid) continue;
             const int f = rb * 16 + r;
             float gv = acc[0][nt][v] + bias_v[0][v >> 1], uv = acc[1][nt][v] + bias_v[1][v >> 1];
             float hv;
@@ -399,13 +414,14 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
             }
             a.out[(long long)pair * N + f] = __float2bfloat16_rn(hv);
           } else {
-            const float wt = wt_v[nt][v & 1];
+            // rows r and r + 1 (lanes g and g + 1, one pair) meet in one bf16x2 reduction
             const int token = pair / a.topk;
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
               const int n = (MT * rb + t) * 16 + r;
-              const float y = acc[t][nt][v] + bias_v[t][v >> 1];
-              atomicAdd(a.out + (long long)token * N + n, __float2bfloat16_rn(y * wt));
+              const float y = valid ? (acc[t][nt][v] + bias_v[t][v >> 1]) * wt_v[nt][v & 1] : 0.f;
+              const float y_next = __shfl_down_sync(0xffffffffu, y, 4);
+              if (valid && !(g & 1)) add_bf16x2(a.out + (long long)token * N + n, y, y_next);
             }
           }
         }
