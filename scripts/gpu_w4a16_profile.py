@@ -2,6 +2,9 @@
 
     # one target, a few eager calls (for ncu -k regex:moe_w4):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py once deepseek-v3:ep8:mxfp4:16
+    # each GEMM alone at every share (optionally of one build variant), and the layer:
+    PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py splits --targets T1,T2 [--defines=
+        -DMK_DEPTH=2 --tag _d2]
     # layer time (CUDA-graph replay over 8 routings) per build variant (-D defines of the .cu):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
         --variants "base=;depth2=-DMK_DEPTH=2"
@@ -159,13 +162,20 @@ def main() -> int:
     ap.add_argument("target", nargs="?")
     ap.add_argument("--targets", default="")
     ap.add_argument("--variants", default="base=")
+    ap.add_argument("--defines", default="", help="splits: -D flags of the build, comma-separated")
+    ap.add_argument("--tag", default="", help="splits: suffix of the output file name")
     a = ap.parse_args()
     if a.mode == "once":
         once(a.target)
         return 0
     if a.mode == "splits":
+        if a.defines:  # one build variant for every GEMM
+            defines = tuple(d for d in a.defines.split(",") if d)
+            base = jit.library.__wrapped__
+            jit.library = functools.partial(lambda d, *x: _with_defines(base, d, *x), defines)
         res = splits(a.targets.split(","))
-        with open(os.path.join(os.environ.get("OUT", "."), "w4a16_splits.json"), "w") as f:
+        name = f"w4a16_splits{a.tag}.json"
+        with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
             json.dump(res, f, indent=1)
         return 0
     specs = {}
