@@ -204,6 +204,19 @@ def test_auto_default_puts_deep_gemm_first_where_it_leads(fakes):
     assert d.backend == "triton" and "skipped deep_gemm: needs sgl-deep-gemm" in d.reason
 
 
+def test_auto_default_puts_w4a16_first_for_4bit_decode(fakes):
+    """Without a table: w4a16 for 4-bit weights at T <= 16 (where it was measured faster), the
+    plain order above that and for other formats."""
+    cfg = RunnerConfig("auto")
+    for fmt in ("int4_w4a16", "mxfp4", "nvfp4"):
+        work = shaped(16, weight_format=fmt, weight_spec=make_spec(fmt))
+        d = select_runner(work, cfg, H100, tables=NO_TABLES)
+        assert d.backend == "w4a16" and "4-bit weights at T <= 16: w4a16 first" in d.reason
+        assert select_runner(replace(work, num_tokens=17), cfg, H100,
+                             tables=NO_TABLES).backend == "triton"  # fmt: skip
+    assert select_runner(shaped(4), cfg, H100, tables=NO_TABLES).backend == "triton"
+
+
 def test_auto_skips_unusable_and_says_why(fakes):
     del fakes["triton"]
     d = select_runner(shaped(8), RunnerConfig("auto"), A100, tables=NO_TABLES)

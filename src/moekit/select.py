@@ -76,6 +76,13 @@ ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
 #   (H100) and 18-34% (H200) faster than `triton`; bf16 within 1.5% to 8% faster (H100) and
 #   10-21% faster (H200).
 DEEP_GEMM_FIRST = "deep_gemm"
+# Where w4a16 leads without a table: 4-bit weights (int4_w4a16, mxfp4, nvfp4) at T <= 16
+# tokens, where it was faster than the 4-bit `triton` at 32 of 33 points of the four presets on
+# the H100 (1.07-2.17x; qwen3-30b-a3b int4 at T = 16 0.85x; benchmarks/w4a16_notes.md, session
+# 23). Its own limit (128 pairs) still applies.
+W4A16_FIRST = "w4a16"
+W4A16_FIRST_FORMATS = ("int4_w4a16", "mxfp4", "nvfp4")
+W4A16_FIRST_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,10 @@ def _preference(work: Workload, config: RunnerConfig) -> tuple[tuple[str, ...], 
         if lead:
             order = (DEEP_GEMM_FIRST, *(b for b in order if b != DEEP_GEMM_FIRST))
             why += f", {lead}: {DEEP_GEMM_FIRST} first"
+    if (W4A16_FIRST in order and work.weight_format in W4A16_FIRST_FORMATS
+            and work.format == "standard" and work.num_tokens <= W4A16_FIRST_MAX_TOKENS):
+        order = (W4A16_FIRST, *(b for b in order if b != W4A16_FIRST))
+        why += f", 4-bit weights at T <= {W4A16_FIRST_MAX_TOKENS}: {W4A16_FIRST} first"
     return order, why
 
 
