@@ -64,29 +64,34 @@ def once(target: str) -> None:
     torch.cuda.synchronize()
 
 
-def variants(targets: list[str], specs: dict[str, list[str]]) -> dict:
-    base_library = jit.library.__wrapped__
+def variants(targets: list[str], specs: dict[str, tuple[str, ...]]) -> dict:
+    """The layer per build variant, timed in turns, for each target."""
     results = {}
     for target in targets:
-        shape, w, sets, x, share = setup(target)
-        fns = {}
-        for name, defines in specs.items():
-            lib_fn = functools.partial(lambda d, *a: _with_defines(base_library, d, *a), defines)
-            r = W4A16Runner()
-            r.packed(w, shape.act.interleaved)
-
-            def layer(r=r, lib_fn=lib_fn):
-                jit.library = lib_fn
-                jit._occupancy.cache_clear()  # the variant's own occupancy for the plan
-                jit.plan.cache_clear()
-                run_layer(r, shape, w, sets, x, share)
-
-            layer()
-            fns[name] = layer
-        ms = time_ms_interleaved(fns, DEV)
-        results[target] = {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()}
+        results[target] = _variants_of(target, specs)
         print(target, results[target], flush=True)
     return results
+
+
+def _variants_of(target: str, specs: dict[str, tuple[str, ...]]) -> dict:
+    base_library = jit.library.__wrapped__
+    shape, w, sets, x, share = setup(target)
+    fns = {}
+    for name, defines in specs.items():
+        lib_fn = functools.partial(lambda d, *a: _with_defines(base_library, d, *a), defines)
+        r = W4A16Runner()
+        r.packed(w, shape.act.interleaved)
+
+        def layer(r=r, lib_fn=lib_fn):
+            jit.library = lib_fn
+            jit._occupancy.cache_clear()  # the variant's own occupancy for the plan
+            jit.plan.cache_clear()
+            run_layer(r, shape, w, sets, x, share)
+
+        layer()
+        fns[name] = layer
+    ms = time_ms_interleaved(fns, DEV)
+    return {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()}
 
 
 @functools.cache
@@ -105,55 +110,59 @@ def _with_defines(base, defines: tuple[str, ...], fmt, zero, two_mul, arch):
     path = _nvcc.build(_nvcc.nvcc(), args, "w4a16", [source.read_bytes()], "w4a16 variant")
     lib = ctypes.CDLL(str(path))
     real = base(fmt, zero, two_mul, arch)  # for the ctypes signatures
-    for name in ("mk_w4_max_pairs", "mk_w4_last_error", "mk_w4_launch"):
+    for name in ("mk_w4_max_pairs", "mk_w4_last_error", "mk_w4_launch", "mk_w4_occupancy"):
         getattr(lib, name).restype = getattr(real, name).restype
-    lib.mk_w4_launch.argtypes = real.mk_w4_launch.argtypes
+    for name in ("mk_w4_launch", "mk_w4_occupancy"):
+        getattr(lib, name).argtypes = getattr(real, name).argtypes
     return lib
 
 
 def splits(targets: list[str]) -> dict:
-    """Each GEMM alone at every (nt, mt, split_k), and the layer with the runner's own plan."""
+    """Each GEMM alone at every (nt, mt, split_k, k_blocks), and the layer with the runner's own
+    plan, for each target."""
     results = {}
     for target in targets:
-        shape, w, sets, x, share = setup(target)
-        E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
-        r = W4A16Runner()
-        p = r.packed(w, shape.act.interleaved)
-        T = x.shape[0]
-        h = torch.empty(T * K, I, device=DEV, dtype=torch.bfloat16)
-        out = torch.empty(T, shape.hidden, device=DEV, dtype=torch.bfloat16)
-        flat = [(tk.ids.to(torch.int32).contiguous().view(-1),
-                 tk.weights.float().contiguous().view(-1)) for tk in sets]  # fmt: skip
-        fns = {}
-        for nt in (1, 2):
-            for kind, shares in jit.SHARES.items():
-                for mt, sk, kb in shares:
-                    how = jit.Plan(nt, sk, mt, kb)
-
-                    def gemm(how=how, kind=kind):
-                        for ids, tw in flat:
-                            if kind == jit.GATE_UP:
-                                jit.launch(kind, p.w13, x, ids, tw, p.b13, h, K, I, how,
-                                           shape.act.name, shape.act.alpha, shape.act.limit,
-                                           zero_out=out)  # fmt: skip
-                            else:
-                                jit.launch(kind, p.w2, h, ids, tw, p.b2, out, K, H, how)
-
-                    name = "gate_up" if kind == jit.GATE_UP else "down"
-                    fns[f"{name} nt{nt} sk{sk} mt{mt} kb{kb}"] = gemm
-        fns["layer"] = lambda: run_layer(r, shape, w, sets, x, share)
-        ms = time_ms_interleaved(fns, DEV, rounds=3)
-        pairs = T * K * share
-        results[target] = {
-            "us": {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()},
-            "plan": [str(jit.plan(kind, pairs, E, n, k, torch.cuda.get_device_properties(DEV)
-                                  .multi_processor_count, jit.occupancy(w_, kind, shape.act.name,
-                                                                        b is not None, DEV)))
-                     for kind, n, k, w_, b in ((jit.GATE_UP, I, H, p.w13, p.b13),
-                                               (jit.DOWN, H, I, p.w2, p.b2))],
-        }  # fmt: skip
+        results[target] = _splits_of(target)
         print(target, json.dumps(results[target]), flush=True)
     return results
+
+
+def _splits_of(target: str) -> dict:
+    shape, w, sets, x, share = setup(target)
+    E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
+    r = W4A16Runner()
+    p = r.packed(w, shape.act.interleaved)
+    T = x.shape[0]
+    h = torch.empty(T * K, I, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
+    flat = [(tk.ids.to(torch.int32).contiguous().view(-1),
+             tk.weights.float().contiguous().view(-1)) for tk in sets]  # fmt: skip
+
+    def gemm(kind: int, how: jit.Plan) -> None:
+        for ids, tw in flat:
+            if kind == jit.GATE_UP:
+                jit.launch(kind, p.w13, x, ids, tw, p.b13, h, K, I, how, shape.act.name,
+                           shape.act.alpha, shape.act.limit, zero_out=out)  # fmt: skip
+            else:
+                jit.launch(kind, p.w2, h, ids, tw, p.b2, out, K, H, how)
+
+    fns = {}
+    for nt in (1, 2):
+        for kind, shares in jit.SHARES.items():
+            name = "gate_up" if kind == jit.GATE_UP else "down"
+            for mt, sk, kb in shares:
+                fns[f"{name} nt{nt} sk{sk} mt{mt} kb{kb}"] = functools.partial(
+                    gemm, kind, jit.Plan(nt, sk, mt, kb))  # fmt: skip
+    fns["layer"] = lambda: run_layer(r, shape, w, sets, x, share)
+    ms = time_ms_interleaved(fns, DEV, rounds=3)
+    pairs = T * K * share
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    plans = [jit.plan(kind, pairs, E, n, k, sms, jit.occupancy(w_, kind, shape.act.name,
+                                                               b is not None, DEV))
+             for kind, n, k, w_, b in ((jit.GATE_UP, I, H, p.w13, p.b13),
+                                       (jit.DOWN, H, I, p.w2, p.b2))]  # fmt: skip
+    return {"us": {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()},
+            "plan": [str(pl) for pl in plans]}  # fmt: skip
 
 
 def main() -> int:

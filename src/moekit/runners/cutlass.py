@@ -40,7 +40,7 @@ from moekit.hardware import Availability, Platform
 from moekit.router import TopKOutput
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows
-from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.base import Runner, RunnerCaps, RunnerError, tensors_key
 from moekit.runners.registry import register
 from moekit.stages import (
     MASKED,
@@ -177,10 +177,7 @@ class _PaddedWeights:
 
 
 def _weights_key(w: ExpertWeights, act: ActivationSpec) -> tuple:
-    parts = []
-    for t in (w.w13, w.w2, w.b13):
-        parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype))
-    return (*parts, act.interleaved)
+    return (*tensors_key(w.w13, w.w2, w.b13), act.interleaved)
 
 
 @register

@@ -15,7 +15,6 @@ the intermediate h before down) and multiply fp8 / int8 operands on the tensor c
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -27,6 +26,7 @@ from moekit.runners._triton_base import interpret_mode
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
 from moekit.runners._align import AlignOutput, align_block_size
+from moekit.runners.base import expected_experts_used
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,
@@ -635,8 +635,7 @@ def rows_per_expert(num_tokens: float, top_k: int, num_experts: int) -> float:
     pairs = num_tokens * top_k
     if num_experts <= 1:
         return pairs
-    used = -num_experts * math.expm1(pairs * math.log1p(-1 / num_experts))
-    return pairs / max(used, 1e-9)
+    return pairs / max(expected_experts_used(pairs, num_experts), 1e-9)
 
 
 def fused_moe(

@@ -26,7 +26,7 @@ import torch
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform, sm_count
-from moekit.runners.base import Runner, RunnerCaps, RunnerError
+from moekit.runners.base import Runner, RunnerCaps, RunnerError, tensors_key
 from moekit.runners.registry import register
 from moekit.runners.w4a16 import jit
 from moekit.runners.w4a16.pack import PackedExperts, pack_experts
@@ -55,12 +55,9 @@ def pairs_problem(num_tokens: int, top_k: int | None) -> str | None:
 
 
 def _weights_key(w: ExpertWeights, interleaved: bool) -> tuple:
-    parts = [interleaved]
-    for name in ("w13", "w2", "b13", "b2", "w13_scale", "w2_scale", "w13_zero", "w2_zero",
-                 "w13_global_scale", "w2_global_scale"):  # fmt: skip
-        t = getattr(w, name)
-        parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape)))
-    return tuple(parts)
+    return (interleaved, *tensors_key(w.w13, w.w2, w.b13, w.b2, w.w13_scale, w.w2_scale,
+                                      w.w13_zero, w.w2_zero, w.w13_global_scale,
+                                      w.w2_global_scale))  # fmt: skip
 
 
 @register

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from moekit.runners import _nvcc
+from moekit.runners.base import expected_experts_used
 from moekit.runners.w4a16.pack import PackedMatrix
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "w4a16.cu"
@@ -103,9 +104,7 @@ def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int
     occupancy: blocks per multiprocessor of the variants (nt, mt) = (1, 1), (1, 2), (2, 1),
     (2, 2) (`occupancy`)."""
     nt = 2 if num_pairs / num_experts > 8 else 1
-    used = num_experts * -math.expm1(num_pairs * math.log1p(-1 / num_experts)) if (
-        num_experts > 1) else min(1.0, num_pairs)  # fmt: skip
-    segments = max(1.0, used)
+    segments = max(1.0, expected_experts_used(num_pairs, num_experts))
     best: tuple[float, Plan] | None = None
     for mt, split_k, k_blocks in SHARES[kind]:
         rows = 16 if kind == GATE_UP else 16 * mt  # weight rows of one warp (gate_up: x 2)
