@@ -40,7 +40,8 @@ from moekit.hardware import Availability, Platform
 from moekit.router import TopKOutput
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows
-from moekit.runners.base import Runner, RunnerCaps, RunnerError, tensors_key
+from moekit.runners._shared import tensors_key
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.stages import (
     MASKED,

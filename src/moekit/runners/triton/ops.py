@@ -26,7 +26,7 @@ from moekit.runners._triton_base import interpret_mode
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
 from moekit.runners._align import AlignOutput, align_block_size
-from moekit.runners.base import expected_experts_used
+from moekit.runners._shared import expected_experts_used
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,

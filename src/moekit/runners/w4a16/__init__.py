@@ -26,7 +26,8 @@ import torch
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform, sm_count
-from moekit.runners.base import Runner, RunnerCaps, RunnerError, tensors_key
+from moekit.runners._shared import tensors_key
+from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.runners.w4a16 import jit
 from moekit.runners.w4a16.pack import PackedExperts, pack_experts

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moekit.runners import _nvcc
-from moekit.runners.base import expected_experts_used
+from moekit.runners._shared import expected_experts_used
 from moekit.runners.w4a16.pack import PackedMatrix
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "w4a16.cu"
@@ -23,18 +23,27 @@ ACT_CODES = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 WARPS = 4  # per block (mirrors the .cu file)
 # How a GEMM's work can spread: (mt, split_k, k_blocks), mt 16-row weight tiles per warp
 # (gate_up: one gate and one up tile), split_k warps of a block on one row block's K, k_blocks
-# blocks on it (down only: its bf16 atomics add the partial sums).
+# blocks on it (down only: its bf16 reductions add the partial sums).
 SHARES = {
     GATE_UP: ((2, 1, 1), (2, 2, 1), (2, 4, 1)),
     DOWN: ((2, 1, 1), (2, 2, 1), (2, 4, 1), (1, 4, 1), (1, 4, 2), (1, 4, 4)),
 }
-# The cost model `plan` ranks them with, fitted to the H100 (session 23: each GEMM of the four
-# presets, mxfp4, T = 1 ... 64, timed alone at every share; scripts/gpu_w4a16_profile.py
-# splits): at the final kernels its pick is within 2% of the fastest share for 19 of 26 GEMMs
-# and within 13% for the others.
-ITEM_COST_BYTES = 30_000  # fixed cost of one work item, in bytes of weights streamed
-UNDERFILL_EXP = 0.5  # a grid of fewer blocks than fit streams slower: (fit / blocks) ** this
-BYTES_PER_WEIGHT = 0.53  # about 4.25 bits: codes and scales
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How `plan` ranks the shares: waves x (bytes of an item + item_cost_bytes), times
+    (blocks that fit / blocks) ** underfill_exp when the grid is underfilled. Fitted to the H100
+    (session 23: each GEMM of the four presets, mxfp4, T = 1 ... 64, timed alone at every share;
+    scripts/gpu_w4a16_profile.py splits): at the final kernels its pick is within 2% of the
+    fastest share for 19 of 26 GEMMs and within 13% for the others."""
+
+    item_cost_bytes: float = 30_000  # fixed cost of one work item, in bytes of weights streamed
+    underfill_exp: float = 0.5
+    bytes_per_weight: float = 0.53  # about 4.25 bits: codes and scales
+
+
+COST = CostModel()
 
 
 def problem() -> str | None:
@@ -74,7 +83,14 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
 
 
 def arch_of(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+    """'90' for an sm_90 device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _arch(index)
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"{major}{minor}"
 
 
@@ -99,8 +115,7 @@ class Plan:
 def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int,
          occupancy: tuple[int, int, int, int]) -> Plan:  # fmt: skip
     """How to spread one GEMM (n output rows, k the reduction) over `num_pairs` local pairs
-    expected on `num_experts` experts: the share of SHARES[kind] with the least modelled time,
-    waves x (bytes of an item + ITEM_COST_BYTES), slower when the grid is underfilled.
+    expected on `num_experts` experts: the share of SHARES[kind] with the least time by COST.
     occupancy: blocks per multiprocessor of the variants (nt, mt) = (1, 1), (1, 2), (2, 1),
     (2, 2) (`occupancy`)."""
     nt = 2 if num_pairs / num_experts > 8 else 1
@@ -110,10 +125,10 @@ def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int
         rows = 16 if kind == GATE_UP else 16 * mt  # weight rows of one warp (gate_up: x 2)
         items = segments * math.ceil(n // rows * split_k / WARPS) * k_blocks
         grid = max(1, occupancy[2 * (nt - 1) + mt - 1]) * sms
-        item_bytes = ((2 if kind == GATE_UP else 1) * rows * k * BYTES_PER_WEIGHT * WARPS
+        item_bytes = ((2 if kind == GATE_UP else 1) * rows * k * COST.bytes_per_weight * WARPS
                       / split_k / k_blocks)  # fmt: skip
-        cost = math.ceil(items / grid) * (item_bytes + ITEM_COST_BYTES) * max(
-            1.0, grid / items) ** UNDERFILL_EXP  # fmt: skip
+        cost = math.ceil(items / grid) * (item_bytes + COST.item_cost_bytes) * max(
+            1.0, grid / items) ** COST.underfill_exp  # fmt: skip
         if best is None or cost < best[0]:
             best = (cost, Plan(nt, split_k, mt, k_blocks))
     return best[1]
