@@ -7,8 +7,10 @@
 // in segments of at most 8 * NT pairs of one expert, then loops over the work items
 // (segment, weight rows, K share); its WARPS warps split rows or K (meeting in shared memory),
 // and down's K may be split over k_blocks blocks (their partial sums meet in the atomics).
-// One K chunk per warp is in flight (DEPTH 1): more warps hide latency better than deeper
-// register buffers, which cost occupancy (benchmarks/w4a16_notes.md, session 23).
+// Each warp streams its chunks (weights, scales, activations) through a ring of STAGES slots
+// in shared memory with cp.async: bytes in flight without registers held for them (register
+// buffers cost occupancy: benchmarks/w4a16_notes.md, session 23). Every lane copies and reads
+// back only its own bytes, so the ring needs no barrier.
 //
 // Weights are streamed from a layout permuted once on the host (moekit.runners.w4a16.pack):
 // a tile of 16 rows x 64 columns is 512 bytes, 16 per lane, which are exactly that lane's
@@ -41,8 +43,8 @@
 #ifndef MK_TWO_MUL
 #define MK_TWO_MUL 0
 #endif
-#ifndef MK_DEPTH
-#define MK_DEPTH 1
+#ifndef MK_STAGES  // chunks in a warp's ring (fewer where they would not fit STAGE_BUDGET)
+#define MK_STAGES 4
 #endif
 #ifdef MK_MIN_BLOCKS  // probes: at least this many blocks per multiprocessor (caps registers)
 #define MK_BOUNDS __launch_bounds__(THREADS, MK_MIN_BLOCKS)
@@ -55,7 +57,7 @@ namespace {
 constexpr int MAX_P = 128;   // pairs per call (one per thread in the grouping)
 constexpr int WARPS = 4;     // warps per block, splitting K
 constexpr int THREADS = WARPS * 32;
-constexpr int DEPTH = MK_DEPTH;  // K chunks of 64 in flight per warp
+constexpr int STAGE_BUDGET = 44 * 1024;  // bytes of a block's rings (static shared: 48 KB)
 constexpr int GATE_UP = 0, DOWN = 1;
 constexpr int ACT_SILU = 0, ACT_GELU = 1, ACT_SWIGLU_OAI = 2;
 static_assert(THREADS == MAX_P, "the grouping gives each thread one pair");
@@ -84,12 +86,29 @@ __device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t u) {
   return *reinterpret_cast<__nv_bfloat162*>(&u);
 }
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// global -> shared copies that complete in the background (cp.async, sm_80+): 16 bytes through
+// L2 only (streamed weights); 16 bytes through L1, zero-filled when !valid (activation rows,
+// shared by the block's warps); 4 bytes through L1 (scales).
+__device__ __forceinline__ void copy16_stream(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void copy16_or_zero(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void copy4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>  // wait until at most N of this thread's newest copy groups are in flight
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // out[0:2] += (lo, hi) in bf16, as one reduction: on sm_90 a bf16x2 `red` is native, while a
@@ -167,9 +186,23 @@ __device__ __forceinline__ uint32_t fp4_multiplier(uint32_t code, float gs) {
 template <int MT, int NT>
 struct Chunk {
   uint4 a[MT];       // packed codes, 16 bytes per tile
-  uint32_t s[MT];    // scales of rows g and g + 8
+  uint32_t s[MT];    // scales of rows g and g + 8 (the 4-byte word holding them)
   uint32_t z[MT];    // int4 zero offsets
   uint4 b[NT][2];    // activations: 16 values of pair row g
+};
+
+// One ring slot of a warp: a chunk for all 32 lanes, each lane's bytes at [..][lane].
+template <int MT, int NT>
+struct Slot {
+  uint4 a[MT][32];
+  uint4 b[NT][2][32];
+  uint32_t s[MT][32];
+  uint32_t z[MK_ZERO ? MT : 1][32];
+};
+template <int MT, int NT>
+struct Stages {
+  static constexpr int fit = STAGE_BUDGET / (WARPS * (int)sizeof(Slot<MT, NT>));
+  static constexpr int value = fit < 1 ? 1 : (fit < MK_STAGES ? fit : MK_STAGES);
 };
 
 // MT: 16-row weight tiles per warp and item: gate_up 2 (gate and up), down 1 or 2.
@@ -182,7 +215,11 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   __shared__ int s_sorted[MAX_P];
   __shared__ int s_seg_start[MAX_P], s_seg_len[MAX_P], s_seg_e[MAX_P];
   __shared__ int s_nseg;
-  __shared__ float s_red[WARPS][MT * NT * 4][32];
+  constexpr int STAGES = Stages<MT, NT>::value;
+  using Ring = Slot<MT, NT>[STAGES];
+  __shared__ Ring s_ring[WARPS];
+  // the K shares' partial sums, after the main loop: each warp's own ring, reused
+  static_assert(sizeof(Ring) >= sizeof(float) * MT * NT * 4 * 32, "partial sums fit the ring");
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -242,6 +279,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   const int gsz = a.group < 64 ? a.group : 64;
   const int SB = (64 / gsz) * 16 * SCALE_ELEM;
   const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
+  const int soff4 = soff & ~3, sshift = (soff & 2) * 8;  // the aligned word holding them
   const int row_div = KIND == GATE_UP ? a.topk : 1;
   const int tiles_per_e = KIND == GATE_UP ? 2 * N / 16 : N / 16;
 
@@ -301,28 +339,42 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[t][nt][v] = 0.f;
 
-    auto load = [&](Chunk<MT, NT>& ch, int kc) {
+    Ring& ring = s_ring[warp];
+    // copies of chunk kc into ring slot st, as one group (an empty group past kc1)
+    auto issue = [&](int st, int kc) {
+      if (kc < kc1) {
+        Slot<MT, NT>& sl = ring[st];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          const long long tk = tile[t] * KC + kc;
+          copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
+          copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
+          if (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const bool valid = xrow[nt] != nullptr;
+          const uint4* bp =
+              valid ? reinterpret_cast<const uint4*>(xrow[nt] + kc * 64 + 16 * c)
+                    : reinterpret_cast<const uint4*>(a.x);
+          copy16_or_zero(&sl.b[nt][0][lane], bp, valid);
+          copy16_or_zero(&sl.b[nt][1][lane], bp + 1, valid);
+        }
+      }
+      copy_commit();
+    };
+    auto read = [&](Chunk<MT, NT>& ch, int st) {
+      const Slot<MT, NT>& sl = ring[st];
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        const long long tk = tile[t] * KC + kc;
-        ch.a[t] = ld_stream(a.wq + tk * 32 + lane);
-        const uint8_t* sp = a.ws + tk * SB + soff;
-        if (SCALE_ELEM == 2) {
-          ch.s[t] = __ldg(reinterpret_cast<const uint32_t*>(sp));
-          if (MK_ZERO) ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + tk * SB + soff));
-        } else {
-          ch.s[t] = __ldg(reinterpret_cast<const uint16_t*>(sp));
-        }
+        ch.a[t] = sl.a[t][lane];
+        ch.s[t] = sl.s[t][lane] >> sshift;
+        if (MK_ZERO) ch.z[t] = sl.z[t][lane];
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        if (xrow[nt] != nullptr) {
-          const uint4* bp = reinterpret_cast<const uint4*>(xrow[nt] + kc * 64 + 16 * c);
-          ch.b[nt][0] = __ldg(bp);
-          ch.b[nt][1] = __ldg(bp + 1);
-        } else {
-          ch.b[nt][0] = ch.b[nt][1] = make_uint4(0, 0, 0, 0);
-        }
+        ch.b[nt][0] = sl.b[nt][0][lane];
+        ch.b[nt][1] = sl.b[nt][1][lane];
       }
     };
 
@@ -358,28 +410,31 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       }
     };
 
-    Chunk<MT, NT> buf[DEPTH];
+    // the ring: STAGES chunks in flight; each lane reads only what it copied itself, and refills
+    // a slot only after its values were used (no barrier)
+    if (busy) {
 #pragma unroll
-    for (int d = 0; d < DEPTH; ++d)
-      if (busy && kc0 + d < kc1) load(buf[d], kc0 + d);
-    for (int kc = busy ? kc0 : kc1; kc < kc1; kc += DEPTH) {
-#pragma unroll
-      for (int d = 0; d < DEPTH; ++d) {
-        if (kc + d < kc1) {
-          compute(buf[d]);
-          if (kc + d + DEPTH < kc1) load(buf[d], kc + d + DEPTH);
-        }
+      for (int st = 0; st < STAGES; ++st) issue(st, kc0 + st);
+      for (int kc = kc0, st = 0; kc < kc1; ++kc) {
+        copy_wait<STAGES - 1>();
+        Chunk<MT, NT> ch;
+        read(ch, st);
+        compute(ch);
+        issue(st, kc + STAGES);
+        st = st + 1 == STAGES ? 0 : st + 1;
       }
     }
 
     // ---- the K shares of a row block meet in its first warp, which writes them
+    // (the warp's own ring: every real copy into it has been waited for)
+    auto red = [&](int w) { return reinterpret_cast<float(*)[32]>(&s_ring[w]); };
     if (wk > 0) {
 #pragma unroll
       for (int t = 0; t < MT; ++t)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int v = 0; v < 4; ++v) s_red[warp][(t * NT + nt) * 4 + v][lane] = acc[t][nt][v];
+          for (int v = 0; v < 4; ++v) red(warp)[(t * NT + nt) * 4 + v][lane] = acc[t][nt][v];
     }
     __syncthreads();
     if (wk == 0 && busy) {
@@ -389,7 +444,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int v = 0; v < 4; ++v) acc[t][nt][v] += s_red[w2][(t * NT + nt) * 4 + v][lane];
+            for (int v = 0; v < 4; ++v) acc[t][nt][v] += red(w2)[(t * NT + nt) * 4 + v][lane];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll

@@ -35,8 +35,9 @@ class CostModel:
     """How `plan` ranks the shares: waves x (bytes of an item + item_cost_bytes), times
     (blocks that fit / blocks) ** underfill_exp when the grid is underfilled. Fitted to the H100
     (session 23: each GEMM of the four presets, mxfp4, T = 1 ... 64, timed alone at every share;
-    scripts/gpu_w4a16_profile.py splits): at the final kernels its pick is within 2% of the
-    fastest share for 19 of 26 GEMMs and within 13% for the others."""
+    scripts/gpu_w4a16_profile.py splits). Re-checked on the cp.async ring kernels (session 24,
+    18 GEMMs): still the best constants of a grid (item cost 0-80 KB, exponent 0-1); picks
+    within 1.6% of the fastest share on average, 9.8% at worst (mixtral TP2 T = 4 gate_up)."""
 
     item_cost_bytes: float = 30_000  # fixed cost of one work item, in bytes of weights streamed
     underfill_exp: float = 0.5
