@@ -2,7 +2,10 @@
 
     # one target, a few eager calls (for ncu -k regex:moe_w4):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py once deepseek-v3:ep8:mxfp4:16
-    # each GEMM alone at every share (optionally of one build variant), and the layer:
+    # measured plan tables (the fastest plan of each GEMM per batch size) for the presets:
+    PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py tune [--jobs qwen3-30b-a3b:ep1,...]
+        [--formats int4_w4a16,mxfp4,nvfp4] [--batches 1,4,16,64] [--out-dir DIR]
+    # each GEMM alone at every plan (optionally of one build variant), and the layer:
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py splits --targets T1,T2 [--defines=
         -DMK_DEPTH=2 --tag _d2]
     # layer time (CUDA-graph replay over 8 routings) per build variant (-D defines of the .cu;
@@ -145,6 +148,13 @@ def splits(targets: list[str]) -> dict:
 
 
 def _splits_of(target: str) -> dict:
+    res = _timed_plans(target)
+    return {"us": res["us"], "plan": res["plan"]}
+
+
+def _timed_plans(target: str) -> dict:
+    """Each GEMM alone at every plan (ring or direct, nt, share), the layer with the runner's
+    own plans, and the model's plans (`jit.plan`)."""
     shape, w, sets, x, share = setup(target)
     E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
     r = W4A16Runner()
@@ -163,34 +173,102 @@ def _splits_of(target: str) -> dict:
             else:
                 jit.launch(kind, p.w2, h, ids, tw, p.b2, out, K, H, how)
 
-    fns = {}
-    for nt in (1, 2):
-        for kind, shares in jit.SHARES.items():
-            name = "gate_up" if kind == jit.GATE_UP else "down"
-            for mt, sk, kb in shares:
-                fns[f"{name} nt{nt} sk{sk} mt{mt} kb{kb}"] = functools.partial(
-                    gemm, kind, jit.Plan(nt, sk, mt, kb))  # fmt: skip
+    fns, plans = {}, {}
+    for ring in (True, False):
+        for nt in (1, 2):
+            for kind, shares in jit.SHARES.items():
+                name = "gate_up" if kind == jit.GATE_UP else "down"
+                for mt, sk, kb in shares:
+                    how = jit.Plan(nt, sk, mt, kb, ring)
+                    label = f"{name} {'ring' if ring else 'direct'} nt{nt} sk{sk} mt{mt} kb{kb}"
+                    fns[label] = functools.partial(gemm, kind, how)
+                    plans[label] = how
     fns["layer"] = lambda: run_layer(r, shape, w, sets, x, share)
     ms = time_ms_interleaved(fns, DEV, rounds=3)
     pairs = T * K * share
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    plans = [jit.plan(kind, pairs, E, n, k, sms, jit.occupancy(w_, kind, shape.act.name,
+    model = [jit.plan(kind, pairs, E, n, k, sms, jit.occupancy(w_, kind, shape.act.name,
                                                                b is not None, DEV))
              for kind, n, k, w_, b in ((jit.GATE_UP, I, H, p.w13, p.b13),
                                        (jit.DOWN, H, I, p.w2, p.b2))]  # fmt: skip
     return {"us": {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()},
-            "plan": [str(pl) for pl in plans]}  # fmt: skip
+            "plan": [str(pl) for pl in model], "model": model, "plans": plans,
+            "weights": w, "shape": shape, "share": share}  # fmt: skip
+
+
+def tune(jobs: list[str], formats: list[str], batches: list[int], out_dir: Path) -> dict:
+    """The measured plan table (`moekit.runners.w4a16.plans`) of each job and format: at each
+    batch size, the fastest plan of each GEMM of `_timed_plans`."""
+    from moekit.runners.triton.configs import table_key
+    from moekit.runners.w4a16 import plans as plan_tables
+
+    report = {}
+    for job in jobs:
+        model, ep = job.split(":")
+        for fmt in formats:
+            if model.startswith("gpt-oss") and fmt == "int4_w4a16":
+                continue  # group 128 does not divide its H = 2880
+            table, us, name = {}, {}, None
+            for T in batches:
+                if T * preset(model).top_k > jit.MAX_PAIRS:
+                    continue
+                target = f"{model}:{ep}:{fmt}:{T}"
+                res = _timed_plans(target)
+                shape, w, share = res["shape"], res["weights"], res["share"]
+                best, row = [], {}
+                for gemm, model_plan in zip(plan_tables.GEMMS, res["model"], strict=True):
+                    times = {k: t for k, t in res["us"].items() if k.startswith(gemm + " ")}
+                    label = min(times, key=times.get)
+                    best.append(res["plans"][label])
+                    model_label = next(k for k, v in res["plans"].items()
+                                       if v == model_plan and k.startswith(gemm + " "))  # fmt: skip
+                    row[gemm] = {"best": label, "best_us": times[label],
+                                 "model": model_label, "model_us": times[model_label]}  # fmt: skip
+                key = table_key(T, share)
+                table[key], us[str(key)] = tuple(best), row
+                name = plan_tables.table_name_for(w, shape.top_k, shape.act,
+                                                  torch.cuda.get_device_name(DEV))  # fmt: skip
+                print(target, json.dumps(row), flush=True)
+            if name is None:
+                continue
+            meta = {"device": torch.cuda.get_device_name(DEV), "torch": torch.__version__,
+                    "measured_by": "scripts/gpu_w4a16_profile.py tune (8 uniform routings, "
+                                   "each GEMM alone, CUDA-graph replay)", "us": us}  # fmt: skip
+            plan_tables.write_table(out_dir / name, table, meta)
+            report[name] = us
+    return report
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("once", "variants", "splits", "build"))
+    ap.add_argument("mode", choices=("once", "variants", "splits", "build", "tune"))
     ap.add_argument("target", nargs="?")
     ap.add_argument("--targets", default="")
     ap.add_argument("--variants", default="base=")
     ap.add_argument("--defines", default="", help="splits: -D flags of the build, comma-separated")
     ap.add_argument("--tag", default="", help="splits: suffix of the output file name")
+    ap.add_argument(
+        "--jobs",
+        default="qwen3-30b-a3b:ep1,gpt-oss-120b:ep1,deepseek-v3:ep8,mixtral-8x7b:ep1",
+        help="tune: model:epN, comma-separated",
+    )
+    ap.add_argument("--formats", default="int4_w4a16,mxfp4,nvfp4")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument(
+        "--out-dir",
+        default="",
+        help="tune: where the tables go (default: the package's src/moekit/configs/w4a16)",
+    )
     a = ap.parse_args()
+    if a.mode == "tune":
+        from moekit.runners.w4a16 import plans as plan_tables
+
+        out_dir = Path(a.out_dir) if a.out_dir else plan_tables.table_dir()
+        res = tune(a.jobs.split(","), a.formats.split(","),
+                   [int(b) for b in a.batches.split(",")], out_dir)  # fmt: skip
+        with open(os.path.join(os.environ.get("OUT", "."), "w4a16_tune.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     if a.mode == "once":
         once(a.target)
         return 0
@@ -198,7 +276,8 @@ def main() -> int:
         if a.defines:  # one build variant for every GEMM
             defines = tuple(d for d in a.defines.split(",") if d)
             jit.library = functools.partial(
-                lambda d, *x: _with_defines(BASE_LIBRARY, d, *x), defines)
+                lambda d, *x: _with_defines(BASE_LIBRARY, d, *x), defines
+            )
         res = splits(a.targets.split(","))
         name = f"w4a16_splits{a.tag}.json"
         with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:

@@ -10,6 +10,7 @@ masked ids and batch size against the torch reference runner, the preset shapes,
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from moekit.quant.quantize import QuantizedTensor, dequantize, quantize
 from moekit.runners import registry
 from moekit.runners.base import RunnerError
 from moekit.runners.torch import TorchRunner
-from moekit.runners.w4a16 import W4A16Runner, jit
+import moekit.runners.w4a16 as w4a16_runner
+from moekit.runners.w4a16 import W4A16Runner, jit, plans
 from moekit.runners.w4a16 import pack as pk
 from moekit.select import Workload, why_not
 from moekit.stages import StandardDispatchOutput
@@ -225,6 +227,55 @@ def test_plan_rules():
         assert (p.mt, p.split_k, p.k_blocks) in jit.SHARES[kind]
 
 
+def test_plan_tables(tmp_path, monkeypatch):
+    """Measured plans: written and read back, the nearest measured batch size within a factor
+    2 wins; the runner looks them up by shape, format and GPU name, else asks the cost model."""
+    a = (jit.Plan(1, 4, 2, 1, True), jit.Plan(1, 4, 1, 2, False))
+    b = (jit.Plan(2, 1, 2, 1, False), jit.Plan(2, 2, 2, 1, True))
+    name = plans.table_name(4, 2, 64, 128, "silu", False, "mxfp4", "NVIDIA H100 80GB HBM3")
+    assert name == "E=4,K=2,H=64,I=128,act=silu,quant=mxfp4,device=NVIDIA_H100_80GB_HBM3.json"
+    plans.write_table(tmp_path / name, {1: a, 16: b, 0.5: a}, {"device": "test"})
+    assert plans.read_table(tmp_path / name) == {0.5: a, 1: a, 16: b}
+    assert plans.plans_for(name, 2, tmp_path) == a
+    assert plans.plans_for(name, 4, tmp_path) is None  # a factor 4 from both 1 and 16
+    assert plans.plans_for(name, 8, tmp_path) == b
+    assert plans.plans_for(name, 0.25, tmp_path) == a
+    assert plans.plans_for(name, 64, tmp_path) is None  # more than a factor 2 from 16
+    assert plans.plans_for("other.json", 1, tmp_path) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"plans": {"1": {"gate_up": {"nt": 3, "split_k": 1}, "down": {}}}}')
+    with pytest.raises(ValueError, match="bad w4a16 plan file .*bad.json"):
+        plans.read_table(bad)
+
+    spec = make_spec("mxfp4")
+    w = quantize_experts(ExpertWeights(torch.randn(4, 256, 64), torch.randn(4, 64, 128)), spec)
+    assert plans.table_name_for(w, 2, ActivationSpec(), "NVIDIA H100 80GB HBM3") == name
+    monkeypatch.setattr(plans, "table_dir", lambda: tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(w4a16_runner, "sm_count", lambda *_: 132)
+    occ = (7, 5, 4, 4)
+    monkeypatch.setattr(jit, "occupancy", lambda *_, **__: occ)
+    packed = SimpleNamespace(w13=None, b13=None, w2=None, b2=None)
+    dev = torch.device("cuda", 0)
+    assert W4A16Runner.plans(2, 2, w, ActivationSpec(), 1.0, packed, dev) == a
+    assert W4A16Runner.plans(64, 2, w, ActivationSpec(), 0.25, packed, dev) == b  # 16 local
+    model = (jit.plan(jit.GATE_UP, 128, 4, 128, 64, 132, occ),
+             jit.plan(jit.DOWN, 128, 4, 64, 128, 132, occ))  # fmt: skip
+    assert W4A16Runner.plans(64, 2, w, ActivationSpec(), 1.0, packed, dev) == model
+
+
+def test_shipped_plan_tables():
+    """Every shipped table parses, names a GPU and has plans the kernels take."""
+    files = sorted(plans.table_dir().glob("*.json"))
+    assert files, "no shipped w4a16 plan tables"
+    for f in files:
+        table = plans.read_table(f)
+        assert "device=" in f.name and table, f
+        for gate_up, down in table.values():
+            assert (gate_up.mt, gate_up.split_k, gate_up.k_blocks) in jit.SHARES[jit.GATE_UP], f
+            assert (down.mt, down.split_k, down.k_blocks) in jit.SHARES[jit.DOWN], f
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: against the reference runner
 # ---------------------------------------------------------------------------------------------
@@ -276,8 +327,15 @@ def test_formats_and_activations_gpu(fmt, act):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4-g128-sym", "mxfp4", "nvfp4"])
-@pytest.mark.parametrize("model,tp,ep", [("qwen3-30b-a3b", 1, 1), ("deepseek-v3", 8, 8),
-                                         ("gpt-oss-120b", 1, 1), ("mixtral-8x7b", 2, 1)])
+@pytest.mark.parametrize(
+    "model,tp,ep",
+    [
+        ("qwen3-30b-a3b", 1, 1),
+        ("deepseek-v3", 8, 8),
+        ("gpt-oss-120b", 1, 1),
+        ("mixtral-8x7b", 2, 1),
+    ],
+)
 def test_presets_gpu(model, tp, ep, fmt):
     from moekit.tune import random_weights, shape_for
 
@@ -300,28 +358,27 @@ def test_presets_gpu(model, tp, ep, fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4-g64-asym-f32", "nvfp4"])
 def test_every_plan_gpu(fmt, monkeypatch):
-    """Every way of spreading the two GEMMs (8 or 16 pairs a segment, K over 1, 2 or 4 warps,
-    down at 16 or 32 rows a warp and over 1, 2 or 4 blocks), whatever `jit.plan` would pick,
-    against the reference."""
+    """Every way of running the two GEMMs (through the ring or directly into registers, 8 or 16
+    pairs a segment, K over 1, 2 or 4 warps, down at 16 or 32 rows a warp and over 1, 2 or 4
+    blocks), whatever the runner would pick, against the reference."""
     torch.manual_seed(0)
     E, K, H, I = 12, 4, 384, 256
     w = _experts(SPECS[fmt], E, H, I, bias=True)
     act = ActivationSpec("swiglu_oai", interleaved=True)
     runner = W4A16Runner()
-    for nt in (1, 2):
-        for mt, split_k, k_blocks in jit.SHARES[jit.DOWN]:
-            def forced(kind, *args, nt=nt, split_k=split_k, mt=mt, k_blocks=k_blocks):
-                if kind == jit.DOWN:
-                    return jit.Plan(nt, split_k, mt, k_blocks)
-                return jit.Plan(nt, split_k, 2)
-
-            monkeypatch.setattr(jit, "plan", forced)
-            for T, kw in ((1, {}), (20, dict(masked=0.1)), (6, dict(one_expert=True))):
-                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-                topk = make_topk(T, K, E, device="cuda", **kw)
-                out, ref = _run_both(x, topk, w, act, runner)
-                assert rel_err(out, ref) < BOUND, (fmt, nt, split_k, mt, k_blocks, T,
-                                                   rel_err(out, ref))  # fmt: skip
+    for ring in (True, False):
+        for nt in (1, 2):
+            for mt, split_k, k_blocks in jit.SHARES[jit.DOWN]:
+                forced = (
+                    jit.Plan(nt, split_k, 2, 1, ring),
+                    jit.Plan(nt, split_k, mt, k_blocks, ring),
+                )
+                monkeypatch.setattr(W4A16Runner, "plans", staticmethod(lambda *a, p=forced: p))
+                for T, kw in ((1, {}), (20, dict(masked=0.1)), (6, dict(one_expert=True))):
+                    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                    topk = make_topk(T, K, E, device="cuda", **kw)
+                    out, ref = _run_both(x, topk, w, act, runner)
+                    assert rel_err(out, ref) < BOUND, (fmt, forced, T, rel_err(out, ref))
 
 
 @pytest.mark.gpu

@@ -7,10 +7,13 @@
 // in segments of at most 8 * NT pairs of one expert, then loops over the work items
 // (segment, weight rows, K share); its WARPS warps split rows or K (meeting in shared memory),
 // and down's K may be split over k_blocks blocks (their partial sums meet in the atomics).
-// Each warp streams its chunks (weights, scales, activations) through a ring of STAGES slots
-// in shared memory with cp.async: bytes in flight without registers held for them (register
-// buffers cost occupancy: benchmarks/w4a16_notes.md, session 23). Every lane copies and reads
-// back only its own bytes, so the ring needs no barrier.
+// Two ways to stream a warp's K chunks (the plan picks per GEMM, benchmarks/w4a16_notes.md):
+//   ring:   through STAGES slots in shared memory with cp.async (weights, scales and
+//           activations): bytes in flight without registers held for them; pays where few
+//           warps must keep the memory busy (small batches, few experts). Every lane copies and
+//           reads back only its own bytes, so the ring needs no barrier.
+//   direct: one chunk in registers, loaded after the last one is used (DEPTH 1, session 23):
+//           fewer instructions a chunk; pays where the grid holds warps enough.
 //
 // Weights are streamed from a layout permuted once on the host (moekit.runners.w4a16.pack):
 // a tile of 16 rows x 64 columns is 512 bytes, 16 per lane, which are exactly that lane's
@@ -84,6 +87,14 @@ __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) {
 }
 __device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t u) {
   return *reinterpret_cast<__nv_bfloat162*>(&u);
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -191,13 +202,20 @@ struct Chunk {
   uint4 b[NT][2];    // activations: 16 values of pair row g
 };
 
-// One ring slot of a warp: a chunk for all 32 lanes, each lane's bytes at [..][lane].
-template <int MT, int NT>
+// One ring slot of a warp: a chunk for all 32 lanes, each lane's bytes at [..][lane]; zero
+// offsets only with MK_ZERO.
+template <int MT, int NT, bool ZERO = MK_ZERO>
 struct Slot {
   uint4 a[MT][32];
   uint4 b[NT][2][32];
   uint32_t s[MT][32];
-  uint32_t z[MK_ZERO ? MT : 1][32];
+  uint32_t z[MT][32];
+};
+template <int MT, int NT>
+struct Slot<MT, NT, false> {
+  uint4 a[MT][32];
+  uint4 b[NT][2][32];
+  uint32_t s[MT][32];
 };
 template <int MT, int NT>
 struct Stages {
@@ -205,21 +223,26 @@ struct Stages {
   static constexpr int value = fit < 1 ? 1 : (fit < MK_STAGES ? fit : MK_STAGES);
 };
 
-// MT: 16-row weight tiles per warp and item: gate_up 2 (gate and up), down 1 or 2.
-template <int KIND, int ACT, bool BIAS, int NT, int MT>
+// MT: 16-row weight tiles per warp and item: gate_up 2 (gate and up), down 1 or 2. RING: the
+// chunks stream through the shared-memory ring, else directly into registers.
+template <int KIND, int ACT, bool BIAS, int NT, int MT, bool RING>
 __global__ void MK_BOUNDS moe_w4(const Args a) {
   static_assert(KIND == DOWN || MT == 2, "gate_up takes one gate and one up tile");
   constexpr int SEG = 8 * NT;
-  __shared__ int s_id[MAX_P];
-  __shared__ int s_rank[MAX_P];
   __shared__ int s_sorted[MAX_P];
   __shared__ int s_seg_start[MAX_P], s_seg_len[MAX_P], s_seg_e[MAX_P];
   __shared__ int s_nseg;
   constexpr int STAGES = Stages<MT, NT>::value;
   using Ring = Slot<MT, NT>[STAGES];
-  __shared__ Ring s_ring[WARPS];
-  // the K shares' partial sums, after the main loop: each warp's own ring, reused
-  static_assert(sizeof(Ring) >= sizeof(float) * MT * NT * 4 * 32, "partial sums fit the ring");
+  // each warp's own shared memory: its ring (RING), then the K shares' partial sums after the
+  // main loop (every real copy into the ring has been waited for by then)
+  constexpr int RED_BYTES = sizeof(float) * MT * NT * 4 * 32;
+  constexpr int WARP_BYTES = RING && sizeof(Ring) > RED_BYTES ? sizeof(Ring) : RED_BYTES;
+  __shared__ __align__(16) unsigned char s_warp[WARPS][WARP_BYTES];
+  // the grouping's scratch (expert and rank of each pair), before anything else uses them
+  static_assert(sizeof(s_warp) >= 2 * MAX_P * sizeof(int), "the grouping's scratch fits");
+  int* s_id = reinterpret_cast<int*>(&s_warp[0][0]);
+  int* s_rank = s_id + MAX_P;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -339,7 +362,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[t][nt][v] = 0.f;
 
-    Ring& ring = s_ring[warp];
+    Ring& ring = *reinterpret_cast<Ring*>(&s_warp[warp][0]);
     // copies of chunk kc into ring slot st, as one group (an empty group past kc1)
     auto issue = [&](int st, int kc) {
       if (kc < kc1) {
@@ -349,7 +372,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
           const long long tk = tile[t] * KC + kc;
           copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
           copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
-          if (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
+          if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -363,13 +386,34 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       }
       copy_commit();
     };
+    // direct: chunk kc into registers
+    auto load = [&](Chunk<MT, NT>& ch, int kc) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const long long tk = tile[t] * KC + kc;
+        ch.a[t] = ld_stream(a.wq + tk * 32 + lane);
+        ch.s[t] = __ldg(reinterpret_cast<const uint32_t*>(a.ws + tk * SB + soff4)) >> sshift;
+        if constexpr (MK_ZERO)
+          ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + tk * SB + soff4));
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (xrow[nt] != nullptr) {
+          const uint4* bp = reinterpret_cast<const uint4*>(xrow[nt] + kc * 64 + 16 * c);
+          ch.b[nt][0] = __ldg(bp);
+          ch.b[nt][1] = __ldg(bp + 1);
+        } else {
+          ch.b[nt][0] = ch.b[nt][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    };
     auto read = [&](Chunk<MT, NT>& ch, int st) {
       const Slot<MT, NT>& sl = ring[st];
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         ch.a[t] = sl.a[t][lane];
         ch.s[t] = sl.s[t][lane] >> sshift;
-        if (MK_ZERO) ch.z[t] = sl.z[t][lane];
+        if constexpr (MK_ZERO) ch.z[t] = sl.z[t][lane];
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -412,7 +456,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 
     // the ring: STAGES chunks in flight; each lane reads only what it copied itself, and refills
     // a slot only after its values were used (no barrier)
-    if (busy) {
+    if (RING && busy) {
 #pragma unroll
       for (int st = 0; st < STAGES; ++st) issue(st, kc0 + st);
       for (int kc = kc0, st = 0; kc < kc1; ++kc) {
@@ -423,11 +467,17 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
         issue(st, kc + STAGES);
         st = st + 1 == STAGES ? 0 : st + 1;
       }
+    } else if (!RING && busy && kc0 < kc1) {  // direct: the next chunk loads after this one's use
+      Chunk<MT, NT> ch;
+      load(ch, kc0);
+      for (int kc = kc0; kc < kc1; ++kc) {
+        compute(ch);
+        if (kc + 1 < kc1) load(ch, kc + 1);
+      }
     }
 
     // ---- the K shares of a row block meet in its first warp, which writes them
-    // (the warp's own ring: every real copy into it has been waited for)
-    auto red = [&](int w) { return reinterpret_cast<float(*)[32]>(&s_ring[w]); };
+    auto red = [&](int w) { return reinterpret_cast<float(*)[32]>(&s_warp[w][0]); };
     if (wk > 0) {
 #pragma unroll
       for (int t = 0; t < MT; ++t)
@@ -488,9 +538,9 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 
 // Launches the kernel, or (occupancy != nullptr) only says how many of its blocks fit on one
 // multiprocessor.
-template <int KIND, int ACT, bool BIAS, int NT, int MT>
+template <int KIND, int ACT, bool BIAS, int NT, int MT, bool RING>
 int launch(const Args& a, cudaStream_t stream, int* occupancy) {
-  auto kernel = moe_w4<KIND, ACT, BIAS, NT, MT>;
+  auto kernel = moe_w4<KIND, ACT, BIAS, NT, MT, RING>;
   static int per_sm = 0, sms = 0;
   if (per_sm == 0) {
     int dev = 0;
@@ -515,32 +565,47 @@ int launch(const Args& a, cudaStream_t stream, int* occupancy) {
   return (int)cudaGetLastError();
 }
 
+// The variant of (kind, act, bias, nt, mt, ring): one template argument at a time.
+struct Variant {
+  int kind, act, has_bias, nt, mt, ring;
+};
+
+template <int KIND, int ACT, bool BIAS, int NT, int MT>
+int launch_ring(const Variant& v, const Args& a, cudaStream_t s, int* o) {
+  return v.ring ? launch<KIND, ACT, BIAS, NT, MT, true>(a, s, o)
+                : launch<KIND, ACT, BIAS, NT, MT, false>(a, s, o);
+}
+
 template <int KIND, int ACT, bool BIAS, int NT>
-int launch_mt(int mt, const Args& a, cudaStream_t s, int* o) {
+int launch_mt(const Variant& v, const Args& a, cudaStream_t s, int* o) {
   if constexpr (KIND == DOWN) {
-    if (mt == 1) return launch<KIND, ACT, BIAS, NT, 1>(a, s, o);
+    if (v.mt == 1) return launch_ring<KIND, ACT, BIAS, NT, 1>(v, a, s, o);
   }
-  return launch<KIND, ACT, BIAS, NT, 2>(a, s, o);
+  return launch_ring<KIND, ACT, BIAS, NT, 2>(v, a, s, o);
 }
 
 template <int KIND, int ACT, bool BIAS>
-int launch_nt(int nt, int mt, const Args& a, cudaStream_t s, int* o) {
-  return nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(mt, a, s, o)
-                 : launch_mt<KIND, ACT, BIAS, 2>(mt, a, s, o);
+int launch_nt(const Variant& v, const Args& a, cudaStream_t s, int* o) {
+  return v.nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(v, a, s, o)
+                   : launch_mt<KIND, ACT, BIAS, 2>(v, a, s, o);
 }
 
 template <int KIND, int ACT>
-int launch_bias(int bias, int nt, int mt, const Args& a, cudaStream_t s, int* o) {
-  return bias ? launch_nt<KIND, ACT, true>(nt, mt, a, s, o)
-              : launch_nt<KIND, ACT, false>(nt, mt, a, s, o);
+int launch_bias(const Variant& v, const Args& a, cudaStream_t s, int* o) {
+  return v.has_bias ? launch_nt<KIND, ACT, true>(v, a, s, o)
+                    : launch_nt<KIND, ACT, false>(v, a, s, o);
 }
 
-int dispatch(int kind, int act, int has_bias, int nt, int mt, const Args& a, cudaStream_t s,
-             int* o) {
-  if (kind == DOWN) return launch_bias<DOWN, 0>(has_bias, nt, mt, a, s, o);
-  if (act == ACT_SILU) return launch_bias<GATE_UP, ACT_SILU>(has_bias, nt, mt, a, s, o);
-  if (act == ACT_GELU) return launch_bias<GATE_UP, ACT_GELU>(has_bias, nt, mt, a, s, o);
-  return launch_bias<GATE_UP, ACT_SWIGLU_OAI>(has_bias, nt, mt, a, s, o);
+int dispatch(const Variant& v, const Args& a, cudaStream_t s, int* o) {
+  if (v.kind == DOWN) return launch_bias<DOWN, 0>(v, a, s, o);
+  if (v.act == ACT_SILU) return launch_bias<GATE_UP, ACT_SILU>(v, a, s, o);
+  if (v.act == ACT_GELU) return launch_bias<GATE_UP, ACT_GELU>(v, a, s, o);
+  return launch_bias<GATE_UP, ACT_SWIGLU_OAI>(v, a, s, o);
+}
+
+bool bad_variant(const Variant& v) {
+  return (v.nt != 1 && v.nt != 2) || (v.mt != 1 && v.mt != 2) || (v.kind != DOWN && v.mt != 2) ||
+         (v.ring != 0 && v.ring != 1);
 }
 
 thread_local char last_error[256];
@@ -555,31 +620,33 @@ const char* mk_w4_last_error() { return last_error; }
 
 // Blocks of one kernel variant that fit on a multiprocessor of the current device (0: bad
 // arguments).
-int mk_w4_occupancy(int kind, int act, int has_bias, int nt, int mt) {
-  if ((nt != 1 && nt != 2) || (mt != 1 && mt != 2) || (kind != DOWN && mt != 2)) return 0;
+int mk_w4_occupancy(int kind, int act, int has_bias, int nt, int mt, int ring) {
+  const Variant v{kind, act, has_bias, nt, mt, ring};
+  if (bad_variant(v)) return 0;
   int per_sm = 0;
-  dispatch(kind, act, has_bias, nt, mt, Args{}, nullptr, &per_sm);
+  dispatch(v, Args{}, nullptr, &per_sm);
   return per_sm;
 }
 
 // kind 0: gate_up (act 0 silu, 1 gelu, 2 swiglu_oai), 1: down. nt: 1 or 2 (pairs per expert
-// segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). k_blocks: blocks
-// sharing a row block's K (down only: 1, 2 or 4). Returns 0 or a CUDA error code
-// (mk_w4_last_error says which).
-int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, const void* x, const void* ids,
-                 const void* topk_w, const void* wq, const void* ws, const void* wz,
-                 const void* gscale, const void* bias, void* out, void* zero_out,
+// segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). ring: 1 the chunks
+// stream through the shared-memory ring, 0 directly into registers. k_blocks: blocks sharing a
+// row block's K (down only: 1, 2 or 4). Returns 0 or a CUDA error code (mk_w4_last_error says
+// which).
+int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, int ring, const void* x,
+                 const void* ids, const void* topk_w, const void* wq, const void* ws,
+                 const void* wz, const void* gscale, const void* bias, void* out, void* zero_out,
                  long long zero_n, int P, int topk, int E, int N, int K, int group,
                  int split_k, int k_blocks, float alpha, float limit, void* stream) {
   last_error[0] = 0;
-  if (P < 0 || P > MAX_P || topk < 1 || K % 64 || (nt != 1 && nt != 2) || zero_n % 8 ||
-      (split_k != 1 && split_k != 2 && split_k != 4) || (mt != 1 && mt != 2) ||
-      (kind != DOWN && mt != 2) || N % (kind == DOWN ? 16 * mt : 16) ||
+  const Variant v{kind, act, has_bias, nt, mt, ring};
+  if (bad_variant(v) || P < 0 || P > MAX_P || topk < 1 || K % 64 || zero_n % 8 ||
+      (split_k != 1 && split_k != 2 && split_k != 4) || N % (kind == DOWN ? 16 * mt : 16) ||
       (k_blocks != 1 && k_blocks != 2 && k_blocks != 4) || (kind != DOWN && k_blocks != 1)) {
     snprintf(last_error, sizeof last_error,
-             "bad arguments: kind=%d P=%d (max %d) topk=%d N=%d K=%d nt=%d mt=%d zero_n=%lld "
-             "split_k=%d k_blocks=%d", kind, P, MAX_P, topk, N, K, nt, mt, zero_n, split_k,
-             k_blocks);
+             "bad arguments: kind=%d P=%d (max %d) topk=%d N=%d K=%d nt=%d mt=%d ring=%d "
+             "zero_n=%lld split_k=%d k_blocks=%d", kind, P, MAX_P, topk, N, K, nt, mt, ring,
+             zero_n, split_k, k_blocks);
     return -1;
   }
   Args a{static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(ids),
@@ -588,8 +655,7 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, const void* x,
          static_cast<const float*>(gscale), static_cast<const __nv_bfloat16*>(bias),
          static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16*>(zero_out), zero_n,
          P, topk, E, N, K, group, split_k, k_blocks, alpha, limit};
-  const int err = dispatch(kind, act, has_bias, nt, mt, a, static_cast<cudaStream_t>(stream),
-                           nullptr);
+  const int err = dispatch(v, a, static_cast<cudaStream_t>(stream), nullptr);
   if (err) snprintf(last_error, sizeof last_error, "%s", cudaGetErrorString((cudaError_t)err));
   return err;
 }

@@ -29,7 +29,8 @@ from moekit.hardware import Availability, Platform, sm_count
 from moekit.runners._shared import tensors_key
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
-from moekit.runners.w4a16 import jit
+from moekit.runners.triton.configs import table_key
+from moekit.runners.w4a16 import jit, plans
 from moekit.runners.w4a16.pack import PackedExperts, pack_experts
 from moekit.stages import STANDARD, StandardRunnerOutput
 
@@ -142,13 +143,8 @@ class W4A16Runner(Runner):
             x_TH = x_TH.contiguous()
         ids = topk.ids.to(torch.int32).contiguous().view(-1)
         weights = topk.weights.float().contiguous().view(-1)
-        I, E, dev = w.intermediate_size, w.num_experts, x_TH.device
-        pairs = T * K * local_share
-        sms = sm_count(dev)
-        gate_up = jit.plan(jit.GATE_UP, pairs, E, I, H, sms,
-                           jit.occupancy(p.w13, jit.GATE_UP, act.name, p.b13 is not None, dev))
-        down = jit.plan(jit.DOWN, pairs, E, H, I, sms,
-                        jit.occupancy(p.w2, jit.DOWN, act.name, p.b2 is not None, dev))
+        gate_up, down = self.plans(T, K, w, act, local_share, p, x_TH.device)
+        I, dev = w.intermediate_size, x_TH.device
         h = torch.empty(T * K, I, dtype=x_TH.dtype, device=dev)
         out = torch.empty(T, H, dtype=x_TH.dtype, device=dev)
         with torch.cuda.device(dev):
@@ -156,6 +152,24 @@ class W4A16Runner(Runner):
                        act.alpha, act.limit, zero_out=out)  # fmt: skip
             jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H, down)
         return out
+
+    @staticmethod
+    def plans(T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
+              p: PackedExperts, dev: torch.device) -> tuple[jit.Plan, jit.Plan]:  # fmt: skip
+        """(gate_up, down) plans: measured for this shape, format and GPU (`plans.py`) when a
+        table has a batch size near T, else from the cost model."""
+        name = plans.table_name_for(w, K, act, torch.cuda.get_device_name(dev))
+        measured = plans.plans_for(name, table_key(T, local_share))
+        if measured is not None:
+            return measured
+        E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+        pairs, sms = T * K * local_share, sm_count(dev)
+        return (
+            jit.plan(jit.GATE_UP, pairs, E, I, H, sms,
+                     jit.occupancy(p.w13, jit.GATE_UP, act.name, p.b13 is not None, dev)),
+            jit.plan(jit.DOWN, pairs, E, H, I, sms,
+                     jit.occupancy(p.w2, jit.DOWN, act.name, p.b2 is not None, dev)),
+        )  # fmt: skip
 
 
 __all__ = ["W4A16Runner"]

@@ -74,10 +74,10 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
                            f"{MAX_PAIRS}: the two are out of step")  # fmt: skip
     lib.mk_w4_last_error.restype = ctypes.c_char_p
     lib.mk_w4_occupancy.restype = ctypes.c_int
-    lib.mk_w4_occupancy.argtypes = [ctypes.c_int] * 5
+    lib.mk_w4_occupancy.argtypes = [ctypes.c_int] * 6
     lib.mk_w4_launch.restype = ctypes.c_int
     lib.mk_w4_launch.argtypes = (
-        [ctypes.c_int] * 5 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
+        [ctypes.c_int] * 6 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
         + [ctypes.c_int] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
     )  # fmt: skip
     return lib
@@ -104,21 +104,32 @@ class Plan:
     """How one GEMM call spreads: nt MMA column groups of 8 pairs per expert segment (2 when
     experts expect more than 8 pairs, else segments of 8), split_k warps of a block per row
     block of mt 16-row tiles (the others take more rows, sharing activation loads through L1),
-    k_blocks blocks per row block (down)."""
+    k_blocks blocks per row block (down); ring: the chunks stream through a shared-memory ring
+    (else directly into registers: see the .cu file)."""
 
     nt: int
     split_k: int
     mt: int = 2
     k_blocks: int = 1
+    ring: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.nt, self.split_k, self.mt, self.k_blocks) not in {
+                (nt, sk, mt, kb) for nt in (1, 2) for shares in SHARES.values()
+                for mt, sk, kb in shares}:  # fmt: skip
+            raise ValueError(
+                f"w4a16 plan {self}: (mt, split_k, k_blocks) must be one of "
+                f"{sorted(set(SHARES[GATE_UP] + SHARES[DOWN]))}, nt 1 or 2"
+            )
 
 
 @functools.lru_cache(maxsize=4096)
 def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int,
          occupancy: tuple[int, int, int, int]) -> Plan:  # fmt: skip
     """How to spread one GEMM (n output rows, k the reduction) over `num_pairs` local pairs
-    expected on `num_experts` experts: the share of SHARES[kind] with the least time by COST.
-    occupancy: blocks per multiprocessor of the variants (nt, mt) = (1, 1), (1, 2), (2, 1),
-    (2, 2) (`occupancy`)."""
+    expected on `num_experts` experts, without a measured plan (`plans.py`): the ring, and the
+    share of SHARES[kind] with the least time by COST. occupancy: blocks per multiprocessor of
+    the ring variants (nt, mt) = (1, 1), (1, 2), (2, 1), (2, 2) (`occupancy`)."""
     nt = 2 if num_pairs / num_experts > 8 else 1
     segments = max(1.0, expected_experts_used(num_pairs, num_experts))
     best: tuple[float, Plan] | None = None
@@ -135,19 +146,19 @@ def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int
     return best[1]
 
 
-def occupancy(w: PackedMatrix, kind: int, act: str, has_bias: bool,
-              device: torch.device) -> tuple[int, int, int, int]:  # fmt: skip
+def occupancy(w: PackedMatrix, kind: int, act: str, has_bias: bool, device: torch.device,
+              ring: bool = True) -> tuple[int, int, int, int]:  # fmt: skip
     """Blocks per multiprocessor of the kernel variants (nt, mt) = (1, 1), (1, 2), (2, 1),
     (2, 2) for these weights (`plan`'s occupancy); 0 where a variant does not exist."""
     return _occupancy(w.fmt, w.has_zero, w.two_mul, arch_of(device), kind, ACT_CODES[act],
-                      has_bias, device.index)  # fmt: skip
+                      has_bias, device.index, ring)  # fmt: skip
 
 
 @functools.cache
-def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index):
+def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index, ring):
     lib = library(fmt, zero, two_mul, arch)
     with torch.cuda.device(device_index):
-        return tuple(lib.mk_w4_occupancy(kind, act, int(has_bias), nt, mt)
+        return tuple(lib.mk_w4_occupancy(kind, act, int(has_bias), nt, mt, int(ring))
                      for nt in (1, 2) for mt in (1, 2))  # fmt: skip
 
 
@@ -165,8 +176,9 @@ def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
     zero_n = zero_out.numel() if zero_out is not None else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = lib.mk_w4_launch(
-        kind, ACT_CODES[act], int(bias is not None), how.nt, how.mt, _ptr(x), _ptr(ids),
-        _ptr(topk_weights), _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros), _ptr(w.global_scale),
+        kind, ACT_CODES[act], int(bias is not None), how.nt, how.mt, int(how.ring), _ptr(x),
+        _ptr(ids), _ptr(topk_weights), _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros),
+        _ptr(w.global_scale),
         _ptr(bias), _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, how.split_k,
         how.k_blocks, alpha, limit, stream,
     )  # fmt: skip
