@@ -10,11 +10,14 @@ launches per call, no alignment kernel:
   gate_up: groups the pairs by expert in shared memory, h [P, I] = act(x @ w13[e].T + b13[e]),
            and zeroes the output;
   down:    out [T, H] += weight * (h @ w2[e].T + b2[e]), bf16 atomics.
+Each GEMM runs by a `jit.Plan`: its chunks stream through a shared-memory ring or directly into
+registers, and it spreads over blocks one of a few ways; the plan is measured for the presets'
+shapes on the H100 and H200 (`plans.py`), else chosen by a cost model (`jit.plan`).
 
 Limits (said at selection): standard format; bfloat16 activations; at most 128 (token, expert)
 pairs per call (`jit.MAX_PAIRS`: decode batches; `auto` picks another runner above); H and I
 multiples of 64; a CUDA GPU of compute capability 8.0+ and nvcc (the kernels are built on first
-use, about 20 s per weight format, then cached). The permuted copy of the weights (the same size
+use, about 12 s per weight format, then cached). The permuted copy of the weights (the same size
 as the stored ones) is made on the first call with a set of weights (outside CUDA-graph
 capture) and kept until the weights change.
 """
