@@ -7,11 +7,12 @@
         [--formats int4_w4a16,mxfp4,nvfp4] [--batches 1,4,16,64] [--out-dir DIR]
     # each GEMM alone at every plan (optionally of one build variant), and the layer:
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py splits --targets T1,T2 [--defines=
-        -DMK_DEPTH=2 --tag _d2]
-    # layer time (CUDA-graph replay over 8 routings) per build variant (-D defines of the .cu;
+        -DMK_STAGES=2 --tag _st2]
+    # layer time (CUDA-graph replay over 8 routings; the runner's plans, measured where a table
+    # has the shape) per build variant (-D defines of the .cu;
     # `build` with the same --variants only builds them, in parallel):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
-        --variants "base=;depth2=-DMK_DEPTH=2"
+        --variants "base=;st2=-DMK_STAGES=2"
 
 A target is model:epN:format:T (EP: the rank holds E / N experts and sees every token; the
 routing is uniform over all E experts, pairs on other ranks are masked).

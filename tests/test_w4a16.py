@@ -257,11 +257,11 @@ def test_plan_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(jit, "occupancy", lambda *_, **__: occ)
     packed = SimpleNamespace(w13=None, b13=None, w2=None, b2=None)
     dev = torch.device("cuda", 0)
-    assert W4A16Runner.plans(2, 2, w, ActivationSpec(), 1.0, packed, dev) == a
-    assert W4A16Runner.plans(64, 2, w, ActivationSpec(), 0.25, packed, dev) == b  # 16 local
+    assert W4A16Runner.choose_plans(2, 2, w, ActivationSpec(), 1.0, packed, dev) == a
+    assert W4A16Runner.choose_plans(64, 2, w, ActivationSpec(), 0.25, packed, dev) == b  # 16 local
     model = (jit.plan(jit.GATE_UP, 128, 4, 128, 64, 132, occ),
              jit.plan(jit.DOWN, 128, 4, 64, 128, 132, occ))  # fmt: skip
-    assert W4A16Runner.plans(64, 2, w, ActivationSpec(), 1.0, packed, dev) == model
+    assert W4A16Runner.choose_plans(64, 2, w, ActivationSpec(), 1.0, packed, dev) == model
 
 
 def test_shipped_plan_tables():
@@ -373,7 +373,7 @@ def test_every_plan_gpu(fmt, monkeypatch):
                     jit.Plan(nt, split_k, 2, 1, ring),
                     jit.Plan(nt, split_k, mt, k_blocks, ring),
                 )
-                monkeypatch.setattr(W4A16Runner, "plans", staticmethod(lambda *a, p=forced: p))
+                monkeypatch.setattr(W4A16Runner, "choose_plans", staticmethod(lambda *a, p=forced: p))
                 for T, kw in ((1, {}), (20, dict(masked=0.1)), (6, dict(one_expert=True))):
                     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                     topk = make_topk(T, K, E, device="cuda", **kw)

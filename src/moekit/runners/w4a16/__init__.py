@@ -146,7 +146,7 @@ class W4A16Runner(Runner):
             x_TH = x_TH.contiguous()
         ids = topk.ids.to(torch.int32).contiguous().view(-1)
         weights = topk.weights.float().contiguous().view(-1)
-        gate_up, down = self.plans(T, K, w, act, local_share, p, x_TH.device)
+        gate_up, down = self.choose_plans(T, K, w, act, local_share, p, x_TH.device)
         I, dev = w.intermediate_size, x_TH.device
         h = torch.empty(T * K, I, dtype=x_TH.dtype, device=dev)
         out = torch.empty(T, H, dtype=x_TH.dtype, device=dev)
@@ -157,7 +157,7 @@ class W4A16Runner(Runner):
         return out
 
     @staticmethod
-    def plans(T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
+    def choose_plans(T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
               p: PackedExperts, dev: torch.device) -> tuple[jit.Plan, jit.Plan]:  # fmt: skip
         """(gate_up, down) plans: measured for this shape, format and GPU (`plans.py`) when a
         table has a batch size near T, else from the cost model."""
