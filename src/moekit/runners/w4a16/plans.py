@@ -24,8 +24,10 @@ TABLE_REACH = 2.0
 GEMMS = ("gate_up", "down")
 
 
+@functools.cache
 def table_dir() -> Path:
-    """The shipped tables: src/moekit/configs/w4a16/."""
+    """The shipped tables: src/moekit/configs/w4a16/ (resolved once: the runner looks a plan
+    up on every call)."""
     return Path(__file__).resolve().parents[2] / "configs" / "w4a16"
 
 
