@@ -12,7 +12,7 @@
     # has the shape) per build variant (-D defines of the .cu;
     # `build` with the same --variants only builds them, in parallel):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
-        --variants "base=;st2=-DMK_STAGES=2"
+        --variants "base=;st2=-DMK_STAGES=2;always=OVERLAP=1"
 
 A target is model:epN:format:T (EP: the rank holds E / N experts and sees every token; the
 routing is uniform over all E experts, pairs on other ranks are masked).
@@ -37,6 +37,7 @@ from moekit.tune import random_weights, shape_for, uniform_topk
 
 DEV = torch.device("cuda")
 BASE_LIBRARY = jit.library.__wrapped__  # the uncached builder (probes swap jit.library)
+DOWN_OVERLAPS = jit.down_overlaps
 
 
 def setup(target: str):
@@ -79,7 +80,8 @@ def prebuild(specs: dict[str, tuple[str, ...]]) -> None:
     arch = jit.arch_of(DEV)
     formats = ((0, False, False), (0, True, False), (1, False, False), (1, False, True),
                (2, False, False), (2, False, True))  # fmt: skip
-    jobs = [(d, *f) for d in specs.values() for f in formats]
+    jobs = [(tuple(x for x in d if not x.startswith("OVERLAP=")), *f) for d in specs.values()
+            for f in formats]  # fmt: skip
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(lambda j: _with_defines(base, j[0], *j[1:], arch), jobs))
 
@@ -99,14 +101,20 @@ def _variants_of(target: str, specs: dict[str, tuple[str, ...]]) -> dict:
     shape, w, sets, x, share = setup(target)
     fns = {}
     for name, defines in specs.items():
+        # OVERLAP=0 / 1: down never / always a programmatic dependent launch (else the rule)
+        force = [d.removeprefix("OVERLAP=") == "1" for d in defines if d.startswith("OVERLAP=")]
+        defines = tuple(d for d in defines if not d.startswith("OVERLAP="))
         lib_fn = functools.partial(lambda d, *a: _with_defines(base_library, d, *a), defines)
+        overlaps = (lambda *a, v=force[0]: v) if force else DOWN_OVERLAPS
         r = W4A16Runner()
         r.packed(w, shape.act.interleaved)
 
-        def layer(r=r, lib_fn=lib_fn):
+        def layer(r=r, lib_fn=lib_fn, overlaps=overlaps):
             jit.library = lib_fn
+            jit.down_overlaps = overlaps
             jit._occupancy.cache_clear()  # the variant's own occupancy for the plan
             jit.plan.cache_clear()
+            jit._down_overlaps.cache_clear()
             run_layer(r, shape, w, sets, x, share)
 
         layer()
@@ -131,9 +139,10 @@ def _with_defines(base, defines: tuple[str, ...], fmt, zero, two_mul, arch):
     path = _nvcc.build(_nvcc.nvcc(), args, "w4a16", [source.read_bytes()], "w4a16 variant")
     lib = ctypes.CDLL(str(path))
     real = base(fmt, zero, two_mul, arch)  # for the ctypes signatures
-    for name in ("mk_w4_max_pairs", "mk_w4_last_error", "mk_w4_launch", "mk_w4_occupancy"):
+    for name in ("mk_w4_max_pairs", "mk_w4_last_error", "mk_w4_launch", "mk_w4_occupancy",
+                 "mk_w4_items"):  # fmt: skip
         getattr(lib, name).restype = getattr(real, name).restype
-    for name in ("mk_w4_launch", "mk_w4_occupancy"):
+    for name in ("mk_w4_launch", "mk_w4_occupancy", "mk_w4_items"):
         getattr(lib, name).argtypes = getattr(real, name).argtypes
     return lib
 

@@ -227,6 +227,15 @@ def test_plan_rules():
         assert (p.mt, p.split_k, p.k_blocks) in jit.SHARES[kind]
 
 
+def test_overlap_rule():
+    """down starts during gate_up where its blocks cannot pile onto a few multiprocessors."""
+    assert jit.overlap_pays(924, 924, 660, 660)  # down fills every slot of a wave
+    assert jit.overlap_pays(660, 660, 720, 792)  # nearly
+    assert jit.overlap_pays(384, 660, 256, 660)  # gate_up leaves room for all of down's blocks
+    assert not jit.overlap_pays(896, 924, 256, 660)  # mixtral TP2 T = 1: they would pile up
+    assert not jit.overlap_pays(720, 924, 360, 660)
+
+
 def test_plan_tables(tmp_path, monkeypatch):
     """Measured plans: written and read back, the nearest measured batch size within a factor
     2 wins; the runner looks them up by shape, format and GPU name, else asks the cost model."""
@@ -357,15 +366,18 @@ def test_presets_gpu(model, tp, ep, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4-g64-asym-f32", "nvfp4"])
-def test_every_plan_gpu(fmt, monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_every_plan_gpu(fmt, overlap, monkeypatch):
     """Every way of running the two GEMMs (through the ring or directly into registers, 8 or 16
     pairs a segment, K over 1, 2 or 4 warps, down at 16 or 32 rows a warp and over 1, 2 or 4
-    blocks), whatever the runner would pick, against the reference."""
+    blocks, down started during gate_up or after it), whatever the runner would pick, against
+    the reference."""
     torch.manual_seed(0)
     E, K, H, I = 12, 4, 384, 256
     w = _experts(SPECS[fmt], E, H, I, bias=True)
     act = ActivationSpec("swiglu_oai", interleaved=True)
     runner = W4A16Runner()
+    monkeypatch.setattr(jit, "down_overlaps", lambda *a: overlap)
     for ring in (True, False):
         for nt in (1, 2):
             for mt, split_k, k_blocks in jit.SHARES[jit.DOWN]:
@@ -382,9 +394,11 @@ def test_every_plan_gpu(fmt, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_gpu():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_graph_gpu(overlap, monkeypatch):
     from helpers import capture_graph
 
+    monkeypatch.setattr(jit, "down_overlaps", lambda *a: overlap)
     spec = SPECS["mxfp4"]
     E, K, H, I, T = 16, 4, 512, 256, 9
     w = _experts(spec, E, H, I, bias=True)

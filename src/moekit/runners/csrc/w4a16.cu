@@ -7,6 +7,9 @@
 // in segments of at most 8 * NT pairs of one expert, then loops over the work items
 // (segment, weight rows, K share); its WARPS warps split rows or K (meeting in shared memory),
 // and down's K may be split over k_blocks blocks (their partial sums meet in the atomics).
+// On sm_90+ down may be a programmatic dependent launch of gate_up (`overlap`): its blocks are
+// placed while gate_up finishes, group the pairs and start their first weight copies, and wait
+// for gate_up before they read h or add into out.
 // Two ways to stream a warp's K chunks (the plan picks per GEMM, benchmarks/w4a16_notes.md):
 //   ring:   through STAGES slots in shared memory with cp.async (weights, scales and
 //           activations): bytes in flight without registers held for them; pays where few
@@ -48,6 +51,9 @@
 #endif
 #ifndef MK_STAGES  // chunks in a warp's ring (fewer where they would not fit STAGE_BUDGET)
 #define MK_STAGES 4
+#endif
+#ifndef MK_PDL  // 0: never launch down as a programmatic dependent launch (probes)
+#define MK_PDL 1
 #endif
 #ifdef MK_MIN_BLOCKS  // probes: at least this many blocks per multiprocessor (caps registers)
 #define MK_BOUNDS __launch_bounds__(THREADS, MK_MIN_BLOCKS)
@@ -95,6 +101,20 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
+}
+
+// Programmatic dependent launch (sm_90+): gate_up lets down's blocks be placed as soon as all
+// of its own are running; down streams its first weights (which no kernel writes) and then
+// waits for gate_up to finish before it reads h or adds into out.
+__device__ __forceinline__ void let_dependents_launch() {
+#if MK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if MK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -244,6 +264,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   int* s_id = reinterpret_cast<int*>(&s_warp[0][0]);
   int* s_rank = s_id + MAX_P;
 
+  if (KIND == GATE_UP) let_dependents_launch();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
   const int P = a.P;
@@ -363,31 +384,38 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
         for (int v = 0; v < 4; ++v) acc[t][nt][v] = 0.f;
 
     Ring& ring = *reinterpret_cast<Ring*>(&s_warp[warp][0]);
-    // copies of chunk kc into ring slot st, as one group (an empty group past kc1)
-    auto issue = [&](int st, int kc) {
-      if (kc < kc1) {
-        Slot<MT, NT>& sl = ring[st];
+    // copies of chunk kc into ring slot st: weights and scales, then activations; `issue`
+    // makes both one group (an empty group past kc1)
+    auto issue_w = [&](int st, int kc) {
+      if (kc >= kc1) return;
+      Slot<MT, NT>& sl = ring[st];
 #pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          const long long tk = tile[t] * KC + kc;
-          copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
-          copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
-          if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const bool valid = xrow[nt] != nullptr;
-          const uint4* bp =
-              valid ? reinterpret_cast<const uint4*>(xrow[nt] + kc * 64 + 16 * c)
-                    : reinterpret_cast<const uint4*>(a.x);
-          copy16_or_zero(&sl.b[nt][0][lane], bp, valid);
-          copy16_or_zero(&sl.b[nt][1][lane], bp + 1, valid);
-        }
+      for (int t = 0; t < MT; ++t) {
+        const long long tk = tile[t] * KC + kc;
+        copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
+        copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
+        if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
       }
+    };
+    auto issue_x = [&](int st, int kc) {
+      if (kc >= kc1) return;
+      Slot<MT, NT>& sl = ring[st];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const bool valid = xrow[nt] != nullptr;
+        const uint4* bp = valid ? reinterpret_cast<const uint4*>(xrow[nt] + kc * 64 + 16 * c)
+                                : reinterpret_cast<const uint4*>(a.x);
+        copy16_or_zero(&sl.b[nt][0][lane], bp, valid);
+        copy16_or_zero(&sl.b[nt][1][lane], bp + 1, valid);
+      }
+    };
+    auto issue = [&](int st, int kc) {
+      issue_w(st, kc);
+      issue_x(st, kc);
       copy_commit();
     };
-    // direct: chunk kc into registers
-    auto load = [&](Chunk<MT, NT>& ch, int kc) {
+    // direct: chunk kc into registers (weights and scales, then activations)
+    auto load_w = [&](Chunk<MT, NT>& ch, int kc) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         const long long tk = tile[t] * KC + kc;
@@ -396,6 +424,8 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
         if constexpr (MK_ZERO)
           ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + tk * SB + soff4));
       }
+    };
+    auto load_x = [&](Chunk<MT, NT>& ch, int kc) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (xrow[nt] != nullptr) {
@@ -406,6 +436,10 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
           ch.b[nt][0] = ch.b[nt][1] = make_uint4(0, 0, 0, 0);
         }
       }
+    };
+    auto load = [&](Chunk<MT, NT>& ch, int kc) {
+      load_w(ch, kc);
+      load_x(ch, kc);
     };
     auto read = [&](Chunk<MT, NT>& ch, int st) {
       const Slot<MT, NT>& sl = ring[st];
@@ -454,11 +488,29 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       }
     };
 
+    // down's first item: its first weights are on their way before it waits for gate_up (the
+    // first group of the ring then holds the weights of every slot and the first activations)
+    const bool early = KIND == DOWN && MK_PDL && item == blockIdx.x;
+    Chunk<MT, NT> first;
+    if (early && busy) {
+      if (RING) {
+#pragma unroll
+        for (int st = 0; st < STAGES; ++st) issue_w(st, kc0 + st);
+      } else if (kc0 < kc1) {
+        load_w(first, kc0);
+      }
+    }
+    if (early) wait_for_prerequisites();  // every thread, before h is read or out written
+
     // the ring: STAGES chunks in flight; each lane reads only what it copied itself, and refills
     // a slot only after its values were used (no barrier)
     if (RING && busy) {
 #pragma unroll
-      for (int st = 0; st < STAGES; ++st) issue(st, kc0 + st);
+      for (int st = 0; st < STAGES; ++st) {
+        if (!early) issue_w(st, kc0 + st);
+        issue_x(st, kc0 + st);
+        copy_commit();
+      }
       for (int kc = kc0, st = 0; kc < kc1; ++kc) {
         copy_wait<STAGES - 1>();
         Chunk<MT, NT> ch;
@@ -468,8 +520,9 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
         st = st + 1 == STAGES ? 0 : st + 1;
       }
     } else if (!RING && busy && kc0 < kc1) {  // direct: the next chunk loads after this one's use
-      Chunk<MT, NT> ch;
-      load(ch, kc0);
+      Chunk<MT, NT>& ch = first;
+      if (!early) load_w(ch, kc0);
+      load_x(ch, kc0);
       for (int kc = kc0; kc < kc1; ++kc) {
         compute(ch);
         if (kc + 1 < kc1) load(ch, kc + 1);
@@ -536,33 +589,59 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   }
 }
 
-// Launches the kernel, or (occupancy != nullptr) only says how many of its blocks fit on one
-// multiprocessor.
+// Work items of a call: (segment of up to 8 * nt pairs of one expert, row block of the warps,
+// K block); the segments are counted for the worst case (no pair masked).
+long long work_items(int kind, int nt, int mt, int P, int topk, int E, int N, int split_k,
+                     int k_blocks) {
+  const long long T = P / topk, seg = 8 * nt;
+  long long segs = (long long)E * ((T + seg - 1) / seg);
+  if (segs > P) segs = P;
+  const long long row_blocks = N / (kind == GATE_UP ? 16 : 16 * mt), wn = WARPS / split_k;
+  return segs * ((row_blocks + wn - 1) / wn) * k_blocks;
+}
+
+// How to launch: on `stream`; overlap: down as a programmatic dependent launch of gate_up (sm_90+;
+// the caller decides where it pays, moekit.runners.w4a16.jit.down_overlaps); occupancy != nullptr:
+// only say how many blocks of the kernel fit on one multiprocessor.
+struct Launch {
+  cudaStream_t stream;
+  bool overlap;
+  int* occupancy;
+};
+
+// One block per work item, at most a full wave of blocks (they loop over the items).
 template <int KIND, int ACT, bool BIAS, int NT, int MT, bool RING>
-int launch(const Args& a, cudaStream_t stream, int* occupancy) {
+int launch(const Args& a, const Launch& l) {
   auto kernel = moe_w4<KIND, ACT, BIAS, NT, MT, RING>;
-  static int per_sm = 0, sms = 0;
+  static int per_sm = 0, sms = 0, major = 0;
   if (per_sm == 0) {
     int dev = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0);
     if (per_sm < 1) per_sm = 1;
   }
-  if (occupancy != nullptr) {
-    *occupancy = per_sm;
+  if (l.occupancy != nullptr) {
+    *l.occupancy = per_sm;
     return 0;
   }
-  const long long T = a.P / a.topk, seg = 8 * NT;
-  long long segs = (long long)a.E * ((T + seg - 1) / seg);
-  if (segs > a.P) segs = a.P;
-  const long long row_blocks = a.N / (KIND == GATE_UP ? 16 : 16 * MT), wn = WARPS / a.split_k;
-  const long long items = segs * ((row_blocks + wn - 1) / wn) * a.k_blocks;
   long long grid = (long long)per_sm * sms;
+  const long long items = work_items(KIND, NT, MT, a.P, a.topk, a.E, a.N, a.split_k, a.k_blocks);
   if (items < grid) grid = items;
   if (grid < 1) grid = 1;
-  kernel<<<(unsigned)grid, THREADS, 0, stream>>>(a);
-  return (int)cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid);
+  cfg.blockDim = dim3(THREADS);
+  cfg.stream = l.stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  if (KIND == DOWN && MK_PDL && l.overlap && major >= 9) {
+    cfg.attrs = pdl;
+    cfg.numAttrs = 1;
+  }
+  return (int)cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
 // The variant of (kind, act, bias, nt, mt, ring): one template argument at a time.
@@ -571,36 +650,36 @@ struct Variant {
 };
 
 template <int KIND, int ACT, bool BIAS, int NT, int MT>
-int launch_ring(const Variant& v, const Args& a, cudaStream_t s, int* o) {
-  return v.ring ? launch<KIND, ACT, BIAS, NT, MT, true>(a, s, o)
-                : launch<KIND, ACT, BIAS, NT, MT, false>(a, s, o);
+int launch_ring(const Variant& v, const Args& a, const Launch& l) {
+  return v.ring ? launch<KIND, ACT, BIAS, NT, MT, true>(a, l)
+                : launch<KIND, ACT, BIAS, NT, MT, false>(a, l);
 }
 
 template <int KIND, int ACT, bool BIAS, int NT>
-int launch_mt(const Variant& v, const Args& a, cudaStream_t s, int* o) {
+int launch_mt(const Variant& v, const Args& a, const Launch& l) {
   if constexpr (KIND == DOWN) {
-    if (v.mt == 1) return launch_ring<KIND, ACT, BIAS, NT, 1>(v, a, s, o);
+    if (v.mt == 1) return launch_ring<KIND, ACT, BIAS, NT, 1>(v, a, l);
   }
-  return launch_ring<KIND, ACT, BIAS, NT, 2>(v, a, s, o);
+  return launch_ring<KIND, ACT, BIAS, NT, 2>(v, a, l);
 }
 
 template <int KIND, int ACT, bool BIAS>
-int launch_nt(const Variant& v, const Args& a, cudaStream_t s, int* o) {
-  return v.nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(v, a, s, o)
-                   : launch_mt<KIND, ACT, BIAS, 2>(v, a, s, o);
+int launch_nt(const Variant& v, const Args& a, const Launch& l) {
+  return v.nt == 1 ? launch_mt<KIND, ACT, BIAS, 1>(v, a, l)
+                   : launch_mt<KIND, ACT, BIAS, 2>(v, a, l);
 }
 
 template <int KIND, int ACT>
-int launch_bias(const Variant& v, const Args& a, cudaStream_t s, int* o) {
-  return v.has_bias ? launch_nt<KIND, ACT, true>(v, a, s, o)
-                    : launch_nt<KIND, ACT, false>(v, a, s, o);
+int launch_bias(const Variant& v, const Args& a, const Launch& l) {
+  return v.has_bias ? launch_nt<KIND, ACT, true>(v, a, l)
+                    : launch_nt<KIND, ACT, false>(v, a, l);
 }
 
-int dispatch(const Variant& v, const Args& a, cudaStream_t s, int* o) {
-  if (v.kind == DOWN) return launch_bias<DOWN, 0>(v, a, s, o);
-  if (v.act == ACT_SILU) return launch_bias<GATE_UP, ACT_SILU>(v, a, s, o);
-  if (v.act == ACT_GELU) return launch_bias<GATE_UP, ACT_GELU>(v, a, s, o);
-  return launch_bias<GATE_UP, ACT_SWIGLU_OAI>(v, a, s, o);
+int dispatch(const Variant& v, const Args& a, const Launch& l) {
+  if (v.kind == DOWN) return launch_bias<DOWN, 0>(v, a, l);
+  if (v.act == ACT_SILU) return launch_bias<GATE_UP, ACT_SILU>(v, a, l);
+  if (v.act == ACT_GELU) return launch_bias<GATE_UP, ACT_GELU>(v, a, l);
+  return launch_bias<GATE_UP, ACT_SWIGLU_OAI>(v, a, l);
 }
 
 bool bad_variant(const Variant& v) {
@@ -624,20 +703,28 @@ int mk_w4_occupancy(int kind, int act, int has_bias, int nt, int mt, int ring) {
   const Variant v{kind, act, has_bias, nt, mt, ring};
   if (bad_variant(v)) return 0;
   int per_sm = 0;
-  dispatch(v, Args{}, nullptr, &per_sm);
+  dispatch(v, Args{}, Launch{nullptr, false, &per_sm});
   return per_sm;
+}
+
+// Work items of a call (its grid: at most this many blocks); see work_items.
+long long mk_w4_items(int kind, int nt, int mt, int P, int topk, int E, int N, int split_k,
+                      int k_blocks) {
+  return work_items(kind, nt, mt, P, topk, E, N, split_k, k_blocks);
 }
 
 // kind 0: gate_up (act 0 silu, 1 gelu, 2 swiglu_oai), 1: down. nt: 1 or 2 (pairs per expert
 // segment: 8 * nt). mt: 16-row tiles per warp (gate_up 2; down 1 or 2). ring: 1 the chunks
 // stream through the shared-memory ring, 0 directly into registers. k_blocks: blocks sharing a
-// row block's K (down only: 1, 2 or 4). Returns 0 or a CUDA error code (mk_w4_last_error says
-// which).
+// row block's K (down only: 1, 2 or 4). overlap (down): a programmatic dependent launch of the
+// gate_up before it on the stream (sm_90+). Returns 0 or a CUDA error code (mk_w4_last_error
+// says which).
 int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, int ring, const void* x,
                  const void* ids, const void* topk_w, const void* wq, const void* ws,
                  const void* wz, const void* gscale, const void* bias, void* out, void* zero_out,
                  long long zero_n, int P, int topk, int E, int N, int K, int group,
-                 int split_k, int k_blocks, float alpha, float limit, void* stream) {
+                 int split_k, int k_blocks, float alpha, float limit, int overlap,
+                 void* stream) {
   last_error[0] = 0;
   const Variant v{kind, act, has_bias, nt, mt, ring};
   if (bad_variant(v) || P < 0 || P > MAX_P || topk < 1 || K % 64 || zero_n % 8 ||
@@ -655,7 +742,8 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, int ring, cons
          static_cast<const float*>(gscale), static_cast<const __nv_bfloat16*>(bias),
          static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16*>(zero_out), zero_n,
          P, topk, E, N, K, group, split_k, k_blocks, alpha, limit};
-  const int err = dispatch(v, a, static_cast<cudaStream_t>(stream), nullptr);
+  const Launch l{static_cast<cudaStream_t>(stream), overlap != 0, nullptr};
+  const int err = dispatch(v, a, l);
   if (err) snprintf(last_error, sizeof last_error, "%s", cudaGetErrorString((cudaError_t)err));
   return err;
 }

@@ -9,7 +9,8 @@ a few bit operations and one or two bf16 products, and multiply on the tensor co
 launches per call, no alignment kernel:
   gate_up: groups the pairs by expert in shared memory, h [P, I] = act(x @ w13[e].T + b13[e]),
            and zeroes the output;
-  down:    out [T, H] += weight * (h @ w2[e].T + b2[e]), bf16 atomics.
+  down:    out [T, H] += weight * (h @ w2[e].T + b2[e]), bf16 atomics; on sm_90+ it may start
+           while gate_up finishes (a programmatic dependent launch, `jit.down_overlaps`).
 Each GEMM runs by a `jit.Plan`: its chunks stream through a shared-memory ring or directly into
 registers, and it spreads over blocks one of a few ways; the plan is measured for the presets'
 shapes on the H100 and H200 (`plans.py`), else chosen by a cost model (`jit.plan`).
@@ -148,12 +149,14 @@ class W4A16Runner(Runner):
         weights = topk.weights.float().contiguous().view(-1)
         gate_up, down = self.choose_plans(T, K, w, act, local_share, p, x_TH.device)
         I, dev = w.intermediate_size, x_TH.device
+        overlap = jit.down_overlaps(p.w13, p.w2, act.name, p.b13 is not None, gate_up, down,
+                                    T * K, K, dev)  # fmt: skip
         h = torch.empty(T * K, I, dtype=x_TH.dtype, device=dev)
         out = torch.empty(T, H, dtype=x_TH.dtype, device=dev)
         with torch.cuda.device(dev):
             jit.launch(jit.GATE_UP, p.w13, x_TH, ids, weights, p.b13, h, K, I, gate_up, act.name,
                        act.alpha, act.limit, zero_out=out)  # fmt: skip
-            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H, down)
+            jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H, down, overlap=overlap)
         return out
 
     @staticmethod

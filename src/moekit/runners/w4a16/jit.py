@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from moekit.hardware import sm_count
 from moekit.runners import _nvcc
 from moekit.runners._shared import expected_experts_used
 from moekit.runners.w4a16.pack import PackedMatrix
@@ -77,10 +78,12 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
     lib.mk_w4_last_error.restype = ctypes.c_char_p
     lib.mk_w4_occupancy.restype = ctypes.c_int
     lib.mk_w4_occupancy.argtypes = [ctypes.c_int] * 6
+    lib.mk_w4_items.restype = ctypes.c_longlong
+    lib.mk_w4_items.argtypes = [ctypes.c_int] * 9
     lib.mk_w4_launch.restype = ctypes.c_int
     lib.mk_w4_launch.argtypes = (
         [ctypes.c_int] * 6 + [ctypes.c_void_p] * 10 + [ctypes.c_longlong]
-        + [ctypes.c_int] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        + [ctypes.c_int] * 8 + [ctypes.c_float] * 2 + [ctypes.c_int, ctypes.c_void_p]
     )  # fmt: skip
     return lib
 
@@ -119,7 +122,6 @@ class Plan:
         if self.nt not in (1, 2) or (self.mt, self.split_k, self.k_blocks) not in _ANY_SHARE:
             raise ValueError(f"w4a16 plan {self}: nt must be 1 or 2 and (mt, split_k, k_blocks) "
                              f"one of {sorted(_ANY_SHARE)}")  # fmt: skip
-
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,10 +166,12 @@ def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index, ring
 def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
            topk_weights: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
            top_k: int, n: int, how: Plan, act: str = "silu", alpha: float = 0.0,
-           limit: float = 0.0, zero_out: torch.Tensor | None = None) -> None:  # fmt: skip
+           limit: float = 0.0, zero_out: torch.Tensor | None = None,
+           overlap: bool = False) -> None:  # fmt: skip
     """One GEMM over the P = ids.numel() pairs (see the .cu file). gate_up (kind 0): x [T, K]
     bf16 -> out h [P, n]; down (kind 1): x = h [P, K] -> added into out [T, n]. ids int32 [P],
-    topk_weights float32 [P], n the output rows (gate_up: I). zero_out: zeroed by gate_up."""
+    topk_weights float32 [P], n the output rows (gate_up: I). zero_out: zeroed by gate_up.
+    overlap (down, right after its gate_up on the stream): see `down_overlaps`."""
     P = ids.numel()
     E = w.codes.shape[0]
     K = w.codes.shape[2] * 64
@@ -179,7 +183,50 @@ def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
         _ptr(ids), _ptr(topk_weights), _ptr(w.codes), _ptr(w.scales), _ptr(w.zeros),
         _ptr(w.global_scale),
         _ptr(bias), _ptr(out), _ptr(zero_out), zero_n, P, top_k, E, n, K, w.group, how.split_k,
-        how.k_blocks, alpha, limit, stream,
+        how.k_blocks, alpha, limit, int(overlap), stream,
     )  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16 kernel: {lib.mk_w4_last_error().decode()}")
+
+
+def down_overlaps(w13: PackedMatrix, w2: PackedMatrix, act: str, has_bias: bool,
+                  gate_up: Plan, down: Plan, num_pairs: int, top_k: int,
+                  device: torch.device) -> bool:  # fmt: skip
+    """Whether down should start as a programmatic dependent launch of gate_up (sm_90+): its
+    blocks are then placed while gate_up finishes, group the pairs and start streaming their
+    first weights (`overlap_pays` says where that pays)."""
+    return _down_overlaps(w13.fmt, w13.has_zero, w13.two_mul, arch_of(device), ACT_CODES[act],
+                          has_bias, gate_up, down, num_pairs, top_k, w13.codes.shape[0],
+                          w13.codes.shape[1] * 8, w2.codes.shape[1] * 16, device.index,
+                          sm_count(device))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _down_overlaps(fmt, zero, two_mul, arch, act, has_bias, gate_up, down, P, top_k, E, inter,
+                   hidden, device_index, sms) -> bool:  # fmt: skip
+    if int(arch) < 90:
+        return False
+    lib = library(fmt, zero, two_mul, arch)
+
+    def grid_and_wave(kind: int, how: Plan, n: int) -> tuple[int, int]:
+        with torch.cuda.device(device_index):
+            per_sm = lib.mk_w4_occupancy(kind, act, int(has_bias), how.nt, how.mt, int(how.ring))
+        wave = max(1, per_sm) * sms
+        items = lib.mk_w4_items(kind, how.nt, how.mt, P, top_k, E, n, how.split_k, how.k_blocks)
+        return max(1, min(items, wave)), wave
+
+    return overlap_pays(*grid_and_wave(GATE_UP, gate_up, inter), *grid_and_wave(DOWN, down, hidden))
+
+
+OVERLAP_FILL = 0.7  # down's grid over its full wave from which it may always overlap
+
+
+def overlap_pays(gate_up_grid: int, gate_up_wave: int, down_grid: int, down_wave: int) -> bool:
+    """`down_overlaps`' rule, from the two grids and their full waves (blocks that fit at once).
+    Overlapping pays where down's grid (nearly) fills a wave, or fits beside gate_up's blocks
+    at once: a small grid placed as gate_up frees its slots piles onto the first
+    multiprocessors freed. Measured on the H100 (benchmarks/w4a16_notes.md, session 25): down
+    at 0.39 of a wave beside a full gate_up, 1.18-1.22x slower (mixtral TP2 T = 1); at 0.55,
+    1.02x; at 0.78 and 0.91, 1.5-3% faster; at a full wave 5-18% faster."""
+    room = down_wave * (1.0 - gate_up_grid / gate_up_wave)  # down's slots beside gate_up's
+    return down_grid >= OVERLAP_FILL * down_wave or down_grid <= room
