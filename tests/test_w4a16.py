@@ -236,6 +236,24 @@ def test_overlap_rule():
     assert not jit.overlap_pays(720, 924, 360, 660)
 
 
+def test_launches_decided_once_per_call_shape(monkeypatch):
+    """The plans and the overlap are decided on the first call of a shape, again for new
+    weights."""
+    decided = []
+    monkeypatch.setattr(W4A16Runner, "choose_plans",
+                        staticmethod(lambda T, *a: decided.append(T) or (jit.Plan(1, 4), jit.Plan(1, 2))))  # fmt: skip
+    monkeypatch.setattr(jit, "down_overlaps", lambda *a: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch
+    r, act, dev = W4A16Runner(), ActivationSpec(), torch.device("cpu")
+    spec, E, H, I = make_spec("mxfp4"), 2, 64, 64
+    for round_ in range(2):  # a new set of weights the second time
+        w = quantize_experts(ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I)), spec)
+        p = r.packed(w, interleaved=False)
+        for T in (1, 4, 1, 4):
+            assert r.launches(T, 2, w, act, 1.0, p, dev) == (jit.Plan(1, 4), jit.Plan(1, 2), True)
+    assert decided == [1, 4, 1, 4]
+
+
 def test_plan_tables(tmp_path, monkeypatch):
     """Measured plans: written and read back, the nearest measured batch size within a factor
     2 wins; the runner looks them up by shape, format and GPU name, else asks the cost model."""
@@ -376,7 +394,6 @@ def test_every_plan_gpu(fmt, overlap, monkeypatch):
     E, K, H, I = 12, 4, 384, 256
     w = _experts(SPECS[fmt], E, H, I, bias=True)
     act = ActivationSpec("swiglu_oai", interleaved=True)
-    runner = W4A16Runner()
     monkeypatch.setattr(jit, "down_overlaps", lambda *a: overlap)
     for ring in (True, False):
         for nt in (1, 2):
@@ -386,6 +403,7 @@ def test_every_plan_gpu(fmt, overlap, monkeypatch):
                     jit.Plan(nt, split_k, mt, k_blocks, ring),
                 )
                 monkeypatch.setattr(W4A16Runner, "choose_plans", staticmethod(lambda *a, p=forced: p))
+                runner = W4A16Runner()  # decides its plans once per call shape
                 for T, kw in ((1, {}), (20, dict(masked=0.1)), (6, dict(one_expert=True))):
                     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                     topk = make_topk(T, K, E, device="cuda", **kw)

@@ -52,9 +52,6 @@
 #ifndef MK_STAGES  // chunks in a warp's ring (fewer where they would not fit STAGE_BUDGET)
 #define MK_STAGES 4
 #endif
-#ifndef MK_PDL  // 0: never launch down as a programmatic dependent launch (probes)
-#define MK_PDL 1
-#endif
 #ifdef MK_MIN_BLOCKS  // probes: at least this many blocks per multiprocessor (caps registers)
 #define MK_BOUNDS __launch_bounds__(THREADS, MK_MIN_BLOCKS)
 #else
@@ -107,12 +104,12 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 // of its own are running; down streams its first weights (which no kernel writes) and then
 // waits for gate_up to finish before it reads h or adds into out.
 __device__ __forceinline__ void let_dependents_launch() {
-#if MK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void wait_for_prerequisites() {
-#if MK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
@@ -490,7 +487,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 
     // down's first item: its first weights are on their way before it waits for gate_up (the
     // first group of the ring then holds the weights of every slot and the first activations)
-    const bool early = KIND == DOWN && MK_PDL && item == blockIdx.x;
+    const bool early = KIND == DOWN && item == blockIdx.x;
     Chunk<MT, NT> first;
     if (early && busy) {
       if (RING) {
@@ -637,7 +634,7 @@ int launch(const Args& a, const Launch& l) {
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  if (KIND == DOWN && MK_PDL && l.overlap && major >= 9) {
+  if (KIND == DOWN && l.overlap && major >= 9) {
     cfg.attrs = pdl;
     cfg.numAttrs = 1;
   }

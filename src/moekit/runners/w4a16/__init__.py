@@ -86,6 +86,9 @@ class W4A16Runner(Runner):
 
     def __init__(self) -> None:
         self._packed: tuple[tuple, PackedExperts] | None = None  # one layer's weights
+        # (gate_up plan, down plan, overlap) per call shape, for the packed weights: decided
+        # once, not on every forward
+        self._launches: dict[tuple, tuple[jit.Plan, jit.Plan, bool]] = {}
 
     @classmethod
     def availability(cls, platform: Platform) -> Availability:
@@ -119,6 +122,7 @@ class W4A16Runner(Runner):
                 "one call outside CUDA-graph capture first (a warm-up)"
             )
         self._packed = None  # free the old copy first
+        self._launches = {}
         packed = pack_experts(w, interleaved)
         self._packed = (key, packed)
         return packed
@@ -147,10 +151,8 @@ class W4A16Runner(Runner):
             x_TH = x_TH.contiguous()
         ids = topk.ids.to(torch.int32).contiguous().view(-1)
         weights = topk.weights.float().contiguous().view(-1)
-        gate_up, down = self.choose_plans(T, K, w, act, local_share, p, x_TH.device)
         I, dev = w.intermediate_size, x_TH.device
-        overlap = jit.down_overlaps(p.w13, p.w2, act.name, p.b13 is not None, gate_up, down,
-                                    T * K, K, dev)  # fmt: skip
+        gate_up, down, overlap = self.launches(T, K, w, act, local_share, p, dev)
         h = torch.empty(T * K, I, dtype=x_TH.dtype, device=dev)
         out = torch.empty(T, H, dtype=x_TH.dtype, device=dev)
         with torch.cuda.device(dev):
@@ -158,6 +160,19 @@ class W4A16Runner(Runner):
                        act.alpha, act.limit, zero_out=out)  # fmt: skip
             jit.launch(jit.DOWN, p.w2, h, ids, weights, p.b2, out, K, H, down, overlap=overlap)
         return out
+
+    def launches(self, T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
+                 p: PackedExperts, dev: torch.device) -> tuple[jit.Plan, jit.Plan, bool]:  # fmt: skip
+        """(gate_up plan, down plan, whether down overlaps gate_up: `jit.down_overlaps`) for a
+        call of T tokens on the packed weights p, decided on the first such call."""
+        key = (T, K, local_share, act, dev)
+        found = self._launches.get(key)
+        if found is None:
+            gate_up, down = self.choose_plans(T, K, w, act, local_share, p, dev)
+            overlap = jit.down_overlaps(p.w13, p.w2, act.name, p.b13 is not None, gate_up, down,
+                                        T * K, K, dev)  # fmt: skip
+            found = self._launches[key] = (gate_up, down, overlap)
+        return found
 
     @staticmethod
     def choose_plans(T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
