@@ -2,7 +2,7 @@
 
     # one target, a few eager calls (for ncu -k regex:moe_w4):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py once deepseek-v3:ep8:mxfp4:16
-    # measured plan tables (the fastest plan of each GEMM per batch size) for the presets:
+    # measured plan tables (the fastest (gate_up, down) pair per batch size) for the presets:
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py tune [--jobs qwen3-30b-a3b:ep1,...]
         [--formats int4_w4a16,mxfp4,nvfp4] [--batches 1,4,16,64] [--out-dir DIR]
     # each GEMM alone at every plan (optionally of one build variant), and the layer:
@@ -12,7 +12,8 @@
     # has the shape) per build variant (-D defines of the .cu;
     # `build` with the same --variants only builds them, in parallel):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
-        --variants "base=;st2=-DMK_STAGES=2;always=OVERLAP=1"
+        --variants "base=;st2=-DMK_STAGES=2;always=OVERLAP=1;new=TABLES=/tmp/tables"
+    (OVERLAP=0 / 1: down never / always overlaps gate_up; TABLES=DIR: plan tables from DIR)
 
 A target is model:epN:format:T (EP: the rank holds E / N experts and sees every token; the
 routing is uniform over all E experts, pairs on other ranks are masked).
@@ -32,12 +33,13 @@ import torch
 from moekit.bench import time_ms_interleaved
 from moekit.presets import preset
 from moekit.quant import make_spec, quantize_experts
-from moekit.runners.w4a16 import W4A16Runner, jit
+from moekit.runners.w4a16 import W4A16Runner, jit, plans
 from moekit.tune import random_weights, shape_for, uniform_topk
 
 DEV = torch.device("cuda")
 BASE_LIBRARY = jit.library.__wrapped__  # the uncached builder (probes swap jit.library)
 DOWN_OVERLAPS = jit.down_overlaps
+TABLE_DIR = plans.table_dir
 
 
 def setup(target: str):
@@ -80,8 +82,7 @@ def prebuild(specs: dict[str, tuple[str, ...]]) -> None:
     arch = jit.arch_of(DEV)
     formats = ((0, False, False), (0, True, False), (1, False, False), (1, False, True),
                (2, False, False), (2, False, True))  # fmt: skip
-    jobs = [(tuple(x for x in d if not x.startswith("OVERLAP=")), *f) for d in specs.values()
-            for f in formats]  # fmt: skip
+    jobs = [(_nvcc_defines(d), *f) for d in specs.values() for f in formats]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(lambda j: _with_defines(base, j[0], *j[1:], arch), jobs))
 
@@ -103,15 +104,18 @@ def _variants_of(target: str, specs: dict[str, tuple[str, ...]]) -> dict:
     for name, defines in specs.items():
         # OVERLAP=0 / 1: down never / always a programmatic dependent launch (else the rule)
         force = [d.removeprefix("OVERLAP=") == "1" for d in defines if d.startswith("OVERLAP=")]
-        defines = tuple(d for d in defines if not d.startswith("OVERLAP="))
-        lib_fn = functools.partial(lambda d, *a: _with_defines(base_library, d, *a), defines)
+        tables = [Path(d.removeprefix("TABLES=")) for d in defines if d.startswith("TABLES=")]
+        table_dir = (lambda d=tables[0]: d) if tables else TABLE_DIR
+        lib_fn = functools.partial(lambda d, *a: _with_defines(base_library, d, *a),
+                                   _nvcc_defines(defines))  # fmt: skip
         overlaps = (lambda *a, v=force[0]: v) if force else DOWN_OVERLAPS
         r = W4A16Runner()
         r.packed(w, shape.act.interleaved)
 
-        def layer(r=r, lib_fn=lib_fn, overlaps=overlaps):
+        def layer(r=r, lib_fn=lib_fn, overlaps=overlaps, table_dir=table_dir):
             jit.library = lib_fn
             jit.down_overlaps = overlaps
+            plans.table_dir = table_dir
             jit._occupancy.cache_clear()  # the variant's own occupancy for the plan
             jit.plan.cache_clear()
             jit._down_overlaps.cache_clear()
@@ -121,6 +125,11 @@ def _variants_of(target: str, specs: dict[str, tuple[str, ...]]) -> dict:
         fns[name] = layer
     ms = time_ms_interleaved(fns, DEV)
     return {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()}
+
+
+def _nvcc_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
+    """A variant's -D flags for nvcc, without the probe's own tokens (OVERLAP=, TABLES=)."""
+    return tuple(d for d in defines if not d.startswith(("OVERLAP=", "TABLES=")))
 
 
 @functools.cache
@@ -162,55 +171,103 @@ def _splits_of(target: str) -> dict:
     return {"us": res["us"], "plan": res["plan"]}
 
 
+class Gemms:
+    """One target's weights, routings and buffers, and its GEMMs launched as the runner does."""
+
+    def __init__(self, target: str) -> None:
+        self.shape, self.w, self.sets, self.x, self.share = setup(target)
+        s = self.shape
+        self.runner = W4A16Runner()
+        self.p = self.runner.packed(self.w, s.act.interleaved)
+        T = self.x.shape[0]
+        self.h = torch.empty(T * s.top_k, s.intermediate, device=DEV, dtype=torch.bfloat16)
+        self.out = torch.empty(T, s.hidden, device=DEV, dtype=torch.bfloat16)
+        self.flat = [(tk.ids.to(torch.int32).contiguous().view(-1),
+                      tk.weights.float().contiguous().view(-1)) for tk in self.sets]  # fmt: skip
+
+    def gemm(self, kind: int, how: jit.Plan) -> None:
+        """One GEMM alone over every routing."""
+        for ids, tw in self.flat:
+            self._one(kind, how, ids, tw)
+
+    def _one(self, kind: int, how: jit.Plan, ids, tw, overlap: bool = False) -> None:
+        s, p = self.shape, self.p
+        if kind == jit.GATE_UP:
+            jit.launch(kind, p.w13, self.x, ids, tw, p.b13, self.h, s.top_k, s.intermediate,
+                       how, s.act.name, s.act.alpha, s.act.limit, zero_out=self.out)  # fmt: skip
+        else:
+            jit.launch(kind, p.w2, self.h, ids, tw, p.b2, self.out, s.top_k, s.hidden, how,
+                       overlap=overlap)  # fmt: skip
+
+    def overlaps(self, gate_up: jit.Plan, down: jit.Plan) -> bool:
+        """The runner's decision (`jit.down_overlaps`) for this plan pair."""
+        s, p = self.shape, self.p
+        return jit.down_overlaps(p.w13, p.w2, s.act.name, p.b13 is not None, gate_up, down,
+                                 self.x.shape[0] * s.top_k, s.top_k, DEV)  # fmt: skip
+
+    def pair(self, gate_up: jit.Plan, down: jit.Plan) -> None:
+        """gate_up then down over every routing, as the runner launches them."""
+        overlap = self.overlaps(gate_up, down)
+        for ids, tw in self.flat:
+            self._one(jit.GATE_UP, gate_up, ids, tw)
+            self._one(jit.DOWN, down, ids, tw, overlap)
+
+
+def _label(kind: int, how: jit.Plan) -> str:
+    name = "gate_up" if kind == jit.GATE_UP else "down"
+    return (f"{name} {'ring' if how.ring else 'direct'} nt{how.nt} sk{how.split_k} mt{how.mt} "
+            f"kb{how.k_blocks}")  # fmt: skip
+
+
+def _all_plans(kind: int) -> list[jit.Plan]:
+    return [jit.Plan(nt, sk, mt, kb, ring) for ring in (True, False) for nt in (1, 2)
+            for mt, sk, kb in jit.SHARES[kind]]  # fmt: skip
+
+
 def _timed_plans(target: str) -> dict:
     """Each GEMM alone at every plan (ring or direct, nt, share), the layer with the runner's
     own plans, and the model's plans (`jit.plan`)."""
-    shape, w, sets, x, share = setup(target)
+    g = Gemms(target)
+    shape, w, p = g.shape, g.w, g.p
     E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
-    r = W4A16Runner()
-    p = r.packed(w, shape.act.interleaved)
-    T = x.shape[0]
-    h = torch.empty(T * K, I, device=DEV, dtype=torch.bfloat16)
-    out = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
-    flat = [(tk.ids.to(torch.int32).contiguous().view(-1),
-             tk.weights.float().contiguous().view(-1)) for tk in sets]  # fmt: skip
-
-    def gemm(kind: int, how: jit.Plan) -> None:
-        for ids, tw in flat:
-            if kind == jit.GATE_UP:
-                jit.launch(kind, p.w13, x, ids, tw, p.b13, h, K, I, how, shape.act.name,
-                           shape.act.alpha, shape.act.limit, zero_out=out)  # fmt: skip
-            else:
-                jit.launch(kind, p.w2, h, ids, tw, p.b2, out, K, H, how)
-
-    fns, plans = {}, {}
-    for ring in (True, False):
-        for nt in (1, 2):
-            for kind, shares in jit.SHARES.items():
-                name = "gate_up" if kind == jit.GATE_UP else "down"
-                for mt, sk, kb in shares:
-                    how = jit.Plan(nt, sk, mt, kb, ring)
-                    label = f"{name} {'ring' if ring else 'direct'} nt{nt} sk{sk} mt{mt} kb{kb}"
-                    fns[label] = functools.partial(gemm, kind, how)
-                    plans[label] = how
-    fns["layer"] = lambda: run_layer(r, shape, w, sets, x, share)
+    fns, by_label = {}, {}
+    for kind in (jit.GATE_UP, jit.DOWN):
+        for how in _all_plans(kind):
+            label = _label(kind, how)
+            fns[label] = functools.partial(g.gemm, kind, how)
+            by_label[label] = how
+    fns["layer"] = lambda: run_layer(g.runner, shape, w, g.sets, g.x, g.share)
     ms = time_ms_interleaved(fns, DEV, rounds=3)
-    pairs = T * K * share
+    pairs = g.x.shape[0] * K * g.share
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     model = [jit.plan(kind, pairs, E, n, k, sms, jit.occupancy(w_, kind, shape.act.name,
                                                                b is not None, DEV))
              for kind, n, k, w_, b in ((jit.GATE_UP, I, H, p.w13, p.b13),
                                        (jit.DOWN, H, I, p.w2, p.b2))]  # fmt: skip
-    return {"us": {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()},
-            "plan": [str(pl) for pl in model], "model": model, "plans": plans,
-            "weights": w, "shape": shape, "share": share}  # fmt: skip
+    return {"us": {k: round(v * 1e3 / len(g.sets), 2) for k, v in ms.items()},
+            "plan": [str(pl) for pl in model], "model": model, "plans": by_label,
+            "weights": w, "shape": shape, "share": g.share, "gemms": g}  # fmt: skip
+
+
+PAIR_GATE_UPS = 3  # gate_up plans (the fastest alone) tried with every down plan
+
+
+def _timed_pairs(g: Gemms, gate_ups: list[jit.Plan]) -> dict[tuple[jit.Plan, jit.Plan], float]:
+    """gate_up then down as the runner launches them (down overlapping where the rule says),
+    for each of `gate_ups` with every down plan: us per call. What each GEMM takes alone misses
+    what the two do to each other (a down grid that fills a wave may start during gate_up's
+    tail, benchmarks/w4a16_notes.md, session 26)."""
+    fns = {(gu, dn): functools.partial(g.pair, gu, dn)
+           for gu in gate_ups for dn in _all_plans(jit.DOWN)}  # fmt: skip
+    ms = time_ms_interleaved(fns, DEV, rounds=3)
+    return {k: round(v * 1e3 / len(g.sets), 2) for k, v in ms.items()}
 
 
 def tune(jobs: list[str], formats: list[str], batches: list[int], out_dir: Path) -> dict:
     """The measured plan table (`moekit.runners.w4a16.plans`) of each job and format: at each
-    batch size, the fastest plan of each GEMM of `_timed_plans`."""
+    batch size, the (gate_up, down) pair fastest when run as the runner runs them
+    (`_timed_pairs`: the PAIR_GATE_UPS fastest gate_up plans alone, with every down plan)."""
     from moekit.runners.triton.configs import table_key
-    from moekit.runners.w4a16 import plans as plan_tables
 
     report = {}
     for job in jobs:
@@ -224,27 +281,41 @@ def tune(jobs: list[str], formats: list[str], batches: list[int], out_dir: Path)
                     continue
                 target = f"{model}:{ep}:{fmt}:{T}"
                 res = _timed_plans(target)
-                shape, w, share = res["shape"], res["weights"], res["share"]
-                best, row = [], {}
-                for gemm, model_plan in zip(plan_tables.GEMMS, res["model"], strict=True):
-                    times = {k: t for k, t in res["us"].items() if k.startswith(gemm + " ")}
-                    label = min(times, key=times.get)
-                    best.append(res["plans"][label])
-                    model_label = next(k for k, v in res["plans"].items()
-                                       if v == model_plan and k.startswith(gemm + " "))  # fmt: skip
-                    row[gemm] = {"best": label, "best_us": times[label],
+                g, alone = res["gemms"], res["us"]
+                row, fastest = {}, []
+                for gemm, kind, model_plan in zip(plans.GEMMS, (jit.GATE_UP, jit.DOWN),
+                                                  res["model"], strict=True):  # fmt: skip
+                    times = {k: t for k, t in alone.items() if k.startswith(gemm + " ")}
+                    order = sorted(times, key=times.get)
+                    fastest.append([res["plans"][k] for k in order])
+                    model_label = _label(kind, model_plan)
+                    row[gemm] = {"alone_best": order[0], "alone_best_us": times[order[0]],
                                  "model": model_label, "model_us": times[model_label]}  # fmt: skip
-                key = table_key(T, share)
-                table[key], us[str(key)] = tuple(best), row
-                name = plan_tables.table_name_for(w, shape.top_k, shape.act,
+                pairs = _timed_pairs(g, fastest[0][:PAIR_GATE_UPS])
+                best = min(pairs, key=pairs.get)
+                alone_pair = (fastest[0][0], fastest[1][0])
+                if alone_pair not in pairs:  # the best downs alone are all in `pairs`
+                    raise AssertionError("the fastest plans alone were not timed as a pair")
+                row["pair"] = {
+                    "best": [_label(jit.GATE_UP, best[0]), _label(jit.DOWN, best[1])],
+                    "best_us": pairs[best], "overlap": g.overlaps(*best),
+                    "alone_best_pair_us": pairs[alone_pair],
+                    "alone_best_overlap": g.overlaps(*alone_pair),
+                }  # fmt: skip
+                key = table_key(T, res["share"])
+                table[key], us[str(key)] = best, row
+                name = plans.table_name_for(res["weights"], res["shape"].top_k,
+                                                  res["shape"].act,
                                                   torch.cuda.get_device_name(DEV))  # fmt: skip
                 print(target, json.dumps(row), flush=True)
             if name is None:
                 continue
             meta = {"device": torch.cuda.get_device_name(DEV), "torch": torch.__version__,
                     "measured_by": "scripts/gpu_w4a16_profile.py tune (8 uniform routings, "
-                                   "each GEMM alone, CUDA-graph replay)", "us": us}  # fmt: skip
-            plan_tables.write_table(out_dir / name, table, meta)
+                                   "CUDA-graph replay; each GEMM alone, then the "
+                                   f"{PAIR_GATE_UPS} fastest gate_up plans with every down "
+                                   "plan as the runner launches them)", "us": us}  # fmt: skip
+            plans.write_table(out_dir / name, table, meta)
             report[name] = us
     return report
 
@@ -271,9 +342,7 @@ def main() -> int:
     )
     a = ap.parse_args()
     if a.mode == "tune":
-        from moekit.runners.w4a16 import plans as plan_tables
-
-        out_dir = Path(a.out_dir) if a.out_dir else plan_tables.table_dir()
+        out_dir = Path(a.out_dir) if a.out_dir else plans.table_dir()
         res = tune(a.jobs.split(","), a.formats.split(","),
                    [int(b) for b in a.batches.split(",")], out_dir)  # fmt: skip
         with open(os.path.join(os.environ.get("OUT", "."), "w4a16_tune.json"), "w") as f:

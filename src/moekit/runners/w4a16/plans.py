@@ -1,6 +1,8 @@
 """Measured `w4a16` plans as data: for one layer shape, weight format and device, the fastest
-plan of each GEMM (ring or direct, and its share) at a few batch sizes, every plan timed alone
-on the GPU by `scripts/gpu_w4a16_profile.py tune` (src/moekit/configs/w4a16/*.json).
+(gate_up, down) plan pair (ring or direct, and the share of each) at a few batch sizes, timed
+on the GPU by `scripts/gpu_w4a16_profile.py tune` as the runner launches the pair (down may
+start during gate_up's tail, which timing each GEMM alone does not see; src/moekit/configs/
+w4a16/*.json).
 
 The cost model (`jit.plan`) ranks shares well but cannot say when the direct path beats the
 ring (benchmarks/w4a16_notes.md, session 24); a measured plan can. `plans_for` takes the
