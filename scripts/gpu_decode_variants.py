@@ -40,6 +40,7 @@ from moekit.bench import time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.report import metadata
+from moekit.runners._tables import quant_tag, table_key, triton_version
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton import ops
 from moekit.select_tune import sweep_spec
@@ -100,18 +101,18 @@ def variants(kind: str = "split") -> dict:
 
 def looked_up(gemm: str, w, T_local: float, dtype: torch.dtype):
     """(table path, key for the call) for the call's config of `gemm`: the table it came from
-    and the call's own batch-size key T_local (`configs.table_key`; a new entry when the
+    and the call's own batch-size key T_local (`_tables.table_key`; a new entry when the
     lookup took a neighbouring one, so that batch sizes sharing that neighbour keep theirs).
     None when no table of the weights' own format holds it (heuristic, or adapted from the
     unquantized table)."""
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
     n, k = tcfg.gemm_shape(gemm, H, I)
     key = tcfg.TableKey(gemm, E, n, k, ops._TL_DTYPES[dtype], torch.cuda.get_device_name(),
-                        tcfg.triton_version(), tcfg.quant_tag(w.spec))  # fmt: skip
+                        triton_version(), quant_tag(w.spec))  # fmt: skip
     table = tcfg.find_table(key)
     if table is None or T_local > tcfg.QUANT_TABLE_REACH * max(table.configs):
         return None
-    return Path(table.source), tcfg.table_key(T_local)
+    return Path(table.source), table_key(T_local)
 
 
 def main() -> None:

@@ -267,7 +267,7 @@ def tune(jobs: list[str], formats: list[str], batches: list[int], out_dir: Path)
     """The measured plan table (`moekit.runners.w4a16.plans`) of each job and format: at each
     batch size, the (gate_up, down) pair fastest when run as the runner runs them
     (`_timed_pairs`: the PAIR_GATE_UPS fastest gate_up plans alone, with every down plan)."""
-    from moekit.runners.triton.configs import table_key
+    from moekit.runners._tables import table_key
 
     report = {}
     for job in jobs:

@@ -11,6 +11,7 @@ import torch
 
 from moekit.config import ConfigError
 from moekit.experts import ActivationSpec
+from moekit.runners import _tables
 from moekit.runners.triton import configs as tc
 from moekit.runners.triton.configs import GemmConfig, Table, TableKey
 
@@ -62,8 +63,8 @@ def test_nearest_batch_size_in_log_distance():
 
 def test_fractional_keys_round_trip_and_bad_keys(dirs):
     user, _ = dirs
-    assert tc.table_key(16, 0.125) == 2 and isinstance(tc.table_key(16, 0.125), int)
-    assert tc.table_key(1, 0.125) == 0.125
+    assert _tables.table_key(16, 0.125) == 2 and isinstance(_tables.table_key(16, 0.125), int)
+    assert _tables.table_key(1, 0.125) == 0.125
     tc.write_table(user / KEY.filename(), KEY, {0.125: GemmConfig(block_m=16), 2: GemmConfig()},
                    {})  # fmt: skip
     data = json.loads((user / KEY.filename()).read_text())
@@ -114,7 +115,7 @@ def test_table_of_another_triton_version_is_used_and_said(dirs, caplog, monkeypa
     with caplog.at_level("INFO", logger="moekit"):
         assert tc.get_config("gate_up", 5, 2, 8, 48, 40, "float32", "cpu").block_m == 64
     assert "tuned with Triton 3.6.0, running 9.9.9" in caplog.text
-    assert tc.table_triton_version(user / key.filename()) == "3.6.0"
+    assert _tables.table_triton_version(user / key.filename()) == "3.6.0"
 
 
 def test_bad_file_names_itself(dirs):
@@ -144,9 +145,9 @@ def test_shipped_files_parse_and_match_their_names():
         table = tc.read_table(path)
         assert all(b >= 1 or b in (0.125, 0.5) for b in table.configs)  # EP8 keys below 1
         for b, point in data["meta"].get("points", {}).items():
-            assert tc.parse_key(b) in table.configs
+            assert _tables.parse_key(b) in table.configs
             if "tokens" in point:  # T tokens, a share of their pairs local (1 off EP ranks)
-                assert tc.parse_key(b) <= point["tokens"]
+                assert _tables.parse_key(b) <= point["tokens"]
 
 
 # ---------------------------------------------------------------------------------------------

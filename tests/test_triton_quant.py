@@ -26,6 +26,7 @@ from helpers import TOLERANCE, make_topk, rel_err  # noqa: E402
 
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
 from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts  # noqa: E402
+from moekit.runners import _tables  # noqa: E402
 from moekit.runners.base import RunnerError  # noqa: E402
 from moekit.runners.torch import TorchRunner  # noqa: E402
 from moekit.runners.triton import TritonRunner, configs, ops  # noqa: E402
@@ -242,11 +243,11 @@ def test_quantized_weights_on_other_device_refused():
 
 
 def test_quant_tags_and_keys():
-    assert configs.quant_tag(None) == "unquantized"
-    assert configs.quant_tag(Fp8W8A8("block")) == "fp8_w8a8-block128x128-token_group"
-    assert configs.quant_tag(Fp8W8A8("channel")) == "fp8_w8a8-channel-token"
-    assert configs.quant_tag(Int4W4A16(64, False)) == "int4_w4a16-g64-asym"
-    assert configs.quant_tag(make_spec("nvfp4")) == "nvfp4"
+    assert _tables.quant_tag(None) == "unquantized"
+    assert _tables.quant_tag(Fp8W8A8("block")) == "fp8_w8a8-block128x128-token_group"
+    assert _tables.quant_tag(Fp8W8A8("channel")) == "fp8_w8a8-channel-token"
+    assert _tables.quant_tag(Int4W4A16(64, False)) == "int4_w4a16-g64-asym"
+    assert _tables.quant_tag(make_spec("nvfp4")) == "nvfp4"
     k0 = configs.TableKey("down", 8, 64, 32, "bfloat16", "dev", "3.6.0")
     k1 = replace(k0, quant="mxfp4")
     assert ",quant=" not in k0.filename()  # unquantized file names unchanged
@@ -386,5 +387,5 @@ def test_tiny_tune_quantized(tmp_path):
     assert report.results[0].rel_err < TOLERANCE[torch.float16]
     for path in report.paths.values():
         assert ",quant=mxfp4," in path.name and path.is_file()
-    key = configs.TableKey("down", 4, 64, 32, "float16", "cpu", configs.triton_version(), "mxfp4")
+    key = configs.TableKey("down", 4, 64, 32, "float16", "cpu", _tables.triton_version(), "mxfp4")
     assert key.filename() == report.paths["down"].name

@@ -169,7 +169,7 @@ def test_tune_point_sizes_tiles_with_the_weight_format(monkeypatch):
 def test_row_per_program_candidates_at_decode(fmt):
     """Weight-only formats try block_m 1 (one pair per program, no MMA) at decode batches
     (at most ROW1_MAX_ROWS rows per used expert) and not above; the others never."""
-    from moekit.runners.triton.configs import quant_tag
+    from moekit.runners._tables import quant_tag
     from moekit.tune import ROW1_MAX_ROWS, tile_candidates
 
     spec = make_spec(fmt) if fmt else None

@@ -31,6 +31,7 @@ import torch
 from moekit.config import DTYPES, ConfigError
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
+from moekit.runners._tables import quant_tag, table_key, triton_version
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton.configs import GemmConfig, TableKey
 
@@ -44,7 +45,7 @@ class TuneShape:
     """One rank's MoE shape: E local experts, K top-k (<= E), H hidden, I intermediate.
     local_share: the share of a token's pairs that are local (1 / ep on an EP rank that sees
     every token: the routing is then drawn over E / local_share experts, the other ranks' ids
-    -1, and T tokens are stored under the key T * local_share, `configs.table_key`)."""
+    -1, and T tokens are stored under the key T * local_share, `_tables.table_key`)."""
 
     num_experts: int
     top_k: int
@@ -239,7 +240,7 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
     with and without TMA, 8 warps where the accumulators need them, within the shared memory
     (`fits`; `elem`: the format's `tile_bytes`, or the bytes of an unquantized element,
     so packed 4-bit tiles can be wider than bf16 ones). `quant` (a
-    `configs.quant_tag`): w8a8 formats take K steps of 128 (and 256 unless their scales are
+    `_tables.quant_tag`): w8a8 formats take K steps of 128 (and 256 unless their scales are
     per group of 128) and, with group scales, half the accumulator area (each K step keeps a
     partial product beside the accumulator); weight-only formats load through pointers only,
     and at decode batches also try one pair per program (`ROW1_TILES`)."""
@@ -631,7 +632,7 @@ def tune_point(
     elem = DTYPES[shape.dtype].itemsize
     tile_elem = tile_bytes(w.spec if w.is_quantized else None, elem)  # per-step loads
     rows = max(1.0, T * K * shape.local_share / E)
-    quant = tcfg.quant_tag(w.spec)
+    quant = quant_tag(w.spec)
     n1, k1 = tcfg.gemm_shape("gate_up", H, I)
     n2, k2 = tcfg.gemm_shape("down", H, I)
 
@@ -704,8 +705,8 @@ def table_keys(shape: TuneShape, device, spec=None) -> dict[str, TableKey]:
     for gemm in tcfg.GEMMS:
         n, k = tcfg.gemm_shape(gemm, shape.hidden, shape.intermediate)
         keys[gemm] = TableKey(
-            gemm, shape.num_experts, n, k, shape.dtype, dev, tcfg.triton_version(),
-            tcfg.quant_tag(spec),
+            gemm, shape.num_experts, n, k, shape.dtype, dev, triton_version(),
+            quant_tag(spec),
         )  # fmt: skip
     return keys
 
@@ -722,13 +723,13 @@ def _existing(path: Path) -> tuple[dict[int, GemmConfig], dict]:
 
 def pending_batch_sizes(paths: dict[str, Path], batch_sizes: Sequence[int], force: bool,
                         local_share: float = 1.0) -> list[int]:  # fmt: skip
-    """Batch sizes still to tune: those whose key (`configs.table_key`) is missing from either
+    """Batch sizes still to tune: those whose key (`_tables.table_key`) is missing from either
     table (all with force)."""
     if force:
         return list(batch_sizes)
     have = [set(_existing(p)[0]) for p in paths.values()]
     return [b for b in batch_sizes
-            if not all(tcfg.table_key(b, local_share) in h for h in have)]  # fmt: skip
+            if not all(table_key(b, local_share) in h for h in have)]  # fmt: skip
 
 
 @dataclass
@@ -755,7 +756,7 @@ def tune(
     (default: the user config directory). Returns what was done. `limit` (tests): try only
     the first `limit` tile candidates per GEMM, in one round; `ceilings` (tests): skip
     measuring the device's ceilings. `quantization`: a weight format name or QuantSpec (None /
-    'unquantized': bf16 weights); its tables are keyed by the format (`configs.quant_tag`)."""
+    'unquantized': bf16 weights); its tables are keyed by the format (`_tables.quant_tag`)."""
     from moekit.bench import measure_ceilings
     from moekit.quant import make_spec, quantize_experts
 
@@ -795,7 +796,7 @@ def tune(
                 shape, w, T, device, ceilings, lambda n: bar.advance(task, n), T, limit
             )
             results.append(r)
-            key = tcfg.table_key(T, shape.local_share)
+            key = table_key(T, shape.local_share)
             for gemm, path in paths.items():
                 configs, meta = tables[gemm]
                 configs[key] = r.gate_up if gemm == "gate_up" else r.down

@@ -33,8 +33,8 @@ from moekit.runners.triton.configs import (
     adapt_config,
     default_config,
     get_config,
-    quant_tag,
 )
+from moekit.runners._tables import quant_tag
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

@@ -3,7 +3,7 @@
 `config_for` first looks for a tuned table shipped for the layer shape, dtype, device and
 Triton version (src/moekit/configs/triton_kernel/*.json, {batch size: config}, written by
 `scripts/gpu_triton_kernel.py --tune` on the GPU), else the same table tuned with another
-Triton version, newest first (`triton.configs.version_candidates`); without one (or with no tuned batch size
+Triton version, newest first (`runners._tables.version_candidates`); without one (or with no tuned batch size
 within a factor 2), `heuristic_config` applies: it depends on the mean rows per expert, T*K/E,
 through `HEURISTIC`, a table of (upper bound on rows per expert, config), first match wins,
 the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma wants BLOCK_M >=
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from moekit.log import log_once
-from moekit.runners.triton.configs import (
+from moekit.runners._tables import (
     device_slug,
     nearest_batch,
     triton_version,

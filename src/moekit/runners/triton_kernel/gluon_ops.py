@@ -25,8 +25,8 @@ from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.log import log_once
 from moekit.quant.spec import FP8_DTYPE
+from moekit.runners._tables import version_tuple
 from moekit.runners._triton_common import ACT_CODES
-from moekit.runners.triton.configs import version_tuple
 from moekit.runners.triton.ops import tma_ok
 
 MIN_TRITON = (3, 9)

@@ -31,9 +31,9 @@ from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform, sm_count
 from moekit.runners._shared import tensors_key
+from moekit.runners._tables import table_key
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
-from moekit.runners.triton.configs import table_key
 from moekit.runners.w4a16 import jit, plans
 from moekit.runners.w4a16.pack import PackedExperts, pack_experts
 from moekit.stages import STANDARD, StandardRunnerOutput

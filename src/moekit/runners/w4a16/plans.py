@@ -19,7 +19,7 @@ from pathlib import Path
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.log import log_once
-from moekit.runners.triton.configs import device_slug, nearest_batch, parse_key, quant_tag
+from moekit.runners._tables import device_slug, nearest_batch, parse_key, quant_tag
 from moekit.runners.w4a16.jit import Plan
 
 TABLE_REACH = 2.0
@@ -36,7 +36,7 @@ def table_dir() -> Path:
 def table_name(num_experts: int, top_k: int, hidden: int, intermediate: int, act: str,
                interleaved: bool, quant: str, device: str) -> str:  # fmt: skip
     """e.g. E=128,K=8,H=2048,I=768,act=silu,quant=mxfp4,device=NVIDIA_H100_80GB_HBM3.json
-    (quant: `triton.configs.quant_tag` of the weights)."""
+    (quant: `_tables.quant_tag` of the weights)."""
     a = act + ("-interleaved" if interleaved else "")
     return (f"E={num_experts},K={top_k},H={hidden},I={intermediate},act={a},quant={quant},"
             f"device={device_slug(device)}.json")  # fmt: skip
@@ -73,7 +73,7 @@ def read_table(path: Path) -> Table | None:
 def plans_for(name: str, num_tokens: float, directory: Path | None = None
               ) -> tuple[Plan, Plan] | None:  # fmt: skip
     """(gate_up, down) plans of table `name` at the measured batch size nearest `num_tokens`
-    (tokens' worth of local pairs: `triton.configs.table_key`), None without a table or one
+    (tokens' worth of local pairs: `_tables.table_key`), None without a table or one
     within a factor TABLE_REACH."""
     table = read_table((directory or table_dir()) / name)
     if table is None:
