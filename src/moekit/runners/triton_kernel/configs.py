@@ -3,10 +3,10 @@
 `config_for` first looks for a tuned table shipped for the layer shape, dtype, device and
 Triton version (src/moekit/configs/triton_kernel/*.json, {batch size: config}, written by
 `scripts/gpu_triton_kernel.py --tune` on the GPU), else the same table tuned with another
-Triton version, newest first (`runners._tables.version_candidates`); without one (or with no tuned batch size
-within a factor 2), `heuristic_config` applies: it depends on the mean rows per expert, T*K/E,
-through `HEURISTIC`, a table of (upper bound on rows per expert, config), first match wins,
-the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma wants BLOCK_M >=
+Triton version, newest first (`runners._tables.version_candidates`); without one (or with no
+tuned batch size within a factor 2), `heuristic_config` applies: it depends on the mean rows
+per expert, T*K/E, through `HEURISTIC`, a table of (upper bound on rows per expert, config),
+first match wins, the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma wants BLOCK_M >=
 64, 132 SMs, 227 KB shared memory) and correct anywhere.
 """
 
