@@ -246,7 +246,7 @@ def _timed_plans(target: str) -> dict:
                                        (jit.DOWN, H, I, p.w2, p.b2))]  # fmt: skip
     return {"us": {k: round(v * 1e3 / len(g.sets), 2) for k, v in ms.items()},
             "plan": [str(pl) for pl in model], "model": model, "plans": by_label,
-            "weights": w, "shape": shape, "share": g.share, "gemms": g}  # fmt: skip
+            "gemms": g}  # fmt: skip
 
 
 PAIR_GATE_UPS = 3  # gate_up plans (the fastest alone) tried with every down plan
@@ -293,20 +293,17 @@ def tune(jobs: list[str], formats: list[str], batches: list[int], out_dir: Path)
                                  "model": model_label, "model_us": times[model_label]}  # fmt: skip
                 pairs = _timed_pairs(g, fastest[0][:PAIR_GATE_UPS])
                 best = min(pairs, key=pairs.get)
-                alone_pair = (fastest[0][0], fastest[1][0])
-                if alone_pair not in pairs:  # the best downs alone are all in `pairs`
-                    raise AssertionError("the fastest plans alone were not timed as a pair")
+                alone_pair = (fastest[0][0], fastest[1][0])  # timed: every down is in `pairs`
                 row["pair"] = {
                     "best": [_label(jit.GATE_UP, best[0]), _label(jit.DOWN, best[1])],
                     "best_us": pairs[best], "overlap": g.overlaps(*best),
                     "alone_best_pair_us": pairs[alone_pair],
                     "alone_best_overlap": g.overlaps(*alone_pair),
                 }  # fmt: skip
-                key = table_key(T, res["share"])
+                key = table_key(T, g.share)
                 table[key], us[str(key)] = best, row
-                name = plans.table_name_for(res["weights"], res["shape"].top_k,
-                                                  res["shape"].act,
-                                                  torch.cuda.get_device_name(DEV))  # fmt: skip
+                name = plans.table_name_for(g.w, g.shape.top_k, g.shape.act,
+                                            torch.cuda.get_device_name(DEV))  # fmt: skip
                 print(target, json.dumps(row), flush=True)
             if name is None:
                 continue

@@ -78,8 +78,8 @@ ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
 DEEP_GEMM_FIRST = "deep_gemm"
 # Where w4a16 leads without a table: 4-bit weights (int4_w4a16, mxfp4, nvfp4) at T <= 16
 # tokens, where it was faster than the 4-bit `triton` at 32 of 33 points of the four presets on
-# the H100 (1.14-2.25x; qwen3-30b-a3b int4 at T = 16 0.94x; benchmarks/w4a16_notes.md, session
-# 25). Its own limit (128 pairs) still applies.
+# the H100 (1.22-2.30x; qwen3-30b-a3b int4 at T = 16 0.94x; benchmarks/w4a16_notes.md, session
+# 26). Its own limit (128 pairs) still applies.
 W4A16_FIRST = "w4a16"
 W4A16_FIRST_FORMATS = ("int4_w4a16", "mxfp4", "nvfp4")
 W4A16_FIRST_MAX_TOKENS = 16
