@@ -55,13 +55,13 @@ def setup(target: str):
     ep, T = int(ep.removeprefix("ep")), int(T)
     tp = 2 if model.startswith("mixtral") else ep
     shape = shape_for(model, tp, ep)
-    E_all = preset(model).num_experts
+    E_all, K = preset(model).num_experts, preset(model).top_k
     torch.manual_seed(0)
     w = quantize_experts(random_weights(shape, DEV), make_spec(fmt))
     gen = torch.Generator(device=DEV).manual_seed(T)
     sets = []
-    for _ in range(routings(T, preset(model).top_k, ep)):
-        tk = uniform_topk(T, E_all, preset(model).top_k, DEV, gen)
+    for _ in range(routings(T, K, ep)):
+        tk = uniform_topk(T, E_all, K, DEV, gen)
         tk.ids[tk.ids >= shape.num_experts] = -1
         sets.append(tk)
     x = torch.randn(T, shape.hidden, device=DEV, dtype=torch.bfloat16)
