@@ -13,7 +13,9 @@
     # `build` with the same --variants only builds them, in parallel):
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
         --variants "base=;st2=-DMK_STAGES=2;always=OVERLAP=1;new=TABLES=/tmp/tables"
-    (OVERLAP=0 / 1: down never / always overlaps gate_up; TABLES=DIR: plan tables from DIR)
+    (OVERLAP=0 / 1: down never / always overlaps gate_up; TABLES=DIR: plan tables from DIR;
+    @FILE first: another .cu source, e.g. an older kernel; where the time goes, with the
+    kernel's probe flags: "full=;fixed=-DMK_PROBE_NO_CHUNKS=1;loads=-DMK_PROBE_NO_MATH=1")
 
 A target is model:epN:format:T (EP: the rank holds E / N experts and sees every token; the
 routing is uniform over all E experts, pairs on other ranks are masked).

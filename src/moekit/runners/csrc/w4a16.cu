@@ -49,6 +49,21 @@
 #ifndef MK_TWO_MUL
 #define MK_TWO_MUL 0
 #endif
+// Probes (benchmarks/w4a16_notes.md, session 28; wrong results, for timing only): leave out the
+// K chunks (the fixed cost of a call), the arithmetic (loads only), the activation copies or
+// the scale copies.
+#ifndef MK_PROBE_NO_CHUNKS
+#define MK_PROBE_NO_CHUNKS 0
+#endif
+#ifndef MK_PROBE_NO_MATH
+#define MK_PROBE_NO_MATH 0
+#endif
+#ifndef MK_PROBE_NO_X
+#define MK_PROBE_NO_X 0
+#endif
+#ifndef MK_PROBE_NO_SCALES
+#define MK_PROBE_NO_SCALES 0
+#endif
 #ifndef MK_STAGES  // chunks in a warp's ring (fewer where they would not fit STAGE_BUDGET)
 #define MK_STAGES 4
 #endif
@@ -330,7 +345,8 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
     const bool busy = rb < row_blocks;
     // K chunks of this warp: share wk of the block's share kb
     const int kb0 = kb * KC / KB, kbn = (kb + 1) * KC / KB - kb0;
-    const int kc0 = kb0 + wk * kbn / split_k, kc1 = kb0 + (wk + 1) * kbn / split_k;
+    const int kc0 = kb0 + wk * kbn / split_k;
+    const int kc1 = MK_PROBE_NO_CHUNKS ? kc0 : kb0 + (wk + 1) * kbn / split_k;
     const int e = s_seg_e[seg], start = s_seg_start[seg], len = s_seg_len[seg];
     const __nv_bfloat16* xrow[NT];
 #pragma unroll
@@ -390,12 +406,12 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       for (int t = 0; t < MT; ++t) {
         const long long tk = tile[t] * KC + kc;
         copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
-        copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
+        if (!MK_PROBE_NO_SCALES) copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
         if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
       }
     };
     auto issue_x = [&](int st, int kc) {
-      if (kc >= kc1) return;
+      if (kc >= kc1 || MK_PROBE_NO_X) return;
       Slot<MT, NT>& sl = ring[st];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -454,6 +470,15 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
     };
 
     auto compute = [&](const Chunk<MT, NT>& ch) {
+      if (MK_PROBE_NO_MATH) {  // keep the loaded words alive only
+        uint32_t v = 0;
+#pragma unroll
+        for (int t = 0; t < MT; ++t) v ^= ch.a[t].x ^ ch.a[t].y ^ ch.a[t].z ^ ch.a[t].w ^ ch.s[t];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) v ^= ch.b[nt][0].x ^ ch.b[nt][1].w;
+        acc[0][0][0] += __uint_as_float(v & 0x3f800000u);
+        return;
+      }
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         uint32_t m0, m1, z0 = 0x43084308u, z1 = 0x43084308u;  // int4 symmetric: 128 + 8
