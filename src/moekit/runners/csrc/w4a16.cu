@@ -50,8 +50,8 @@
 #define MK_TWO_MUL 0
 #endif
 // Probes (benchmarks/w4a16_notes.md, session 28; wrong results, for timing only): leave out the
-// K chunks (the fixed cost of a call), the arithmetic (loads only), the activation copies or
-// the scale copies.
+// K chunks (the fixed cost of a call), the arithmetic (loads only), or the ring's activation or
+// scale copies.
 #ifndef MK_PROBE_NO_CHUNKS
 #define MK_PROBE_NO_CHUNKS 0
 #endif
