@@ -147,19 +147,20 @@ def plan(kind: int, num_pairs: float, num_experts: int, n: int, k: int, sms: int
     return best[1]
 
 
-def occupancy(w: PackedMatrix, kind: int, act: str, has_bias: bool, device: torch.device,
-              ring: bool = True) -> tuple[int, int, int, int]:  # fmt: skip
-    """Blocks per multiprocessor of the kernel variants (nt, mt) = (1, 1), (1, 2), (2, 1),
-    (2, 2) for these weights (`plan`'s occupancy); 0 where a variant does not exist."""
+def occupancy(w: PackedMatrix, kind: int, act: str, has_bias: bool,
+              device: torch.device) -> tuple[int, int, int, int]:  # fmt: skip
+    """Blocks per multiprocessor of the ring kernels (nt, mt) = (1, 1), (1, 2), (2, 1), (2, 2)
+    for these weights (`plan`'s occupancy: its plans take the ring); 0 where a variant does not
+    exist."""
     return _occupancy(w.fmt, w.has_zero, w.two_mul, arch_of(device), kind, ACT_CODES[act],
-                      has_bias, device.index, ring)  # fmt: skip
+                      has_bias, device.index)  # fmt: skip
 
 
 @functools.cache
-def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index, ring):
+def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index):
     lib = library(fmt, zero, two_mul, arch)
     with torch.cuda.device(device_index):
-        return tuple(lib.mk_w4_occupancy(kind, act, int(has_bias), nt, mt, int(ring))
+        return tuple(lib.mk_w4_occupancy(kind, act, int(has_bias), nt, mt, 1)
                      for nt in (1, 2) for mt in (1, 2))  # fmt: skip
 
 
