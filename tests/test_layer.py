@@ -10,10 +10,10 @@ from moekit.config import ConfigError
 from moekit.hardware import detect
 from moekit.router import TopKOutput
 from moekit.runners import registry
-from moekit.runners.torch import moe_reference_fp64
+from moekit.runners.torch import TorchRunner, moe_reference_fp64
 from moekit.select import Workload, why_not
-from moekit.stages import MaskedDispatchOutput
-from tests.helpers import TOLERANCE, rel_err
+from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
+from tests.helpers import TOLERANCE, capture_graph, rel_err
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,38 @@ def test_ep_rank_looks_up_kernel_configs_for_its_local_tokens(monkeypatch):
     assert seen == [T * 0.25, T]
     one = MoE(cfg, ParallelConfig(), runner=RunnerConfig("triton"))
     assert one.dispatcher.dispatch(x, topk).local_share == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runner,fmt", [("triton", "unquantized"), ("triton", "fp8_w8a8"),
+                                        ("w4a16", "mxfp4")])  # fmt: skip
+def test_ep_decode_graph_replays_use_each_calls_ids_gpu(runner, fmt):
+    """An EP rank at a decode batch (the dispatcher's local-id kernel, then the runner's
+    kernels, chained as programmatic dependent launches on sm_90+), captured in a CUDA graph and
+    replayed over new routings: every call computes with its own local ids."""
+    cfg = MoEConfig(num_experts=32, top_k=4, hidden_size=256, intermediate_size=512,
+                    dtype="bfloat16", weight_format=fmt)  # fmt: skip
+    T, dev = 4, "cuda"
+    work = Workload(T, weight_format=fmt, num_experts=8, hidden_size=256, intermediate_size=512,
+                    top_k=4, device=dev)  # fmt: skip
+    if why_not(runner, work, detect()) is not None:
+        pytest.skip(f"{runner}: {why_not(runner, work, detect())}")
+    module = MoE(cfg, ParallelConfig(tp_size=4, ep_size=4), tp_rank=0,
+                 runner=RunnerConfig(runner), device=dev)  # fmt: skip
+
+    def routing():
+        ids = torch.rand(T, 32, device=dev).argsort(dim=1)[:, :4].to(torch.int32)
+        return torch.randn(T, 256, device=dev, dtype=torch.bfloat16), TopKOutput(
+            torch.rand(T, 4, device=dev), ids)
+
+    x, topk = routing()
+    with torch.no_grad():
+        graph, out = capture_graph(lambda: module.forward_topk(x, topk))
+        for _ in range(6):
+            x2, topk2 = routing()
+            x.copy_(x2), topk.weights.copy_(topk2.weights), topk.ids.copy_(topk2.ids)
+            graph.replay()
+            d = module.dispatcher.dispatch(x2, topk2)
+            ref = TorchRunner().run(StandardDispatchOutput(x2, d.topk), module.expert_weights,
+                                    module.act).out  # fmt: skip
+            assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (runner, fmt)
