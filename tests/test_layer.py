@@ -215,15 +215,16 @@ def test_ep_rank_looks_up_kernel_configs_for_its_local_tokens(monkeypatch):
                                         ("w4a16", "mxfp4")])  # fmt: skip
 def test_ep_decode_graph_replays_use_each_calls_ids_gpu(runner, fmt):
     """An EP rank at a decode batch (the dispatcher's local-id kernel, then the runner's
-    kernels, chained as programmatic dependent launches on sm_90+), captured in a CUDA graph and
-    replayed over new routings: every call computes with its own local ids."""
+    kernels, which chain as programmatic dependent launches on sm_90+), captured in a CUDA graph
+    and replayed over new routings: every call computes with its own local ids."""
     cfg = MoEConfig(num_experts=32, top_k=4, hidden_size=256, intermediate_size=512,
                     dtype="bfloat16", weight_format=fmt)  # fmt: skip
     T, dev = 4, "cuda"
     work = Workload(T, weight_format=fmt, num_experts=8, hidden_size=256, intermediate_size=512,
                     top_k=4, device=dev)  # fmt: skip
-    if why_not(runner, work, detect()) is not None:
-        pytest.skip(f"{runner}: {why_not(runner, work, detect())}")
+    problem = why_not(runner, work, detect())
+    if problem is not None:
+        pytest.skip(f"{runner}: {problem}")
     module = MoE(cfg, ParallelConfig(tp_size=4, ep_size=4), tp_rank=0,
                  runner=RunnerConfig(runner), device=dev)  # fmt: skip
 
