@@ -91,7 +91,8 @@ def _version_key(path: Path) -> tuple:
 def version_candidates(directories, name: str, version: str) -> list[Path]:
     """Files that may hold the table `name` (tuned with Triton `version`), best first: `name`
     in each of `directories` in turn, then the same table tuned with other Triton versions,
-    newest first (directories in the same order). Both Triton runners look their tables up this way."""
+    newest first (directories in the same order). Both Triton runners look their tables up
+    this way."""
     other = name.replace(f",triton={version}.json", ",triton=*.json")
     paths = [directory / name for directory in directories]
     for directory in directories:

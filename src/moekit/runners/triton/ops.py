@@ -27,6 +27,7 @@ from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
 from moekit.runners._align import AlignOutput, align_block_size
 from moekit.runners._shared import expected_experts_used
+from moekit.runners._tables import quant_tag
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,
@@ -34,7 +35,6 @@ from moekit.runners.triton.configs import (
     default_config,
     get_config,
 )
-from moekit.runners._tables import quant_tag
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

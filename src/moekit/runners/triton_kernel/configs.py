@@ -6,8 +6,8 @@ Triton version (src/moekit/configs/triton_kernel/*.json, {batch size: config}, w
 Triton version, newest first (`runners._tables.version_candidates`); without one (or with no
 tuned batch size within a factor 2), `heuristic_config` applies: it depends on the mean rows
 per expert, T*K/E, through `HEURISTIC`, a table of (upper bound on rows per expert, config),
-first match wins, the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma wants BLOCK_M >=
-64, 132 SMs, 227 KB shared memory) and correct anywhere.
+first match wins, the blocks then clamped to the GEMM's size. Written for Hopper (H100: wgmma
+wants BLOCK_M >= 64, 132 SMs, 227 KB shared memory) and correct anywhere.
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ class W4A16Runner(Runner):
         return out
 
     def launches(self, T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
-                 p: PackedExperts, dev: torch.device) -> tuple[jit.Plan, jit.Plan, bool]:  # fmt: skip
+                 p: PackedExperts,
+                 dev: torch.device) -> tuple[jit.Plan, jit.Plan, bool]:  # fmt: skip
         """(gate_up plan, down plan, whether down overlaps gate_up: `jit.down_overlaps`) for a
         call of T tokens on the packed weights p, decided on the first such call."""
         key = (T, K, local_share, act, dev)
@@ -175,8 +176,9 @@ class W4A16Runner(Runner):
         return found
 
     @staticmethod
-    def choose_plans(T: int, K: int, w: ExpertWeights, act: ActivationSpec, local_share: float,
-              p: PackedExperts, dev: torch.device) -> tuple[jit.Plan, jit.Plan]:  # fmt: skip
+    def choose_plans(T: int, K: int, w: ExpertWeights, act: ActivationSpec,
+                     local_share: float, p: PackedExperts,
+                     dev: torch.device) -> tuple[jit.Plan, jit.Plan]:  # fmt: skip
         """(gate_up, down) plans: measured for this shape, format and GPU (`plans.py`) when a
         table has a batch size near T, else from the cost model."""
         name = plans.table_name_for(w, K, act, torch.cuda.get_device_name(dev))

@@ -44,9 +44,8 @@ def table_name(num_experts: int, top_k: int, hidden: int, intermediate: int, act
 
 def table_name_for(w: ExpertWeights, top_k: int, act: ActivationSpec, device: str) -> str:
     """`table_name` of a layer's weights (device: the GPU's name)."""
-    quant = quant_tag(w.spec) if w.spec is not None else w.format
     return table_name(w.num_experts, top_k, w.hidden_size, w.intermediate_size, act.name,
-                      act.interleaved, quant, device)  # fmt: skip
+                      act.interleaved, quant_tag(w.spec), device)  # fmt: skip
 
 
 Table = dict  # {batch-size key: (gate_up Plan, down Plan)}
