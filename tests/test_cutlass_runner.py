@@ -250,18 +250,23 @@ def test_gemm_rows_twin_quantizes_like_quantize_act():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", [None, "silu"])
-def test_gemm_rows_fp8_kernel_matches_twin_gpu(act):
+@pytest.mark.parametrize("act, H", [(None, 7168), ("silu", 7168), ("swiglu_oai", 2880)])
+def test_gemm_rows_fp8_kernel_matches_twin_gpu(act, H):
+    """The fp8 paths bit for bit against the twin; swiglu_oai as gpt-oss has it (interleaved
+    gate / up columns, biases, H off the 128-column grid)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    T, M, H, R = 50, 256, 7168, 128
-    expert = torch.randint(-1, 4, (M,), dtype=torch.int32, device="cuda")
+    T, M, R, E = 50, 256, 128, 4
+    expert = torch.randint(-1, E, (M,), dtype=torch.int32, device="cuda")
     if act is None:
         src = (torch.randn(T, H, device="cuda") * 3).to(torch.bfloat16)
         kw = {"token_M": torch.randint(0, T, (M,), device="cuda")}
     else:
         src = (torch.randn(M, 2 * H, device="cuda") * 3).to(torch.bfloat16)
-        kw = {"act": ActivationSpec(act)}
+        interleaved = act == "swiglu_oai"
+        kw = {"act": ActivationSpec(act, interleaved=interleaved)}
+        if interleaved:
+            kw["b13_EN"] = torch.randn(E, 2 * H, device="cuda").to(torch.bfloat16)
     q, s = kernels.gemm_rows_triton(src, expert, quant=True, rows_per_group=R, **kw)
     q_ref, s_ref = kernels.gemm_rows_torch(src, expert, quant=True, rows_per_group=R, **kw)
     keep = expert >= 0

@@ -174,6 +174,25 @@ if HAS_TRITON:
         tl.store(row_ptr + pair, r.to(tl.int64), mask=ok)
 
     @triton.jit
+    def _gate_up_tile(row, g, ok, C, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_G: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+        """gate, up float32 [BLOCK_R, BLOCK_G, GROUP] of the rows at `row` ([R, 1, 1] pointers)
+        for the column groups g: gate column c at c and up at C + c, or (INTERLEAVED) at 2c and
+        2c + 1, read as one contiguous [R, G, 2 * GROUP] tile and split in registers (two loads
+        at a stride of 2 elements do not vectorize)."""
+        ok = ok[:, None, None]
+        if INTERLEAVED:
+            col2 = (g[:, None] * (2 * GROUP) + tl.arange(0, 2 * GROUP)[None, :])[None, :, :]
+            both = tl.load(row + col2, mask=ok & (col2 < 2 * C), other=0.0).to(tl.float32)
+            gate, up = tl.split(tl.reshape(both, [BLOCK_R, BLOCK_G, GROUP, 2]))
+        else:
+            col = (g[:, None] * GROUP + tl.arange(0, GROUP)[None, :])[None, :, :]
+            mask = ok & (col < C)
+            gate = tl.load(row + col, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(row + col + C, mask=mask, other=0.0).to(tl.float32)
+        return gate, up
+
+    @triton.jit
     def _gemm_rows_kernel(
         src_ptr,
         q_ptr,
@@ -225,16 +244,13 @@ if HAS_TRITON:
                 src = tl.load(token_ptr + m, mask=ok, other=0).to(tl.int64)
             row = src_ptr + src[:, None, None] * stride_src
             if ACT >= 0:
-                if INTERLEAVED:
-                    gate_cols, up_cols = 2 * col, 2 * col + 1
-                else:
-                    gate_cols, up_cols = col, col + C
-                gate = tl.load(row + gate_cols, mask=mask, other=0.0).to(tl.float32)
-                up = tl.load(row + up_cols, mask=mask, other=0.0).to(tl.float32)
+                gate, up = _gate_up_tile(row, g, ok, C, INTERLEAVED, BLOCK_R, BLOCK_G, GROUP)
                 if HAS_BIAS:
                     brow = b_ptr + tl.maximum(e, 0).to(tl.int64)[:, None, None] * stride_b
-                    gate += tl.load(brow + gate_cols, mask=mask, other=0.0).to(tl.float32)
-                    up += tl.load(brow + up_cols, mask=mask, other=0.0).to(tl.float32)
+                    b_gate, b_up = _gate_up_tile(brow, g, ok, C, INTERLEAVED, BLOCK_R, BLOCK_G,
+                                                 GROUP)  # fmt: skip
+                    gate += b_gate
+                    up += b_up
                 x = activate_tl(gate, up, alpha, limit, ACT).to(src_ptr.dtype.element_ty)
             else:
                 x = tl.load(row + col, mask=mask, other=0.0)
