@@ -178,8 +178,9 @@ if HAS_TRITON:
                       BLOCK_G: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """gate, up float32 [BLOCK_R, BLOCK_G, GROUP] of the rows at `row` ([R, 1, 1] pointers)
         for the column groups g: gate column c at c and up at C + c, or (INTERLEAVED) at 2c and
-        2c + 1, read as one contiguous [R, G, 2 * GROUP] tile and split in registers (two loads
-        at a stride of 2 elements do not vectorize)."""
+        2c + 1, read as one contiguous [R, G, 2 * GROUP] tile and split in registers: two loads
+        at a stride of 2 elements do not vectorize, and gpt-oss-120b's rows ran 3.2x (fp8) and
+        1.75x (bf16) slower that way on the H100 (benchmarks/deep_gemm_notes.md, session 30)."""
         ok = ok[:, None, None]
         if INTERLEAVED:
             col2 = (g[:, None] * (2 * GROUP) + tl.arange(0, 2 * GROUP)[None, :])[None, :, :]
