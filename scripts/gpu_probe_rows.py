@@ -1,9 +1,11 @@
 """Time the glue kernels of the `deep_gemm` / `cutlass` runners on the preset shapes (GPU):
 `gemm_rows` (gather + fp8 quantization before gate_up, activation + quantization before down)
 over a grid of `RowsTiling`s, `group_rows` (triton alignment path against the torch ops) and
-`weighted_reduce`. Bandwidth = bytes read + written / time (L2 hits count as reads).
+`weighted_reduce`; and the token-group quantization of x (`quantize_act`'s kernel) at
+several tile sizes. Bandwidth = bytes read + written / time (L2 hits count as reads).
 
-Usage (repo root, device machine): python scripts/gpu_probe_rows.py [--quick]
+Usage (repo root, device machine): python scripts/gpu_probe_rows.py [--quick] [--only NAME]
+  (NAME: a shape name below, e.g. gpt-oss)
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ SHAPES = [  # name, T, K, E local, E global, H, I
     ("qwen3", 4096, 8, 128, 128, 2048, 768),
     ("qwen3", 16384, 8, 128, 128, 2048, 768),
     ("deepseek-ep8", 16384, 8, 32, 256, 7168, 2048),
+    ("gpt-oss", 4096, 4, 128, 128, 2880, 2880),
+    ("gpt-oss", 16384, 4, 128, 128, 2880, 2880),
 ]
+# the activation before down, and whether gate_up has biases (default: silu, none)
+ACTS = {"gpt-oss": (ActivationSpec("swiglu_oai", interleaved=True), True)}
+QUANT_TILES = (1024, 2048, 4096)  # ActQuantTiles.max_elems of the x quantization
 
 
 def time_us(fn) -> float:
@@ -37,8 +44,35 @@ def time_us(fn) -> float:
     return min(profile_time_us(fn) for _ in range(3))
 
 
+def quant_tiles(x: torch.Tensor) -> dict:
+    """x [T, H] quantized per token and group of 128 (fp8) with each `QUANT_TILES` max_elems:
+    us, GB/s (x read, q and scales written), and whether q and the scales equal the default's."""
+    from moekit.quant import act_quant
+    from moekit.quant._act_kernels import launch_quant_rows
+
+    T, H = x.shape
+    n = -(-H // 128)
+    ref_q, ref_s = act_quant.quantize_act(x, "token_group", torch.float8_e4m3fn, group_size=128)
+    out = {}
+    for max_elems in QUANT_TILES:
+        tile = act_quant.ActQuantTiles(max_elems=max_elems)
+        q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+        s = torch.empty(T, n, device=x.device)
+
+        def call(q=q, s=s, tile=tile):
+            launch_quant_rows(x, q, s, s, 128, n, act_quant.FP8_MAX, act_quant.EPS, False,
+                              False, tile)  # fmt: skip
+
+        us = time_us(call)
+        same = torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)
+        out[max_elems] = {"us": round(us, 1), "GB/s": round(T * H * 3 / us / 1e3),
+                          "equal_default": same}  # fmt: skip
+    return out
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     out = {"meta": metadata(command=" ".join(["python", *sys.argv]))}
     tilings = [kernels.RowsTiling(r, g, w) for r, g, w in itertools.product(
         (8, 16, 32) if not quick else (8,), (2, 4, 8), (4, 8))]  # fmt: skip
@@ -46,6 +80,8 @@ def main() -> None:
         if t not in tilings:
             tilings.append(t)
     for name, T, K, E, Eg, H, I in SHAPES:
+        if only is not None and name != only:
+            continue
         ids = torch.rand(T, Eg, device="cuda").argsort(dim=1)[:, :K].int()
         ids = torch.where(ids < E, ids, -1)
         x = torch.randn(T, H, device="cuda").bfloat16()
@@ -66,10 +102,11 @@ def main() -> None:
         pairs = int((rows.expert_M >= 0).sum().item())
         M = rows.num_rows
         h = torch.randn(M, 2 * I, device="cuda").bfloat16()
-        act = ActivationSpec("silu")
+        act, bias = ACTS.get(name, (ActivationSpec("silu"), False))
+        b13 = torch.randn(E, 2 * I, device="cuda").bfloat16() if bias else None
         jobs = {
             "gather": (x, dict(token_M=rows.token_M), pairs * H * (2 + 1)),
-            "act": (h, dict(act=act), pairs * (4 * I + I)),
+            "act": (h, dict(act=act, b13_EN=b13), pairs * (4 * I + I)),
         }
         for job, (src, kw, nbytes) in jobs.items():
             for quant in (True, False):
@@ -113,6 +150,8 @@ def main() -> None:
                                   "max_abs_diff": diff}  # fmt: skip
         print(f"{key} group_rows {res['group_rows_us']}; weighted_reduce {red_us:.1f} us "
               f"({red_bytes / red_us / 1e3:.0f} GB/s); used rows {n_rows} of {M}", flush=True)
+        res["quantize_x"] = quant_tiles(x)
+        print(f"{key} quantize x: {res['quantize_x']}", flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "rows_probe.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
