@@ -92,8 +92,9 @@ def _scale_for(scheme, x, qdtype):
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("qdtype", [FP8, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("T, H", [(0, 256), (1, 256), (9, 200), (5, 7)])
+@pytest.mark.parametrize("T, H", [(0, 256), (1, 256), (9, 200), (5, 7), (3, 1200)])
 def test_kernel_matches_reference(scheme, qdtype, xdtype, T, H):
+    """H = 1200: ten groups of 128 (the last partial) over two programs a row."""
     x = _inputs(T, H, xdtype).to(DEV)
     scale = _scale_for(scheme, x, qdtype)
     q_ref, s_ref = quantize_act_ref(x, scheme, qdtype, scale=scale)

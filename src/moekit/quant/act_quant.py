@@ -27,9 +27,16 @@ EPS = 1e-10
 @dataclass(frozen=True)
 class ActQuantTiles:
     """Launch shape of the kernel: at most `max_elems` values per program (several groups of a
-    row); 'static_tensor'/'dynamic_tensor' tile rows by `static_block` columns."""
+    row); 'static_tensor'/'dynamic_tensor' tile rows by `static_block` columns.
 
-    max_elems: int = 4096
+    max_elems 1024 (8 groups of 128) against 4096, fp8 block-wise layers timed in turns on the
+    H100 (scripts/gpu_probe_act_quant_tiles.py; benchmarks/triton_notes.md, session 30): at
+    decode batches, where a row's one or two programs sat on the critical path between the
+    GEMMs, the `triton` layer took 1.5-10% less at T = 1 (deepseek-v3 EP8 10%) and up to 3.4%
+    at T = 4-64; at T = 4096 / 16384 the deep_gemm layers moved by -1.5 to +1.1%. 512 gained
+    1-3% more at T = 1 but lost up to 40% on the kernel alone at T = 16384."""
+
+    max_elems: int = 1024
     static_block: int = 1024
     num_warps: int = 4
 
