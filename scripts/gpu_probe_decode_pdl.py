@@ -1,7 +1,7 @@
 """Decode-time choices of the `triton` runner's pipeline (`PipelineConfig`), timed through the
 layer in turns.
 
-    PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--variants pdl|direct|early]
+    PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--variants pdl|direct]
         [--jobs 'J1;J2'] [--batches 1,4,16,64] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T the
@@ -12,10 +12,6 @@ rotated as `moekit bench` does) runs with (--variants pdl, the default):
 or (--variants direct):
   align        the alignment kernel from T = 2 (direct_max_tokens 1)
   direct       direct rows, no alignment kernel, up to the largest T of --batches
-or (--variants early, the shipped PIPELINE otherwise):
-  early0       early_steps 0: each GEMM of a decode call waits for the kernel before first
-  early1       the weight tiles of the first K step loaded before that wait
-  early2       those of the first two steps
 Writes $OUT/NAME.json (default decode_pdl.json / decode_direct.json): per point the
 microseconds of each, the fastest, and the first variant's time over the fastest's.
 """
@@ -51,8 +47,6 @@ def variants(kind: str, batches: list[int]) -> dict:
     if kind == "direct":
         return {"align": replace(ops.PIPELINE, direct_max_tokens=1),
                 "direct": replace(ops.PIPELINE, direct_max_tokens=max(batches))}  # fmt: skip
-    if kind == "early":
-        return {f"early{n}": replace(ops.PIPELINE, early_steps=n) for n in (0, 1, 2)}
     base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, pdl=False)
     return {"plain": base, "pdl": replace(base, pdl=True)}
 

@@ -148,20 +148,6 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "int8_w8a8"])
-def test_early_weight_tiles_w8a8(fmt):
-    """w8a8 weight tiles loaded before the wait for the kernel before (direct rows,
-    `PipelineConfig.early_steps`): the same bits as without."""
-    from test_triton_runner import assert_early_tiles_change_nothing
-
-    spec, H, I = FORMATS[fmt]
-    E, K, T = 4, 2, 3
-    w = make_experts(spec, E, H, I, bias=True)
-    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
-    configs = (GemmConfig(16, 32, 64, swap_ab=True), GemmConfig(16, 16, 64, reduce="atomic"))
-    assert_early_tiles_change_nothing(x, make_topk(T, K, E, masked=0.2), w, OAI, configs, 2)
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_config_variants(name):
     v = VARIANTS[name]

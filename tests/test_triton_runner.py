@@ -9,8 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+pytest.importorskip("triton")
 
 from helpers import TOLERANCE, capture_graph, make_topk, make_weights, rel_err  # noqa: E402
 
@@ -21,7 +20,6 @@ from moekit.runners.base import RunnerError  # noqa: E402
 from moekit.runners.registry import runner_class  # noqa: E402
 from moekit.runners.torch import moe_reference_fp64, run_masked, run_standard  # noqa: E402
 from moekit.runners.triton import TritonRunner, ops  # noqa: E402
-from moekit.runners.triton import _kernels as kernels  # noqa: E402
 from moekit.runners.triton.configs import GemmConfig  # noqa: E402
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: E402
 
@@ -140,71 +138,6 @@ DIRECT_CASES = [
 def test_direct_rows_match_reference(case: Case, monkeypatch):
     monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, direct_max_tokens=32))
     test_standard_matches_reference(case)
-
-
-EARLY_CASES = [
-    Case("early-swap", configs=SWAP, T=3, K=3, E=4, masked=0.3, bias=True),
-    Case("early-tma-oai", configs=TMA_SWAP, T=2, K=3, E=3, H=64, I=40, act="swiglu_oai",
-         interleaved=True, bias=True, dtype=torch.float16),  # fmt: skip
-    Case("early-split-tma", configs=SPLIT_GATE_UP4_TMA, T=1, K=3, E=4, H=64, I=48, bias=True),
-    Case("early-split-k8", configs=SPLIT_K8_TMA, T=4, K=2, E=3, H=64, I=48, act="gelu"),
-    Case("early-row1", configs=ROW1, T=3, K=2, E=3, masked=0.2, bias=True, dtype=torch.float16),
-]
-
-
-@triton.jit
-def _stale_early_expert(row_map_ptr, pid_m, num_experts):
-    """An early read that sees the wrong expert, or none, for every pair."""
-    e = (tl.load(row_map_ptr + pid_m) + 1) % num_experts
-    return e, pid_m % 2 == 0
-
-
-@pytest.mark.parametrize("early,stale", [(1, False), (2, False), (2, True)])
-@pytest.mark.parametrize("case", EARLY_CASES, ids=lambda c: c.name)
-def test_early_weight_tiles_give_the_same_bits(case: Case, early, stale, monkeypatch):
-    """Direct rows with the weight tiles of the first K steps loaded before the wait for the
-    kernel before (`PipelineConfig.early_steps`): the same h and output as without, also when
-    the early read of the experts was stale (the tiles are loaded again)."""
-    if stale:
-        monkeypatch.setattr(kernels, "_early_expert", _stale_early_expert)
-    w = make_weights(case.E, case.H, case.I, case.dtype, case.bias)
-    x = torch.randn(case.T, case.H, device=DEVICE, dtype=case.dtype)
-    topk = make_topk(case.T, case.K, case.E, case.masked, case.one_expert)
-    assert_early_tiles_change_nothing(x, topk, w, ActivationSpec(case.act, case.interleaved),
-                                      case.configs, early)  # fmt: skip
-
-
-def assert_early_tiles_change_nothing(x, topk, w: ExpertWeights, act, configs, early: int):
-    """The direct-rows gate_up and down with `early` early weight tiles give the bits of the
-    same GEMMs without (the atomic down's sums on a GPU: up to their order)."""
-    x, ids, weights = ops.kernel_inputs(x, topk)
-    T, H, K = x.shape[0], x.shape[1], topk.top_k
-    rows = ops.Rows.direct(ids.view(-1), w.num_experts)
-    cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in configs)
-    h, out = [], []
-    for n in (0, early):
-        h.append(ops.gate_up(x, rows, w, act, cfg1, K, early=n))
-        y = x.new_zeros(T if cfg2.reduce == "atomic" else T * K, H)
-        out.append(ops.down(h[-1], rows, w, cfg2, y, weights, K, early=n))
-    valid = ids.view(-1) >= 0
-    assert torch.equal(h[0][valid], h[1][valid])
-    if cfg2.reduce == "atomic" and x.is_cuda:
-        assert rel_err(out[1], out[0]) < 1e-2
-    else:
-        assert torch.equal(out[0], out[1])
-
-
-def test_early_meta():
-    """Early tiles for direct rows of the formats stored as the dot operand, at most 2 steps."""
-    from types import SimpleNamespace
-
-    direct, sorted_rows = SimpleNamespace(mode=2), SimpleNamespace(mode=0)
-    w8a8, int4 = SimpleNamespace(quant=1), SimpleNamespace(quant=3)
-    assert ops._early_meta(2, direct, None) == {"EARLY": 2}
-    assert ops._early_meta(3, direct, w8a8) == {"EARLY": 2}
-    assert ops._early_meta(1, direct, int4) == {}
-    assert ops._early_meta(2, sorted_rows, None) == {}
-    assert ops._early_meta(0, direct, None) == {}
 
 
 def masked_reference(x_ECH, counts, w: ExpertWeights, act):

@@ -604,67 +604,6 @@ def _tile_rows(
 
 
 @triton.jit
-def _early_expert(row_map_ptr, pid_m, num_experts):
-    """EARLY (direct rows): the expert of pair pid_m as it reads before the wait for the kernel
-    before, clamped to [0, E), and whether it is one. The router wrote the ids before this
-    call's first kernel, but only the wait makes them certain: the program reads them again
-    after it and loads its early tiles again where they differ (`_early_tile`)."""
-    e = tl.load(row_map_ptr + pid_m, volatile=True)
-    ok = (e >= 0) & (e < num_experts)
-    return tl.where(ok, e, 0), ok
-
-
-@triton.jit
-def _early_tile(w_ptr, w_desc, expert, live, r0, R, k, K, stride_we, stride_wn,
-                TR: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Weight tile [BLOCK_K, TR] of a format stored as the dot operand: rows r0 ... r0 + TR
-    (modulo R) of `expert`'s R rows at K step k, as the main loops read it; zeros, with no
-    read, where not `live`."""
-    if USE_TMA:
-        tile = desc_w_tile(w_desc, expert * R + r0, tl.where(live, k * BLOCK_K, K))
-    else:
-        rows = (r0 + tl.arange(0, TR)) % R
-        offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-        ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rows[None, :].to(tl.int64) * stride_wn
-                + offs_k[:, None])  # fmt: skip
-        tile = tl.load(ptrs, mask=(offs_k[:, None] < K) & live, other=0.0)
-    return tile
-
-
-@triton.jit
-def _early_tiles(w_ptr, w_desc, expert, ok, r0, R, N, k_lo, k_hi, K, stride_we, stride_wn,
-                 KIND: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
-    """The early weight tiles of a program whose output columns start at r0 (`_early_tile`;
-    steps past k_hi or EARLY are not read): KIND 0 gate_up (gate rows r0 and up rows N + r0
-    of R = 2N): (gate, up) of step k_lo, then of k_lo + 1; KIND 1 down (rows r0 of R = N) and
-    KIND 2 interleaved gate_up (rows 2 r0 of R = 2N): step k_lo, k_lo + 1, then two unused."""
-    if KIND == 0:
-        t0 = _early_tile(w_ptr, w_desc, expert, ok & (k_lo < k_hi), r0, R, k_lo, K, stride_we,
-                         stride_wn, BLOCK_N, USE_TMA, BLOCK_K)  # fmt: skip
-        t1 = _early_tile(w_ptr, w_desc, expert, ok & (k_lo < k_hi), N + r0, R, k_lo, K,
-                         stride_we, stride_wn, BLOCK_N, USE_TMA, BLOCK_K)  # fmt: skip
-        t2, t3 = t0, t1
-        if EARLY > 1:
-            live = ok & (k_lo + 1 < k_hi)
-            t2 = _early_tile(w_ptr, w_desc, expert, live, r0, R, k_lo + 1, K, stride_we,
-                             stride_wn, BLOCK_N, USE_TMA, BLOCK_K)  # fmt: skip
-            t3 = _early_tile(w_ptr, w_desc, expert, live, N + r0, R, k_lo + 1, K, stride_we,
-                             stride_wn, BLOCK_N, USE_TMA, BLOCK_K)  # fmt: skip
-    else:
-        TR: tl.constexpr = BLOCK_N if KIND == 1 else 2 * BLOCK_N
-        first = r0 if KIND == 1 else 2 * r0
-        t0 = _early_tile(w_ptr, w_desc, expert, ok & (k_lo < k_hi), first, R, k_lo, K,
-                         stride_we, stride_wn, TR, USE_TMA, BLOCK_K)  # fmt: skip
-        t1 = t0
-        if EARLY > 1:
-            t1 = _early_tile(w_ptr, w_desc, expert, ok & (k_lo + 1 < k_hi), first, R, k_lo + 1,
-                             K, stride_we, stride_wn, TR, USE_TMA, BLOCK_K)  # fmt: skip
-        t2, t3 = t0, t1
-    return t0, t1, t2, t3
-
-
-@triton.jit
 def _tail_level_fits(n_ok, level: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_LEVELS: tl.constexpr):
     """Whether a block with n_ok valid rows runs at tail level `level` (0 the finest, TAIL_LEVELS
     the whole block): n_ok in (BM / 2, BM] for BM = BLOCK_M >> (TAIL_LEVELS - level), from one
@@ -738,40 +677,23 @@ def _gate_up_block(
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
     DIRECT_P: tl.constexpr = 1,
-    GDC_WAIT: tl.constexpr = False,
-    EARLY: tl.constexpr = 0,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
-    row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there).
-    EARLY: as `_down_block`."""
-    n0 = pid_n * BLOCK_N
-    k_steps = tl.cdiv(K, BLOCK_K)
-    share = tl.cdiv(k_steps, SPLIT_K)
-    k_lo = split * share
-    k_hi = tl.minimum(k_steps, k_lo + share)
-    KIND: tl.constexpr = 2 if INTERLEAVED else 0  # of `_early_tiles`
-    if EARLY > 0:
-        e_pre, ok_pre = _early_expert(row_map_ptr, pid_m, num_experts)
-        t0, t1, t2, t3 = _early_tiles(w_ptr, w_desc, e_pre, ok_pre, n0, 2 * N, N, k_lo, k_hi,
-                                      K, stride_we, stride_wn, KIND, BLOCK_N, USE_TMA, BLOCK_K,
-                                      EARLY)  # fmt: skip
-        if GDC_WAIT:
-            tl.extra.cuda.gdc_wait()
+    row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there)."""
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
     )  # fmt: skip
-    if EARLY > 0:
-        k_hi = tl.where(first_ok, k_hi, k_lo)  # no work: no K steps, every row masked
-        if (expert != e_pre) | (not ok_pre):  # the early read was stale: load again
-            t0, t1, t2, t3 = _early_tiles(w_ptr, w_desc, expert, first_ok, n0, 2 * N, N, k_lo,
-                                          k_hi, K, stride_we, stride_wn, KIND, BLOCK_N,
-                                          USE_TMA, BLOCK_K, EARLY)  # fmt: skip
     if ROWS == 1:
         a_rows = slot
     else:
         a_rows = token.to(tl.int64)
 
+    n0 = pid_n * BLOCK_N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * share
+    k_hi = tl.minimum(k_steps, k_lo + share)
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
@@ -793,22 +715,9 @@ def _gate_up_block(
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BM, 2 * BLOCK_N, SWAP_AB)
-        for j in tl.static_range(EARLY):  # the K steps whose weight tiles came early
-            if k_lo + j < k_hi:
-                if j == 0:
-                    b = t0
-                else:
-                    b = t1
-                a = load_a_tile(a_ptrs, K - (k_lo + j) * BLOCK_K, EVEN_K, BLOCK_K)
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, k_lo + j, K, QUANT, ASCALE,
-                                  WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                  DOT_PRECISION)  # fmt: skip
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K // PACK
-        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo + EARLY, K, QUANT, ASCALE,
-                                WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo + EARLY, k_hi):
+        sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                                GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        for ki in range(k_lo, k_hi):
             nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             k_left = K - ki * BLOCK_K
@@ -846,28 +755,11 @@ def _gate_up_block(
         zu_base = wz_e + (N + n_rows) * stride_wsn
         acc_g = _zeros_acc(BM, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BM, BLOCK_N, SWAP_AB)
-        for j in tl.static_range(EARLY):  # the K steps whose weight tiles came early
-            if k_lo + j < k_hi:
-                if j == 0:
-                    bg, bu = t0, t1
-                else:
-                    bg, bu = t2, t3
-                a = load_a_tile(a_ptrs, K - (k_lo + j) * BLOCK_K, EVEN_K, BLOCK_K)
-                a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-                acc_g = _stored_mma(a, a_qs, bg, acc_g, sg_base, a_s_base, k_lo + j, K, QUANT,
-                                    ASCALE, WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                    DOT_PRECISION)  # fmt: skip
-                acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, k_lo + j, K, QUANT,
-                                    ASCALE, WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
-                                    DOT_PRECISION)  # fmt: skip
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K // PACK
-            u_ptrs += BLOCK_K // PACK
-        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo + EARLY, K, QUANT, ASCALE,
-                              WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo + EARLY, K, QUANT, ASCALE,
-                              WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-        for ki in range(k_lo + EARLY, k_hi):
+        g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                              GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+        for ki in range(k_lo, k_hi):
             ng1, ng2 = _step_scales(sg_base, zg_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                     WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
             nu1, nu2 = _step_scales(su_base, zu_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
@@ -995,7 +887,6 @@ def _gate_up_kernel(
     GDC_LAUNCH: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
     DIRECT_P: tl.constexpr = 1,
-    EARLY: tl.constexpr = 0,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -1019,17 +910,13 @@ def _gate_up_kernel(
     visible (`ops.decode_pdl`). TAIL_LEVELS > 0 (sorted rows): a block whose valid rows
     all lie in its first BLOCK_M / 2^j rows, j <= TAIL_LEVELS (an expert's last, partly filled
     block), computes only the fewest such rows (`_gate_up_block`), not a whole BLOCK_M tile.
-    EARLY (direct rows): the programs load the weight tiles of their first EARLY K steps
-    (at most 2) before anything else, then wait (GDC_WAIT), so that those bytes stream while
-    the kernel before finishes; the experts are read again after the wait, and tiles of a
-    stale early read loaded again (`_early_expert`). The zeroing then comes last.
     """
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
-    if GDC_WAIT and EARLY == 0:
+    if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    if ZERO_OUT and EARLY == 0:
+    if ZERO_OUT:
         zero_fill(zero_ptr, zero_numel, pid, tl.num_programs(0), 1024)
     split = pid % SPLIT_K
     pid = pid // SPLIT_K
@@ -1038,13 +925,12 @@ def _gate_up_kernel(
     if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-    if EARLY == 0:  # (EARLY: the block reads the rows after its wait)
-        _, row_ok, _, _, _, _, first_ok = _tile_rows(
-            pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-            capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS, DIRECT_P,
-        )  # fmt: skip
-        if not first_ok:
-            return
+    _, row_ok, _, _, _, _, first_ok = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS, DIRECT_P,
+    )  # fmt: skip
+    if not first_ok:
+        return
     if TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
         for level in tl.static_range(TAIL_LEVELS + 1):
@@ -1067,10 +953,8 @@ def _gate_up_kernel(
             limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
             INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
-            pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P, GDC_WAIT, EARLY,
+            pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
         )  # fmt: skip
-        if ZERO_OUT and EARLY > 0:  # after the block's wait; down adds only after its own
-            zero_fill(zero_ptr, zero_numel, tl.program_id(0), tl.num_programs(0), 1024)
 
 
 @triton.jit
@@ -1132,35 +1016,19 @@ def _down_block(
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
     DIRECT_P: tl.constexpr = 1,
-    GDC_WAIT: tl.constexpr = False,
-    EARLY: tl.constexpr = 0,
 ):
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
-    rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows).
-    EARLY (direct rows, see `_down_kernel`): the weight tiles of the first EARLY K steps are
-    loaded first, then (GDC_WAIT) the wait for the kernel before."""
+    rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows)."""
+    expert, row_ok, pair, token, slot, slot0, _ = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
+    )  # fmt: skip
     n0 = pid_n * BLOCK_N
     k_steps = tl.cdiv(K, BLOCK_K)
     share = tl.cdiv(k_steps, SPLIT_K)
     k_lo = split * share
     k_hi = tl.minimum(k_steps, k_lo + share)
-    if EARLY > 0:
-        e_pre, ok_pre = _early_expert(row_map_ptr, pid_m, num_experts)
-        w0, w1, _, _ = _early_tiles(w_ptr, w_desc, e_pre, ok_pre, n0, N, N, k_lo, k_hi, K,
-                                    stride_we, stride_wn, 1, BLOCK_N, USE_TMA, BLOCK_K, EARLY)
-        if GDC_WAIT:
-            tl.extra.cuda.gdc_wait()
-    expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
-        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-        capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
-    )  # fmt: skip
-    if EARLY > 0:
-        k_hi = tl.where(first_ok, k_hi, k_lo)  # no work: no K steps, every row masked
-        if (expert != e_pre) | (not ok_pre):  # the early read was stale: load again
-            w0, w1, _, _ = _early_tiles(w_ptr, w_desc, expert, first_ok, n0, N, N, k_lo, k_hi,
-                                        K, stride_we, stride_wn, 1, BLOCK_N, USE_TMA, BLOCK_K,
-                                        EARLY)  # fmt: skip
     offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
@@ -1177,21 +1045,9 @@ def _down_block(
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     acc = _zeros_acc(BM, BLOCK_N, SWAP_AB)
-    for j in tl.static_range(EARLY):  # the K steps whose weight tiles came early
-        if k_lo + j < k_hi:
-            if j == 0:
-                b = w0
-            else:
-                b = w1
-            a = load_a_tile(a_ptrs, K - (k_lo + j) * BLOCK_K, EVEN_K, BLOCK_K)
-            a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
-            acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, k_lo + j, K, QUANT, ASCALE,
-                              WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K // PACK
-    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo + EARLY, K, QUANT, ASCALE,
-                            WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
-    for ki in range(k_lo + EARLY, k_hi):
+    sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
+                            GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
+    for ki in range(k_lo, k_hi):
         nx1, nx2 = _step_scales(s_base, z_base, a_s_base, gscale, ki + 1, K, QUANT, ASCALE,
                                 WSCALE, GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         k_left = K - ki * BLOCK_K
@@ -1299,7 +1155,6 @@ def _down_kernel(
     GDC_WAIT: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
     DIRECT_P: tl.constexpr = 1,
-    EARLY: tl.constexpr = 0,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1310,10 +1165,9 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). GDC_WAIT, TAIL_LEVELS, EARLY: as
-    `_gate_up_kernel`.
+    the K steps (the bias with the first share). GDC_WAIT, TAIL_LEVELS: as `_gate_up_kernel`.
     """
-    if GDC_WAIT and EARLY == 0:
+    if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     split = pid % SPLIT_K
@@ -1323,13 +1177,12 @@ def _down_kernel(
     if ROWS == 0:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
-    if EARLY == 0:  # (EARLY: the block reads the rows after its wait)
-        _, row_ok, _, _, _, _, first_ok = _tile_rows(
-            pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-            capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS, DIRECT_P,
-        )  # fmt: skip
-        if not first_ok:
-            return
+    _, row_ok, _, _, _, _, first_ok = _tile_rows(
+        pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+        capacity, blocks_per_expert, align_m, BLOCK_M, BLOCK_M, ROWS, DIRECT_P,
+    )  # fmt: skip
+    if not first_ok:
+        return
 
     if TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
@@ -1353,7 +1206,7 @@ def _down_kernel(
             ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS,
             ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
             SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split,
-            BLOCK_M, BLOCK_M, DIRECT_P, GDC_WAIT, EARLY,
+            BLOCK_M, BLOCK_M, DIRECT_P,
         )  # fmt: skip
 
 

@@ -147,10 +147,7 @@ class PipelineConfig:
     few_blocks blocks of rows on average. Not for the w8a8 formats. On the H100 (four
     presets, T = 256-16384, benchmarks/triton_notes.md): bf16 one level took 0-8% off the
     layer; a second (block_m / 4) took up to 4% more where experts get 1-2 blocks and lost
-    1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails.
-    early_steps: with pdl and direct rows, each GEMM program loads the weight tiles of its
-    first early_steps K steps (0-2) before it waits for the kernel before, so that they
-    stream while that kernel finishes (`ops._early_meta`)."""
+    1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
@@ -163,7 +160,6 @@ class PipelineConfig:
     few_blocks_tail_levels: int = 2
     few_blocks: float = 2.0
     tail_gemms: tuple[str, ...] = ("gate_up", "down")
-    early_steps: int = 2
 
 
 PIPELINE = PipelineConfig()

@@ -262,18 +262,6 @@ def _pdl_meta(wait: bool, launch: bool) -> dict:
     return meta
 
 
-def _early_meta(early: int, rows: Rows, wq: "WeightQuant | None") -> dict:
-    """EARLY of a GEMM (`PipelineConfig.early_steps`): its programs load the weight tiles of
-    their first `early` K steps (at most 2) before they wait for the kernel before. Direct
-    rows (the experts come from the router's ids), formats whose stored values are the dot
-    operands (unquantized, w8a8)."""
-    if early <= 0 or rows.mode != k.ROWS_DIRECT:
-        return {}
-    if wq is not None and wq.quant != k.Q_W8A8:
-        return {}
-    return {"EARLY": min(early, 2)}
-
-
 def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows, wq: WeightQuant | None) -> dict:
     """TAIL_LEVELS of a GEMM (`PipelineConfig.tail_levels` and what follows it): a block whose
     valid rows fit in block_m / 2^j rows (j <= levels, at least 16 rows) multiplies only
@@ -469,7 +457,6 @@ def gate_up(
     zero: torch.Tensor | None = None,
     warmup: bool = False,
     pdl: bool = False,
-    early: int = 0,
 ) -> torch.Tensor:
     """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
@@ -477,7 +464,7 @@ def gate_up(
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
     rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet in a float32
     workspace [split_k, slots, 2I] (`_kernels._split_fixup`). pdl: the quantization of x and
-    this GEMM as programmatic dependent launches (`decode_pdl`). early: `_early_meta`."""
+    this GEMM as programmatic dependent launches (`decode_pdl`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
@@ -532,7 +519,6 @@ def gate_up(
         **(wq.meta(cfg, tile_rows, act_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
-        **_early_meta(early, rows, wq),
         **rows.meta(),
     )
     _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows, wq), warmup)
@@ -549,12 +535,11 @@ def down(
     top_k: int = 1,
     warmup: bool = False,
     pdl: bool = False,
-    early: int = 0,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
     ('atomic'). Masked rows: unweighted into out [E * capacity, H]. pdl: the quantization of h
-    and this GEMM as programmatic dependent launches (`decode_pdl`). early: `_early_meta`."""
+    and this GEMM as programmatic dependent launches (`decode_pdl`)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
@@ -599,7 +584,6 @@ def down(
         **(wq.meta(cfg, cfg.block_n, dot_dtype, fused) if wq is not None else _NO_QUANT_META),
         **_gemm_meta(cfg, I, use_tma),
         **_pdl_meta(pdl, False),
-        **_early_meta(early, rows, wq),
         **rows.meta(),
     )
     _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows, wq), warmup)
@@ -674,7 +658,6 @@ def fused_moe(
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
     pdl = decode_pdl(x_TH, T * K)
-    early = PIPELINE.early_steps if pdl else 0
     if T <= PIPELINE.direct_max_tokens:  # no alignment; an expert's pairs share a block
         cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in (cfg1, cfg2))
         rows = Rows.direct(ids.view(-1), w.num_experts)
@@ -684,11 +667,11 @@ def fused_moe(
         rows = Rows.sorted(align, w.num_experts, per_expert)
     if cfg2.reduce == "atomic":
         out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl, early=early)
-        return down(h, rows, w, cfg2, out, weights, K, pdl=pdl, early=early)
-    h = gate_up(x_TH, rows, w, act, cfg1, K, pdl=pdl, early=early)
+        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl)
+        return down(h, rows, w, cfg2, out, weights, K, pdl=pdl)
+    h = gate_up(x_TH, rows, w, act, cfg1, K, pdl=pdl)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K, pdl=pdl, early=early)
+    down(h, rows, w, cfg2, y, weights, K, pdl=pdl)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 
