@@ -127,6 +127,79 @@ def test_bad_file_names_itself(dirs):
         tc.find_table(KEY)
 
 
+GPU = "Test GPU 80GB"
+
+
+def _tuned(directory, gemm, E, n, k, top_k, configs, device=GPU, quant="unquantized",
+           capability=(9, 0)):  # fmt: skip
+    """A table as `moekit tune` writes it (meta: top_k, capability) -> its key."""
+    key = TableKey(gemm, E, n, k, "bfloat16", device, tc.triton_version(), quant)
+    meta = {"top_k": top_k, **({"capability": list(capability)} if capability else {})}
+    tc.write_table(directory / key.filename(), key, configs, meta)
+    tc.clear_cache()
+    return key
+
+
+def test_untuned_shape_takes_the_nearest_tuned_regime_and_says_so(dirs, caplog):
+    """A shape without a table takes the entry of a tuned one whose rows per used expert, output
+    width and K are nearest, blocks cut to its size; the log line names where it came from."""
+    _, shipped = dirs
+    decode, mid, big = GemmConfig(16, 64, 128, 1, 4, 5, True), GemmConfig(32), GemmConfig(128, 256)
+    _tuned(shipped, "down", 128, 2048, 768, 8, {1: decode, 64: mid, 4096: big})  # H 2048, I 768
+    with caplog.at_level("INFO", logger="moekit"):  # H 4096, I 1536: width and K twice as large
+        assert tc.get_config("down", 1, 8, 128, 4096, 1536, "bfloat16", GPU) == decode
+    assert "nearest tuned shape E=128 N=2048 K=768 top_k=8 at batch 1" in caplog.text
+    assert tc.get_config("down", 128, 8, 128, 4096, 1536, "bfloat16", GPU) == mid  # 8 rows: 4 / 64
+    assert tc.get_config("down", 8192, 8, 128, 4096, 1536, "bfloat16", GPU) == big
+    # E=32, top_k 4: T = 1 uses 4 experts, a row each, as the tuned T = 1 does (8 of 128)
+    assert tc.get_config("down", 1, 4, 32, 2048, 768, "bfloat16", GPU) == decode
+    # blocks are cut to the GEMM (gate_up: N / 2 output columns)
+    assert tc.clamp("down", big, 100, 40) == GemmConfig(128, 128, 64)
+    assert tc.clamp("gate_up", big, 100, 24) == GemmConfig(128, 64, 32)
+    # nothing within MAX_REGIME_DISTANCE (rows per expert 64 times the tuned ones): the heuristic
+    far = tc.get_config("down", 4096, 8, 2, 2048, 768, "bfloat16", GPU)
+    assert far == tc.default_config("down", 4096 * 8 / 2, 2048, 768)
+
+
+def test_transfer_keeps_to_gemm_dtype_format_and_device_family(dirs):
+    _, shipped = dirs
+    mine = GemmConfig(16, 32)
+    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: mine})
+    want = ("gate_up", 1, 2, 8, 512, 1024, "bfloat16")
+    assert tc.get_config(*want, GPU) == mine
+    assert tc.get_config("down", 1, 2, 8, 512, 1024, "bfloat16", GPU) != mine  # other GEMM
+    assert tc.get_config("gate_up", 1, 2, 8, 512, 1024, "float16", GPU) != mine  # other dtype
+    # another device: only with the same compute capability, stated by the table
+    assert tc.get_config(*want, "Other GPU") != mine
+    assert tc.get_config(*want, "Other GPU", capability=(9, 0)) == mine
+    assert tc.get_config(*want, "Other GPU", capability=(8, 0)) != mine
+    # this device wins a tie with another device of the same capability
+    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: GemmConfig(16, 64)}, device="Other GPU")
+    assert tc.get_config(*want, GPU, capability=(9, 0)) == mine
+    assert tc.get_config(*want, "Third GPU", capability=(9, 0)).block_m == 16
+    # tables that do not say their top_k (or capability) are not lent out
+    (shipped / "x.json").write_text("not json")
+    tc.clear_cache()
+    assert len(tc.tuned_shapes()) == 2
+    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: mine}, device="Fourth GPU",
+           capability=None)  # fmt: skip
+    assert tc.get_config(*want, "Fifth GPU", capability=(9, 0)).block_n == 64
+
+
+def test_quantized_shape_prefers_its_format_then_adapts_the_unquantized(dirs):
+    _, shipped = dirs
+    fp8 = "fp8_w8a8-block128x128-token_group"
+    base = GemmConfig(64, 128, 64, num_warps=8)
+    _tuned(shipped, "down", 16, 1024, 512, 4, {64: base})
+    want = ("down", 64, 4, 16, 1024, 512, "bfloat16", GPU)
+    assert tc.get_config(*want, fp8) == tc.adapt_config(base, fp8, "down")
+    tuned_fp8 = GemmConfig(16, 64, 128, 1, 4, 5, True)
+    _tuned(shipped, "down", 32, 2048, 1024, 8, {64: tuned_fp8}, quant=fp8)  # another shape
+    assert tc.get_config(*want, fp8) == tuned_fp8
+    assert tc.get_config(*want, "int4_w4a16-g128-sym") == tc.adapt_config(
+        base, "int4_w4a16-g128-sym", "down")  # fmt: skip
+
+
 @pytest.mark.parametrize("rows", [1, 4, 30, 100, 1000, 5000])
 @pytest.mark.parametrize("gemm", ["gate_up", "down"])
 def test_default_config_is_valid(gemm, rows):

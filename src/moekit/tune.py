@@ -210,28 +210,14 @@ def smem_bytes(gemm: str, c: GemmConfig, elem: TileBytes | int = 2) -> int:
     return math.ceil(total)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _clamp(gemm: str, c: GemmConfig, n: int, k: int) -> GemmConfig:
-    """Blocks no larger than the (power-of-two rounded) GEMM sizes."""
-    width = n // 2 if gemm == "gate_up" else n
-    return replace(
-        c,
-        block_n=min(c.block_n, max(16, _next_pow2(width))),
-        block_k=min(c.block_k, max(16, _next_pow2(k))),
-    )
-
-
 def fits(gemm: str, c: GemmConfig, n: int, k: int, elem: TileBytes | int = 2) -> bool:
     """Whether config `c` is worth compiling for GEMM `gemm` [N=n, K=k]: within the TMA box
     limit, its estimated shared memory (`smem_bytes`) within SMEM_LIMIT, blocks no larger
-    than the GEMM (`_clamp`)."""
+    than the GEMM (`configs.clamp`)."""
     box_rows = 2 * c.block_n if gemm == "gate_up" else max(c.block_n, c.block_m)
     if c.tma and box_rows > 256:
         return False  # a TMA box has at most 256 rows (interleaved gate_up: 2 * block_n)
-    return smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == _clamp(gemm, c, n, k)
+    return smem_bytes(gemm, c, elem) <= SMEM_LIMIT and c == tcfg.clamp(gemm, c, n, k)
 
 
 def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
@@ -274,12 +260,12 @@ def tile_candidates(gemm: str, rows_per_expert: float, n: int, k: int,
                         warps = 8 if bm * cols > area // 4 else 4
                         for tma in (False,) if weight_only else (False, True):
                             c = GemmConfig(bm, bn, bk, group, warps, stages, swap, tma=tma)
-                            c = _clamp(gemm, c, n, k)
+                            c = tcfg.clamp(gemm, c, n, k)
                             if fits(gemm, c, n, k, elem) and c not in out:
                                 out.append(c)
     if weight_only and m <= ROW1_MAX_ROWS:
         for bn, bk, stages in ROW1_TILES:
-            c = _clamp(gemm, GemmConfig(1, bn, bk, 1, 4, stages), n, k)
+            c = tcfg.clamp(gemm, GemmConfig(1, bn, bk, 1, 4, stages), n, k)
             if fits(gemm, c, n, k, elem) and c not in out:
                 out.append(c)
     return out
@@ -698,6 +684,13 @@ def device_name(device) -> str:
     return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
+def _capability(device) -> list[int] | None:
+    """The compute capability a table records (`configs.transferred` lends its configs to
+    devices of the same one), None off CUDA."""
+    device = torch.device(device)
+    return list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
 def table_keys(shape: TuneShape, device, spec=None) -> dict[str, TableKey]:
     """The two tables' keys; `spec` (QuantSpec or None) puts the weight format in them."""
     dev = device_name(device)
@@ -804,6 +797,7 @@ def tune(
                 meta.update(
                     shape=shape.describe(),
                     top_k=shape.top_k,
+                    capability=_capability(device),
                     note=note,
                     ceilings={
                         "copy_TBps": round(ceilings.copy_bytes_per_s / 1e12, 3),

@@ -10,10 +10,13 @@ names and shapes:
   down:    h [*, I] @ w2[e].T  -> N = H,  K = I
 Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
 `moekit/configs/triton`, a table tuned with this Triton version before one tuned with
-another, then the heuristic `default_config`. A quantized format without a table of its own
-takes the unquantized config of the same shape (tuned or default) through `adapt_config`
-(also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its table was tuned for).
-Which one is used is logged once per shape.
+another; without a table of its own, the config of the nearest tuned shape (`transferred`:
+same GEMM, dtype and weight format, tuned on this device or one of the same compute
+capability, at the entry whose rows per used expert, output width and K are nearest the
+call's), then the heuristic `default_config`. A quantized format without a table of its own
+or a near one takes the unquantized config of the same shape (tuned, transferred or default)
+through `adapt_config` (also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its
+table was tuned for). Which one is used is logged once per shape.
 File format (written by `moekit tune`):
   {"key": {...}, "configs": {"<T>": {GemmConfig fields}}, "meta": {...}}
 """
@@ -23,12 +26,15 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from moekit import envs
 from moekit.log import log_once
+from moekit.runners._shared import expected_experts_used
 from moekit.runners._tables import (
+    MIN_KEY,
     device_slug,
     nearest_batch,
     parse_key,
@@ -265,11 +271,117 @@ def find_table(key: TableKey) -> Table | None:
 
 def clear_cache() -> None:
     find_table.cache_clear()
+    tuned_shapes.cache_clear()
+    _transferred_cached.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The nearest tuned shape
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TunedShape:
+    """A table with what its configs were tuned for: its key, the shape's top_k and the compute
+    capability of its device (`meta`; None where the file does not say)."""
+
+    key: TableKey
+    top_k: int
+    capability: tuple[int, int] | None
+    table: Table
+
+
+@functools.cache
+def tuned_shapes() -> tuple[TunedShape, ...]:
+    """Every table in the user directory, then the shipped one, whose meta names the tuned
+    shape's top_k (as `moekit tune` writes it). Unreadable files are left out here; a lookup
+    of their own key reports them (`find_table`)."""
+    out = []
+    for directory in (user_dir(), shipped_dir()):
+        for path in sorted(directory.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+                meta = data.get("meta", {})
+                cap = meta.get("capability")
+                out.append(TunedShape(TableKey(**data["key"]), int(meta["top_k"]),
+                                      tuple(cap) if cap else None, read_table(path)))  # fmt: skip
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return tuple(out)
+
+
+def _regime(num_tokens: float, top_k: int, num_experts: int, n: int, k: int):
+    """Where a call sits for config choice, as log2 of: rows per used expert (block_m, swap),
+    output columns over the used experts (programs, waves), and K (K step, split-K)."""
+    pairs = max(num_tokens, MIN_KEY) * top_k
+    used = max(expected_experts_used(pairs, num_experts), 1e-9)
+    return (math.log2(max(pairs / used, 1.0)), math.log2(used * n), math.log2(k))
+
+
+# Weights of the regime's three distances (rows per used expert counts most), and the largest
+# distance a transferred entry may have (2: a factor 4 in rows per used expert alone).
+REGIME_WEIGHTS = (1.0, 0.5, 0.5)
+MAX_REGIME_DISTANCE = 2.0
+
+
+def transferred(
+    gemm: str, num_tokens: float, top_k: int, num_experts: int, n: int, k: int, dtype: str,
+    device: str, quant: str, capability: tuple[int, int] | None,
+    shapes: tuple[TunedShape, ...] | None = None,
+) -> tuple[GemmConfig, str] | None:  # fmt: skip
+    """(config, where from) for a GEMM [N=n, K=k] without a table of its own: the entry, among
+    the tables `shapes` (default `tuned_shapes()`) of the same GEMM, dtype and weight format
+    tuned on `device` or on a device of the same compute `capability` (None: `device` only),
+    whose regime (`_regime`) is nearest the call's, within MAX_REGIME_DISTANCE; ties go to
+    this device, then this Triton version. Its blocks are cut to the GEMM's size (`clamp`).
+    None when no entry qualifies."""
+    want = _regime(num_tokens, top_k, num_experts, n, k)
+    running = triton_version()
+    best = None
+    for s in tuned_shapes() if shapes is None else shapes:
+        key = s.key
+        if (key.gemm, key.dtype, key.quant) != (gemm, dtype, quant):
+            continue
+        same_device = key.device == device
+        if not same_device and (capability is None or s.capability != tuple(capability)):
+            continue
+        for batch in s.table.configs:
+            have = _regime(batch, s.top_k, key.num_experts, key.n, key.k)
+            dist = sum(w * abs(a - b) for w, a, b in zip(REGIME_WEIGHTS, want, have, strict=True))
+            rank = (round(dist, 6), not same_device, key.triton != running)
+            if dist <= MAX_REGIME_DISTANCE and (best is None or rank < best[0]):
+                best = (rank, s, batch)
+    if best is None:
+        return None
+    _, s, batch = best
+    k_ = s.key
+    where = (f"nearest tuned shape E={k_.num_experts} N={k_.n} K={k_.k} top_k={s.top_k} at "
+             f"batch {batch} ({s.table.source})")  # fmt: skip
+    return clamp(gemm, s.table.configs[batch], n, k), where
+
+
+@functools.lru_cache(maxsize=4096)
+def _transferred_cached(*args):
+    """`transferred` over `tuned_shapes()`, once per call signature (the host path of a call)."""
+    return transferred(*args)
+
+
+def clamp(gemm: str, c: GemmConfig, n: int, k: int) -> GemmConfig:
+    """Blocks no larger than the (power-of-two rounded up) GEMM sizes: N (gate_up: I = N / 2
+    output columns a program) and K."""
+    width = n // 2 if gemm == "gate_up" else n
+    return replace(c, block_n=min(c.block_n, _pow2_at_least(width)),
+                   block_k=min(c.block_k, _pow2_at_least(k)))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
 # Heuristic default
 # ---------------------------------------------------------------------------------------------
+
+
+def _pow2_at_least(n: int) -> int:
+    """The smallest power of two >= max(n, 16)."""
+    return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
@@ -349,9 +461,11 @@ def get_config(
     dtype: str,
     device: str,
     quant: str = "unquantized",
+    capability: tuple[int, int] | None = None,
 ) -> GemmConfig:
-    """The config for one GEMM of a call with `num_tokens` tokens (tuned table, else default)
-    for weight format `quant` (a `quant_tag`)."""
+    """The config for one GEMM of a call with `num_tokens` tokens (tuned table, else the
+    nearest tuned shape, else default; see the module docstring) for weight format `quant` (a
+    `quant_tag`) on `device` of compute `capability` (None: no transfer from other devices)."""
     n, k = gemm_shape(gemm, hidden, intermediate)
     key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
     table = find_table(key)
@@ -362,6 +476,12 @@ def get_config(
         note = version_note(table.source, key.triton)
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
         return table.pick(num_tokens)
+    near = _transferred_cached(gemm, num_tokens, top_k, num_experts, n, k, dtype, device, quant,
+                               None if capability is None else tuple(capability))  # fmt: skip
+    if near is not None:
+        log_once(logging.INFO, f"{what}: no tuned config file ({key.filename()}); using the "
+                 f"{near[1]} (`moekit tune` makes one)")  # fmt: skip
+        return near[0]
     if quant != "unquantized":
         log_once(
             logging.INFO,
@@ -369,7 +489,7 @@ def get_config(
             "adapted to the format (`moekit tune --quantization` makes one)",
         )
         base = get_config(gemm, num_tokens, top_k, num_experts, hidden, intermediate, dtype,
-                          device)  # fmt: skip
+                          device, capability=capability)  # fmt: skip
         return adapt_config(base, quant, gemm)
     log_once(
         logging.INFO,

@@ -610,13 +610,15 @@ def configs_for(
 ) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config) for a standard call with `num_tokens` tokens' worth of
     local pairs (T * local_share: may be below 1 on an EP rank)."""
-    dev = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    cuda = device.type == "cuda"
+    dev = torch.cuda.get_device_name(device) if cuda else "cpu"
+    cap = torch.cuda.get_device_capability(device) if cuda else None
     name = _TL_DTYPES[dtype]
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
     quant = quant_tag(w.spec)
     return (
-        get_config("gate_up", num_tokens, top_k, E, H, I, name, dev, quant),
-        get_config("down", num_tokens, top_k, E, H, I, name, dev, quant),
+        get_config("gate_up", num_tokens, top_k, E, H, I, name, dev, quant, cap),
+        get_config("down", num_tokens, top_k, E, H, I, name, dev, quant, cap),
     )
 
 
