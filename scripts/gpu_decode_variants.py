@@ -1,8 +1,8 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|row1] [--tiles 'bn,bk,w,s;...']
-        [--out NAME]
+        [--min-gain 1.03] [--variants split|down-split|row1|pairs] [--tiles 'bn,bk,w,s;...']
+        [--pairs 'NAME=GATE_UP,DOWN;...'] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
@@ -13,6 +13,10 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
               (ROW1_TILES, or --tiles)
+  NAME        (--variants pairs) the configs --pairs names, written as the probes print them
+              (`config_code`: m128n64k128g8w8s3 = block_m 128, block_n 64, block_k 128, group_m
+              8, 8 warps, 3 stages; then S swap_ab, T TMA, A atomic reduce, xN split-K); '-'
+              keeps the table's config of that GEMM
 timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
 (copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/NAME.json and
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -42,6 +47,7 @@ from moekit.layer import RunnerCache
 from moekit.report import metadata
 from moekit.runners._tables import quant_tag, table_key, triton_version
 from moekit.runners.triton import configs as tcfg
+from moekit.runners.triton.configs import GemmConfig
 from moekit.runners.triton import ops
 from moekit.select_tune import sweep_spec
 from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
@@ -66,11 +72,30 @@ ROW1_TILES = (
 )
 
 
+CODE = re.compile(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)(S?)(T?)(A?)(?:x(\d+))?")
+
+
+def config_code(text: str) -> GemmConfig:
+    """A GemmConfig from its short code (m128n64k128g8w8s3TAx4; see the module docstring)."""
+    m = CODE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"--pairs: bad config code {text!r} (e.g. m128n64k128g8w8s3TAx4)")
+    bm, bn, bk, g, w, st = (int(v) for v in m.groups()[:6])
+    return GemmConfig(bm, bn, bk, g, w, st, bool(m[7]), "atomic" if m[9] else "kernel",
+                      bool(m[8]), int(m[10] or 1))  # fmt: skip
+
+
 def variants(kind: str = "split") -> dict:
     """name -> f(gate_up config, down config) -> (gate_up config, down config). kind 'split':
     gate_up split over K; 'down-split': down split over K; 'row1': both GEMMs with one pair per program (block_m 1, products
     on the CUDA cores), with the table's tiles and with the tiles of ROW1_TILES."""
     out = {"table": lambda c1, c2: (c1, c2)}
+    if kind == "pairs":
+        for item in _option("--pairs", "").split(";"):
+            name, codes = item.split("=")
+            gu, dn = (None if c == "-" else config_code(c) for c in codes.split(","))
+            out[name] = lambda c1, c2, gu=gu, dn=dn: (gu or c1, dn or c2)
+        return out
     if kind == "split":
         for s in (2, 4, 8):
             out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
