@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
         [--min-gain 1.03] [--variants split|down-split|row1|pairs] [--tiles 'bn,bk,w,s;...']
-        [--pairs 'NAME=GATE_UP,DOWN;...'] [--out NAME]
+        [--pairs 'NAME=GATE_UP,DOWN;...'] [--seed 0] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
 layer (MoE.forward_topk, `triton` runner, CUDA-graph replay, the input sets rotated as `moekit
@@ -17,7 +17,8 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
               (`config_code`: m128n64k128g8w8s3 = block_m 128, block_n 64, block_k 128, group_m
               8, 8 warps, 3 stages; then S swap_ab, T TMA, A atomic reduce, xN split-K); '-'
               keeps the table's config of that GEMM
-timed in turns (`time_ms_interleaved`). Where a variant beats `table` by at least --min-gain,
+timed in turns (`time_ms_interleaved`) on the routings drawn from --seed (per job, batch sizes
+in order). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
 (copies of the shipped tables; meta.decode_variants records the timings). Writes $OUT/NAME.json and
 $OUT/NAME_cfg.tgz (NAME: --out, default decode_variants).
@@ -145,6 +146,7 @@ def main() -> None:
     batches = [int(b) for b in _option("--batches", "1,4,16,64").split(",")]
     min_gain = float(_option("--min-gain", "1.03"))
     kind = _option("--variants", "split")
+    seed = int(_option("--seed", "0"))
     out_name = _option("--out", "decode_variants")
     (CFG / "triton").mkdir(parents=True, exist_ok=True)
     for f in tcfg.shipped_dir().glob("*.json"):
@@ -158,7 +160,7 @@ def main() -> None:
                           batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
         module = build_layer(spec)
         module.runners = RunnerCache(RunnerConfig("triton"))
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator().manual_seed(seed)
         for T in batches:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
             seen = {}
