@@ -164,26 +164,32 @@ def test_untuned_shape_takes_the_nearest_tuned_regime_and_says_so(dirs, caplog):
 def test_transfer_keeps_to_gemm_dtype_format_and_device_family(dirs):
     _, shipped = dirs
     mine = GemmConfig(16, 32)
-    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: mine})
-    want = ("gate_up", 1, 2, 8, 512, 1024, "bfloat16")
+    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: mine})  # H 512, I 1024
+    want = ("gate_up", 1, 2, 8, 1024, 1024, "bfloat16")  # H 1024: no table of its own
     assert tc.get_config(*want, GPU) == mine
-    assert tc.get_config("down", 1, 2, 8, 512, 1024, "bfloat16", GPU) != mine  # other GEMM
-    assert tc.get_config("gate_up", 1, 2, 8, 512, 1024, "float16", GPU) != mine  # other dtype
+    assert tc.get_config("down", 1, 2, 8, 1024, 1024, "bfloat16", GPU) != mine  # other GEMM
+    assert tc.get_config("gate_up", 1, 2, 8, 1024, 1024, "float16", GPU) != mine  # other dtype
     # another device: only with the same compute capability, stated by the table
     assert tc.get_config(*want, "Other GPU") != mine
     assert tc.get_config(*want, "Other GPU", capability=(9, 0)) == mine
     assert tc.get_config(*want, "Other GPU", capability=(8, 0)) != mine
-    # this device wins a tie with another device of the same capability
-    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: GemmConfig(16, 64)}, device="Other GPU")
+    # equally near tables of two devices: the asking device's own wins
+    theirs = GemmConfig(16, 64)
+    _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: theirs}, device="Other GPU")
     assert tc.get_config(*want, GPU, capability=(9, 0)) == mine
-    assert tc.get_config(*want, "Third GPU", capability=(9, 0)).block_m == 16
+    assert tc.get_config(*want, "Other GPU", capability=(9, 0)) == theirs
     # tables that do not say their top_k (or capability) are not lent out
     (shipped / "x.json").write_text("not json")
     tc.clear_cache()
     assert len(tc.tuned_shapes()) == 2
+    tc.clear_cache()
+    for path in shipped.glob("*.json"):
+        if path.name != "x.json":
+            path.unlink()
     _tuned(shipped, "gate_up", 8, 2 * 1024, 512, 2, {1: mine}, device="Fourth GPU",
            capability=None)  # fmt: skip
-    assert tc.get_config(*want, "Fifth GPU", capability=(9, 0)).block_n == 64
+    assert tc.get_config(*want, "Fifth GPU", capability=(9, 0)) != mine
+    assert tc.get_config(*want, "Fourth GPU") == mine
 
 
 def test_quantized_shape_prefers_its_format_then_adapts_the_unquantized(dirs):
