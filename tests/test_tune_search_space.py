@@ -200,3 +200,14 @@ def test_round_two_seeds_are_distinct_tile_shapes():
     assert best_shapes([(1.0, a), (2.0, swapped), (3.0, b)]) == [a, swapped]
     assert best_shapes([(1.0, a)]) == [a]
     assert best_shapes([]) == []
+
+
+def test_points_are_timed_on_several_routings():
+    """At least tune.MIN_ROUTINGS routings a point (a config's edge can be one draw's), more
+    while the timed weights would sit in L2, at most 8."""
+    from moekit import tune
+
+    big = tune.TuneShape(8, 2, 4096, 7168)
+    small = tune.TuneShape(128, 8, 256, 64)
+    assert tune.rotations(big, 256) == tune.MIN_ROUTINGS >= 4
+    assert tune.rotations(small, 1) == 8

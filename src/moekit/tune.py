@@ -38,6 +38,10 @@ from moekit.runners.triton.configs import GemmConfig, TableKey
 BATCH_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 SMEM_LIMIT = 220 * 1024  # bytes; configs estimated above it are not tried (H100: 227 KB)
 L2_ROTATE_BYTES = 200e6  # rotate routings until the timed weights exceed about 4 x L2
+# ... and over at least this many: an expert's rows differ from draw to draw, and a config that
+# wins by 2% on one routing can lose on others (mixtral TP2 T = 256: benchmarks/triton_notes.md,
+# session 32)
+MIN_ROUTINGS = 4
 
 
 @dataclass(frozen=True)
@@ -357,14 +361,15 @@ def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) ->
 
 
 def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None = None) -> int:
-    """How many routings to rotate through so the timed weights do not sit in L2
-    (`bytes_per_expert`: of quantized weights; default: the shape's dtype)."""
+    """How many routings to time a point on: at least MIN_ROUTINGS, and enough that the timed
+    weights do not sit in L2 (`bytes_per_expert`: of quantized weights; default: the shape's
+    dtype); at most 8."""
     elem = DTYPES[shape.dtype].itemsize
     touched = max(1, min(shape.num_experts, round(T * shape.top_k * shape.local_share)))
     if bytes_per_expert is None:
         bytes_per_expert = 3 * shape.hidden * shape.intermediate * elem
     weight_bytes = touched * bytes_per_expert
-    return max(1, min(8, math.ceil(L2_ROTATE_BYTES / weight_bytes)))
+    return max(MIN_ROUTINGS, min(8, math.ceil(L2_ROTATE_BYTES / weight_bytes)))
 
 
 @dataclass
