@@ -47,12 +47,6 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
 BATCHES = "1,4,16,64,256,1024,4096,16384"
 
 
-def _short(c) -> str:
-    return (f"m{c.block_m}n{c.block_n}k{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
-            f"{'S' if c.swap_ab else ''}{'T' if c.tma else ''}{'A' if c.reduce == 'atomic' else ''}"
-            f"{f'x{c.split_k}' if c.split_k > 1 else ''}")  # fmt: skip
-
-
 def resolvers(w, device_name: str, other: str) -> dict:
     """variant -> context in which `ops.configs_for` resolves as that variant says."""
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
@@ -113,7 +107,7 @@ def main() -> None:
                     with ctx():
                         cfgs = real_configs_for(num_tokens, top_k, w, dtype, device)
                     tcfg.clear_cache()
-                    picked[name] = {"gate_up": _short(cfgs[0]), "down": _short(cfgs[1])}
+                    picked[name] = {"gate_up": cfgs[0].code(), "down": cfgs[1].code()}
                     return cfgs
 
                 return lambda: mock.patch.object(ops, "configs_for", configs_for)

@@ -13,10 +13,10 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
               (ROW1_TILES, or --tiles)
-  NAME        (--variants pairs) the configs --pairs names, written as the probes print them
-              (`config_code`: m128n64k128g8w8s3 = block_m 128, block_n 64, block_k 128, group_m
-              8, 8 warps, 3 stages; then S swap_ab, T TMA, A atomic reduce, xN split-K); '-'
-              keeps the table's config of that GEMM
+  NAME        (--variants pairs) the configs --pairs names, as `moekit tune` logs them
+              (`GemmConfig.code`: m128n64k128g8w8s3 = block_m 128, block_n 64, block_k 128,
+              group_m 8, 8 warps, 3 stages; then T swap_ab, A atomic reduce, M TMA, K<n>
+              split-K); '-' keeps the table's config of that GEMM
 timed in turns (`time_ms_interleaved`) on the routings drawn from --seed (per job, batch sizes
 in order). Where a variant beats `table` by at least --min-gain,
 the table gets an entry for the call's own key (T x local share) with it, in $OUT/cfg/triton
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import tarfile
@@ -73,19 +72,6 @@ ROW1_TILES = (
 )
 
 
-CODE = re.compile(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)(S?)(T?)(A?)(?:x(\d+))?")
-
-
-def config_code(text: str) -> GemmConfig:
-    """A GemmConfig from its short code (m128n64k128g8w8s3TAx4; see the module docstring)."""
-    m = CODE.fullmatch(text)
-    if m is None:
-        raise ValueError(f"--pairs: bad config code {text!r} (e.g. m128n64k128g8w8s3TAx4)")
-    bm, bn, bk, g, w, st = (int(v) for v in m.groups()[:6])
-    return GemmConfig(bm, bn, bk, g, w, st, bool(m[7]), "atomic" if m[9] else "kernel",
-                      bool(m[8]), int(m[10] or 1))  # fmt: skip
-
-
 def variants(kind: str = "split") -> dict:
     """name -> f(gate_up config, down config) -> (gate_up config, down config). kind 'split':
     gate_up split over K; 'down-split': down split over K; 'row1': both GEMMs with one pair per program (block_m 1, products
@@ -94,7 +80,7 @@ def variants(kind: str = "split") -> dict:
     if kind == "pairs":
         for item in _option("--pairs", "").split(";"):
             name, codes = item.split("=")
-            gu, dn = (None if c == "-" else config_code(c) for c in codes.split(","))
+            gu, dn = (None if c == "-" else GemmConfig.from_code(c) for c in codes.split(","))
             out[name] = lambda c1, c2, gu=gu, dn=dn: (gu or c1, dn or c2)
         return out
     if kind == "split":

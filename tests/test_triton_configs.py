@@ -328,3 +328,14 @@ def test_ep_tune_routes_over_all_experts_and_keys_by_local_tokens(tmp_path):
         assert json.loads(Path(path).read_text())["meta"]["points"]["0.5"]["tokens"] == 2
     with pytest.raises(ConfigError, match="local_share"):
         TuneShape(4, 2, 32, 24, local_share=0)
+
+
+def test_config_code_round_trips():
+    """`GemmConfig.code` (how `moekit tune` logs configs and probes take them) and its parse."""
+    for c in (GemmConfig(), GemmConfig(1, 16, 256), GemmConfig(16, 64, 128, 1, 4, 5, True, "atomic",
+                                                              True, 4)):  # fmt: skip
+        assert GemmConfig.from_code(c.code()) == c
+    atomic_tma = GemmConfig(64, 128, 64, 8, 4, 3, reduce="atomic", tma=True)
+    assert atomic_tma.code() == "m64n128k64g8w4s3AM"
+    with pytest.raises(ValueError, match="bad config code"):
+        GemmConfig.from_code("m64n128k64g8w4s3TAx4")

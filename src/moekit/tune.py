@@ -579,7 +579,7 @@ def _search(
     ok = _ranked(tried)
     best_t, best = ok[0]
     summary = {
-        _short(c): (round(t, 2) if isinstance(t, float) else t) for c, t in tried.items()
+        c.code(): (round(t, 2) if isinstance(t, float) else t) for c, t in tried.items()
     }
     return best, best_t, summary
 
@@ -599,13 +599,6 @@ def best_shapes(ranked: list[tuple[float, GemmConfig]], n: int = 2) -> list[Gemm
             if len(out) == n:
                 break
     return out
-
-
-def _short(c: GemmConfig) -> str:
-    s = f"m{c.block_m}n{c.block_n}k{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
-    return s + ("T" if c.swap_ab else "") + ("A" if c.reduce == "atomic" else "") + (
-        "M" if c.tma else ""
-    ) + (f"K{c.split_k}" if c.split_k > 1 else "")
 
 
 def tune_point(
@@ -813,8 +806,8 @@ def tune(
                 tcfg.write_table(path, keys[gemm], configs, meta)
                 tables[gemm] = (configs, meta)
             bar.console.log(
-                f"T={T}: gate_up {_short(r.gate_up)} {r.gate_up_us:.1f}us, down "
-                f"{_short(r.down)} {r.down_us:.1f}us, layer {r.layer_us:.1f}us = "
+                f"T={T}: gate_up {r.gate_up.code()} {r.gate_up_us:.1f}us, down "
+                f"{r.down.code()} {r.down_us:.1f}us, layer {r.layer_us:.1f}us = "
                 f"{r.ratio:.2f}x floor ({time.perf_counter() - t0:.0f}s)"
             )
     tcfg.clear_cache()
@@ -852,7 +845,7 @@ def measure(
             for t in p.topks:
                 ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
 
-        row = {"T": T, "routing": routing, "gate_up": _short(cfgs[0]), "down": _short(cfgs[1])}
+        row = {"T": T, "routing": routing, "gate_up": cfgs[0].code(), "down": cfgs[1].code()}
         row["layer_us"] = _time_us(layer, device, p.R, warmup=10, samples=15)
         E, H, I = shape.num_experts, shape.hidden, shape.intermediate
         floors = [

@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from moekit.runners._tables import (
 )
 
 GEMMS = ("gate_up", "down")
+_CODE = re.compile(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)(T?)(A?)(M?)(?:K(\d+))?")
 REDUCE_MODES = ("kernel", "atomic")
 SPLIT_K_OPTIONS = (1, 2, 4, 8)
 
@@ -109,6 +111,26 @@ class GemmConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def code(self) -> str:
+        """A short name, as `moekit tune` logs configs and probes take them: m64n128k64g8w4s3
+        (block_m, block_n, block_k, group_m, warps, stages), then T swap_ab, A atomic reduce,
+        M TMA, K<n> split-K."""
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
+                f"w{self.num_warps}s{self.num_stages}" + ("T" if self.swap_ab else "")
+                + ("A" if self.reduce == "atomic" else "") + ("M" if self.tma else "")
+                + (f"K{self.split_k}" if self.split_k > 1 else ""))  # fmt: skip
+
+    @classmethod
+    def from_code(cls, text: str) -> GemmConfig:
+        """The config `code()` names; ValueError for anything else."""
+        m = _CODE.fullmatch(text)
+        if m is None:
+            raise ValueError(f"GemmConfig: bad config code {text!r} (e.g. m64n128k64g8w4s3AMK4)")
+        bm, bn, bk, g, w, st = (int(v) for v in m.groups()[:6])
+        return cls(bm, bn, bk, g, w, st, swap_ab=bool(m[7]),
+                   reduce="atomic" if m[8] else "kernel", tma=bool(m[9]),
+                   split_k=int(m[10] or 1))  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -229,10 +251,10 @@ class Table:
         return self.configs[nearest_batch(self.configs, num_tokens)]
 
 
-def read_table(path: Path) -> Table:
-    """Load one JSON table; errors name the file."""
+def read_table(path: Path, data: dict | None = None) -> Table:
+    """Load one JSON table (`data`: its contents, when already parsed); errors name the file."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text()) if data is None else data
         configs = {parse_key(b): GemmConfig.from_dict(c) for b, c in data["configs"].items()}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"bad triton config file {path}: {err}") from err
@@ -304,7 +326,8 @@ def tuned_shapes() -> tuple[TunedShape, ...]:
                 meta = data.get("meta", {})
                 cap = meta.get("capability")
                 out.append(TunedShape(TableKey(**data["key"]), int(meta["top_k"]),
-                                      tuple(cap) if cap else None, read_table(path)))  # fmt: skip
+                                      tuple(cap) if cap else None,
+                                      read_table(path, data)))  # fmt: skip
             except (OSError, ValueError, KeyError, TypeError):
                 continue
     return tuple(out)

@@ -15,6 +15,7 @@ the intermediate h before down) and multiply fp8 / int8 operands on the tensor c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -605,14 +606,21 @@ def sum_topk(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: to
     return out
 
 
+@functools.cache
+def _device_key(device: torch.device) -> tuple[str, tuple[int, int] | None]:
+    """(name, compute capability) of `device` as the config tables name it; ('cpu', None) off
+    CUDA. Once per device: `configs_for` runs on every call."""
+    if device.type != "cuda":
+        return "cpu", None
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+
+
 def configs_for(
     num_tokens: float, top_k: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
 ) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config) for a standard call with `num_tokens` tokens' worth of
     local pairs (T * local_share: may be below 1 on an EP rank)."""
-    cuda = device.type == "cuda"
-    dev = torch.cuda.get_device_name(device) if cuda else "cpu"
-    cap = torch.cuda.get_device_capability(device) if cuda else None
+    dev, cap = _device_key(device)
     name = _TL_DTYPES[dtype]
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
     quant = quant_tag(w.spec)
