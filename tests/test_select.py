@@ -283,15 +283,112 @@ def test_table_with_no_usable_backend_falls_back(fakes):
 
 @pytest.mark.parametrize(
     "change",
-    [dict(device_name="NVIDIA H200"), dict(num_experts=64), dict(top_k=4), dict(dtype="float16"),
-     dict(weight_format="fp8_w8a8", weight_spec="fp8_w8a8(...)"), dict(format="masked"),
-     dict(activation="gelu")],
+    [dict(device_name="NVIDIA H200"), dict(dtype="float16"),
+     dict(weight_format="fp8_w8a8", weight_spec="fp8_w8a8(...)"), dict(format="masked")],
 )
-def test_table_key_must_match(fakes, change):
+def test_table_of_another_family_is_not_used(fakes, change):
+    """Another device (its compute capability not recorded), dtype, weight spec or dispatch
+    format: neither this shape's table nor a nearest shape's; the default order applies."""
     t = table(SWEEP)
     t = SelectionTable(replace(t.key, **change), t.libraries, t.points, "<other>")
     d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[t])
     assert "no selection table" in d.reason and d.backend == "triton"
+    assert "nor any other shape" in d.reason
+
+
+@pytest.mark.parametrize("change", [dict(num_experts=64), dict(top_k=4), dict(activation="gelu")])
+def test_table_of_another_shape_is_borrowed(fakes, change):
+    """Another E, K or activation: not this shape's table, but the nearest measured shape's
+    (at T = 4096, where SWEEP measured every backend that can run here)."""
+    t = table(SWEEP)
+    t = SelectionTable(replace(t.key, **change), t.libraries, t.points, "<other>")
+    d = select_runner(shaped(4096), RunnerConfig("auto"), H100, tables=[t])
+    assert d.backend == "deep_gemm", d.reason
+    assert "no selection table of this shape" in d.reason and "nearest measured shape" in d.reason
+    assert d.reason.count("from <other>") == 1, d.reason
+
+
+def other_shape(points, *, work=None, source="<other>", libs=None, device="NVIDIA H100 80GB HBM3",
+                meta=None, **change) -> SelectionTable:
+    """A table measured for a shape other than `shaped`'s (fields of TableKey in `change`)."""
+    t = table(points, work=work, libs=libs, device=device)
+    return SelectionTable(replace(t.key, **change), t.libraries, t.points, source, meta or {})
+
+
+def test_nearest_shape_matches_rows_per_expert_not_batch_size(fakes):
+    """qwen3's shape at T = 32 has 2 rows per expert (32 * 8 / 128). A table of E = 64 has 2 at
+    T = 16 (distance 0.5: E differs by 2x) and 4 at T = 32 (distance 1.5): T = 16 is used."""
+    t = other_shape({16: {"triton": 0.01, "cutlass": 0.02}, 32: {"triton": 0.02, "cutlass": 0.01}},
+                    num_experts=64)
+    d = select_runner(shaped(32), RunnerConfig("auto"), H100, tables=[t])
+    assert d.backend == "triton", d.reason
+    assert "at T=16, 2 rows per expert (here 2), distance 0.50" in d.reason
+
+
+def test_nearest_shape_counts_local_pairs_on_an_ep_rank(fakes):
+    """An EP rank that sees every token holds T * K / ep local pairs: with local_share 1/8 the
+    call below has 16 * 8 / 8 / 128 = 0.125 rows per expert, as many as the E = 64 table's
+    T = 1 point (distance 0.5: E), against 2 at its T = 16 (4.5)."""
+    t = other_shape({1: {"triton": 0.01, "cutlass": 0.02}, 16: {"triton": 0.02, "cutlass": 0.01}},
+                    num_experts=64)
+    work = shaped(16, local_share=1 / 8)
+    d = select_runner(work, RunnerConfig("auto"), H100, tables=[t])
+    assert d.backend == "triton" and "at T=1, 0.125 rows per expert (here 0.125)" in d.reason
+    # a table measured on an EP rank (meta ep_size 8) is placed the same way: T = 8 there
+    t_ep = other_shape({8: {"triton": 0.01, "cutlass": 0.02}, 1: {"triton": 0.02, "cutlass": 0.01}},
+                       num_experts=64, meta={"ep_size": 8})
+    d = select_runner(work, RunnerConfig("auto"), H100, tables=[t_ep])
+    assert d.backend == "triton" and "at T=8, 0.125 rows per expert (here 0.125)" in d.reason
+    par = ParallelConfig(tp_size=8, ep_size=8)
+    assert workload_for(preset("deepseek-v3"), 4, parallel=par).local_share == 1 / 8
+
+
+def test_nearest_shape_needs_every_usable_backend_measured(fakes):
+    """The nearest point did not measure cutlass, which can run here and another point of the
+    tables measured: a farther point that ranks it is used (cutlass's absence there may only
+    mean it could not run at that shape)."""
+    near = other_shape({16: {"triton": 0.01}}, num_experts=64, source="near")
+    far = other_shape({16: {"triton": 0.02, "cutlass": 0.01}}, num_experts=16, source="far")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[near, far])
+    assert d.backend == "cutlass" and "from far" in d.reason, d.reason
+    # a backend no table measured (triton_kernel here) does not disqualify any point
+    assert "triton_kernel" not in {b for t in (near, far) for p in t.points for b in p.ms}
+
+
+def test_nearest_shape_within_max_distance(fakes):
+    """A point farther than MAX_DISTANCE is not borrowed: the default order applies."""
+    t = other_shape({16: {"triton": 0.02, "cutlass": 0.01}}, num_experts=128 * 2 ** 7,
+                    source="far")  # fmt: skip
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[t])  # 3.5 + 7 away
+    assert d.backend == "triton" and "no other shape's point within distance 7" in d.reason
+
+
+def test_nearest_shape_prefers_library_versions_then_distance(fakes):
+    near_other_triton = other_shape({16: {"triton": 0.01, "cutlass": 0.02}}, num_experts=64,
+                                    libs={**LIBS, "triton": "3.9.0"}, source="near")
+    far_same = other_shape({16: {"triton": 0.02, "cutlass": 0.01}}, num_experts=8, source="far")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100_NO_DG,
+                      tables=[near_other_triton, far_same])
+    assert d.backend == "cutlass" and "from far" in d.reason and "same library versions" in \
+        d.reason
+
+
+def test_nearest_shape_on_another_device_of_the_same_capability(fakes):
+    """An H200 table of this very shape (capability recorded) is borrowed at distance
+    OTHER_DEVICE, ahead of this device's tables of shapes farther away; one without a recorded
+    capability is never used for another device."""
+    h200 = other_shape({16: {"triton": 0.01, "cutlass": 0.02}}, device="NVIDIA H200",
+                       meta={"capability": [9, 0]}, source="h200")
+    far_here = other_shape({16: {"triton": 0.02, "cutlass": 0.01}}, num_experts=16, source="far")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[far_here, h200])
+    assert d.backend == "triton" and "from h200" in d.reason and "distance 1.00" in d.reason
+    assert "on NVIDIA H200" in d.reason
+    near_here = other_shape({8: {"triton": 0.02, "cutlass": 0.01}}, num_experts=64, source="near")
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[near_here, h200])
+    assert d.backend == "cutlass" and "distance 0.50" in d.reason  # E = 64 at T = 8: 1 row
+    blackwell = replace(H100, device_name="NVIDIA B200", capability=(10, 0))
+    d = select_runner(shaped(16), RunnerConfig("auto"), blackwell, tables=[h200])
+    assert "no selection table" in d.reason and "nor any other shape" in d.reason
 
 
 def test_table_device_name_is_case_insensitive(fakes):
@@ -592,6 +689,21 @@ def test_shipped_tables_are_keyed_like_their_presets_layers_and_drive_auto(fakes
             point = t.nearest(T)
             assert d.backend == point.ranking[0], (t.source, T, d.reason)
             assert "same library versions" in d.reason
+
+
+def test_shipped_tables_rank_backends_for_an_untuned_preset(fakes):
+    """qwen3-235b-a22b has no table: `auto` borrows the nearest shipped shape's point (the
+    shipped tables record capability 9.0, so an H800 uses them too)."""
+    shipped = select_table.load_dir(select_table.shipped_dir())
+    assert all(t.meta.get("capability") == [9, 0] for t in shipped)
+    work = workload_for(preset("qwen3-235b-a22b"), 4096, parallel=ParallelConfig())
+    for device in ("NVIDIA H100 80GB HBM3", "NVIDIA H800"):
+        plat = Platform("cuda", device, (9, 0), 1, {"torch": "2.11.0+cu130", "triton": "3.9.0",
+                                                    "sgl-deep-gemm": "0.2.2"})  # fmt: skip
+        d = select_runner(work, RunnerConfig("auto"), plat, tables=shipped)
+        assert "no selection table of this shape" in d.reason, d.reason
+        assert "nearest measured shape" in d.reason and "same library versions" in d.reason
+        assert "__triton3.9.0_deepgemm0.2.2.json" in d.reason
 
 
 def test_shipped_h200_tables_for_triton_39_without_deep_gemm(fakes):

@@ -66,6 +66,7 @@ def workload_of(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) 
         intermediate_size=weights.intermediate_size,
         top_k=d.topk.top_k if isinstance(d, StandardDispatchOutput) else None,
         weight_spec=weights.spec,
+        local_share=d.local_share if isinstance(d, StandardDispatchOutput) else 1.0,
     )
 
 

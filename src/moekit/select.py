@@ -10,9 +10,11 @@ How a backend is chosen (`select_runner`):
      (library missing, needs SM100, format not supported, ...).
   3. `auto`: the backends that can run the workload here (hardware, libraries, weight format,
      dispatch format, dtype, shape) are ranked by the measured selection table of this device and
-     shape (`moekit.select_table`; nearest measured batch size); without a table, by the default
-     preference order, which switches at the adaptive threshold like rule 1 (and puts deep_gemm
-     first in the masked format, and for fp8 block-scaled weights at or above the threshold).
+     shape (`moekit.select_table`; nearest measured batch size); for a shape without a table, by
+     the nearest measured shape's point (same format, weight spec and dtype; this device or its
+     compute capability); without any, by the default preference order, which switches at
+     the adaptive threshold like rule 1 (and puts deep_gemm first in the masked format, and for
+     fp8 block-scaled weights at or above the threshold).
 
 Each new decision is logged once. Decisions are cached per `Workload` by the layer
 (`moekit.layer.RunnerCache`); the workload includes the batch size, so under CUDA graphs each
@@ -94,7 +96,9 @@ class Workload:
     experts have biases; the per-rank shape when known (E_local, H, I_local, K columns of the
     routing; the parallel config enters through them: E_local = E / ep, I_local = I / moe_tp).
     The shape fields are optional: without them the selection table cannot be consulted and the
-    shape rules of the runners are not checked.
+    shape rules of the runners are not checked. local_share: the expected share of a row's K
+    pairs that are this rank's (`StandardDispatchOutput.local_share`; 1 / ep on an EP rank that
+    sees every token), which places a shape without a table of its own among the measured ones.
     """
 
     num_tokens: int
@@ -109,6 +113,7 @@ class Workload:
     intermediate_size: int | None = None
     top_k: int | None = None
     weight_spec: "QuantSpec | None" = None
+    local_share: float = 1.0
 
     @property
     def has_shape(self) -> bool:
@@ -138,6 +143,7 @@ def workload_for(
         intermediate_size=moe.intermediate_size // parallel.moe_tp_size,
         top_k=moe.total_top_k,
         weight_spec=weight_spec,
+        local_share=1.0 / parallel.ep_size,
     )
 
 
@@ -237,18 +243,23 @@ def _auto(work, config, platform, tables) -> Decision:
         )
     if tables is None:
         tables = select_table.default_tables()
-    match = select_table.lookup(tables, work, platform)
+    match = select_table.lookup(tables, work, platform, usable)
     if match.table is not None:
         point = match.point
         for backend in point.ranking:
             if backend in usable:
                 ms = point.ms[backend]
                 best = point.ranking[0]
-                reason = (
-                    f"auto: selection table {match.table.source} ({match.note}): at the nearest "
-                    f"measured T={point.num_tokens}, {backend} is the fastest usable "
-                    f"({ms:.4g} ms"
-                )
+                if match.transferred:
+                    reason = (f"auto: no selection table of this shape; {match.note}; from "
+                              f"{match.table.source}: there {backend} is the fastest usable "
+                              f"({ms:.4g} ms")  # fmt: skip
+                else:
+                    reason = (
+                        f"auto: selection table {match.table.source} ({match.note}): at the "
+                        f"nearest measured T={point.num_tokens}, {backend} is the fastest usable "
+                        f"({ms:.4g} ms"
+                    )
                 if best != backend:
                     reason += f"; {best} {point.ms[best]:.4g} ms is not usable: {problems[best]}"
                 return Decision(backend, reason + ")")

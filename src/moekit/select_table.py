@@ -17,7 +17,19 @@ Lookup: the key must match exactly (device name compared case-insensitively); am
 tables the one whose library versions differ least from this process's is used (a library it
 was measured with that is missing here counts only to break ties: its backend is just not
 usable), and the decision says which versions differ. The point used is the measured batch
-size nearest to T in log scale (T = 0 uses the smallest). Files: shipped in
+size nearest to T in log scale (T = 0 uses the smallest).
+
+A shape without a table of its own borrows the ranking of the nearest measured point
+(`nearest_shape`): of a table with the same dispatch format, weight spec and dtype, measured on
+this device or on one of the same compute capability (`meta.capability`), with the library
+versions nearest this process's first; among those, the point nearest in regime (`regime`: log2
+of rows per local expert, of H * I and of E_local, weighted by REGIME_WEIGHTS; another device,
+activation or bias adds a penalty). A point qualifies only if it measured every backend usable
+here that any of those tables measured (so a backend that could not run there, e.g. w4a16 over
+its pair limit, is not ranked below one that happened to run), and none farther than
+MAX_DISTANCE is used. Left-one-out over the shipped
+tables (scripts/select_transfer_loo.py) this choice was within 5% of the fastest at more points
+than the default order, and slower than it at few. Files: shipped in
 `moekit/configs/select/`, and in the user directory `$MOEKIT_CONFIG_DIR/select/`, whose tables
 take precedence. A key may have several files, one per library set (shipped:
 `<key>__triton<version>.json` and `<key>__triton<version>_deepgemm<version>.json` beside
@@ -32,7 +44,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Sequence
 
 from moekit import envs
 from moekit.hardware import Platform
@@ -161,12 +173,13 @@ class SelectionTable:
 
 @dataclass(frozen=True)
 class Match:
-    """The result of a lookup: the table and point used (None when no table matches), and a
-    note for the decision's reason."""
+    """The result of a lookup: the table and point used (None when no table matches), a note for
+    the decision's reason, and whether the table is another shape's (`nearest_shape`)."""
 
     table: SelectionTable | None
     point: Point | None
     note: str
+    transferred: bool = False
 
 
 def spec_name(work: "Workload") -> str:
@@ -204,38 +217,125 @@ def library_versions(platform: Platform) -> dict[str, str | None]:
     return {lib: platform.libraries.get(lib) for lib in LIBRARIES}
 
 
-def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platform) -> Match:
-    """The table and nearest point for `work` on `platform` (see the module docstring)."""
+def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platform,
+           usable: Collection[str] = ()) -> Match:  # fmt: skip
+    """The table and point for `work` on `platform`: this shape's table and its nearest batch
+    size, else the nearest measured shape's point (`nearest_shape`; `usable`: the backends that
+    can run `work` here). See the module docstring."""
+    tables = list(tables)
     key = key_of(work, platform)
     if key is None:
         return Match(None, None, "the workload carries no shape (E, H, I, K)")
     want = key.normalized()
     found = [t for t in tables if t.key.normalized() == want]
     if not found:
-        return Match(
-            None,
-            None,
-            f"none measured for {platform.device_name}, E={key.num_experts} H={key.hidden_size} "
-            f"I={key.intermediate_size} K={key.top_k}, {key.weight_spec} {key.dtype} "
-            f"{key.activation}{' bias' if key.has_bias else ''} {key.format}",
-        )
+        return nearest_shape(tables, work, platform, usable)
     here = library_versions(platform)
+    best = min(found, key=lambda t: _library_rank(t, here))  # stable: earlier tables win ties
+    return Match(best, best.nearest(work.num_tokens),
+                 f"measured on {best.key.device_name}, {_library_note(best, here)}")
 
-    def differing(t: SelectionTable) -> list[str]:
-        return [lib for lib in LIBRARIES if lib in t.libraries and t.libraries[lib] != here[lib]]
 
-    def rank(t: SelectionTable) -> tuple[int, int]:
-        # first the differences that change the ranking of backends usable here (a library
-        # installed here at another version, or not measured with); a library measured with but
-        # missing here only takes its backend out of the ranking, which `auto` skips anyway
-        d = differing(t)
-        return sum(here[lib] is not None for lib in d), len(d)
+def _differing(t: SelectionTable, here: dict[str, str | None]) -> list[str]:
+    return [lib for lib in LIBRARIES if lib in t.libraries and t.libraries[lib] != here[lib]]
 
-    best = min(found, key=rank)  # stable: earlier (user, then by file name) tables win ties
-    d = [f"{lib} {best.libraries[lib]} (here {here[lib]})" for lib in differing(best)]
-    note = f"measured on {best.key.device_name}"
-    note += f", measured with {', '.join(d)}" if d else ", same library versions"
-    return Match(best, best.nearest(work.num_tokens), note)
+
+def _library_rank(t: SelectionTable, here: dict[str, str | None]) -> tuple[int, int]:
+    """First the differences that change the ranking of backends usable here (a library
+    installed here at another version, or not measured with); a library measured with but
+    missing here only takes its backend out of the ranking, which `auto` skips anyway."""
+    d = _differing(t, here)
+    return sum(here[lib] is not None for lib in d), len(d)
+
+
+def _library_note(t: SelectionTable, here: dict[str, str | None]) -> str:
+    d = [f"{lib} {t.libraries[lib]} (here {here[lib]})" for lib in _differing(t, here)]
+    return f"measured with {', '.join(d)}" if d else "same library versions"
+
+
+# ------------------------------------------------------------------ shapes without a table
+
+# Weights of |log2 rows per local expert|, |log2 H * I| and |log2 E_local| in the regime
+# distance, and the penalties for a table of another device (same compute capability) or another
+# activation / bias. Rows per expert decide which kernel design wins (decode GEMV, tiles, large
+# GEMMs); the other terms break ties between shapes at the same rows. Left-one-out over the
+# shipped tables (scripts/select_transfer_loo.py), a same-shape table of the other GPU ranked
+# backends better than other shapes on the same one, hence a penalty below their distance.
+REGIME_WEIGHTS = (1.0, 0.5, 0.5)
+OTHER_DEVICE = 1.0
+OTHER_ACTIVATION = 0.5
+# Farther than this, the default order: the left-one-out's farthest transfer was 6.5 (and paid).
+MAX_DISTANCE = 7.0
+
+
+def regime(key: TableKey, num_tokens: int, local_share: float) -> tuple[float, float, float]:
+    """(log2 rows per local expert, log2 H * I, log2 E_local) of a call of T tokens whose rows
+    hold K * local_share local pairs each (standard format)."""
+    rows = num_tokens * key.top_k * local_share / key.num_experts
+    return (math.log2(max(rows, 1 / 64)), math.log2(key.hidden_size * key.intermediate_size),
+            math.log2(key.num_experts))  # fmt: skip
+
+
+def table_local_share(t: SelectionTable) -> float:
+    """The local share of the layer a table was measured on: meta.local_share, else 1 / ep."""
+    share = t.meta.get("local_share")
+    return float(share) if share else 1.0 / max(int(t.meta.get("ep_size") or 1), 1)
+
+
+def nearest_shape(tables: Sequence[SelectionTable], work: "Workload", platform: Platform,
+                  usable: Collection[str] = ()) -> Match:  # fmt: skip
+    """The measured point of another shape nearest `work` (see the module docstring), or a
+    Match without a table saying why none applies."""
+    key = key_of(work, platform)
+    assert key is not None
+    want = key.normalized()
+    mine = regime(key, work.num_tokens, work.local_share)
+
+    def same_family(t: SelectionTable) -> bool:
+        k = t.key.normalized()
+        if (k.format, k.weight_spec, k.dtype) != (want.format, want.weight_spec, want.dtype):
+            return False
+        cap = t.meta.get("capability")
+        return k.device_name == want.device_name or (
+            cap is not None and platform.capability is not None
+            and tuple(cap) == tuple(platform.capability))  # fmt: skip
+
+    family = [t for t in tables if same_family(t)]
+    none = (f"none measured for {platform.device_name}, E={key.num_experts} H={key.hidden_size} "
+            f"I={key.intermediate_size} K={key.top_k}, {key.weight_spec} {key.dtype} "
+            f"{key.activation}{' bias' if key.has_bias else ''} {key.format}")  # fmt: skip
+    if not family:
+        return Match(None, None, none + "; nor any other shape of this format, dtype and device "
+                     "(or compute capability)")  # fmt: skip
+    measured = {b for t in family for p in t.points for b in p.ms}
+    required = (set(usable) & measured) - {"torch"}
+    here = library_versions(platform)
+    best = None
+    for t in family:
+        other = t.key.normalized()
+        penalty = OTHER_DEVICE * (other.device_name != want.device_name) + OTHER_ACTIVATION * (
+            (other.activation, other.has_bias) != (want.activation, want.has_bias))
+        share = table_local_share(t)
+        lib = _library_rank(t, here)
+        for p in t.points:
+            if not required <= p.ms.keys():
+                continue
+            theirs = regime(t.key, p.num_tokens, share)
+            d = penalty + sum(w * abs(a - b)
+                              for w, a, b in zip(REGIME_WEIGHTS, mine, theirs, strict=True))
+            if d <= MAX_DISTANCE and (best is None or (lib, d) < best[0]):
+                best = ((lib, d), t, p, theirs)
+    if best is None:
+        return Match(None, None, f"{none}; no other shape's point within distance {MAX_DISTANCE:g} "
+                     f"measured all of {', '.join(sorted(required))}")  # fmt: skip
+    (_, d), t, p, theirs = best
+    k = t.key
+    note = (f"{none}; nearest measured shape E={k.num_experts} H={k.hidden_size} "
+            f"I={k.intermediate_size} K={k.top_k} {k.activation}{' bias' if k.has_bias else ''}"
+            f"{' (' + str(t.meta['preset']) + ')' if t.meta.get('preset') else ''} on "
+            f"{k.device_name}, {_library_note(t, here)}: at T={p.num_tokens}, "
+            f"{2 ** theirs[0]:.3g} rows per expert (here {2 ** mine[0]:.3g}), distance {d:.2f}")
+    return Match(t, p, note, transferred=True)
 
 
 # ---------------------------------------------------------------------------- files

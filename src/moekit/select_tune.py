@@ -134,6 +134,8 @@ def tune_select(
             "preset": spec.preset,
             "tp_size": spec.parallel.tp_size,
             "ep_size": spec.parallel.ep_size,
+            "local_share": 1.0 / spec.parallel.ep_size,
+            "capability": list(platform.capability) if platform.capability else None,
             "routing": spec.routing,
             "scaled_down": spec.scaled_down,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
