@@ -87,6 +87,27 @@ def test_bench_tiny(tmp_path, capsys):
     assert not (out_dir.parent / "BENCHMARKS.md").exists()  # only for the repo's results dir
 
 
+def test_bench_and_explain_a_hugging_face_config(tmp_path, capsys):
+    """--model as a config.json directory: the sweep runs the model's MoE block, the result
+    file is named after the directory, and `env --explain` takes it too."""
+    model = tmp_path / "Mixtral-8x7B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_local_experts": 8, "num_experts_per_tok": 2}))
+    out_dir = tmp_path / "res"
+    assert main(["bench", *TINY, "--backends", "torch", "--model", str(model),
+                 "--out-dir", str(out_dir)]) == 0
+    (path,) = out_dir.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["preset"] == str(model) and "_mixtral-8x7b-instruct-cpusmall_tp1ep1_" in path.name
+    assert (doc["shape"]["num_experts"], doc["shape"]["top_k"]) == (8, 2)
+    assert main(["env", "--explain", "--model", str(model / "config.json")]) == 0
+    assert main(["bench", *TINY, "--model", str(tmp_path / "nope"), "--out-dir",
+                 str(out_dir)]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
 def test_bench_alias_zipf_and_ep(tmp_path, capsys):
     rc = main(["bench", *TINY, "--moe-runner-backend", "torch", "--model", "deepseek-v3",
                "--tp-size", "4", "--ep-size", "2", "--routing", "zipf", "--zipf-s", "1.5",
@@ -111,7 +132,7 @@ def test_bench_updates_benchmarks_md_in_repo_results(tmp_path, monkeypatch, caps
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--model", "llama-moe"], "--model: unknown preset 'llama-moe'; known: qwen3-30b-a3b"),
+        (["--model", "llama-moe"], "--model: 'llama-moe' is neither a preset (qwen3-30b-a3b"),
         (["--backends", "torch,fastest"], "--backends: unknown value 'fastest'; allowed: all"),
         (["--moe-runner-backend", "fastest"], "--moe-runner-backend: unknown value 'fastest'"),
         (["--backends", "torch", "--moe-runner-backend", "torch"], "not both"),

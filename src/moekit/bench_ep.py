@@ -53,7 +53,7 @@ from moekit.dispatch.exchange import GRAPH_MODES
 from moekit.layer import MoE
 from moekit.parallel import init_parallel
 from moekit.placement import ExpertPlacement
-from moekit.presets import preset
+from moekit.presets import model_config
 from moekit.router import TopKOutput
 from moekit.stages import MaskedRunnerOutput, StandardRunnerOutput
 
@@ -424,7 +424,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON file rank 0 writes (default: $OUT/ep_bench.json or "
                    "./ep_bench.json)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
-    p.add_argument("--model", default="deepseek-v3", help="preset for E, K, H, I")
+    p.add_argument("--model", default="deepseek-v3",
+                   help="preset, or a Hugging Face config.json (file or directory), for E, K, H, I")
     p.add_argument("--num-experts", type=int)
     p.add_argument("--top-k", type=int)
     p.add_argument("--hidden-size", type=int)
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    ("dtype", args.dtype)) if v is not None}
     if args.num_experts is not None:  # a custom E drops the preset's expert groups
         overrides.update(num_expert_group=None, topk_group=None)
-    moe = preset(args.model, **overrides)
+    moe = model_config(args.model, **overrides)
     args.moe = moe
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --standalone --nproc-per-node 4 "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
+from pathlib import Path
 
 from moekit.config import ConfigError, MoEConfig
+from moekit.log import log_once
 
 PRESETS: dict[str, MoEConfig] = {
     "qwen3-30b-a3b": MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
@@ -35,6 +38,34 @@ PRESETS: dict[str, MoEConfig] = {
         has_bias=True,
     ),
 }
+
+
+def model_config(model: str, **overrides) -> MoEConfig:
+    """The MoE block `--model` names: a preset, or a Hugging Face config.json (the file, or a
+    directory holding one; `moekit.hf_config`), with MoEConfig fields overridden. What the
+    config holds that MoEConfig cannot is logged once."""
+    if model in PRESETS:
+        return preset(model, **overrides)
+    if not Path(model).exists():
+        raise ConfigError(f"--model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                          "path to a Hugging Face config.json or its directory")  # fmt: skip
+    from moekit.hf_config import read_hf_config
+
+    hf = read_hf_config(model)
+    for note in hf.notes:
+        log_once(logging.WARNING, f"--model {model}: {note}")
+    return replace(hf.config, **overrides)
+
+
+def model_label(model: str) -> str:
+    """A short name for `--model`: the preset, or the name of the directory holding the
+    config.json (e.g. 'GLM-4.5-Air' for /models/GLM-4.5-Air/config.json), else the file's."""
+    if model in PRESETS:
+        return model
+    path = Path(model)
+    if path.name == "config.json" and path.parent.name:
+        return path.parent.name
+    return path.stem if path.suffix == ".json" else path.name or model
 
 
 def preset(name: str, **overrides) -> MoEConfig:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from moekit import envs, hardware
+from moekit.presets import model_label
 from moekit.sweep import TIMED, SweepResult, winners
 
 SCHEMA = 1
@@ -143,7 +144,7 @@ def run_name(doc: dict) -> str:
     routing = doc["routing"]["kind"]
     if routing == "zipf":
         routing += f"{doc['routing']['zipf_s']:g}"
-    preset = doc["preset"] + ("-cpusmall" if doc.get("scaled_down") else "")
+    preset = model_label(doc["preset"]) + ("-cpusmall" if doc.get("scaled_down") else "")
     parts = [doc["device"]["name"], preset, f"tp{par['tp_size']}ep{par['ep_size']}",
              doc["dtype"], doc["quantization"], routing]
     return "_".join([stamp, *(_slug(p) for p in parts)])

@@ -17,7 +17,7 @@ from typing import Callable
 
 from moekit import hardware, select_table
 from moekit.config import ConfigError, ParallelConfig, validate
-from moekit.presets import preset
+from moekit.presets import model_config
 from moekit.select import workload_for
 from moekit.select_table import Point, SelectionTable, TableKey
 from moekit.sweep import (
@@ -60,7 +60,7 @@ def sweep_spec(
     GPU batch sizes; on a CPU the preset is scaled down (tests)."""
     plat = hardware.detect()
     device = device or plat.device
-    moe = preset(model, dtype=dtype, weight_format=quantization)
+    moe = model_config(model, dtype=dtype, weight_format=quantization)
     parallel = ParallelConfig(tp_size=tp_size, ep_size=ep_size)
     validate(moe, parallel)
     scaled = device == "cpu"

@@ -84,11 +84,11 @@ def shape_for(model: str, tp_size: int = 1, ep_size: int = 1, dtype: str = "bflo
     """The per-rank shape of preset `model` at --tp-size/--ep-size: E_local = E / ep,
     I_local = I / (tp / ep), K = min(top_k + shared experts, E_local), local share 1 / ep (the
     rank sees every token, as with `--moe-a2a-backend none`)."""
-    from moekit.presets import preset
+    from moekit.presets import model_config
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: unknown value {dtype!r}; allowed: {', '.join(DTYPES)}")
-    cfg = preset(model, dtype=dtype)
+    cfg = model_config(model, dtype=dtype)
     if tp_size < 1 or ep_size < 1:
         raise ConfigError("--tp-size and --ep-size must be positive integers")
     if tp_size % ep_size:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moekit import hardware
 from moekit.config import RUNNER_BACKENDS, ConfigError, ParallelConfig, check_choice, validate
-from moekit.presets import PRESETS, preset
+from moekit.presets import PRESETS, model_config
 from moekit.report import RESULTS_DIR, metadata, repo_root, result_dict, save, update_benchmarks_md
 from moekit.sweep import (
     CPU_BATCH_SIZES,
@@ -43,7 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         f"{','.join(map(str, GPU_BATCH_SIZES))} on a GPU; on a CPU a scaled-down shape and "
         f"batch sizes {','.join(map(str, CPU_BATCH_SIZES))}.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset ({', '.join(PRESETS)}) or a "
+                   "Hugging Face config.json (file or directory)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (rank 0 is timed)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size")
     p.add_argument("--batch-sizes", help="comma-separated token counts T (default: see above)")
@@ -123,7 +124,7 @@ def spec_from_args(args, plat: hardware.Platform) -> SweepSpec:
     device = plat.device if args.device == "auto" else args.device
     if device == "cuda" and not plat.is_cuda:
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch here")
-    moe = preset(args.model, dtype=args.dtype, weight_format=args.quantization)
+    moe = model_config(args.model, dtype=args.dtype, weight_format=args.quantization)
     parallel = ParallelConfig(tp_size=args.tp_size, ep_size=args.ep_size)
     validate(moe, parallel)
     scaled = device == "cpu" and not args.full_size

@@ -22,7 +22,7 @@ from moekit.config import (
     validate,
 )
 from moekit.dispatch import registry as dispatch_registry
-from moekit.presets import PRESETS, preset
+from moekit.presets import PRESETS, model_config
 from moekit.runners import registry as runner_registry
 from moekit.select import explain, select_runner, workload_for
 
@@ -38,7 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--explain", action="store_true", help="explain the runner choice")
     p.add_argument(
-        "--model", default="qwen3-30b-a3b", help=f"preset for --explain: {', '.join(PRESETS)}"
+        "--model", default="qwen3-30b-a3b",
+        help=f"for --explain: a preset ({', '.join(PRESETS)}) or a Hugging Face config.json",
     )
     p.add_argument("--batch-size", type=int, default=1, help="tokens per call for --explain")
     p.add_argument("--tp-size", type=int, default=1)
@@ -118,7 +119,7 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
     """Which runner `auto` (or the requested backend) picks for the workload of args, and why."""
     if args.batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0, got {args.batch_size}")
-    cfg = preset(args.model, dtype=args.dtype, weight_format=args.quantization)
+    cfg = model_config(args.model, dtype=args.dtype, weight_format=args.quantization)
     validate(cfg, parallel)
     config = RunnerConfig(
         moe_runner_backend=args.moe_runner_backend,

@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "runner looks up. Batch sizes already in the output files are skipped (resume), unless "
         "--force.",
     )
-    p.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or a Hugging "
+                   "Face config.json (file or directory)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
