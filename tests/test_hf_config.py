@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from moekit.config import ConfigError
+from moekit.config import ConfigError, MoEConfig
 from moekit.hf_config import from_hf_config, read_hf_config
 from moekit.presets import PRESETS, model_config
 from moekit.tune import shape_for
@@ -121,6 +121,7 @@ def test_model_config_reads_a_file_or_directory(tmp_path, caplog):
             assert cfg == replace(PRESETS["deepseek-v3"], dtype="float16",
                                   weight_format="fp8_w8a8")
     assert "shared experts left out" in caplog.text
+    assert MoEConfig.from_hf(tmp_path) == PRESETS["deepseek-v3"]
     assert model_config("mixtral-8x7b") == PRESETS["mixtral-8x7b"]
     with pytest.raises(ConfigError, match="neither a preset .* nor a path"):
         model_config(str(tmp_path / "missing.json"))

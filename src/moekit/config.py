@@ -134,6 +134,14 @@ class MoEConfig:
                     f"groups of {self.num_experts // groups}"
                 )
 
+    @classmethod
+    def from_hf(cls, path) -> "MoEConfig":
+        """The MoE block of a Hugging Face config.json (the file or the model directory): the
+        routed experts' shape and routing (`moekit.hf_config`; what it leaves out is logged)."""
+        from moekit.hf_config import load_hf_config
+
+        return load_hf_config(path)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

@@ -12,10 +12,12 @@ routed experts are what the runners run), a shared expert's gate, the checkpoint
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from moekit.config import ConfigError, MoEConfig
+from moekit.log import log_once
 
 # Keys of each field, first present wins (order matters: DeepSeek's `intermediate_size` is the
 # dense MLP's, its experts' is `moe_intermediate_size`).
@@ -129,3 +131,11 @@ def read_hf_config(path: str | Path) -> HFMoE:
     if not isinstance(doc, dict):
         raise ConfigError(f"--model {path}: a config.json holds a JSON object")
     return from_hf_config(doc, str(path))
+
+
+def load_hf_config(path: str | Path) -> MoEConfig:
+    """The MoE block of a config.json file or model directory, each note logged once."""
+    hf = read_hf_config(path)
+    for note in hf.notes:
+        log_once(logging.WARNING, f"{path}: {note}")
+    return hf.config

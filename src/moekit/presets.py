@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 
 from moekit.config import ConfigError, MoEConfig
-from moekit.log import log_once
 
 PRESETS: dict[str, MoEConfig] = {
     "qwen3-30b-a3b": MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
@@ -49,12 +47,9 @@ def model_config(model: str, **overrides) -> MoEConfig:
     if not Path(model).exists():
         raise ConfigError(f"--model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                           "path to a Hugging Face config.json or its directory")  # fmt: skip
-    from moekit.hf_config import read_hf_config
+    from moekit.hf_config import load_hf_config
 
-    hf = read_hf_config(model)
-    for note in hf.notes:
-        log_once(logging.WARNING, f"--model {model}: {note}")
-    return replace(hf.config, **overrides)
+    return replace(load_hf_config(model), **overrides)
 
 
 def model_label(model: str) -> str:
