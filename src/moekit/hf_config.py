@@ -65,6 +65,7 @@ def from_hf_config(doc: dict, source: str = "config.json") -> HFMoE:
     naming the file and field when it cannot be represented."""
     cfg = _moe_section(doc)
     family = str(cfg.get("model_type", doc.get("model_type", "")))
+    llama4 = family.startswith("llama4")  # sigmoid of the chosen logits, one shared expert
     notes: list[str] = []
     num_experts = _first(cfg, EXPERTS_KEYS, "number of routed experts", source)
     top_k = _first(cfg, TOP_K_KEYS, "experts per token", source)
@@ -82,8 +83,7 @@ def from_hf_config(doc: dict, source: str = "config.json") -> HFMoE:
         kw["activation"] = HF_ACTIVATIONS[act]
     method = cfg.get("topk_method")
     biased = method == "noaux_tc" or family in SIGMOID_BIASED
-    scoring = "sigmoid" if biased or family.startswith("llama4") else cfg.get("scoring_func",
-                                                                              "softmax")
+    scoring = "sigmoid" if biased or llama4 else cfg.get("scoring_func", "softmax")
     if scoring not in ("softmax", "sigmoid"):
         raise ConfigError(f"{source}: scoring_func {scoring!r}: allowed softmax, sigmoid")
     kw["scoring_func"] = scoring
@@ -91,20 +91,18 @@ def from_hf_config(doc: dict, source: str = "config.json") -> HFMoE:
     groups, picked = cfg.get("n_group"), cfg.get("topk_group")
     if groups and groups > 1 and picked and method != "greedy":
         kw.update(num_expert_group=int(groups), topk_group=int(picked))
-    if family.startswith("llama4"):
-        kw["renormalize"] = False  # sigmoid of the chosen logits, not normalized
+    if llama4:
+        kw["renormalize"] = False
         notes.append("Llama 4 scales each expert's input by its router score; moekit weights "
                      "the expert's output (the same cost, not the same values)")
     else:
         kw["renormalize"] = bool(cfg.get("norm_topk_prob", family in RENORMALIZED))
     kw["routed_scaling_factor"] = float(cfg.get("routed_scaling_factor") or 1.0)
-    shared = cfg.get("n_shared_experts") or (1 if cfg.get("shared_expert_intermediate_size")
-                                             else 0)  # fmt: skip
-    if family.startswith("llama4"):
-        shared = 1
+    gated_size = cfg.get("shared_expert_intermediate_size")  # Qwen's gated shared expert
+    shared = 1 if llama4 or gated_size else int(cfg.get("n_shared_experts") or 0)
     if shared:
-        size = cfg.get("shared_expert_intermediate_size") or shared * intermediate
-        gate = ", with a sigmoid gate" if cfg.get("shared_expert_intermediate_size") else ""
+        size = gated_size or shared * intermediate
+        gate = ", with a sigmoid gate" if gated_size else ""
         notes.append(f"shared experts left out ({shared}, intermediate size {size}{gate}): the "
                      "layer runs the routed experts, as with the presets")  # fmt: skip
     quant = cfg.get("quantization_config") or doc.get("quantization_config")
