@@ -153,7 +153,11 @@ CASES = [
     Case("one-tile-interleaved-tma", config=replace(SMALL, interleaved_one_tile=True), T=20,
          act="swiglu_oai", interleaved=True, bias=True),  # fmt: skip
     Case("one-tile-interleaved-pointers", config=replace(POINTERS, interleaved_one_tile=True),
-         T=11, H=40, I=24, act="gelu", interleaved=True, bias=True),  # fmt: skip
+         T=11, H=40, I=24, act="gelu", interleaved=True, bias=True),  # fmt: skip    # routing widths of models `--model` can name by their config.json: 512 experts, 10 a token
+    # (Qwen3-Next), 384 (Kimi-K2), one a token (Llama 4)
+    Case("E512-K10", E=512, K=10, T=13, H=32, I=32),
+    Case("E384-K8-masked", E=384, K=8, T=9, H=32, I=32, masked=0.2),
+    Case("K1", K=1, E=16, T=21),
 ]
 
 

@@ -100,7 +100,11 @@ CASES = [
     Case("row1-mixed-tma", configs=ROW1_MIXED_TMA, T=7, H=64, I=48, act="gelu", one_expert=True),
     Case("row1-split", configs=ROW1_SPLIT, T=6, H=64, I=48, bias=True, masked=0.3),
     Case("split-gate_up-oai", configs=SPLIT_GATE_UP, T=10, H=48, I=40, masked=0.3, bias=True,
-         act="swiglu_oai", one_expert=True),  # fmt: skip
+         act="swiglu_oai", one_expert=True),  # fmt: skip    # routing widths of models `--model` can name by their config.json: 512 experts, 10 a token
+    # (Qwen3-Next), 384 (Kimi-K2), one a token (Llama 4)
+    Case("E512-K10", E=512, K=10, T=13, H=32, I=32),
+    Case("E384-K8-masked", E=384, K=8, T=9, H=32, I=32, masked=0.2),
+    Case("K1", K=1, E=16, T=21),
 ]
 
 
