@@ -359,7 +359,7 @@ def test_nearest_shape_within_max_distance(fakes):
     """A point farther than MAX_DISTANCE is not borrowed: the default order applies."""
     t = other_shape({16: {"triton": 0.02, "cutlass": 0.01}}, num_experts=128 * 2 ** 7,
                     source="far")  # fmt: skip
-    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[t])  # 3.5 + 7 away
+    d = select_runner(shaped(16), RunnerConfig("auto"), H100, tables=[t])  # E 3.5 + rows 6
     assert d.backend == "triton" and "no other shape's point within distance 7" in d.reason
 
 
