@@ -63,6 +63,10 @@ def test_notes_name_what_is_left_out():
     assert not hf.config.renormalize and hf.config.scoring_func == "softmax"
     assert any("intermediate size 5632, with a sigmoid gate" in n for n in hf.notes)
     assert from_hf_config(HF_CONFIGS["mixtral-8x7b"]).notes == ()
+    phi = {"model_type": "phimoe", "hidden_size": 4096, "intermediate_size": 6400,
+           "num_local_experts": 16, "num_experts_per_tok": 2}
+    assert any("model_type 'phimoe' is not one moekit knows" in n
+               for n in from_hf_config(phi).notes)
 
 
 def test_other_families():

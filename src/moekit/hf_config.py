@@ -31,6 +31,10 @@ SIGMOID_BIASED = ("glm4_moe", "glm4v_moe")
 # Families that renormalize the top-k weights without a `norm_topk_prob` key (a softmax over the
 # selected logits is the renormalized softmax).
 RENORMALIZED = ("mixtral", "gpt_oss")
+# model_type values whose routing this module reads as the model computes it; for any other the
+# generic fields are read and a note says so.
+KNOWN_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3",
+                  "kimi_k2", "glm4_moe", "glm4v_moe", "gpt_oss", "olmoe", "llama4", "llama4_text")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,11 @@ def from_hf_config(doc: dict, source: str = "config.json") -> HFMoE:
         gate = ", with a sigmoid gate" if gated_size else ""
         notes.append(f"shared experts left out ({shared}, intermediate size {size}{gate}): the "
                      "layer runs the routed experts, as with the presets")  # fmt: skip
+    if family not in KNOWN_FAMILIES:
+        notes.append(f"model_type {family or '(none)'!r} is not one moekit knows: its routing "
+                     "was read from the generic fields (scoring_func, norm_topk_prob, n_group, "
+                     "topk_group, topk_method, routed_scaling_factor); check them against the "
+                     "model's router")  # fmt: skip
     quant = cfg.get("quantization_config") or doc.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method"):
         notes.append(f"checkpoint quantization {quant['quant_method']!r} not applied: choose "
