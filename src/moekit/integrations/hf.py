@@ -1,0 +1,105 @@
+"""moekit as a Hugging Face transformers experts implementation (transformers >= 5).
+
+transformers 5 runs the expert FFNs of its MoE models (Mixtral, Qwen2/3-MoE, DeepSeek-V3,
+GLM-4.5, gpt-oss and the others whose experts class carries `use_experts_implementation`)
+through a registry of implementations. `register()` adds moekit to it; the model keeps its own
+router, and moekit's runners (chosen per batch size by `auto`, or the backend named) run the
+experts:
+
+    from moekit.integrations import hf
+    hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit")
+    # or, on a loaded model: model.set_experts_implementation("moekit")
+
+Gated experts with a SiLU or exact-GELU gate, or gpt-oss's clamped SwiGLU, concatenated or
+interleaved gate/up rows, with or without biases. Experts stored transposed ([E, H, 2I], as
+gpt-oss does) are copied once into moekit's layout ([E, 2I, H]) and the copy is kept on the
+module (refreshed when the weights change), which doubles those weights' memory. Anything else
+(ungated experts, a post-expert norm, another gate function) raises an error naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moekit.layer import fused_moe
+
+NAME = "moekit"
+
+
+def register(name: str = NAME, moe_runner_backend: str = "auto") -> str:
+    """Add moekit to transformers' experts implementations under `name` (runs every model's
+    experts on `moe_runner_backend`); returns the name to pass as `experts_implementation`."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as err:
+        raise ImportError("moekit.integrations.hf needs transformers >= 5 (its registry of "
+                          "experts implementations): pip install 'moekit[hf]'") from err
+    ExpertsInterface.register(name, functools.partial(experts_forward,
+                                                      moe_runner_backend=moe_runner_backend))
+    return name
+
+
+def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                    moe_runner_backend: str = "auto") -> torch.Tensor:  # fmt: skip
+    """The forward of a transformers experts module on moekit: hidden_states [S, H],
+    top_k_index [S, K], top_k_weights [S, K] -> [S, H] (ids at or past the module's expert count,
+    which its expert parallelism uses for other ranks' experts, are skipped)."""
+    act = activation_of(module)
+    w13, w2 = _weights(module)
+    bias = getattr(module, "has_bias", False)
+    ids = top_k_index.to(torch.int32)
+    if getattr(module, "_is_expert_parallel", False):
+        ids = torch.where(ids < module.num_experts, ids, -1)
+    return fused_moe(
+        hidden_states, w13, w2, top_k_weights, ids,
+        b13=module.gate_up_proj_bias if bias else None,
+        b2=module.down_proj_bias if bias else None,
+        interleaved=not getattr(module, "is_concatenated", True),
+        moe_runner_backend=moe_runner_backend, **act,
+    )  # fmt: skip
+
+
+def activation_of(module: torch.nn.Module) -> dict:
+    """moekit's activation arguments for a transformers experts module; ValueError naming the
+    class when moekit cannot run its experts."""
+    from transformers.activations import GELUActivation, SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    cls = type(module).__name__
+    if not getattr(module, "has_gate", True):
+        raise ValueError(f"{cls}: experts without a gate (up -> activation -> down) are not "
+                         "supported by moekit, which runs gated (GLU) experts")  # fmt: skip
+    if getattr(module, "has_post_expert_norm", False):
+        raise ValueError(f"{cls}: a norm after each expert is not supported by moekit")
+    if type(module)._apply_gate is not _default_apply_gate:
+        if cls == "GptOssExperts":
+            return {"activation": "swiglu_oai", "swiglu_alpha": float(module.alpha),
+                    "swiglu_limit": float(module.limit)}  # fmt: skip
+        raise ValueError(f"{cls}: its own gate function (_apply_gate) is not one moekit runs "
+                         "(silu, exact gelu, gpt-oss's clamped swiglu)")  # fmt: skip
+    act_fn = getattr(module, "act_fn", None)
+    if isinstance(act_fn, (SiLUActivation, torch.nn.SiLU)):
+        return {"activation": "silu"}
+    if type(act_fn) is GELUActivation:
+        return {"activation": "gelu"}
+    raise ValueError(f"{cls}: activation {type(act_fn).__name__} is not one moekit runs "
+                     "(silu, exact gelu)")  # fmt: skip
+
+
+def _weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, H], w2 [E, H, I]): the module's own tensors, or for transposed storage a
+    contiguous copy kept on the module and made again when the weights change."""
+    w13, w2 = module.gate_up_proj, module.down_proj
+    if not getattr(module, "is_transposed", False):
+        return w13, w2
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (w13, w2))
+    cached = getattr(module, "_moekit_weights", None)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            copies = (w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous())
+        module._moekit_weights = cached = (key, copies)
+    return cached[1]
