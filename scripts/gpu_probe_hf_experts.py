@@ -7,6 +7,7 @@ without CUDA graphs (as `model(ids)` runs), for experts_implementation = eager, 
 (transformers' default) and moekit; the logits of each against grouped_mm's.
 
     PYTHONPATH=src python3 scripts/gpu_probe_hf_experts.py [--shapes '1x1;1x128;4x1024;8x2048']
+        [--rounds 5] [--samples 25]
 
 Writes $OUT/hf_experts.json.
 """
@@ -43,7 +44,7 @@ def models():
         num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64))
 
 
-def time_model(name: str, model, shapes) -> list[dict]:
+def time_model(name: str, model, shapes, rounds: int, samples: int) -> list[dict]:
     """The forward of `model` on each B x S under each experts implementation, in turns."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "gate_up_proj")}
     for impl in IMPLS:
@@ -60,7 +61,7 @@ def time_model(name: str, model, shapes) -> list[dict]:
                 outs[impl] = model(ids).logits
 
         fns = {impl: (lambda impl=impl: run(impl)) for impl in IMPLS}
-        ms = time_ms_interleaved(fns, "cuda", cuda_graph=False, rounds=3, samples=9)
+        ms = time_ms_interleaved(fns, "cuda", cuda_graph=False, rounds=rounds, samples=samples)
         ref = outs["grouped_mm"].float()
         diff = {i: float((outs[i].float() - ref).abs().max() / ref.abs().max()) for i in IMPLS}
         point = {"model": name, "B": B, "S": S, "ms": {i: round(v, 3) for i, v in ms.items()},
@@ -82,7 +83,8 @@ def main() -> None:
             for p in model.parameters():  # gpt-oss leaves its experts at zero
                 if p.dim() >= 2:
                     torch.nn.init.normal_(p, std=0.02)
-        res["points"] += time_model(name, model, shapes)
+        res["points"] += time_model(name, model, shapes, int(option("--rounds", "5")),
+                                    int(option("--samples", "25")))
         del model
         torch.cuda.empty_cache()
     write_probe("hf_experts.json", res)
