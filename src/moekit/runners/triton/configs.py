@@ -292,6 +292,7 @@ def find_table(key: TableKey) -> Table | None:
 
 
 def clear_cache() -> None:
+    get_config.cache_clear()
     find_table.cache_clear()
     tuned_shapes.cache_clear()
     _transferred_cached.cache_clear()
@@ -474,6 +475,7 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
 QUANT_TABLE_REACH = 4
 
 
+@functools.lru_cache(maxsize=4096)  # the forward's host path asks twice per call
 def get_config(
     gemm: str,
     num_tokens: float,
@@ -488,7 +490,8 @@ def get_config(
 ) -> GemmConfig:
     """The config for one GEMM of a call with `num_tokens` tokens (tuned table, else the
     nearest tuned shape, else default; see the module docstring) for weight format `quant` (a
-    `quant_tag`) on `device` of compute `capability` (None: no transfer from other devices)."""
+    `quant_tag`) on `device` of compute `capability` (None: no transfer from other devices).
+    Cached per arguments; `clear_cache()` after writing new files."""
     n, k = gemm_shape(gemm, hidden, intermediate)
     key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
     table = find_table(key)

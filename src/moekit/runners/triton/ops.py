@@ -299,7 +299,7 @@ def decode_pdl(x: torch.Tensor, num_pairs: int) -> bool:
         return False
     if x.device.type != "cuda" or interpret_mode():
         return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return _device_key(x.device)[1] >= (9, 0)
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -606,6 +606,12 @@ def sum_topk(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: to
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _direct_rows(cfg: GemmConfig) -> GemmConfig:
+    """`cfg` for direct rows (no alignment): blocks of at most 16 rows."""
+    return replace(cfg, block_m=min(cfg.block_m, 16))
+
+
 @functools.cache
 def _device_key(device: torch.device) -> tuple[str, tuple[int, int] | None]:
     """(name, compute capability) of `device` as the config tables name it; ('cpu', None) off
@@ -669,7 +675,7 @@ def fused_moe(
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
     pdl = decode_pdl(x_TH, T * K)
     if T <= PIPELINE.direct_max_tokens:  # no alignment; an expert's pairs share a block
-        cfg1, cfg2 = (replace(c, block_m=min(c.block_m, 16)) for c in (cfg1, cfg2))
+        cfg1, cfg2 = _direct_rows(cfg1), _direct_rows(cfg2)
         rows = Rows.direct(ids.view(-1), w.num_experts)
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m), pdl=pdl)
