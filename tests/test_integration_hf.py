@@ -19,6 +19,7 @@ from transformers import (  # noqa: E402
 )
 
 from helpers import DEVICE, rel_err  # noqa: E402
+from moekit.config import ConfigError  # noqa: E402
 from moekit.integrations import hf  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -101,6 +102,8 @@ def test_ids_of_other_ranks_are_skipped_under_expert_parallelism():
 
 
 def test_what_moekit_cannot_run_is_refused():
+    with pytest.raises(ConfigError, match="--moe-runner-backend: unknown value 'fastest'"):
+        hf.register("moekit-fastest", moe_runner_backend="fastest")
     module = experts_modules(qwen3())[0]
     module.act_fn = torch.nn.Tanh()
     with pytest.raises(ValueError, match="activation Tanh is not one moekit runs"):

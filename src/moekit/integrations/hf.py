@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from moekit.config import RunnerConfig
 from moekit.layer import fused_moe
 
 NAME = "moekit"
@@ -31,7 +32,9 @@ NAME = "moekit"
 
 def register(name: str = NAME, moe_runner_backend: str = "auto") -> str:
     """Add moekit to transformers' experts implementations under `name` (runs every model's
-    experts on `moe_runner_backend`); returns the name to pass as `experts_implementation`."""
+    experts on `moe_runner_backend`); returns the name to pass as `experts_implementation`.
+    A backend name moekit does not know fails here (ConfigError naming the allowed ones)."""
+    RunnerConfig(moe_runner_backend=moe_runner_backend)
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as err:
