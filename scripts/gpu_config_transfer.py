@@ -29,16 +29,13 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_out import option, write_probe
+from probe_out import option, triton_layer_points, write_probe
 
 from moekit.bench import time_ms_interleaved
-from moekit.config import RunnerConfig
-from moekit.layer import RunnerCache
 from moekit.runners._tables import quant_tag
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton import ops
-from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import layer_over_sets
 
 JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
         "deepseek-v3 8 8 unquantized;gpt-oss-120b 1 1 unquantized;"
@@ -63,7 +60,7 @@ def resolvers(w, device_name: str, other: str) -> dict:
         stack.enter_context(mock.patch.object(tcfg, "find_table", find))
         stack.enter_context(mock.patch.object(tcfg, "tuned_shapes", lambda: shapes_))
         if not transfer:
-            stack.enter_context(mock.patch.object(tcfg, "_transferred_cached", lambda *a: None))
+            stack.enter_context(mock.patch.object(tcfg, "transferred", lambda *a: None))
         return stack
 
     def hide_own(key):  # this format's own tables on this device; the unquantized ones stay
@@ -89,47 +86,37 @@ def main() -> None:
     real_configs_for = ops.configs_for
     device_name = torch.cuda.get_device_name()
     res = {"command": " ".join(["python", *sys.argv]), "points": {}}
-    for model, tp, ep, fmt in jobs:
-        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
-                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
-        module = build_layer(spec)
-        module.runners = RunnerCache(RunnerConfig("triton"))
-        gen = torch.Generator().manual_seed(0)
-        for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
-            picked: dict[str, dict] = {}
+    for point, _, module, sets in triton_layer_points(jobs, batches):
+        picked: dict[str, dict] = {}
 
-            def resolved(name, ctx, picked=picked):
-                """ops.configs_for as variant `name` resolves it (caches cleared around)."""
+        def resolved(name, ctx, picked=picked):
+            """ops.configs_for as variant `name` resolves it (caches cleared around)."""
 
-                def configs_for(num_tokens, top_k, w, dtype, device):
-                    tcfg.clear_cache()
-                    with ctx():
-                        cfgs = real_configs_for(num_tokens, top_k, w, dtype, device)
-                    tcfg.clear_cache()
-                    picked[name] = {"gate_up": cfgs[0].code(), "down": cfgs[1].code()}
-                    return cfgs
+            def configs_for(num_tokens, top_k, w, dtype, device):
+                tcfg.clear_cache()
+                with ctx():
+                    cfgs = real_configs_for(num_tokens, top_k, w, dtype, device)
+                tcfg.clear_cache()
+                picked[name] = {"gate_up": cfgs[0].code(), "down": cfgs[1].code()}
+                return cfgs
 
-                return lambda: mock.patch.object(ops, "configs_for", configs_for)
+            return lambda: mock.patch.object(ops, "configs_for", configs_for)
 
-            variants = resolvers(module.expert_weights, device_name, other)
-            fns = {n: layer_over_sets(module, sets, resolved(n, c)) for n, c in variants.items()}
-            x, topk = sets[0]
-            outs = {}
-            for n, c in variants.items():  # each variant once, eagerly, on the first set
-                with torch.no_grad(), resolved(n, c)():
-                    outs[n] = module.forward_topk(x, topk).float()
-            ref = outs["table"]
-            scale = ref.abs().max().clamp_min(1e-6)
-            err = {n: round(((o - ref).abs().max() / scale).item(), 5) for n, o in outs.items()}
-            ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
-            us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
-            name = f"{model} tp{tp} ep{ep} {fmt} T={T}"
-            res["points"][name] = {"us": us, "configs": picked, "max_rel_err_vs_table": err}
-            print(name, us, err, flush=True)
-            write_probe(out_name, res)
-        del module
-        torch.cuda.empty_cache()
+        variants = resolvers(module.expert_weights, device_name, other)
+        fns = {n: layer_over_sets(module, sets, resolved(n, c)) for n, c in variants.items()}
+        x, topk = sets[0]
+        outs = {}
+        for n, c in variants.items():  # each variant once, eagerly, on the first set
+            with torch.no_grad(), resolved(n, c)():
+                outs[n] = module.forward_topk(x, topk).float()
+        ref = outs["table"]
+        scale = ref.abs().max().clamp_min(1e-6)
+        err = {n: round(((o - ref).abs().max() / scale).item(), 5) for n, o in outs.items()}
+        ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+        us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
+        res["points"][point] = {"us": us, "configs": picked, "max_rel_err_vs_table": err}
+        print(point, us, err, flush=True)
+        write_probe(out_name, res)
     write_probe(out_name, res)
 
 

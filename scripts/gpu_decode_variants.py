@@ -41,16 +41,16 @@ OUT = Path(os.environ.get("OUT", "."))
 CFG = OUT / "cfg"
 os.environ["MOEKIT_CONFIG_DIR"] = str(CFG)  # before moekit reads it
 
+sys.path.insert(0, os.path.dirname(__file__))
+from probe_out import triton_layer_points  # noqa: E402
+
 from moekit.bench import time_ms_interleaved
-from moekit.config import RunnerConfig
-from moekit.layer import RunnerCache
 from moekit.report import metadata
 from moekit.runners._tables import quant_tag, table_key, triton_version
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton.configs import GemmConfig
 from moekit.runners.triton import ops
-from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import layer_over_sets
 
 JOBS = ("deepseek-v3 8 8 unquantized;deepseek-v3 8 8 fp8_w8a8;qwen3-30b-a3b 1 1 fp8_w8a8;"
         "qwen3-30b-a3b 1 1 unquantized")  # fmt: skip
@@ -141,50 +141,40 @@ def main() -> None:
     res = {"meta": metadata(command=" ".join(["python", *sys.argv])), "points": {}}
     edits: dict[Path, dict] = {}
     real_configs_for = ops.configs_for
-    for model, tp, ep, fmt in jobs:
-        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
-                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
-        module = build_layer(spec)
-        module.runners = RunnerCache(RunnerConfig("triton"))
-        gen = torch.Generator().manual_seed(seed)
-        for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
-            seen = {}
+    for name, T, module, sets in triton_layer_points(jobs, batches, seed):
+        seen = {}
 
-            def make(change, seen=seen, sets=sets, module=module):
-                def configs_for(num_tokens, top_k, w, dtype, device):
-                    seen["args"] = (num_tokens, top_k, w, dtype, device)
-                    return change(*real_configs_for(num_tokens, top_k, w, dtype, device))
+        def make(change, seen=seen, sets=sets, module=module):
+            def configs_for(num_tokens, top_k, w, dtype, device):
+                seen["args"] = (num_tokens, top_k, w, dtype, device)
+                return change(*real_configs_for(num_tokens, top_k, w, dtype, device))
 
-                return layer_over_sets(
-                    module, sets, lambda: mock.patch.object(ops, "configs_for", configs_for)
-                )
+            return layer_over_sets(
+                module, sets, lambda: mock.patch.object(ops, "configs_for", configs_for)
+            )
 
-            fns = {n: make(c) for n, c in variants(kind).items()}
-            ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
-            us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
-            best = min(us, key=us.get)
-            gain = us["table"] / us[best]
-            name = f"{model} tp{tp} ep{ep} {fmt} T={T}"
-            res["points"][name] = {"us": us, "best": best, "gain": round(gain, 4)}
-            print(name, us, "->", best, f"{gain:.3f}", flush=True)
-            (OUT / f"{out_name}.json").write_text(json.dumps(res, indent=1))
-            if best == "table" or gain < min_gain:
+        fns = {n: make(c) for n, c in variants(kind).items()}
+        ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+        us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
+        best = min(us, key=us.get)
+        gain = us["table"] / us[best]
+        res["points"][name] = {"us": us, "best": best, "gain": round(gain, 4)}
+        print(name, us, "->", best, f"{gain:.3f}", flush=True)
+        (OUT / f"{out_name}.json").write_text(json.dumps(res, indent=1))
+        if best == "table" or gain < min_gain:
+            continue
+        T_local, _, weights, act_dtype, _ = seen["args"]
+        base = real_configs_for(*seen["args"])
+        for gemm, cfg, was in zip(("gate_up", "down"), variants(kind)[best](*base), base):
+            if cfg == was:
                 continue
-            T_local, _, weights, act_dtype, _ = seen["args"]
-            base = real_configs_for(*seen["args"])
-            for gemm, cfg, was in zip(("gate_up", "down"), variants(kind)[best](*base), base):
-                if cfg == was:
-                    continue
-                where = looked_up(gemm, weights, T_local, act_dtype)
-                if where is None:
-                    res["points"][name]["not_applied"] = f"{gemm}: no table of this format"
-                    continue
-                path, key = where
-                e = edits.setdefault(path, {})
-                e[key] = (cfg, {"variant": best, "T": T, "us": us})
-        del module
-        torch.cuda.empty_cache()
+            where = looked_up(gemm, weights, T_local, act_dtype)
+            if where is None:
+                res["points"][name]["not_applied"] = f"{gemm}: no table of this format"
+                continue
+            path, key = where
+            e = edits.setdefault(path, {})
+            e[key] = (cfg, {"variant": best, "T": T, "us": us})
     for path, changes in edits.items():
         table = tcfg.read_table(path)
         data = json.loads(path.read_text())

@@ -23,17 +23,13 @@ import sys
 from dataclasses import replace
 from unittest import mock
 
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_out import option, write_probe
+from probe_out import option, triton_layer_points, write_probe
 
 from moekit.bench import time_ms_interleaved
-from moekit.config import RunnerConfig
-from moekit.layer import RunnerCache
 from moekit.runners.triton import ops
-from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import layer_over_sets
 
 JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;"
         "deepseek-v3 8 8 unquantized;deepseek-v3 8 8 fp8_w8a8;"
@@ -59,28 +55,18 @@ def main() -> None:
     pipes = variants(kind, batches)
     first = next(iter(pipes))
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
-    for model, tp, ep, fmt in jobs:
-        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
-                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
-        module = build_layer(spec)
-        module.runners = RunnerCache(RunnerConfig("triton"))
-        gen = torch.Generator().manual_seed(0)
-        for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
-            fns = {
-                n: layer_over_sets(module, sets, lambda p=p: mock.patch.object(ops, "PIPELINE", p))
-                for n, p in pipes.items()
-            }
-            ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
-            us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
-            best = min(us, key=us.get)
-            point = f"{model} tp{tp} ep{ep} {fmt} T={T}"
-            res["points"][point] = {"us": us, "best": best,
-                                    "gain": round(us[first] / us[best], 4)}  # fmt: skip
-            print(point, us, "->", best, f"{us[first] / us[best]:.3f}", flush=True)
-            write_probe(name, res)
-        del module
-        torch.cuda.empty_cache()
+    for point, _, module, sets in triton_layer_points(jobs, batches):
+        fns = {
+            n: layer_over_sets(module, sets, lambda p=p: mock.patch.object(ops, "PIPELINE", p))
+            for n, p in pipes.items()
+        }
+        ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+        us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
+        best = min(us, key=us.get)
+        res["points"][point] = {"us": us, "best": best,
+                                "gain": round(us[first] / us[best], 4)}  # fmt: skip
+        print(point, us, "->", best, f"{us[first] / us[best]:.3f}", flush=True)
+        write_probe(name, res)
 
 
 if __name__ == "__main__":

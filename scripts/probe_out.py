@@ -38,3 +38,26 @@ def option(name: str, default: str) -> str:
 
     args = sys.argv[1:]
     return args[args.index(name) + 1] if name in args else default
+
+
+def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0):
+    """For each job (preset, tp, ep, weight format) and batch size T: (label, T, module, sets), the
+    layer of `moekit bench`'s sweep on the `triton` runner and its input sets for T (routings
+    drawn from `seed`, batch sizes in order, as the bench draws them); label
+    'preset tpN epM format T=T'. A job's layer is released before the next one is built."""
+    from moekit.config import RunnerConfig
+    from moekit.layer import RunnerCache
+    from moekit.select_tune import sweep_spec
+    from moekit.sweep import _input_sets, _l2_bytes, build_layer
+
+    for model, tp, ep, fmt in jobs:
+        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
+                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
+        module = build_layer(spec)
+        module.runners = RunnerCache(RunnerConfig("triton"))
+        gen = torch.Generator().manual_seed(seed)
+        for T in batches:
+            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            yield f"{model} tp{tp} ep{ep} {fmt} T={T}", T, module, sets
+        del module
+        torch.cuda.empty_cache()

@@ -31,7 +31,7 @@ import torch
 from moekit.config import DTYPES, ConfigError
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
-from moekit.runners._tables import quant_tag, table_key, triton_version
+from moekit.runners._tables import device_key, quant_tag, table_key, triton_version
 from moekit.runners.triton import configs as tcfg
 from moekit.runners.triton.configs import GemmConfig, TableKey
 
@@ -677,21 +677,9 @@ def _weight_bytes_per_expert(w: ExpertWeights) -> float:
     return sum(t.numel() * t.element_size() for t in ts) / w.num_experts
 
 
-def device_name(device) -> str:
-    device = torch.device(device)
-    return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
-
-
-def _capability(device) -> list[int] | None:
-    """The compute capability a table records (`configs.transferred` lends its configs to
-    devices of the same one), None off CUDA."""
-    device = torch.device(device)
-    return list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
-
-
 def table_keys(shape: TuneShape, device, spec=None) -> dict[str, TableKey]:
     """The two tables' keys; `spec` (QuantSpec or None) puts the weight format in them."""
-    dev = device_name(device)
+    dev = device_key(device)[0]
     keys = {}
     for gemm in tcfg.GEMMS:
         n, k = tcfg.gemm_shape(gemm, shape.hidden, shape.intermediate)
@@ -792,10 +780,11 @@ def tune(
                 configs, meta = tables[gemm]
                 configs[key] = r.gate_up if gemm == "gate_up" else r.down
                 meta.setdefault("points", {})[str(key)] = dict(r.meta(), tokens=T)
+                cap = device_key(device)[1]  # `configs.transferred` lends to its peers
                 meta.update(
                     shape=shape.describe(),
                     top_k=shape.top_k,
-                    capability=_capability(device),
+                    capability=None if cap is None else list(cap),
                     note=note,
                     ceilings={
                         "copy_TBps": round(ceilings.copy_bytes_per_s / 1e12, 3),

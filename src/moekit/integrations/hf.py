@@ -51,7 +51,9 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     """The forward of a transformers experts module on moekit: hidden_states [S, H],
     top_k_index [S, K], top_k_weights [S, K] -> [S, H] (ids at or past the module's expert count,
     which its expert parallelism uses for other ranks' experts, are skipped)."""
-    act = activation_of(module)
+    act = module.__dict__.get("_moekit_act")
+    if act is None:  # once per module: the forward's host path
+        act = module._moekit_act = activation_of(module)
     w13, w2 = _weights(module)
     bias = getattr(module, "has_bias", False)
     ids = top_k_index.to(torch.int32)

@@ -8,9 +8,12 @@ share s of their pairs local looks up T * s (`table_key`; keys below 1 come from
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
+
+import torch
 
 
 def device_slug(device_name: str) -> str:
@@ -108,3 +111,13 @@ def version_note(path: Path | str, running: str) -> str:
         return ""
     return (f" (tuned with Triton {tuned_with}, running {running}: `moekit tune` makes a table "
             "for this version)")  # fmt: skip
+
+
+@functools.cache
+def device_key(device) -> tuple[str, tuple[int, int] | None]:
+    """(name, compute capability) of `device` as the config tables name it; ('cpu', None) off
+    CUDA. Once per device: the runners' forward asks on every call."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu", None
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)

@@ -76,9 +76,9 @@ class TritonRunner(TritonRunnerBase):
             )
         x = dispatch_out.x
         if weights.format == "fp8_w8a8" and x.is_cuda:
-            import torch
+            from moekit.runners._tables import device_key
 
-            cap = torch.cuda.get_device_capability(x.device)
+            cap = device_key(x.device)[1]
             if cap < FP8_MIN_CAPABILITY:
                 raise RunnerError(
                     f"runner 'triton' with fp8_w8a8 needs fp8 tensor cores (compute "

@@ -295,7 +295,6 @@ def clear_cache() -> None:
     get_config.cache_clear()
     find_table.cache_clear()
     tuned_shapes.cache_clear()
-    _transferred_cached.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,12 +381,6 @@ def transferred(
     where = (f"nearest tuned shape E={k_.num_experts} N={k_.n} K={k_.k} top_k={s.top_k} at "
              f"batch {batch} ({s.table.source})")  # fmt: skip
     return clamp(gemm, s.table.configs[batch], n, k), where
-
-
-@functools.lru_cache(maxsize=4096)
-def _transferred_cached(*args):
-    """`transferred` over `tuned_shapes()`, once per call signature (the host path of a call)."""
-    return transferred(*args)
 
 
 def clamp(gemm: str, c: GemmConfig, n: int, k: int) -> GemmConfig:
@@ -502,8 +495,8 @@ def get_config(
         note = version_note(table.source, key.triton)
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
         return table.pick(num_tokens)
-    near = _transferred_cached(gemm, num_tokens, top_k, num_experts, n, k, dtype, device, quant,
-                               None if capability is None else tuple(capability))  # fmt: skip
+    near = transferred(gemm, num_tokens, top_k, num_experts, n, k, dtype, device, quant,
+                       None if capability is None else tuple(capability))  # fmt: skip
     if near is not None:
         log_once(logging.INFO, f"{what}: no tuned config file ({key.filename()}); using the "
                  f"{near[1]} (`moekit tune` makes one)")  # fmt: skip

@@ -28,7 +28,7 @@ from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
 from moekit.runners._align import AlignOutput, align_block_size
 from moekit.runners._shared import expected_experts_used
-from moekit.runners._tables import quant_tag
+from moekit.runners._tables import device_key, quant_tag
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,
@@ -164,7 +164,7 @@ class WeightQuant:
         dev = self.scale.device
         if dev.type != "cuda" or interpret_mode():
             return False
-        if torch.cuda.get_device_capability(dev) < (8, 0):
+        if device_key(dev)[1] < (8, 0):
             return False
         return cfg.block_k // 2 * tile_rows >= 4 * 32 * cfg.num_warps
 
@@ -299,7 +299,7 @@ def decode_pdl(x: torch.Tensor, num_pairs: int) -> bool:
         return False
     if x.device.type != "cuda" or interpret_mode():
         return False
-    return _device_key(x.device)[1] >= (9, 0)
+    return device_key(x.device)[1] >= (9, 0)
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -612,21 +612,12 @@ def _direct_rows(cfg: GemmConfig) -> GemmConfig:
     return replace(cfg, block_m=min(cfg.block_m, 16))
 
 
-@functools.cache
-def _device_key(device: torch.device) -> tuple[str, tuple[int, int] | None]:
-    """(name, compute capability) of `device` as the config tables name it; ('cpu', None) off
-    CUDA. Once per device: `configs_for` runs on every call."""
-    if device.type != "cuda":
-        return "cpu", None
-    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-
-
 def configs_for(
     num_tokens: float, top_k: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
 ) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up config, down config) for a standard call with `num_tokens` tokens' worth of
     local pairs (T * local_share: may be below 1 on an EP rank)."""
-    dev, cap = _device_key(device)
+    dev, cap = device_key(device)
     name = _TL_DTYPES[dtype]
     E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
     quant = quant_tag(w.spec)

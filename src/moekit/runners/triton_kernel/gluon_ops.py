@@ -25,7 +25,7 @@ from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.log import log_once
 from moekit.quant.spec import FP8_DTYPE
-from moekit.runners._tables import version_tuple
+from moekit.runners._tables import device_key, version_tuple
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import tma_ok
 
@@ -158,7 +158,7 @@ def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -
     """Why the engine cannot run this call, or None."""
     if x.device.type != "cuda":
         return "runs on CUDA only"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if device_key(x.device)[1] != (9, 0):
         return "needs an sm_90 GPU (Hopper wgmma)"
     if x.dtype not in DTYPES:
         return f"runs float16 / bfloat16, got {x.dtype}"
@@ -212,7 +212,7 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
         if mode == "gluon":
             raise ValueError(f"{envs.MOEKIT_TRITON_KERNEL_ENGINE.name}=gluon: the Gluon engine "
                              f"{reason}")  # fmt: skip
-        if x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0):
+        if x.is_cuda and device_key(x.device)[1] == (9, 0):
             # on a Hopper GPU the user could have it: say why not (elsewhere it is noise)
             log_once(logging.INFO, f"triton_kernel runner: Gluon engine not used: it {reason}")
         return "triton"

@@ -22,6 +22,7 @@ import triton
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.router import TopKOutput
+from moekit.runners._tables import device_key
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import (  # shared with the triton runner
     check_weight_tensors,
@@ -66,11 +67,6 @@ def _desc(t2d: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t2d, block)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
 
 
 def num_programs(device: torch.device, cfg: KernelConfig, work_bound: int,
@@ -192,7 +188,7 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
     ) == "gluon":
         return gluon_ops.fused_moe(x_TH, ids, weights, w, act)
     if config is None:
-        dev = None if x_TH.device.type != "cuda" else _device_name(x_TH.device)
+        dev = None if x_TH.device.type != "cuda" else device_key(x_TH.device)[0]
         dtype = str(x_TH.dtype).removeprefix("torch.")
         config = config_for(T, K, E, H, I, act.interleaved, act.name, dtype, dev)
     cfg = config
