@@ -7,7 +7,11 @@ without CUDA graphs (as `model(ids)` runs), for experts_implementation = eager, 
 (transformers' default) and moekit; the logits of each against grouped_mm's.
 
     PYTHONPATH=src python3 scripts/gpu_probe_hf_experts.py [--shapes '1x1;1x128;4x1024;8x2048']
-        [--rounds 5] [--samples 25]
+        [--rounds 5] [--samples 25] [--compile]
+
+--compile: grouped_mm and moekit, each also under torch.compile(mode="reduce-overhead",
+fullgraph=True, dynamic=False) (Inductor and CUDA graphs; moekit's experts as one custom op),
+instead of the three eager implementations.
 
 Writes $OUT/hf_experts.json.
 """
@@ -44,29 +48,48 @@ def models():
         num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64))
 
 
-def time_model(name: str, model, shapes, rounds: int, samples: int) -> list[dict]:
+def time_model(name: str, model, shapes, rounds: int, samples: int, compile_: bool) -> list[dict]:
     """The forward of `model` on each B x S under each experts implementation, in turns."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "gate_up_proj")}
-    for impl in IMPLS:
+    impls = ("grouped_mm", "moekit") if compile_ else IMPLS
+    for impl in impls:
         model.set_experts_implementation(impl)  # checks the name once; the calls below switch
     points = []  # by the flag the experts modules read at every call
+    compiled = None
+    if compile_:
+        torch._dynamo.reset()
+        torch._dynamo.config.cache_size_limit = 64
+        compiled = torch.compile(hf.prepare(model), mode="reduce-overhead", fullgraph=True,
+                                 dynamic=False)  # fmt: skip
     for B, S in shapes:
         ids = torch.randint(0, 1024, (B, S), device="cuda")
         outs = {}
 
-        def run(impl, ids=ids, outs=outs):
+        def run(impl, ids=ids, outs=outs, fn=model, tag=""):
             for cfg in configs.values():
                 cfg._experts_implementation = impl
             with torch.no_grad():
-                outs[impl] = model(ids).logits
+                outs[impl + tag] = fn(ids).logits.clone()  # (a graph's output is reused)
 
-        fns = {impl: (lambda impl=impl: run(impl)) for impl in IMPLS}
-        ms = time_ms_interleaved(fns, "cuda", cuda_graph=False, rounds=rounds, samples=samples)
+        fns = {impl: (lambda impl=impl: run(impl)) for impl in impls}
+        if compiled is not None:
+            for impl in impls:
+                fns[impl + "+compiled"] = lambda impl=impl: run(impl, fn=compiled, tag="+compiled")
+                for _ in range(3):  # compile and record outside the timing
+                    fns[impl + "+compiled"]()
+        ms = time_ms_interleaved(fns, "cuda", cuda_graph=False, rounds=rounds, samples=samples,
+                                 min_sample_ms=20.0)  # fmt: skip
+        for fn in fns.values():  # each output fresh (a CUDA-graph output is overwritten later)
+            fn()
+            torch.cuda.synchronize()
         ref = outs["grouped_mm"].float()
-        diff = {i: float((outs[i].float() - ref).abs().max() / ref.abs().max()) for i in IMPLS}
+        diff = {i: float((outs[i].float() - ref).abs().max() / ref.abs().max()) for i in fns}
         point = {"model": name, "B": B, "S": S, "ms": {i: round(v, 3) for i, v in ms.items()},
                  "grouped_mm_over_moekit": round(ms["grouped_mm"] / ms["moekit"], 3),
                  "max_rel_diff_vs_grouped_mm": diff}  # fmt: skip
+        if compiled is not None:
+            point["compiled_grouped_mm_over_moekit"] = round(
+                ms["grouped_mm+compiled"] / ms["moekit+compiled"], 3)
         print(point)
         points.append(point)
     return points
@@ -84,7 +107,7 @@ def main() -> None:
                 if p.dim() >= 2:
                     torch.nn.init.normal_(p, std=0.02)
         res["points"] += time_model(name, model, shapes, int(option("--rounds", "5")),
-                                    int(option("--samples", "25")))
+                                    int(option("--samples", "25")), "--compile" in sys.argv)
         del model
         torch.cuda.empty_cache()
     write_probe("hf_experts.json", res)

@@ -76,13 +76,13 @@ def test_transposed_weights_are_copied_once_and_refreshed():
     ids = torch.randint(0, 128, (1, 5), device=DEVICE)
     logits(model, ids, name)
     module = experts_modules(model)[0]
-    first = module._moekit_weights[1][0]
+    first = module._moekit_weights[2][0]
     logits(model, ids, name)
-    assert module._moekit_weights[1][0] is first
+    assert module._moekit_weights[2][0] is first
     with torch.no_grad():
         module.gate_up_proj.mul_(2.0)
     assert rel_err(logits(model, ids, name), logits(model, ids, "eager")) < 1e-5
-    assert module._moekit_weights[1][0] is not first
+    assert module._moekit_weights[2][0] is not first
 
 
 def test_ids_of_other_ranks_are_skipped_under_expert_parallelism():
@@ -114,3 +114,31 @@ def test_what_moekit_cannot_run_is_refused():
     module.has_gate, module.has_post_expert_norm = True, True
     with pytest.raises(ValueError, match="a norm after each expert"):
         hf.activation_of(module)
+
+
+@pytest.mark.parametrize("make", [qwen3, mixtral, gpt_oss], ids=lambda f: f.__name__)
+def test_compiled_model_gives_the_eager_logits(make):
+    """torch.compile(fullgraph=True) traces the whole model with moekit's experts as one op
+    (aot_eager on CPU: the graph and its fake-tensor shapes, without Inductor), for two batch
+    shapes; gpt-oss's transposed experts are read from the copy `prepare` made."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make().to(DEVICE).eval()
+    name = hf.register()
+    model.set_experts_implementation(name)
+    compiled = torch.compile(hf.prepare(model), fullgraph=True, backend="aot_eager")
+    for shape in ((2, 11), (1, 5)):
+        ids = torch.randint(0, model.config.vocab_size, shape, device=DEVICE)
+        with torch.no_grad():
+            ref, out = model(ids).logits, compiled(ids).logits
+        assert out.shape == ref.shape and rel_err(out, ref) < 1e-5
+
+
+def test_compiled_transposed_experts_need_prepare():
+    torch._dynamo.reset()
+    model = gpt_oss().eval()
+    model.set_experts_implementation(hf.register())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"call moekit.integrations.hf.prepare\(model\)"):
+        with torch.no_grad():
+            compiled(torch.randint(0, 128, (1, 3)))

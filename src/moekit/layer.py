@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moekit import hardware
+from moekit.compiled import run_experts_op
 from moekit.config import MoEConfig, ParallelConfig, RunnerConfig, validate
 from moekit.dispatch.factory import make_dispatcher
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
@@ -73,7 +74,10 @@ def workload_of(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) 
 def run_experts(
     d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec, runners: RunnerCache
 ):
-    """Pick the runner for this call and run it."""
+    """Pick the runner for this call and run it (under torch.compile: as one custom op,
+    `moekit.compiled`)."""
+    if torch.compiler.is_compiling():
+        return run_experts_op(d, weights, act, runners)
     return runners.runner(workload_of(d, weights, act)).run(d, weights, act)
 
 

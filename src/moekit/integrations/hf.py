@@ -10,6 +10,8 @@ experts:
     hf.register()
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit")
     # or, on a loaded model: model.set_experts_implementation("moekit")
+    model = torch.compile(hf.prepare(model))  # optional; fullgraph works, and
+                                              # mode="reduce-overhead" graphs the experts too
 
 Gated experts with a SiLU or exact-GELU gate, or gpt-oss's clamped SwiGLU, concatenated or
 interleaved gate/up rows, with or without biases. Experts stored transposed ([E, H, 2I], as
@@ -95,16 +97,47 @@ def activation_of(module: torch.nn.Module) -> dict:
                      "(silu, exact gelu)")  # fmt: skip
 
 
+def prepare(model: torch.nn.Module) -> torch.nn.Module:
+    """Make moekit's copies of the transposed experts (gpt-oss) of every experts module of
+    `model` now; returns `model`. Needed once before `torch.compile` (a compiled graph cannot
+    check whether the weights changed, so it reads the copy made here) and again after the
+    weights change; eager forwards refresh the copies by themselves."""
+    for module in model.modules():
+        if getattr(module, "is_transposed", False) and hasattr(module, "gate_up_proj"):
+            _copy_transposed(module)
+    return model
+
+
 def _weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [E, 2I, H], w2 [E, H, I]): the module's own tensors, or for transposed storage a
-    contiguous copy kept on the module and made again when the weights change."""
+    contiguous copy kept on the module and made again when the weights change (under
+    torch.compile: the copy `prepare` made)."""
     w13, w2 = module.gate_up_proj, module.down_proj
     if not getattr(module, "is_transposed", False):
         return w13, w2
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (w13, w2))
-    cached = getattr(module, "_moekit_weights", None)
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            copies = (w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous())
-        module._moekit_weights = cached = (key, copies)
-    return cached[1]
+    cached = module.__dict__.get("_moekit_weights")
+    if torch.compiler.is_compiling():
+        if cached is None or cached[0][0] is not w13 or cached[0][1] is not w2:
+            raise RuntimeError(
+                f"{type(module).__name__} stores its experts transposed; under torch.compile "
+                "moekit reads the copy in its layout made beforehand: call "
+                "moekit.integrations.hf.prepare(model) before compiling (and again after "
+                "changing the weights)"
+            )
+        return cached[2]
+    if cached is None or cached[1] != _version_key(w13, w2) or cached[0][0] is not w13:
+        cached = _copy_transposed(module)
+    return cached[2]
+
+
+def _version_key(*tensors: torch.Tensor) -> tuple:
+    return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors)
+
+
+def _copy_transposed(module: torch.nn.Module) -> tuple:
+    """Store (sources, their version key, (w13, w2) in moekit's layout) on the module."""
+    w13, w2 = module.gate_up_proj, module.down_proj
+    with torch.no_grad():
+        copies = (w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous())
+    module._moekit_weights = cached = ((w13, w2), _version_key(w13, w2), copies)
+    return cached

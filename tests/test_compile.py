@@ -1,0 +1,137 @@
+"""The layer under torch.compile (`moekit.compiled`): the experts run as one custom op, so the
+whole layer traces without a graph break (fullgraph=True), gives the eager outputs at every
+batch size (empty batches included), and layers alike share one compiled graph. CPU: dynamo +
+aot_eager (the graph and its fake-tensor shapes, no Inductor); GPU: Inductor, and CUDA graphs
+through mode="reduce-overhead"."""
+
+import pytest
+import torch
+
+from moekit import MoE, MoEConfig, RunnerConfig, fused_moe
+from moekit.experts import ExpertWeights
+from moekit.layer import run_experts
+from moekit.runners.torch import moe_reference_fp64
+from moekit.stages import MaskedDispatchOutput
+from tests.helpers import DEVICE, TOLERANCE, rel_err
+
+BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+# the runners the CPU tests trace through (triton under the interpreter)
+RUNNERS = ["torch", "triton", "auto"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def layer(runner: str, weight_format: str | None = None, **cfg) -> MoE:
+    base = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
+                dtype=str(DTYPE).removeprefix("torch."))  # fmt: skip
+    return MoE(MoEConfig(**{**base, **cfg}), runner=RunnerConfig(runner), device=DEVICE,
+               weight_format=weight_format).eval()  # fmt: skip
+
+
+def inputs(m: MoE, T: int):
+    x = torch.randn(T, m.config.hidden_size, device=DEVICE, dtype=DTYPE)
+    return x, torch.randn(T, m.config.num_experts, device=DEVICE)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_layer_compiles_whole_and_matches_eager(runner):
+    cfg = dict(activation="swiglu_oai", has_bias=True, interleaved=True)
+    m = layer(runner, **cfg)
+    compiled = torch.compile(m, fullgraph=True, backend=BACKEND)
+    for T in (5, 1, 0, 17, 9):  # a static first graph, then the dynamic one, 0 and 1 specialised
+        x, logits = inputs(m, T)
+        with torch.no_grad():
+            ref, out = m(x, logits), compiled(x, logits)
+        assert out.shape == (T, m.config.hidden_size) and out.dtype == DTYPE
+        assert rel_err(out, ref) < TOLERANCE[DTYPE], T
+
+
+@pytest.mark.parametrize("fmt", ["fp8_w8a8", "int4_w4a16", "mxfp4"])
+def test_quantized_layer_compiles(fmt):
+    """The spec travels into the op by value (its fields), the scales in the tensor list."""
+    m = layer("torch", fmt, intermediate_size=128)
+    compiled = torch.compile(m, fullgraph=True, backend=BACKEND)
+    x, logits = inputs(m, 6)
+    with torch.no_grad():
+        assert rel_err(compiled(x, logits), m(x, logits)) < TOLERANCE[DTYPE]
+
+
+def test_layers_alike_share_one_graph():
+    """The op's context holds values, not the layer's objects: a second layer of the same
+    config runs the first one's compiled graph (no recompile) and its own weights."""
+    a, b = layer("torch"), layer("torch")
+    step = torch.compile(lambda m, x, lg: m(x, lg), fullgraph=True, backend=BACKEND)
+    for T in (4, 7):  # the second size compiles the dynamic graph
+        with torch.no_grad():
+            step(a, *inputs(a, T))
+    x, logits = inputs(b, 5)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        out = step(b, x, logits)
+    assert rel_err(out, b(x, logits)) < TOLERANCE[DTYPE]
+
+
+def test_fused_moe_functional_compiles():
+    E, K, H, I, T = 6, 2, 64, 32, 9
+    w13 = torch.randn(E, 2 * I, H, device=DEVICE, dtype=DTYPE) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEVICE, dtype=DTYPE) / I**0.5
+    step = torch.compile(
+        lambda x, w, ids: fused_moe(x, w13, w2, w, ids, moe_runner_backend="auto"),
+        fullgraph=True, backend=BACKEND,
+    )  # fmt: skip
+    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
+    ids = torch.rand(T, E, device=DEVICE).argsort(1)[:, :K].to(torch.int32)
+    w = torch.rand(T, K, device=DEVICE)
+    ref = fused_moe(x, w13, w2, w, ids, moe_runner_backend="torch")
+    assert rel_err(step(x, w, ids), ref) < TOLERANCE[DTYPE]
+
+
+def test_masked_format_compiles():
+    m = layer("torch")
+    weights, act = m.expert_weights, m.act
+    E, C, H = 8, 4, m.config.hidden_size
+    counts = torch.tensor([0, 4, 2, 1, 0, 3, 4, 2], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(E, C, H, device=DEVICE, dtype=DTYPE)
+
+    def step(x, counts):
+        return run_experts(MaskedDispatchOutput(x, counts), weights, act, m.runners).out
+
+    out = torch.compile(step, fullgraph=True, backend=BACKEND)(x, counts)
+    ref = step(x, counts)
+    valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
+    assert rel_err(out[valid], ref[valid]) < TOLERANCE[DTYPE]
+
+
+def test_compiled_layer_reads_the_current_weights():
+    """Weights are graph inputs: an in-place update is seen by the next compiled call."""
+    m = layer("torch")
+    compiled = torch.compile(m, fullgraph=True, backend=BACKEND)
+    x, logits = inputs(m, 3)
+    with torch.no_grad():
+        compiled(x, logits)
+        m.w2.mul_(-1.0)
+        out = compiled(x, logits)
+    ref = moe_reference_fp64(x, m.route(logits), m.expert_weights, m.act)
+    assert rel_err(out, ref) < TOLERANCE[DTYPE]
+    assert isinstance(m.expert_weights, ExpertWeights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runner", ["triton", "auto"])
+def test_reduce_overhead_graphs_match_eager_gpu(runner):
+    """mode='reduce-overhead': Inductor plus CUDA graphs recorded per batch size, the experts'
+    kernels inside them; each size replayed with fresh inputs."""
+    m = layer(runner, num_experts=16, top_k=4, hidden_size=512, intermediate_size=256)
+    compiled = torch.compile(m, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    for T in (1, 16, 64, 1, 16):
+        for _ in range(3):  # warm-up, record, replay
+            x, logits = inputs(m, T)
+            with torch.no_grad():
+                out = compiled(x, logits).clone()
+                ref = m(x, logits)
+            assert rel_err(out, ref) < TOLERANCE[DTYPE], T
