@@ -88,6 +88,9 @@ def time_model(name: str, model, shapes, rounds: int, samples: int, compile_: bo
                  "grouped_mm_over_moekit": round(ms["grouped_mm"] / ms["moekit"], 3),
                  "max_rel_diff_vs_grouped_mm": diff}  # fmt: skip
         if compiled is not None:
+            point["compiled_max_rel_diff_vs_own_eager"] = {
+                i: float((outs[i + "+compiled"].float() - outs[i].float()).abs().max()
+                         / outs[i].float().abs().max()) for i in impls}  # fmt: skip
             point["compiled_grouped_mm_over_moekit"] = round(
                 ms["grouped_mm+compiled"] / ms["moekit+compiled"], 3)
         print(point)
