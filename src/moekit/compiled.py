@@ -11,7 +11,8 @@ mode (once per shape; under CUDA graphs, when the graph for that size is recorde
 What is not a tensor (the layer's RunnerConfig, the weight format and its spec, the
 activation) travels as an int naming an interned context of their values; the tensors of
 `ExpertWeights` travel as a list. Decisions of compiled calls are cached per RunnerConfig (not
-in the layer's own `runners`), so every layer alike shares one compiled graph.
+in the layer's own `runners`), so every layer alike shares one compiled graph. Calls replayed
+from CUDA graphs run no Python, so `moekit.metrics` counts only the recorded ones.
 """
 
 from __future__ import annotations

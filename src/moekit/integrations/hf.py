@@ -125,7 +125,7 @@ def _weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
                 "changing the weights)"
             )
         return cached[2]
-    if cached is None or cached[1] != _version_key(w13, w2) or cached[0][0] is not w13:
+    if cached is None or cached[1] != _version_key(w13, w2):
         cached = _copy_transposed(module)
     return cached[2]
 
