@@ -97,7 +97,7 @@ def experts(
 
     runners, weights, act = _resolve(tensors, ctx)
     d = StandardDispatchOutput(x, TopKOutput(topk_weights, topk_ids), local_share=local_share)
-    return _fresh(run_experts(d, weights, act, runners).out, x)
+    return run_experts(d, weights, act, runners).out
 
 
 @experts.register_fake
@@ -114,19 +114,12 @@ def experts_masked(
     from moekit.layer import run_experts
 
     runners, weights, act = _resolve(tensors, ctx)
-    return _fresh(run_experts(MaskedDispatchOutput(x, counts), weights, act, runners).out, x)
+    return run_experts(MaskedDispatchOutput(x, counts), weights, act, runners).out
 
 
 @experts_masked.register_fake
 def _experts_masked_fake(x, counts, tensors, ctx):
     return x.new_empty(x.shape)
-
-
-def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A custom op's output may not share memory with its inputs."""
-    if out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        return out.clone()
-    return out
 
 
 def run_experts_op(
