@@ -170,6 +170,96 @@ def test_tail_blocks_match_reference(levels, T, reduce):
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
 
 
+def _routing_with_counts(counts: list[int], K: int, masked: int = 0) -> TopKOutput:
+    """Routing in which expert e gets exactly counts[e] pairs (sum(counts) + masked = T * K,
+    K distinct experts a token where the counts allow), `masked` ids of -1, in shuffled order."""
+    pairs = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)]
+                      + [torch.full((masked,), -1, dtype=torch.int32)])  # fmt: skip
+    T = pairs.numel() // K
+    assert T * K == pairs.numel()
+    ids = pairs.view(K, T).t().contiguous()  # pair j of expert e goes to token j % T, slot j // T
+    ids = ids[torch.randperm(T)].to(DEVICE)
+    weights = torch.rand(T, K, device=DEVICE) + 0.1
+    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids)
+
+
+# experts with a last block of 1..side rows after full ones (folded), with side + 1 (not folded:
+# the tail path), with only a short block (nothing to fold into), unused; side = fold_rows
+# (levels: fold_rows / 2^j down to 16)
+FOLD_CASES = [
+    ("atomic-levels", (32, 2), "silu", False,
+     (GemmConfig(64, 16, 16), GemmConfig(64, 32, 16, reduce="atomic"))),
+    ("atomic", (16, 1), "silu", False,
+     (GemmConfig(64, 16, 16), GemmConfig(64, 32, 16, reduce="atomic"))),
+    ("kernel-oai", (16, 1), "swiglu_oai", True, (GemmConfig(64, 16, 16), GemmConfig(64, 16, 16))),
+    ("tma-mixed-bm", (16, 2), "gelu", False, (GemmConfig(32, 16, 16, tma=True),
+                                              GemmConfig(64, 16, 16, tma=True, reduce="atomic"))),
+]
+
+
+@pytest.mark.parametrize("name,fold,act_name,interleaved,configs", FOLD_CASES,
+                         ids=[c[0] for c in FOLD_CASES])  # fmt: skip
+def test_folded_tails_match_reference(name, fold, act_name, interleaved, configs):
+    """A short last block folded into the full block before it (`PipelineConfig.fold_rows`,
+    `.fold_levels`), in both GEMMs: every pair computed once (atomic reduction: a pair computed
+    twice counts twice)."""
+    E, K, H, I = 6, 2, 64, 48
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    bm = max(c.block_m for c in configs)
+    side = fold[0]
+    counts = [bm + 3, 2 * bm + side, bm + side + 1, side - 2, 0, 2 * bm + 1]
+    masked = (-sum(counts)) % K + K
+    topk = _routing_with_counts(counts, K, masked)
+    T = topk.ids.shape[0]
+    w = make_weights(E, H, I, dtype, True)
+    act = ActivationSpec(act_name, interleaved)
+    x = torch.randn(T, H, device=DEVICE, dtype=dtype)
+    folds = []
+    fold_meta = ops._fold_meta
+
+    def spy(gemm, *args):
+        folds.append((gemm, fold_meta(gemm, *args)))
+        return folds[-1][1]
+
+    pipe = replace(ops.PIPELINE, fold_rows=fold[0], fold_levels=fold[1])
+    with mock.patch.object(ops, "PIPELINE", pipe), mock.patch.object(ops, "_fold_meta", spy):
+        out = ops.fused_moe(x, topk, w, act, configs=configs)
+    assert [g for g, meta in folds if meta.get("FOLD", 0) >= 16] == ["gate_up", "down"]
+    assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
+
+
+def test_fold_meta_conditions():
+    """FOLD with fold_rows set (16 or more, under block_m), for sorted rows, unquantized weights,
+    one K share, unswapped, experts of at least a block, the GEMMs in fold_gemms; levels down
+    to 16 rows."""
+    from types import SimpleNamespace
+
+    sorted_rows = SimpleNamespace(mode=0, rows_per_expert=300.0)
+    cfg = GemmConfig(128, 64, 64)
+    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, fold_rows=0)):
+        assert ops._fold_meta("gate_up", cfg, sorted_rows, None) == {}
+    pipe = replace(ops.PIPELINE, fold_rows=32, fold_levels=3, fold_gemms=("down",))
+    with mock.patch.object(ops, "PIPELINE", pipe):
+        assert ops._fold_meta("down", cfg, sorted_rows, None) == {"FOLD": 32, "FOLD_LEVELS": 2}
+        assert ops._fold_meta("gate_up", cfg, sorted_rows, None) == {}
+        assert ops._fold_meta("down", GemmConfig(32, 64, 64), sorted_rows, None) == {}
+        assert ops._fold_meta("down", replace(cfg, swap_ab=True), sorted_rows, None) == {}
+        assert ops._fold_meta("down", replace(cfg, split_k=2, reduce="atomic"), sorted_rows,
+                              None) == {}  # fmt: skip
+        assert ops._fold_meta("down", cfg, sorted_rows, SimpleNamespace(quant=3)) == {}
+        assert ops._fold_meta("down", cfg, SimpleNamespace(mode=2, rows_per_expert=300.0),
+                              None) == {}  # fmt: skip
+        assert ops._fold_meta("down", cfg, SimpleNamespace(mode=0, rows_per_expert=100.0),
+                              None) == {}  # fmt: skip
+        assert ops._fold_meta("down", cfg, SimpleNamespace(mode=0, rows_per_expert=None),
+                              None) == {"FOLD": 32, "FOLD_LEVELS": 2}  # fmt: skip
+    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, fold_rows=8)):
+        assert ops._fold_meta("down", cfg, sorted_rows, None) == {}
+    # as shipped: 16 rows, one level
+    assert ops._fold_meta("gate_up", GemmConfig(64, 64, 64), sorted_rows, None) == {
+        "FOLD": 16, "FOLD_LEVELS": 1}  # fmt: skip
+
+
 def test_tail_levels_follow_the_blocks_per_expert():
     """More tail levels where a used expert gets few blocks; sorted rows of the GEMMs in
     tail_gemms only, not w8a8, down to 16 rows."""

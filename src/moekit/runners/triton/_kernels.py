@@ -614,6 +614,31 @@ def _tail_level_fits(n_ok, level: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_LEVE
 
 
 @triton.jit
+def _folded_tail(b, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m,
+                 BLOCK_M: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+    """Sorted rows: whether row block b is an expert's last block holding 1..FOLD valid rows
+    after a block of the same expert (which is then full). Such a block is computed by the
+    program of block b - 1 together with its own rows, on the weight tiles it loads anyway
+    (`_gate_up_block` / `_down_block` with SIDE = FOLD); its own program does nothing."""
+    row0 = b * BLOCK_M
+    inside = (b > 0) & (row0 < tl.load(num_rows_ptr))
+    row0 = tl.where(inside, row0, BLOCK_M)  # in bounds either way
+    same = tl.load(block_expert_ptr + row0 // align_m) == tl.load(
+        block_expert_ptr + (row0 - BLOCK_M) // align_m
+    )
+    used = tl.load(row_map_ptr + row0) < num_pairs
+    short = tl.load(row_map_ptr + row0 + FOLD) >= num_pairs
+    return inside & same & used & short
+
+
+@triton.jit
+def _block_rows(b, row_map_ptr, num_pairs, BLOCK_M: tl.constexpr, FOLD: tl.constexpr):
+    """Sorted rows: the valid rows among the first FOLD rows of row block b."""
+    rows = tl.load(row_map_ptr + b * BLOCK_M + tl.arange(0, FOLD))
+    return tl.sum((rows < num_pairs).to(tl.int32))
+
+
+@triton.jit
 def _gate_up_block(
     x_ptr,
     w_ptr,
@@ -677,9 +702,14 @@ def _gate_up_block(
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
     DIRECT_P: tl.constexpr = 1,
+    SIDE: tl.constexpr = 0,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
-    row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there)."""
+    row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there).
+    SIDE > 0 (sorted rows, unquantized, one K share, not swapped): also the first SIDE rows of
+    block pid_m + 1 (a folded tail, `_folded_tail`), multiplied by the same weight tiles with
+    the operands swapped (the weight tile in the MMA's M slot: a few rows stay on the wgmma
+    path, which takes M in multiples of 64)."""
     expert, row_ok, pair, token, slot, slot0, first_ok = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
@@ -697,6 +727,12 @@ def _gate_up_block(
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
+    if SIDE > 0:
+        _, row_ok2, _, token2, slot2, _, _ = _tile_rows(
+            pid_m + 1, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+            capacity, blocks_per_expert, align_m, ROW_BLOCK, SIDE, ROWS, DIRECT_P,
+        )  # fmt: skip
+        a2_ptrs = x_ptr + token2.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     e_row = expert * (2 * N)  # first row of this expert in the [E * 2I, H] view
     # quantized formats: scale / zero-point row pointers, activation scales, global scale
@@ -715,6 +751,8 @@ def _gate_up_block(
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
         acc = _zeros_acc(BM, 2 * BLOCK_N, SWAP_AB)
+        if SIDE > 0:
+            acc2 = _zeros_acc(SIDE, 2 * BLOCK_N, True)
         sc1, sc2 = _step_scales(s_base, z_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                                 GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         for ki in range(k_lo, k_hi):
@@ -733,18 +771,30 @@ def _gate_up_block(
                 a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
                 acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                                   GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+                if SIDE > 0:
+                    a2 = load_a_tile(a2_ptrs, k_left, EVEN_K, BLOCK_K)
+                    acc2 = _mma(a2, b, acc2, True, DOT_PRECISION)
             if not USE_TMA:
                 w_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
+            if SIDE > 0:
+                a2_ptrs += BLOCK_K
             sc1, sc2 = nx1, nx2
         acc = _unswap(acc, SWAP_AB)
+        if SIDE > 0:
+            acc2 = _unswap(acc2, True)
         if QUANT == 1:
             acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
         if HAS_BIAS:
             b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
             bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
-            acc += tl.where(split == 0, bias.to(tl.float32), 0.0)[None, :]
+            bias = tl.where(split == 0, bias.to(tl.float32), 0.0)
+            acc += bias[None, :]
+            if SIDE > 0:
+                acc2 += bias[None, :]
         acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_N, 2]))
+        if SIDE > 0:
+            acc2_g, acc2_u = tl.split(tl.reshape(acc2, [SIDE, BLOCK_N, 2]))
     else:
         n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
         g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
@@ -755,6 +805,9 @@ def _gate_up_block(
         zu_base = wz_e + (N + n_rows) * stride_wsn
         acc_g = _zeros_acc(BM, BLOCK_N, SWAP_AB)
         acc_u = _zeros_acc(BM, BLOCK_N, SWAP_AB)
+        if SIDE > 0:
+            acc2_g = _zeros_acc(SIDE, BLOCK_N, True)
+            acc2_u = _zeros_acc(SIDE, BLOCK_N, True)
         g1, g2 = _step_scales(sg_base, zg_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
                               GROUP, SG, HAS_ZERO, BLOCK_K, True)  # fmt: skip
         u1, u2 = _step_scales(su_base, zu_base, a_s_base, gscale, k_lo, K, QUANT, ASCALE, WSCALE,
@@ -785,20 +838,34 @@ def _gate_up_block(
                 acc_u = _stored_mma(a, a_qs, bu, acc_u, su_base, a_s_base, ki, K, QUANT, ASCALE,
                                     WSCALE, GROUP, BLOCK_K, INT_DOT, SWAP_AB,
                                     DOT_PRECISION)  # fmt: skip
+                if SIDE > 0:
+                    a2 = load_a_tile(a2_ptrs, k_left, EVEN_K, BLOCK_K)
+                    acc2_g = _mma(a2, bg, acc2_g, True, DOT_PRECISION)
+                    acc2_u = _mma(a2, bu, acc2_u, True, DOT_PRECISION)
             if not USE_TMA:
                 g_ptrs += BLOCK_K // PACK
                 u_ptrs += BLOCK_K // PACK
             a_ptrs += BLOCK_K
+            if SIDE > 0:
+                a2_ptrs += BLOCK_K
             g1, g2, u1, u2 = ng1, ng2, nu1, nu2
         acc_g = _unswap(acc_g, SWAP_AB)
         acc_u = _unswap(acc_u, SWAP_AB)
+        if SIDE > 0:
+            acc2_g = _unswap(acc2_g, True)
+            acc2_u = _unswap(acc2_u, True)
         if QUANT == 1:
             acc_g = _w8a8_scale(acc_g, a_s_base, sg_base, ASCALE, WSCALE)
             acc_u = _w8a8_scale(acc_u, a_s_base, su_base, ASCALE, WSCALE)
         if HAS_BIAS:
             b_base = b_ptr + expert.to(tl.int64) * stride_be
-            acc_g += tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)[None, :]
-            acc_u += tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)[None, :]
+            bias_g = tl.where(split == 0, tl.load(b_base + n_rows).to(tl.float32), 0.0)
+            bias_u = tl.where(split == 0, tl.load(b_base + N + n_rows).to(tl.float32), 0.0)
+            acc_g += bias_g[None, :]
+            acc_u += bias_u[None, :]
+            if SIDE > 0:
+                acc2_g += bias_g[None, :]
+                acc2_u += bias_u[None, :]
 
     n_out = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (n_out[None, :] < N)
@@ -808,9 +875,18 @@ def _gate_up_block(
     else:
         last = True
     if last:
-        act = activate(acc_g, acc_u, alpha, limit, ACT)
-        h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
-        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
+        _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, ACT)
+    if SIDE > 0:
+        mask2 = row_ok2[:, None] & (n_out[None, :] < N)
+        _store_h(acc2_g, acc2_u, h_ptr, slot2, n_out, mask2, stride_hm, alpha, limit, ACT)
+
+
+@triton.jit
+def _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, ACT: tl.constexpr):
+    """h[slot, n_out] = act(gate, up) where mask, in h's dtype."""
+    act = activate(acc_g, acc_u, alpha, limit, ACT)
+    h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
+    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 
@@ -887,6 +963,8 @@ def _gate_up_kernel(
     GDC_LAUNCH: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
     DIRECT_P: tl.constexpr = 1,
+    FOLD: tl.constexpr = 0,
+    FOLD_LEVELS: tl.constexpr = 1,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -910,6 +988,10 @@ def _gate_up_kernel(
     visible (`ops.decode_pdl`). TAIL_LEVELS > 0 (sorted rows): a block whose valid rows
     all lie in its first BLOCK_M / 2^j rows, j <= TAIL_LEVELS (an expert's last, partly filled
     block), computes only the fewest such rows (`_gate_up_block`), not a whole BLOCK_M tile.
+    FOLD > 0 (sorted rows, unquantized, SPLIT_K 1, not SWAP_AB): an expert's last block with at
+    most FOLD valid rows after a full one is folded into it (`_folded_tail`): the full block's
+    program multiplies those rows too, by the weight tiles it loads anyway, on the fewest of
+    FOLD / 2^j rows (j < FOLD_LEVELS) that hold them.
     """
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
@@ -931,7 +1013,30 @@ def _gate_up_kernel(
     )  # fmt: skip
     if not first_ok:
         return
-    if TAIL_LEVELS > 0 and ROWS == 0:
+    fold_next = False
+    if FOLD > 0:
+        if _folded_tail(pid_m, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m,
+                        BLOCK_M, FOLD):  # fmt: skip
+            return
+        fold_next = _folded_tail(pid_m + 1, row_map_ptr, block_expert_ptr, num_rows_ptr,
+                                 num_pairs, align_m, BLOCK_M, FOLD)  # fmt: skip
+    if fold_next:
+        if FOLD > 0:  # (fold_next is a constant False otherwise: nothing to compile here)
+            n_side = _block_rows(pid_m + 1, row_map_ptr, num_pairs, BLOCK_M, FOLD)
+            for level in tl.static_range(FOLD_LEVELS):
+                if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
+                    _gate_up_block(
+                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr,
+                        counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert,
+                        align_m, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm,
+                        part_ptr, part_stride, count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr,
+                        xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS, INTERLEAVED,
+                        ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+                        HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
+                        BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
+                        FOLD >> (FOLD_LEVELS - 1 - level),
+                    )  # fmt: skip
+    elif TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
         for level in tl.static_range(TAIL_LEVELS + 1):
             if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
@@ -1016,10 +1121,12 @@ def _down_block(
     ROW_BLOCK: tl.constexpr,
     BM: tl.constexpr,
     DIRECT_P: tl.constexpr = 1,
+    SIDE: tl.constexpr = 0,
 ):
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
-    rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows)."""
+    rows are then read through pointers, as the TMA descriptor's block is ROW_BLOCK rows).
+    SIDE > 0: also the first SIDE rows of block pid_m + 1, as in `_gate_up_block`."""
     expert, row_ok, pair, token, slot, slot0, _ = _tile_rows(
         pid_m, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
         capacity, blocks_per_expert, align_m, ROW_BLOCK, BM, ROWS, DIRECT_P,
@@ -1033,6 +1140,13 @@ def _down_block(
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
+    if SIDE > 0:
+        _, row_ok2, pair2, token2, slot2, _, _ = _tile_rows(
+            pid_m + 1, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+            capacity, blocks_per_expert, align_m, ROW_BLOCK, SIDE, ROWS, DIRECT_P,
+        )  # fmt: skip
+        a2_ptrs = h_ptr + slot2[:, None] * stride_hm + offs_k[None, :]
+        acc2 = _zeros_acc(SIDE, BLOCK_N, True)
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
               + offs_wk[:, None])  # fmt: skip
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
@@ -1066,18 +1180,40 @@ def _down_block(
             a, a_qs = _fused_act_quant(a, QUANT, ASCALE)
             acc = _stored_mma(a, a_qs, b, acc, s_base, a_s_base, ki, K, QUANT, ASCALE, WSCALE,
                               GROUP, BLOCK_K, INT_DOT, SWAP_AB, DOT_PRECISION)  # fmt: skip
+            if SIDE > 0:
+                a2 = load_a_tile(a2_ptrs, k_left, EVEN_K, BLOCK_K)
+                acc2 = _mma(a2, b, acc2, True, DOT_PRECISION)
         a_ptrs += BLOCK_K
+        if SIDE > 0:
+            a2_ptrs += BLOCK_K
         if not USE_TMA:
             b_ptrs += BLOCK_K // PACK
         sc1, sc2 = nx1, nx2
     acc = _unswap(acc, SWAP_AB)
+    if SIDE > 0:
+        acc2 = _unswap(acc2, True)
     if QUANT == 1:
         acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
 
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n).to(tl.float32)
-        acc += tl.where(split == 0, bias, 0.0)[None, :]
+        bias = tl.where(split == 0, bias, 0.0)
+        acc += bias[None, :]
+        if SIDE > 0:
+            acc2 += bias[None, :]
     n_out = n0 + tl.arange(0, BLOCK_N)
+    _store_down(acc, row_ok, pair, token, slot, n_out, out_ptr, topk_weights_ptr, stride_om, N,
+                ROWS, ATOMIC)  # fmt: skip
+    if SIDE > 0:
+        _store_down(acc2, row_ok2, pair2, token2, slot2, n_out, out_ptr, topk_weights_ptr,
+                    stride_om, N, ROWS, ATOMIC)  # fmt: skip
+
+
+@triton.jit
+def _store_down(acc, row_ok, pair, token, slot, n_out, out_ptr, topk_weights_ptr, stride_om, N,
+                ROWS: tl.constexpr, ATOMIC: tl.constexpr):  # fmt: skip
+    """The down GEMM's rows acc [BM, BLOCK_N] (columns n_out) into out: at out[slot] (masked
+    rows), or times the pair's routing weight at out[pair], or added into out[token] (ATOMIC)."""
     mask = row_ok[:, None] & (n_out[None, :] < N)
     if ROWS == 1:
         out_rows = slot
@@ -1155,6 +1291,8 @@ def _down_kernel(
     GDC_WAIT: tl.constexpr = False,
     TAIL_LEVELS: tl.constexpr = 0,
     DIRECT_P: tl.constexpr = 1,
+    FOLD: tl.constexpr = 0,
+    FOLD_LEVELS: tl.constexpr = 1,
 ):
     """y = h[slot] @ w2[e].T + b2[e] for N = H output columns, K = I.
 
@@ -1165,7 +1303,8 @@ def _down_kernel(
     block [BLOCK_N, BLOCK_K]) replace the pointer loads. Quantized weights: as `_gate_up_kernel`
     (w8a8: h holds the quantized intermediate, xs its scales). SPLIT_K (ATOMIC only):
     consecutive programs share one output tile, each adding the product over its share of
-    the K steps (the bias with the first share). GDC_WAIT, TAIL_LEVELS: as `_gate_up_kernel`.
+    the K steps (the bias with the first share). GDC_WAIT, TAIL_LEVELS, FOLD: as
+    `_gate_up_kernel`.
     """
     if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -1183,8 +1322,29 @@ def _down_kernel(
     )  # fmt: skip
     if not first_ok:
         return
-
-    if TAIL_LEVELS > 0 and ROWS == 0:
+    fold_next = False
+    if FOLD > 0:
+        if _folded_tail(pid_m, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m,
+                        BLOCK_M, FOLD):  # fmt: skip
+            return
+        fold_next = _folded_tail(pid_m + 1, row_map_ptr, block_expert_ptr, num_rows_ptr,
+                                 num_pairs, align_m, BLOCK_M, FOLD)  # fmt: skip
+    if fold_next:
+        if FOLD > 0:  # (fold_next is a constant False otherwise: nothing to compile here)
+            n_side = _block_rows(pid_m + 1, row_map_ptr, num_pairs, BLOCK_M, FOLD)
+            for level in tl.static_range(FOLD_LEVELS):
+                if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
+                    _down_block(
+                        h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr,
+                        row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+                        capacity, blocks_per_expert, align_m, N, K, stride_hm, stride_we,
+                        stride_wn, stride_be, stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr,
+                        stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE,
+                        WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, SPLIT_K,
+                        USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n,
+                        split, BLOCK_M, BLOCK_M, DIRECT_P, FOLD >> (FOLD_LEVELS - 1 - level),
+                    )  # fmt: skip
+    elif TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
         for level in tl.static_range(TAIL_LEVELS + 1):
             if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):

@@ -175,7 +175,17 @@ class PipelineConfig:
     few_blocks blocks of rows on average. Not for the w8a8 formats. On the H100 (four
     presets, T = 256-16384, benchmarks/triton_notes.md): bf16 one level took 0-8% off the
     layer; a second (block_m / 4) took up to 4% more where experts get 1-2 blocks and lost
-    1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails."""
+    1-7% where they get 4 or more; fp8 block-wise lost up to 5% with tails. fold_rows: with
+    sorted rows and unquantized weights, an expert's last block holding at most fold_rows valid
+    rows after a full block of the same expert is computed by the full block's program, on the
+    weight tiles it loads anyway (one more MMA, operands swapped so that 16 rows stay on wgmma),
+    instead of by a program of its own that would stream those tiles again (0: off); with
+    fold_levels > 1, on the fewest of fold_rows / 2^j rows (j < fold_levels, at least 16).
+    GEMMs in fold_gemms, one K share, not swapped. On the H100 (four bf16 presets, T = 1024-16384,
+    layer in turns, benchmarks/triton_notes.md) 16 rows took 0-6% off at 11 of 12 points (-2%
+    at mixtral TP2 T = 16384, within that point's spread); 32 rows (two levels) gained 10% at
+    mixtral TP2 T = 1024 but lost up to 5% elsewhere: the second path costs the kernel
+    resources."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
@@ -188,6 +198,9 @@ class PipelineConfig:
     few_blocks_tail_levels: int = 2
     few_blocks: float = 2.0
     tail_gemms: tuple[str, ...] = ("gate_up", "down")
+    fold_rows: int = 16
+    fold_levels: int = 1
+    fold_gemms: tuple[str, ...] = ("gate_up", "down")
 
 
 PIPELINE = PipelineConfig()

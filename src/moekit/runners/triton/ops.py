@@ -282,6 +282,24 @@ def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows, wq: WeightQuant | None) -
     return {"TAIL_LEVELS": levels} if levels else {}
 
 
+def _fold_meta(gemm: str, cfg: GemmConfig, rows: Rows, wq: WeightQuant | None) -> dict:
+    """FOLD, FOLD_LEVELS of a GEMM (`PipelineConfig.fold_rows`, `.fold_levels`): at most how
+    many rows of a short last block the block before it computes (16 or more, under block_m),
+    on the fewest of FOLD / 2^j rows, j < FOLD_LEVELS, down to 16; for sorted rows, unquantized
+    weights, one K share, no swapped operands, and experts that get a full block on average."""
+    p, side = PIPELINE, PIPELINE.fold_rows
+    if not 16 <= side < cfg.block_m or rows.mode != k.ROWS_SORTED or gemm not in p.fold_gemms:
+        return {}
+    if wq is not None or cfg.split_k > 1 or cfg.swap_ab:
+        return {}
+    if rows.rows_per_expert is not None and rows.rows_per_expert < cfg.block_m:
+        return {}
+    levels = 1
+    while levels < p.fold_levels and side >> levels >= 16:
+        levels += 1
+    return {"FOLD": side, "FOLD_LEVELS": levels}
+
+
 def _launch(kernel, grid, args, meta, warmup: bool):
     if meta.get("PACK") == 2 and PIPELINE.packed_maxnreg and meta.get("ASM"):
         meta = dict(meta, maxnreg=PIPELINE.packed_maxnreg)
@@ -522,7 +540,8 @@ def gate_up(
         **_pdl_meta(pdl, pdl),
         **rows.meta(),
     )
-    _launch(k._gate_up_kernel, grid, args, meta | _tail_meta("gate_up", cfg, rows, wq), warmup)
+    meta |= _tail_meta("gate_up", cfg, rows, wq) | _fold_meta("gate_up", cfg, rows, wq)
+    _launch(k._gate_up_kernel, grid, args, meta, warmup)
     return out
 
 
@@ -587,7 +606,8 @@ def down(
         **_pdl_meta(pdl, False),
         **rows.meta(),
     )
-    _launch(k._down_kernel, grid, args, meta | _tail_meta("down", cfg, rows, wq), warmup)
+    meta |= _tail_meta("down", cfg, rows, wq) | _fold_meta("down", cfg, rows, wq)
+    _launch(k._down_kernel, grid, args, meta, warmup)
     return out
 
 
