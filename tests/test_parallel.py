@@ -123,6 +123,8 @@ class LayerCase:
     bias: bool = False
     redundant: int = 0
     dense_tp: int | None = None
+    compiled: bool = False  # through torch.compile (dynamo + aot_eager)
+    fullgraph: bool = False  # ... as one graph
 
 
 def run_layer_case(case: LayerCase):
@@ -154,7 +156,10 @@ def run_layer_case(case: LayerCase):
     T = case.tokens[who % len(case.tokens)]
     gi = torch.Generator().manual_seed(1000 + who)
     x, logits = torch.randn(T, H, generator=gi), torch.randn(T, E, generator=gi)
-    out = layer(x.to(state.device), logits.to(state.device))
+    call = layer
+    if case.compiled:
+        call = torch.compile(layer, backend="aot_eager", fullgraph=case.fullgraph)
+    out = call(x.to(state.device), logits.to(state.device))
     ref = moe_reference_fp64(x, full.route(logits), full.expert_weights, full.act)
     assert rel_err(out, ref) < 1e-5
     return T
@@ -172,6 +177,13 @@ def _layer_cases_2():
                   tokens=(0, 7), activation="gelu", bias=True),
         LayerCase("alltoall-tp2-normal-redundant", 2, 2, backend="alltoall", mode="normal",
                   E=6, redundant=2, tokens=(6, 11)),
+        # torch.compile: `none` and low-latency all-to-all trace whole; normal mode's
+        # asynchronous collectives break the graph (dynamo runs them eagerly)
+        LayerCase("compiled-none-tp2-ep2", 2, 2, compiled=True, fullgraph=True),
+        LayerCase("compiled-alltoall-tp2-normal", 2, 2, backend="alltoall", mode="normal",
+                  tokens=(5, 20), compiled=True),
+        LayerCase("compiled-alltoall-tp2-ll", 2, 2, backend="alltoall", mode="low_latency",
+                  tokens=(3, 7), compiled=True, fullgraph=True),
     ]
 
 
@@ -201,6 +213,7 @@ def test_layer_4_ranks(case):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("case", _layer_cases_2(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in _layer_cases_2() if not c.compiled],
+                         ids=lambda c: c.name)  # (compiled: CPU only; not run on GPUs yet)
 def test_layer_nccl_2_gpus(case):
     get_pool(2, "nccl").run(run_layer_case, case)
