@@ -727,6 +727,8 @@ def _gate_up_block(
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = x_ptr + a_rows[:, None] * stride_xm + offs_k[None, :]
+    tl.static_assert(SIDE == 0 or (ROWS == 0 and QUANT == 0 and SPLIT_K == 1 and not SWAP_AB),
+                     "a folded tail needs sorted rows, unquantized weights, one K share, no swap")
     if SIDE > 0:
         _, row_ok2, _, token2, slot2, _, _ = _tile_rows(
             pid_m + 1, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
@@ -1140,6 +1142,8 @@ def _down_block(
     offs_k = k_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_wk = k_lo * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     a_ptrs = h_ptr + slot[:, None] * stride_hm + offs_k[None, :]
+    tl.static_assert(SIDE == 0 or (ROWS == 0 and QUANT == 0 and SPLIT_K == 1 and not SWAP_AB),
+                     "a folded tail needs sorted rows, unquantized weights, one K share, no swap")
     if SIDE > 0:
         _, row_ok2, pair2, token2, slot2, _, _ = _tile_rows(
             pid_m + 1, row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,

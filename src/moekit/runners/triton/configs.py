@@ -181,11 +181,11 @@ class PipelineConfig:
     weight tiles it loads anyway (one more MMA, operands swapped so that 16 rows stay on wgmma),
     instead of by a program of its own that would stream those tiles again (0: off); with
     fold_levels > 1, on the fewest of fold_rows / 2^j rows (j < fold_levels, at least 16).
-    GEMMs in fold_gemms, one K share, not swapped. On the H100 (four bf16 presets, T = 1024-16384,
-    layer in turns, benchmarks/triton_notes.md) 16 rows took 0-6% off at 11 of 12 points (-2%
-    at mixtral TP2 T = 16384, within that point's spread); 32 rows (two levels) gained 10% at
-    mixtral TP2 T = 1024 but lost up to 5% elsewhere: the second path costs the kernel
-    resources."""
+    GEMMs in fold_gemms, one K share, not swapped. Four bf16 presets at T = 1024-16384, layer in
+    turns (benchmarks/triton_notes.md): 16 rows took 1-6% off at 9 of the 10 points where it
+    applies on the H100 (mixtral TP2 T = 16384: 2% slower, within that point's spread) and 2-13%
+    at 7 of 10 on the H200 (mixtral TP2 T = 1024: 4% slower); 32 rows in two levels gained 10%
+    at mixtral TP2 T = 1024 on the H100 but lost up to 5% elsewhere."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
