@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moekit.cli import bench as bench_cli
 from moekit.cli.main import main
@@ -181,3 +182,36 @@ def test_bench_gpu_every_available_backend(tmp_path, capsys):
         assert not r["suspicious"], r
         if r["backend"] == "torch":
             assert r["cuda_graph"] is False  # the reference runner syncs with the host
+
+
+def test_eplb_simulated_and_measured_load(tmp_path, capsys):
+    out = tmp_path / "placement.json"
+    assert main(["eplb", "--model", "deepseek-v3", "--ep-size", "8",
+                 "--ep-num-redundant-experts", "32", "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "256 experts, 1 layer(s); 288 slots over 8 ranks (36 each)" in text
+    before, after = (float(v) for v in text.split("balancedness (mean / max rank load) ")[1]
+                     .split(";")[0].split(" -> "))  # fmt: skip
+    assert before < 0.6 and after > 0.95  # zipf 1.2 over 256 experts, then balanced
+    saved = json.loads(out.read_text())
+    assert saved["ep_size"] == 8 and sorted(set(saved["placements"][0])) == list(range(256))
+    # a measured load per layer (JSON), and a recorder's counts saved with torch.save
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps([[50, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
+    assert main(["eplb", "--load", str(load), "--ep-size", "2",
+                 "--ep-num-redundant-experts", "2"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "6 experts, 2 layer(s); 8 slots over 2 ranks" in text and "layer 1:" in text
+    counts = tmp_path / "counts.pt"
+    torch.save(torch.tensor([9, 0, 3, 4], dtype=torch.int64), counts)
+    assert main(["eplb", "--load", str(counts), "--ep-size", "2"]) == 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ep-size", "3"], "--ep-size (3) must divide the 128 experts + 0 redundant = 128 slots"),
+    (["--ep-size", "2", "--load", "/nope.json"], "--load: no such file '/nope.json'"),
+    (["--ep-size", "2", "--ep-num-redundant-experts", "-2"], "must be >= 0"),
+])  # fmt: skip
+def test_eplb_errors(args, needle, capsys):
+    assert main(["eplb", *args]) == 2
+    assert needle in capsys.readouterr().err

@@ -13,6 +13,7 @@ from moekit import hardware
 from moekit.compiled import run_experts_op
 from moekit.config import MoEConfig, ParallelConfig, RunnerConfig, validate
 from moekit.dispatch.factory import make_dispatcher
+from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
 from moekit.loading import load_hf_experts
 from moekit.parallel import ParallelState
@@ -92,6 +93,10 @@ class MoE(nn.Module):
     `config.weight_format`): w13 / w2 become buffers holding the format's data, with its scale
     buffers beside (names in moekit.experts.QUANT_TENSORS); they are drawn unquantized and
     quantized. `quantize_weights_` quantizes an unquantized layer in place.
+
+    Expert load (EPLB, `moekit.eplb`): `record_expert_load()` makes forward count the routed
+    pairs per logical expert on the device (`expert_load`); `moekit.eplb.rebalance_` moves the
+    experts to a new placement.
     """
 
     def __init__(
@@ -130,6 +135,8 @@ class MoE(nn.Module):
         self.runners = RunnerCache(runner)
         self.custom_routing_function = custom_routing_function
         self.quant_spec: QuantSpec | None = None
+        self.state = state
+        self.expert_load: ExpertLoadRecorder | None = None
 
         E, H = self.placement.slots_per_rank, config.hidden_size
         I = config.intermediate_size // parallel.moe_tp_size
@@ -232,8 +239,19 @@ class MoE(nn.Module):
         topk = self.route(router_logits.reshape(x_TH.shape[0], router_logits.shape[-1]))
         return self.forward_topk(x_TH, topk).view(shape)
 
+    def record_expert_load(self, enabled: bool = True) -> ExpertLoadRecorder | None:
+        """Count the pairs routed to each logical expert from now on (`expert_load`, on the
+        layer's device), or stop counting. Returns the recorder."""
+        if not enabled:
+            self.expert_load = None
+        elif self.expert_load is None:
+            self.expert_load = ExpertLoadRecorder(self.config.total_experts, self.w13.device)
+        return self.expert_load
+
     def forward_topk(self, x_TH: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """The layer after routing: x [T, H] and a TopKOutput with logical ids -> [T, H]."""
+        if self.expert_load is not None:
+            self.expert_load.record(topk.ids)
         dispatched = self.dispatcher.dispatch(x_TH, topk)
         result = run_experts(dispatched, self.expert_weights, self.act, self.runners)
         return self.dispatcher.combine(result, dispatched)

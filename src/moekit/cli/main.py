@@ -1,4 +1,4 @@
-"""The `moekit` command: `env`, `bench`, `tune`. Thin: parse arguments, call the library.
+"""The `moekit` command: `env`, `bench`, `tune`, `eplb`. Thin: parse arguments, call the library.
 
 Exit codes: 0 success, 1 the command ran but failed (e.g. every benchmark point failed),
 2 bad usage or configuration (unknown preset, backend, bad value; the message says which).
@@ -43,18 +43,19 @@ def _add_tune(subparsers) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from moekit import __version__
-    from moekit.cli import bench, env
+    from moekit.cli import bench, env, eplb
 
     parser = argparse.ArgumentParser(
         prog="moekit",
         description="Mixture-of-Experts layers for LLM inference: inspect the environment, "
-        "benchmark the runner backends, tune kernels.",
+        "benchmark the runner backends, tune kernels, balance the expert placement.",
     )
     parser.add_argument("--version", action="version", version=f"moekit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     env.add_parser(sub)
     bench.add_parser(sub)
     _add_tune(sub)
+    eplb.add_parser(sub)
     return parser
 
 

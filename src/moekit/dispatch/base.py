@@ -14,6 +14,7 @@ import torch
 
 from moekit.config import ParallelConfig
 from moekit.hardware import Availability, Platform
+from moekit.placement import ExpertPlacement
 from moekit.router import TopKOutput
 from moekit.stages import DispatchOutput, RunnerOutput
 
@@ -35,3 +36,8 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, runner_out: RunnerOutput, dispatched: DispatchOutput) -> torch.Tensor:
         """Runner results -> out [T, H] for this rank's original tokens."""
+
+    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
+        """Take a new placement (EPLB: `moekit.eplb.rebalance_`), with the same ep_size and
+        slots per rank."""
+        raise NotImplementedError(f"the {self.name!r} dispatcher cannot change its placement")

@@ -32,13 +32,16 @@ class NoneDispatcher(Dispatcher):
         num_logical_experts: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self._slots = SlotMap(placement, num_logical_experts, spread=False)
         self.ep_rank = ep_rank
+        self.group = group
+        self.update_placement(placement, num_logical_experts)
+
+    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
+        self._slots = SlotMap(placement, num_logical, spread=False)
         self._identity = placement.ep_size == 1 and torch.equal(
             placement.physical_to_logical, torch.arange(self._slots.num_logical)
         )
-        self.group = group
-        self._share = self._slots.local_share(ep_rank)
+        self._share = self._slots.local_share(self.ep_rank)
 
     def dispatch(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
         if self._identity:

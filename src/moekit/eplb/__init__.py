@@ -1,0 +1,24 @@
+"""Expert-parallel load balancing: record the load, compute a balanced placement, move the
+experts.
+
+    recorder = layer.record_expert_load()          # counts on the device, every forward
+    ...serve a while...
+    load = recorder.total(group)                   # summed over the ranks with other tokens
+    placement = balanced_placement(load, layer.placement.num_slots, layer.placement.ep_size)
+    rebalance_(layer, placement)                   # on every rank of the EP group
+"""
+
+from moekit.eplb.algorithm import balanced_placement, balancedness, pack, rank_loads, replicate
+from moekit.eplb.rebalance import rebalance_, transfer_plan
+from moekit.eplb.recorder import ExpertLoadRecorder
+
+__all__ = [
+    "ExpertLoadRecorder",
+    "balanced_placement",
+    "balancedness",
+    "pack",
+    "rank_loads",
+    "rebalance_",
+    "replicate",
+    "transfer_plan",
+]

@@ -1,0 +1,44 @@
+"""Expert load as the layer sees it: tokens routed to each logical expert, counted on the device.
+
+`record` adds one routing's counts with one scatter-add into a fixed buffer (no host
+synchronisation, so it runs inside CUDA graphs and under torch.compile); `counts` reads them.
+On an expert-parallel layer each rank counts its own tokens: sum the counts over the ranks that
+hold different tokens (`total`) before balancing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class ExpertLoadRecorder:
+    """counts [E] int64 on `device`: routed (token, expert) pairs per logical expert since the
+    last `reset`; ids of -1 (masked) are not counted."""
+
+    def __init__(self, num_experts: int, device: torch.device | str | None = None) -> None:
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self.num_experts = num_experts
+        self._buf = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)  # last: -1
+
+    def record(self, ids_TK: torch.Tensor) -> None:
+        """Count ids [T, K] (logical expert ids, -1 = masked)."""
+        ids = ids_TK.reshape(-1).to(torch.int64)
+        ids = torch.where((ids >= 0) & (ids < self.num_experts), ids, self.num_experts)
+        self._buf.scatter_add_(0, ids, torch.ones_like(ids))
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """[E] int64 (a view of the live buffer)."""
+        return self._buf[: self.num_experts]
+
+    def total(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The counts summed over `group`'s ranks (a copy; this rank's own when None)."""
+        out = self.counts.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(out, group=group)
+        return out
+
+    def reset(self) -> None:
+        self._buf.zero_()

@@ -1,0 +1,241 @@
+"""EPLB: the balanced placement (pure), the on-device load recorder, and moving a layer's experts
+to a new placement, on one process and on 2 / 4 gloo ranks (the layer's output must not change)."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig
+from moekit.eplb import (
+    ExpertLoadRecorder,
+    balanced_placement,
+    balancedness,
+    pack,
+    rank_loads,
+    rebalance_,
+    replicate,
+    transfer_plan,
+)
+from moekit.parallel import init_parallel
+from moekit.placement import ExpertPlacement
+from moekit.runners.torch import moe_reference_fp64
+from tests.dist_utils import get_pool
+from tests.helpers import rel_err
+
+
+def _zipf_load(E: int, s: float = 1.2, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.randperm(E, generator=g).to(torch.float64) + 1
+    return (1e4 / ranks**s).round()
+
+
+# ---- the algorithm -----------------------------------------------------------------------------
+
+
+def test_replicate_gives_extra_slots_to_the_heaviest_per_copy():
+    load = torch.tensor([100.0, 10, 40, 0])
+    # per copy: 100 -> 50 -> 33.3 (expert 0), then 40 (expert 2), then 33.3 (expert 0) again
+    assert replicate(load, 4).tolist() == [1, 1, 1, 1]
+    assert replicate(load, 6).tolist() == [3, 1, 1, 1]
+    assert replicate(load, 7).tolist() == [3, 1, 2, 1]
+    assert replicate(load, 8).tolist() == [4, 1, 2, 1]
+    # a tie (40 per copy each) goes to the lower expert id
+    assert replicate(torch.tensor([40.0, 80.0]), 4).tolist() == [2, 2]
+    assert replicate(torch.tensor([40.0, 80.0]), 3).tolist() == [1, 2]
+
+
+def test_pack_fills_every_rank_and_keeps_copies_apart():
+    load = torch.tensor([90.0, 30, 30, 20, 10, 10])
+    copies = torch.tensor([3, 1, 1, 1, 1, 1])  # 8 slots
+    p2l = pack(load, copies, 4)
+    assert p2l.numel() == 8
+    assert torch.bincount(p2l, minlength=6).tolist() == copies.tolist()
+    per_rank = p2l.view(4, 2)
+    for r in range(4):  # expert 0's 3 copies land on 3 different ranks
+        assert (per_rank[r] == 0).sum() <= 1
+    loads = rank_loads(load, ExpertPlacement(p2l, 4))
+    assert loads.sum() == pytest.approx(float(load.sum()))
+    assert float(loads.max()) <= 60.0  # 190 over 4 ranks: 47.5 at best; greedy within one item
+
+
+@pytest.mark.parametrize("E,redundant,ep", [(16, 0, 4), (16, 4, 4), (64, 16, 8), (32, 32, 8)])
+def test_balanced_placement_beats_the_contiguous_one(E, redundant, ep):
+    load = _zipf_load(E, seed=E + redundant)
+    slots = E + redundant
+    contiguous = ExpertPlacement(torch.arange(slots) % E, ep)
+    placement = balanced_placement(load, slots, ep)
+    p2l = placement.physical_to_logical
+    assert p2l.numel() == slots and set(p2l.tolist()) == set(range(E))
+    loads = rank_loads(load, placement)
+    # greedy packing: the busiest rank is within one (heaviest) copy of the mean
+    copies = torch.bincount(p2l, minlength=E).to(torch.float64)
+    assert float(loads.max()) <= float(loads.mean()) + float((load / copies).max()) + 1e-9
+    assert balancedness(load, placement) >= balancedness(load, contiguous)
+    if redundant:  # copies of the hot experts: strictly better than no redundancy
+        assert balancedness(load, placement) > balancedness(load, balanced_placement(load, E, ep))
+
+
+def test_balancedness_and_rank_loads_by_hand():
+    load = torch.tensor([6.0, 2, 2, 2])
+    p = ExpertPlacement(torch.tensor([0, 0, 1, 2, 3, 1]), 2)  # expert 0 and 1 have 2 copies
+    assert rank_loads(load, p).tolist() == [3 + 3 + 1, 2 + 2 + 1]
+    assert balancedness(load, p) == pytest.approx(6 / 7)
+    assert balancedness(torch.zeros(4), p) == 1.0
+
+
+def test_bad_loads_and_slot_counts_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="one value per expert"):
+        balanced_placement(torch.ones(2, 3), 6, 2)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        balanced_placement(torch.tensor([1.0, -1.0]), 2, 1)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        balanced_placement(torch.tensor([1.0, float("nan")]), 2, 1)
+    with pytest.raises(ValueError, match=r"num_slots \(3\) must be >= the experts \(4\)"):
+        balanced_placement(torch.ones(4), 3, 1)
+    with pytest.raises(ValueError, match=r"divisible by ep_size \(4\)"):
+        balanced_placement(torch.ones(4), 6, 4)
+    with pytest.raises(ValueError, match="at least one slot"):
+        pack(torch.ones(3), torch.tensor([2, 0, 2]), 2)
+
+
+def test_transfer_plan_prefers_a_local_copy():
+    old = ExpertPlacement(torch.tensor([0, 1, 2, 3, 0, 1]), 2)  # rank 0: 0 1 2, rank 1: 3 0 1
+    new = ExpertPlacement(torch.tensor([0, 3, 1, 2, 1, 0]), 2)
+    assert transfer_plan(old, new) == [[(0, 0), (1, 0), (0, 1)], [(0, 2), (1, 2), (1, 1)]]
+    with pytest.raises(ValueError, match=r"no copy of logical experts \[4\]"):
+        transfer_plan(old, ExpertPlacement(torch.tensor([0, 1, 2, 3, 4, 1]), 2))
+
+
+# ---- the recorder ------------------------------------------------------------------------------
+
+
+def test_recorder_counts_routed_pairs_and_skips_masked_ids():
+    rec = ExpertLoadRecorder(5)
+    ids = torch.tensor([[0, 3], [3, -1], [4, 0]], dtype=torch.int32)
+    rec.record(ids)
+    rec.record(ids[:1])
+    assert rec.counts.tolist() == [3, 0, 0, 3, 1]
+    assert rec.total().tolist() == [3, 0, 0, 3, 1]
+    rec.reset()
+    assert rec.counts.tolist() == [0] * 5
+    with pytest.raises(ValueError, match="num_experts must be >= 1"):
+        ExpertLoadRecorder(0)
+
+
+def _layer(E=8, redundant=4, fmt=None, bias=False):
+    cfg = MoEConfig(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128,
+                    dtype="float32", has_bias=bias,
+                    activation="swiglu_oai" if bias else "silu")  # fmt: skip
+    torch.manual_seed(0)
+    return MoE(cfg, ParallelConfig(ep_num_redundant_experts=redundant),
+               runner=RunnerConfig(moe_runner_backend="torch"), weight_format=fmt)  # fmt: skip
+
+
+def test_layer_records_its_load_also_when_compiled():
+    layer = _layer()
+    rec = layer.record_expert_load()
+    x, logits = torch.randn(20, 128), torch.randn(20, 8)
+    layer(x, logits)
+    ids = layer.route(logits).ids
+    want = torch.bincount(ids.flatten().long(), minlength=8)
+    assert rec.counts.tolist() == want.tolist()
+    torch.compile(layer, backend="aot_eager")(x, logits)
+    assert rec.counts.tolist() == (2 * want).tolist()
+    assert layer.record_expert_load(False) is None and layer.expert_load is None
+    layer(x, logits)
+    assert rec.counts.tolist() == (2 * want).tolist()
+
+
+@pytest.mark.parametrize("fmt,bias", [(None, False), (None, True), ("fp8_w8a8", False),
+                                      ("int4_w4a16", False)])  # fmt: skip
+def test_rebalance_on_one_rank_keeps_the_output(fmt, bias):
+    layer = _layer(fmt=fmt, bias=bias)
+    x, logits = torch.randn(40, 128), torch.randn(40, 8)
+    logits[:, 2] += 4  # expert 2 is hot
+    rec = layer.record_expert_load()
+    before = layer(x, logits)
+    w13 = layer.w13
+    placement = balanced_placement(rec.counts, layer.placement.num_slots, 1)
+    assert (placement.physical_to_logical == 2).sum() > 1
+    rebalance_(layer, placement)
+    assert layer.w13 is w13  # in place
+    assert torch.equal(layer.placement.physical_to_logical, placement.physical_to_logical)
+    assert torch.equal(layer(x, logits), before)
+
+
+def test_rebalance_refuses_another_slot_count():
+    layer = _layer()
+    with pytest.raises(ValueError, match="the layer has 12 over 1"):
+        rebalance_(layer, ExpertPlacement(torch.arange(8), 1))
+
+
+# ---- across ranks (gloo) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EplbCase:
+    name: str
+    tp: int
+    ep: int
+    backend: str = "alltoall"
+    E: int = 8
+    redundant: int = 2
+    tokens: int = 24
+
+
+def run_eplb_case(case: EplbCase):
+    parallel = ParallelConfig(tp_size=case.tp, ep_size=case.ep, moe_a2a_backend=case.backend,
+                              ep_num_redundant_experts=case.redundant)  # fmt: skip
+    state = init_parallel(parallel)
+    cfg = MoEConfig(num_experts=case.E, top_k=2, hidden_size=32, intermediate_size=16,
+                    dtype="float32")  # fmt: skip
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    sd = {"experts.gate_up_proj": torch.randn(case.E, 32, 32, generator=g) * 32**-0.5,
+          "experts.down_proj": torch.randn(case.E, 32, 16, generator=g) * 16**-0.5}
+    layer = MoE(cfg, runner=RunnerConfig(moe_runner_backend="torch"), state=state)
+    layer.load_hf_state_dict(sd)
+    full = MoE(cfg, runner=RunnerConfig(moe_runner_backend="torch"))
+    full.load_hf_state_dict(sd)
+    rank = dist.get_rank()
+    gi = torch.Generator().manual_seed(100 + (rank if case.backend == "alltoall" else 0))
+    x, logits = torch.randn(case.tokens, 32, generator=gi), torch.randn(case.tokens, case.E,
+                                                                        generator=gi)  # fmt: skip
+    logits[:, 1] += 3  # a hot expert
+    rec = layer.record_expert_load()
+    before = layer(x, logits)
+    group = state.ep_group if case.backend == "alltoall" else None  # none: same tokens everywhere
+    load = rec.total(group)
+    placement = balanced_placement(load, layer.placement.num_slots, case.ep)
+    old = layer.placement
+    moved = sum(src != r for r, row in enumerate(transfer_plan(old, placement)) for src, _ in row)
+    rebalance_(layer, placement)
+    after = layer(x, logits)
+    ref = moe_reference_fp64(x, full.route(logits), full.expert_weights, full.act)
+    assert rel_err(before, ref) < 1e-5 and rel_err(after, ref) < 1e-5
+    return balancedness(load, old), balancedness(load, placement), moved
+
+
+@pytest.mark.parametrize("case", [
+    EplbCase("alltoall-2", 2, 2),
+    EplbCase("none-2", 2, 2, backend="none"),
+], ids=lambda c: c.name)  # fmt: skip
+def test_rebalance_2_ranks(case):
+    results = get_pool(2).run(run_eplb_case, case)
+    before, after, moved = results[0]
+    assert after >= before and results[0] == results[1]
+    assert moved > 0  # slots filled from the other rank
+
+
+@pytest.mark.parametrize("case", [
+    EplbCase("alltoall-4", 4, 4, E=8, redundant=4, tokens=16),
+    EplbCase("alltoall-dp2-ep2", 2, 2, E=6, redundant=2, tokens=10),
+], ids=lambda c: c.name)  # fmt: skip
+def test_rebalance_4_ranks(case):
+    results = get_pool(4).run(run_eplb_case, case)
+    before, after, moved = results[0]
+    assert after > before and moved > 0
