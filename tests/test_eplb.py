@@ -239,3 +239,25 @@ def test_rebalance_4_ranks(case):
     results = get_pool(4).run(run_eplb_case, case)
     before, after, moved = results[0]
     assert after > before and moved > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recorder_counts_inside_cuda_graph_replays():
+    """The layer's load recorder in a captured CUDA graph (bf16, auto runner): each replay adds
+    the routing's counts, with no host synchronisation to break the capture."""
+    from tests.helpers import capture_graph
+
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128)
+    layer = MoE(cfg, device="cuda")
+    rec = layer.record_expert_load()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(64, 16, device="cuda")
+    graph, out = capture_graph(lambda: layer(x, logits))  # one eager warm-up, then captured
+    want = torch.bincount(layer.route(logits).ids.flatten().long(), minlength=16)
+    assert torch.equal(rec.counts, want)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rec.counts, 4 * want)
+    assert torch.equal(out, layer(x, logits))
