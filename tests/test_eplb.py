@@ -168,10 +168,15 @@ def test_rebalance_on_one_rank_keeps_the_output(fmt, bias):
     assert torch.equal(layer(x, logits), before)
 
 
-def test_rebalance_refuses_another_slot_count():
+def test_rebalance_refuses_another_slot_count_and_a_layer_without_ranks():
     layer = _layer()
     with pytest.raises(ValueError, match="the layer has 12 over 1"):
         rebalance_(layer, ExpertPlacement(torch.arange(8), 1))
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    rank1 = MoE(cfg, ParallelConfig(tp_size=2, ep_size=2), tp_rank=1,
+                runner=RunnerConfig(moe_runner_backend="torch"))  # fmt: skip
+    with pytest.raises(ValueError, match="needs the layer built on a parallel state"):
+        rebalance_(rank1, ExpertPlacement(torch.tensor([4, 5, 6, 7, 0, 1, 2, 3]), 2))
 
 
 # ---- across ranks (gloo) -----------------------------------------------------------------------

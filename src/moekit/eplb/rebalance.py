@@ -57,14 +57,20 @@ def transfer_plan(old: ExpertPlacement, new: ExpertPlacement) -> list[list[tuple
 @torch.no_grad()
 def rebalance_(layer, placement: ExpertPlacement) -> None:
     """Give `layer` (a moekit MoE) the new `placement`: its expert tensors are rearranged in
-    place (same storage, so captured CUDA graphs and caches keyed on the tensors stay valid)
-    and its dispatcher takes the new slot map. With ep_size > 1 every rank of the layer's EP
-    group must call it with the same placement (point-to-point transfers over that group)."""
+    place (the same storage; runner caches keyed on the tensors see the write) and its
+    dispatcher takes the new slot map. A CUDA graph captured earlier of the layer's forward
+    still reads the old slot map: capture it again. With ep_size > 1 every rank of the layer's
+    EP group must call it with the same placement (point-to-point transfers over that group)."""
     old = layer.placement
     if (placement.ep_size, placement.num_slots) != (old.ep_size, old.num_slots):
         raise ValueError(
             f"the new placement has {placement.num_slots} slots over {placement.ep_size} ranks; "
             f"the layer has {old.num_slots} over {old.ep_size}"
+        )
+    if old.ep_size > 1 and getattr(layer, "state", None) is None:
+        raise ValueError(
+            "moving experts between EP ranks needs the layer built on a parallel state "
+            "(MoE(..., state=moekit.parallel.init_parallel(...)))"
         )
     tensors = _expert_tensors(layer)
     plan = transfer_plan(old, placement)
