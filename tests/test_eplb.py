@@ -202,7 +202,8 @@ def run_eplb_case(case: EplbCase):
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     sd = {"experts.gate_up_proj": torch.randn(case.E, 32, 32, generator=g) * 32**-0.5,
           "experts.down_proj": torch.randn(case.E, 32, 16, generator=g) * 16**-0.5}
-    layer = MoE(cfg, runner=RunnerConfig(moe_runner_backend="torch"), state=state)
+    layer = MoE(cfg, runner=RunnerConfig(moe_runner_backend="torch"), state=state,
+                device=state.device)  # fmt: skip
     layer.load_hf_state_dict(sd)
     full = MoE(cfg, runner=RunnerConfig(moe_runner_backend="torch"))
     full.load_hf_state_dict(sd)
@@ -212,14 +213,14 @@ def run_eplb_case(case: EplbCase):
                                                                         generator=gi)  # fmt: skip
     logits[:, 1] += 3  # a hot expert
     rec = layer.record_expert_load()
-    before = layer(x, logits)
+    before = layer(x.to(state.device), logits.to(state.device)).cpu()
     group = state.ep_group if case.backend == "alltoall" else None  # none: same tokens everywhere
-    load = rec.total(group)
+    load = rec.total(group).cpu()
     placement = balanced_placement(load, layer.placement.num_slots, case.ep)
     old = layer.placement
     moved = sum(src != r for r, row in enumerate(transfer_plan(old, placement)) for src, _ in row)
     rebalance_(layer, placement)
-    after = layer(x, logits)
+    after = layer(x.to(state.device), logits.to(state.device)).cpu()
     ref = moe_reference_fp64(x, full.route(logits), full.expert_weights, full.act)
     assert rel_err(before, ref) < 1e-5 and rel_err(after, ref) < 1e-5
     return balancedness(load, old), balancedness(load, placement), moved
@@ -234,6 +235,17 @@ def test_rebalance_2_ranks(case):
     before, after, moved = results[0]
     assert after >= before and results[0] == results[1]
     assert moved > 0  # slots filled from the other rank
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs")
+@pytest.mark.parametrize("case", [
+    EplbCase("nccl-alltoall-2", 2, 2),
+    EplbCase("nccl-none-2", 2, 2, backend="none"),
+], ids=lambda c: c.name)  # fmt: skip
+def test_rebalance_nccl_2_gpus(case):
+    before, after, moved = get_pool(2, "nccl").run(run_eplb_case, case)[0]
+    assert after >= before and moved > 0
 
 
 @pytest.mark.parametrize("case", [
