@@ -58,7 +58,7 @@ def main() -> None:
         load = rec.counts.cpu()
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         placements = {
-            "contiguous": ExpertPlacement(torch.arange(slots) % E, ep),
+            "contiguous": ExpertPlacement.contiguous(E, ep, slots),
             "balanced": balanced_placement(load, slots, ep),
         }
         for name, placement in placements.items():

@@ -67,7 +67,7 @@ def test_pack_fills_every_rank_and_keeps_copies_apart():
 def test_balanced_placement_beats_the_contiguous_one(E, redundant, ep):
     load = _zipf_load(E, seed=E + redundant)
     slots = E + redundant
-    contiguous = ExpertPlacement(torch.arange(slots) % E, ep)
+    contiguous = ExpertPlacement.contiguous(E, ep, slots)
     placement = balanced_placement(load, slots, ep)
     p2l = placement.physical_to_logical
     assert p2l.numel() == slots and set(p2l.tolist()) == set(range(E))

@@ -125,8 +125,8 @@ class MoE(nn.Module):
         self.ep_rank = tp_rank // parallel.moe_tp_size
         self.moe_tp_rank = tp_rank % parallel.moe_tp_size
         slots = config.total_experts + parallel.ep_num_redundant_experts
-        self.placement = placement or ExpertPlacement(
-            torch.arange(slots) % config.total_experts, parallel.ep_size
+        self.placement = placement or ExpertPlacement.contiguous(
+            config.total_experts, parallel.ep_size, slots
         )
         self.dispatcher = dispatcher or make_dispatcher(
             parallel, self.placement, config.total_experts, state=state, ep_rank=self.ep_rank

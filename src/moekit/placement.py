@@ -27,8 +27,13 @@ class ExpertPlacement:
             )
 
     @classmethod
-    def contiguous(cls, num_experts: int, ep_size: int = 1) -> "ExpertPlacement":
-        return cls(torch.arange(num_experts), ep_size)
+    def contiguous(
+        cls, num_experts: int, ep_size: int = 1, num_slots: int | None = None
+    ) -> "ExpertPlacement":
+        """Slot i holds expert i mod num_experts (num_slots defaults to num_experts; redundant
+        slots past it repeat the experts from 0): a layer's placement before any balancing."""
+        slots = num_experts if num_slots is None else num_slots
+        return cls(torch.arange(slots) % num_experts, ep_size)
 
     @property
     def num_slots(self) -> int:

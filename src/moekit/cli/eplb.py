@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from moekit.config import ConfigError
+from moekit.config import ConfigError, ParallelConfig
 from moekit.eplb import ExpertLoadRecorder, balanced_placement, balancedness, rank_loads
 from moekit.placement import ExpertPlacement
 from moekit.presets import PRESETS, model_config
@@ -73,6 +73,8 @@ def simulated_load(model: str, routing: str, zipf_s: float, tokens: int, seed: i
 
 
 def run(args) -> int:
+    ParallelConfig(tp_size=args.ep_size, ep_size=args.ep_size,
+                   ep_num_redundant_experts=args.ep_num_redundant_experts)  # checks both options
     if args.load:
         load = read_load(args.load)
         source = args.load
@@ -81,16 +83,14 @@ def run(args) -> int:
         source = f"{args.model}, {args.routing} routing, {args.tokens} tokens, seed {args.seed}"
     E = load.shape[1]
     slots = E + args.ep_num_redundant_experts
-    if args.ep_num_redundant_experts < 0:
-        raise ConfigError("--ep-num-redundant-experts must be >= 0")
-    if args.ep_size < 1 or slots % args.ep_size:
+    if slots % args.ep_size:
         raise ConfigError(
             f"--ep-size ({args.ep_size}) must divide the {E} experts + "
             f"{args.ep_num_redundant_experts} redundant = {slots} slots"
         )
     print(f"load: {source}; {E} experts, {load.shape[0]} layer(s); {slots} slots over "
           f"{args.ep_size} ranks ({slots // args.ep_size} each)")  # fmt: skip
-    contiguous = ExpertPlacement(torch.arange(slots) % E, args.ep_size)
+    contiguous = ExpertPlacement.contiguous(E, args.ep_size, slots)
     out = []
     for layer, layer_load in enumerate(load):
         placement = balanced_placement(layer_load, slots, args.ep_size)

@@ -77,8 +77,7 @@ def pack(load_E: torch.Tensor, copies_E: torch.Tensor, ep_size: int) -> torch.Te
 
 def balanced_placement(load_E: torch.Tensor, num_slots: int, ep_size: int) -> ExpertPlacement:
     """The placement of `num_slots` physical slots over `ep_size` ranks for the measured load
-    [E] (tokens per logical expert, any scale): `replicate`, then `pack`."""
-    _check(load_E, num_slots, ep_size)
+    [E] (tokens per logical expert, any scale): `replicate`, then `pack` (each validates)."""
     return ExpertPlacement(pack(load_E, replicate(load_E, num_slots), ep_size), ep_size)
 
 
