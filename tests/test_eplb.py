@@ -136,6 +136,15 @@ def _layer(E=8, redundant=4, fmt=None, bias=False):
                runner=RunnerConfig(moe_runner_backend="torch"), weight_format=fmt)  # fmt: skip
 
 
+def test_enable_eplb_records_from_the_start():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    layer = MoE(cfg, ParallelConfig(enable_eplb=True), runner=RunnerConfig("torch"))
+    logits = torch.randn(5, 8)
+    layer(torch.randn(5, 32, dtype=torch.bfloat16), logits)
+    assert layer.expert_load.counts.sum() == 10
+    assert MoE(cfg, runner=RunnerConfig("torch")).expert_load is None
+
+
 def test_layer_records_its_load_also_when_compiled():
     layer = _layer()
     rec = layer.record_expert_load()

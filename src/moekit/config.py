@@ -163,6 +163,8 @@ class ParallelConfig:
 
     moe_tp_size = tp_size / ep_size: each expert's intermediate size is split over moe_tp ranks,
     and the experts over ep ranks. A `moe_a2a_backend` other than 'none' sets ep_size = tp_size.
+    enable_eplb: each layer records its expert load from the start (`MoE.record_expert_load`;
+    the placement changes only when `moekit.eplb.rebalance_` is called).
     """
 
     tp_size: int = 1

@@ -155,6 +155,8 @@ class MoE(nn.Module):
         self.reset_parameters()
         if spec is not None:
             self.quantize_weights_(spec)
+        if parallel.enable_eplb:
+            self.record_expert_load()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

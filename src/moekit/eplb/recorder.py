@@ -23,7 +23,10 @@ class ExpertLoadRecorder:
         self._buf = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)  # last: -1
 
     def record(self, ids_TK: torch.Tensor) -> None:
-        """Count ids [T, K] (logical expert ids, -1 = masked)."""
+        """Count ids [T, K] (logical expert ids, -1 = masked). The counts follow the ids to
+        their device (a layer moved with .to() after its recorder was made)."""
+        if self._buf.device != ids_TK.device:
+            self._buf = self._buf.to(ids_TK.device)
         ids = ids_TK.reshape(-1).to(torch.int64)
         ids = torch.where((ids >= 0) & (ids < self.num_experts), ids, self.num_experts)
         self._buf.scatter_add_(0, ids, torch.ones_like(ids))
