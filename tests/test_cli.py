@@ -13,6 +13,7 @@ import torch
 from moekit.cli import bench as bench_cli
 from moekit.cli.main import main
 from moekit.config import A2A_BACKENDS, RUNNER_BACKENDS
+from moekit.placement import load_placements
 from moekit.presets import PRESETS
 
 # A generous time budget: a loaded CI machine must not turn points into "skipped".
@@ -195,6 +196,8 @@ def test_eplb_simulated_and_measured_load(tmp_path, capsys):
     assert before < 0.6 and after > 0.95  # zipf 1.2 over 256 experts, then balanced
     saved = json.loads(out.read_text())
     assert saved["ep_size"] == 8 and sorted(set(saved["placements"][0])) == list(range(256))
+    (placement,) = load_placements(out)
+    assert placement.ep_size == 8 and placement.physical_to_logical.tolist() == saved["placements"][0]
     # a measured load per layer (JSON), and a recorder's counts saved with torch.save
     load = tmp_path / "load.json"
     load.write_text(json.dumps([[50, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))

@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig
+from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, metrics
+from moekit.cli.eplb import read_load
+from moekit.config import ConfigError
 from moekit.eplb import (
+    ExpertBalancer,
     ExpertLoadRecorder,
     balanced_placement,
     balancedness,
@@ -22,7 +25,7 @@ from moekit.eplb import (
     transfer_plan,
 )
 from moekit.parallel import init_parallel
-from moekit.placement import ExpertPlacement
+from moekit.placement import ExpertPlacement, load_placements, save_placements
 from moekit.runners.torch import moe_reference_fp64
 from tests.dist_utils import get_pool
 from tests.helpers import rel_err
@@ -188,6 +191,69 @@ def test_rebalance_refuses_another_slot_count_and_a_layer_without_ranks():
         rebalance_(rank1, ExpertPlacement(torch.tensor([4, 5, 6, 7, 0, 1, 2, 3]), 2))
 
 
+def test_placements_round_trip_through_a_file(tmp_path):
+    path = tmp_path / "placements.json"
+    ours = [ExpertPlacement(torch.tensor([3, 0, 1, 2, 0, 3]), 2),
+            ExpertPlacement.contiguous(4, 2, 6)]  # fmt: skip
+    save_placements(path, ours)
+    back = load_placements(path)
+    assert [p.ep_size for p in back] == [2, 2]
+    assert all(torch.equal(a.physical_to_logical, b.physical_to_logical) for a, b in zip(ours, back))
+    with pytest.raises(ValueError, match="different ep_size values"):
+        save_placements(path, [ExpertPlacement(torch.arange(4), 2), ExpertPlacement(torch.arange(4), 4)])
+    for text, needle in [("[1, 2]", "not a placement file"), ("{oops", "not a placement file"),
+                         ('{"ep_size": 2, "placements": []}', "non-empty list of placements"),
+                         ('{"ep_size": 2, "placements": [[0, -1]]}', "placement 0 must be"),
+                         ('{"ep_size": 2, "placements": [[0, 1, 2]]}', "divisible by ep_size")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            load_placements(path)
+    with pytest.raises(ValueError, match="not a placement file"):
+        load_placements(tmp_path / "missing.json")
+
+
+def test_balancer_checks_every_n_steps_and_starts_afresh(tmp_path):
+    """One rank: the balance is always perfect, so nothing moves; the cadence, the reset of the
+    recorders, the metrics and the saved load are what is checked."""
+    metrics.reset()
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, dtype="float32")
+    layers = torch.nn.ModuleList(
+        MoE(cfg, ParallelConfig(eplb_rebalance_num_iterations=3), runner=RunnerConfig("torch"))
+        for _ in range(2)
+    )
+    balancer = ExpertBalancer(layers)
+    assert balancer.every == 3 and balancer.group is None
+    assert all(layer.expert_load is not None for layer in layers)
+    x, logits = torch.randn(5, 32), torch.randn(5, 8)
+    for step in range(1, 7):
+        for layer in layers:
+            layer(x, logits)
+        if step == 2:
+            path = tmp_path / "load.json"
+            load = balancer.save_load(path)
+            assert load.shape == (2, 8) and load.sum() == 2 * 2 * 5 * 2
+            assert read_load(str(path)).tolist() == load.tolist()  # `moekit eplb --load` reads it
+        assert balancer.step() is False  # on one rank nothing ever moves
+        done = step % 3 == 0
+        assert int(layers[0].expert_load.counts.sum()) == (0 if done else 10 * (step % 3))
+    assert metrics.expert_balancedness() == {0: 1.0, 1: 1.0} and metrics.eplb_rebalances() == 0
+    metrics.reset()
+
+
+def test_balancer_refuses_bad_settings():
+    with pytest.raises(ValueError, match="found no moekit MoE layer"):
+        ExpertBalancer(torch.nn.Linear(2, 2))
+    layer = _layer()
+    with pytest.raises(ValueError, match="every .*must be >= 1, got 0"):
+        ExpertBalancer(layer, every=0)
+    with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\)"):
+        ExpertBalancer(layer, min_gain=1.0)
+    with pytest.raises(ValueError, match="1 placements for 2 MoE layers"):
+        ExpertBalancer([layer, _layer()]).apply([layer.placement])
+    with pytest.raises(ConfigError, match="--eplb-rebalance-num-iterations must be a positive"):
+        ParallelConfig(eplb_rebalance_num_iterations=0)
+
+
 # ---- across ranks (gloo) -----------------------------------------------------------------------
 
 
@@ -244,6 +310,70 @@ def test_rebalance_2_ranks(case):
     before, after, moved = results[0]
     assert after >= before and results[0] == results[1]
     assert moved > 0  # slots filled from the other rank
+
+
+def run_balancer_case(tmp_dir: str):
+    """Two layers on 2 ranks (alltoall, 2 redundant slots): one with a hot expert, one not. The
+    balancer sums both ranks' loads, moves what pays, and `apply` moves them back from a file."""
+    parallel = ParallelConfig(tp_size=2, ep_size=2, moe_a2a_backend="alltoall",
+                              ep_num_redundant_experts=2)  # fmt: skip
+    state = init_parallel(parallel)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, dtype="float32")
+    g = torch.Generator().manual_seed(7)
+    layers, fulls = torch.nn.ModuleList(), []
+    for _ in range(2):
+        sd = {"experts.gate_up_proj": torch.randn(8, 32, 32, generator=g) * 32**-0.5,
+              "experts.down_proj": torch.randn(8, 32, 16, generator=g) * 16**-0.5}  # fmt: skip
+        layers.append(MoE(cfg, runner=RunnerConfig("torch"), state=state, device=state.device))
+        layers[-1].load_hf_state_dict(sd)
+        fulls.append(MoE(cfg, runner=RunnerConfig("torch")))
+        fulls[-1].load_hf_state_dict(sd)
+
+    def inputs(rank):
+        gi = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(24, 32, generator=gi)
+        logits = [torch.randn(24, 8, generator=gi) for _ in layers]
+        logits[0][:, 6] += 4  # layer 0 has a hot expert, with one slot (contiguous: 0..7, 0, 1)
+        return x, logits
+
+    x, logits = inputs(dist.get_rank())
+
+    def check_outputs():
+        for layer, full, lg in zip(layers, fulls, logits):
+            out = layer(x.to(state.device), lg.to(state.device)).cpu()
+            ref = moe_reference_fp64(x, full.route(lg), full.expert_weights, full.act)
+            assert rel_err(out, ref) < 1e-5
+
+    metrics.reset()
+    balancer = ExpertBalancer(layers, every=2)
+    check_outputs()  # records one call per layer
+    assert balancer.step() is False
+    both = [inputs(rank)[1] for rank in range(2)]  # the load is summed over both ranks
+    want = [sum(torch.bincount(full.route(lg[i]).ids.flatten().long(), minlength=8) for lg in both)
+            for i, full in enumerate(fulls)]  # fmt: skip
+    assert balancer.loads().tolist() == torch.stack(want).tolist()
+    reports = balancer.rebalance()
+    assert reports[0].moved and reports[0].after > reports[0].before
+    for r in reports:
+        assert r.moved == (r.after * (1 - balancer.min_gain) > r.before)
+    assert all(int(layer.expert_load.counts.sum()) == 0 for layer in layers)
+    check_outputs()
+    path = f"{tmp_dir}/contiguous.json"
+    if dist.get_rank() == 0:
+        save_placements(path, [ExpertPlacement.contiguous(8, 2, 10)] * 2)
+    dist.barrier()
+    balancer.apply(load_placements(path))
+    assert all(torch.equal(layer.placement.physical_to_logical, torch.arange(10) % 8)
+               for layer in layers)  # fmt: skip
+    check_outputs()
+    return reports, metrics.expert_balancedness()
+
+
+def test_balancer_on_2_ranks(tmp_path):
+    results = get_pool(2).run(run_balancer_case, str(tmp_path))
+    (reports, balance), other = results
+    assert other == results[0]  # both ranks took the same decisions
+    assert reports[0].moved and set(balance) == {0, 1}
 
 
 @pytest.mark.multigpu

@@ -1,4 +1,4 @@
-"""Runner call counters (`moekit.metrics`): in process always, Prometheus when installed."""
+"""`moekit.metrics`: runner calls and EPLB balance, in process always, Prometheus when installed."""
 
 import importlib
 import importlib.util
@@ -28,6 +28,15 @@ def test_counts_in_process():
     assert metrics.runner_calls() == {}
 
 
+def test_balance_in_process():
+    metrics.record_balance(0, 0.4, moved=True)
+    metrics.record_balance(1, 1.0, moved=False)
+    assert metrics.expert_balancedness() == {0: 0.4, 1: 1.0}
+    assert metrics.eplb_rebalances() == 1
+    metrics.reset()
+    assert metrics.expert_balancedness() == {} and metrics.eplb_rebalances() == 0
+
+
 def test_counts_are_a_copy():
     metrics.record_runner_call("torch")
     snapshot = metrics.runner_calls()
@@ -46,39 +55,56 @@ def test_the_layer_counts_each_call_by_chosen_backend():
     assert metrics.runner_calls() == {"torch": 2, "cutlass": 1}
 
 
-class _FakeCounter:
-    """Stands in for prometheus_client.Counter: records label values and increments."""
+class _FakeMetric:
+    """Stands in for prometheus_client.Counter / Gauge: records values per label set."""
 
-    instances: list = []
+    instances: dict = {}
 
-    def __init__(self, name, doc, labelnames):
+    def __init__(self, name, doc, labelnames=()):
         self.name, self.doc, self.labelnames = name, doc, list(labelnames)
         self.values: dict = {}
-        _FakeCounter.instances.append(self)
+        _FakeMetric.instances[name] = self
+
+    def _add(self, key, amount):
+        self.values[key] = self.values.get(key, 0) + amount
+
+    def inc(self, amount=1):
+        self._add((), amount)
 
     def labels(self, **kw):
-        counter, key = self, tuple(sorted(kw.items()))
+        metric, key = self, tuple(sorted(kw.items()))
 
         class _Child:
             def inc(self, amount=1):
-                counter.values[key] = counter.values.get(key, 0) + amount
+                metric._add(key, amount)
+
+            def set(self, value):
+                metric.values[key] = value
 
         return _Child()
 
 
-def test_prometheus_counter_when_installed(monkeypatch):
+def test_prometheus_metrics_when_installed(monkeypatch):
     fake = types.ModuleType("prometheus_client")
-    fake.Counter = _FakeCounter
+    fake.Counter = fake.Gauge = _FakeMetric
     monkeypatch.setitem(sys.modules, "prometheus_client", fake)
     try:
         importlib.reload(metrics)
         assert metrics.prometheus_enabled()
         metrics.record_runner_call("deep_gemm")
         metrics.record_runner_call("deep_gemm")
-        counter = _FakeCounter.instances[-1]
-        assert counter.name == metrics.PROMETHEUS_NAME and counter.labelnames == ["backend"]
+        counter = _FakeMetric.instances[metrics.PROMETHEUS_NAME]
+        assert counter.labelnames == ["backend"]
         assert counter.values == {(("backend", "deep_gemm"),): 2}
         assert metrics.runner_calls() == {"deep_gemm": 2}
+        metrics.record_balance(3, 0.5, moved=True)
+        metrics.record_balance(3, 0.9, moved=False)
+        metrics.record_balance(4, 0.8, moved=True)
+        gauge = _FakeMetric.instances[metrics.BALANCEDNESS_NAME]
+        assert gauge.values == {(("layer", "3"),): 0.9, (("layer", "4"),): 0.8}
+        assert _FakeMetric.instances[metrics.REBALANCES_NAME].values == {(): 2}
+        assert metrics.expert_balancedness() == {3: 0.9, 4: 0.8}
+        assert metrics.eplb_rebalances() == 2
     finally:
         monkeypatch.delitem(sys.modules, "prometheus_client")
         importlib.reload(metrics)
@@ -107,3 +133,6 @@ def test_real_prometheus_counter():
         metrics.PROMETHEUS_NAME + "_total", {"backend": "cutlass"}
     )
     assert value is not None and value >= 1
+    metrics.record_balance(7, 0.75, moved=False)
+    value = prometheus_client.REGISTRY.get_sample_value(metrics.BALANCEDNESS_NAME, {"layer": "7"})
+    assert value == 0.75

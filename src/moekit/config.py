@@ -164,7 +164,8 @@ class ParallelConfig:
     moe_tp_size = tp_size / ep_size: each expert's intermediate size is split over moe_tp ranks,
     and the experts over ep ranks. A `moe_a2a_backend` other than 'none' sets ep_size = tp_size.
     enable_eplb: each layer records its expert load from the start (`MoE.record_expert_load`;
-    the placement changes only when `moekit.eplb.rebalance_` is called).
+    the placement changes only when `moekit.eplb.rebalance_` is called, or every
+    eplb_rebalance_num_iterations steps of a `moekit.eplb.ExpertBalancer`).
     """
 
     tp_size: int = 1
@@ -175,6 +176,7 @@ class ParallelConfig:
     ep_num_redundant_experts: int = 0
     max_dispatch_tokens_per_rank: int = 128
     enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = 1000
 
     def __post_init__(self) -> None:
         _check_positive("tp_size", self.tp_size)
@@ -188,6 +190,7 @@ class ParallelConfig:
         if self.ep_num_redundant_experts < 0:
             raise ConfigError("--ep-num-redundant-experts must be >= 0")
         _check_positive("max_dispatch_tokens_per_rank", self.max_dispatch_tokens_per_rank)
+        _check_positive("eplb_rebalance_num_iterations", self.eplb_rebalance_num_iterations)
         if self.moe_a2a_backend != "none" and self.ep_size != self.tp_size:
             logger.log(
                 logging.WARNING,

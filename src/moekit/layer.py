@@ -96,7 +96,7 @@ class MoE(nn.Module):
 
     Expert load (EPLB, `moekit.eplb`): `record_expert_load()` makes forward count the routed
     pairs per logical expert on the device (`expert_load`); `moekit.eplb.rebalance_` moves the
-    experts to a new placement.
+    experts to a new placement; `moekit.eplb.ExpertBalancer` does both every N steps.
     """
 
     def __init__(

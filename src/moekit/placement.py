@@ -2,12 +2,16 @@
 
 Physical slots P = logical experts + redundant copies; rank r owns slots
 [r * P / ep, (r + 1) * P / ep). The default placement is the identity (slot i = expert i).
-EPLB replaces `physical_to_logical` with a balanced map.
+EPLB replaces `physical_to_logical` with a balanced map; `save_placements` / `load_placements`
+keep one per layer in a JSON file.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -64,3 +68,35 @@ class ExpertPlacement:
         for slot in reversed(range(local.numel())):
             table[int(local[slot])] = slot
         return table
+
+
+def save_placements(path: str | Path, placements: Sequence[ExpertPlacement]) -> None:
+    """Write one placement per layer as JSON: {"ep_size": R, "placements": [[slot -> expert]]}
+    (what `moekit eplb --out` writes and `load_placements` reads)."""
+    if not placements:
+        raise ValueError("save_placements needs at least one placement")
+    sizes = {p.ep_size for p in placements}
+    if len(sizes) != 1:
+        raise ValueError(f"the placements have different ep_size values {sorted(sizes)}")
+    doc = {"ep_size": sizes.pop(), "placements": [p.physical_to_logical.tolist() for p in placements]}
+    Path(path).write_text(json.dumps(doc))
+
+
+def load_placements(path: str | Path) -> list[ExpertPlacement]:
+    """The per-layer placements `save_placements` (or `moekit eplb --out`) wrote to `path`."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        ep_size, rows = doc["ep_size"], doc["placements"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path}: not a placement file ({{'ep_size': R, 'placements': [[expert per slot], "
+            f"...]}} as `moekit eplb --out` writes): {e}"
+        ) from None
+    if not isinstance(ep_size, int) or ep_size < 1 or not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: expected an ep_size >= 1 and a non-empty list of placements")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or not row or not all(isinstance(e, int) and e >= 0 for e in row):
+            raise ValueError(f"{path}: placement {i} must be a non-empty list of expert ids >= 0")
+        out.append(ExpertPlacement(torch.tensor(row, dtype=torch.int64), ep_size))
+    return out

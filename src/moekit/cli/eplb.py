@@ -1,5 +1,6 @@
 """`moekit eplb`: a balanced expert placement for a measured (or simulated) expert load, with the
-ranks' loads before and after; optionally written as JSON for `MoE(placement=...)`."""
+ranks' loads before and after; optionally written as JSON (`moekit.placement.load_placements`
+reads it back, for `MoE(placement=...)` or `ExpertBalancer.apply`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from moekit.config import ConfigError, ParallelConfig
 from moekit.eplb import ExpertLoadRecorder, balanced_placement, balancedness, rank_loads
-from moekit.placement import ExpertPlacement
+from moekit.placement import ExpertPlacement, save_placements
 from moekit.presets import PRESETS, model_config
 from moekit.sweep import ROUTINGS, make_routing
 
@@ -100,8 +101,8 @@ def run(args) -> int:
               f"{balancedness(layer_load, contiguous):.3f} -> "
               f"{balancedness(layer_load, placement):.3f}; busiest rank "
               f"{float(before.max()):.0f} -> {float(after.max()):.0f}")  # fmt: skip
-        out.append(placement.physical_to_logical.tolist())
+        out.append(placement)
     if args.out:
-        Path(args.out).write_text(json.dumps({"ep_size": args.ep_size, "placements": out}))
+        save_placements(args.out, out)
         print(f"wrote {args.out}")
     return 0
