@@ -359,8 +359,11 @@ class AllToAllDispatcher(Dispatcher):
                               "normal_transport 'nccl' or 'auto'")
         self.p2p, why = None, "nccl was asked for" if normal_transport == "nccl" else "impl 'torch'"
         if normal_transport != "nccl" and impl != "torch":
+            # CUDA only for an NCCL group: a gloo group's ranks may be forked from a process
+            # that already holds a CUDA context (re-initialising CUDA there fails)
+            nccl = group is not None and dist.get_backend(group) == "nccl"
             dev = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else torch.device("cpu")
+                if nccl and torch.cuda.is_available() else torch.device("cpu")
             why = agreed(group, p2p_unavailable(group, dev))
             if why is None:
                 self.p2p = P2PExchange(self.slots, size, self.num_local, group, p2p_tokens,
