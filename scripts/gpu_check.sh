@@ -88,7 +88,8 @@ try_step() {
         log "=== $name: not run, no time left"
         return 0
     fi
-    step "$name" timeout "$secs" "$@"
+    # SIGINT first: pytest then still prints its failures (-rfE) and writes the junit file
+    step "$name" timeout --signal=INT --kill-after=20 "$secs" "$@"
 }
 TEST_FILES=(tests)
 if [ -n "${GPU_CHECK_SHARD:-}" ]; then
