@@ -160,8 +160,9 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Random init like nn.Linear (uniform in +-1/sqrt(fan_in)); biases likewise. A quantized
-        layer draws unquantized weights and quantizes them."""
+        """Random init like nn.Linear (uniform in +-1/sqrt(fan_in)); biases likewise; the local
+        copies of an expert get its weights. A quantized layer draws unquantized weights and
+        quantizes them."""
         w13, w2 = self.w13, self.w2
         if self.quant_spec is not None:
             ew = self.expert_weights
@@ -173,6 +174,13 @@ class MoE(nn.Module):
         for b in (self.b13, self.b2):
             if b is not None:
                 nn.init.uniform_(b, -0.05, 0.05)
+        # local copies of one logical expert (redundant slots) hold the same weights
+        first: dict[int, int] = {}
+        for slot, expert in enumerate(self.local_experts.tolist()):
+            src = first.setdefault(expert, slot)
+            for t in (w13, w2, self.b13, self.b2):
+                if t is not None and src != slot:
+                    t[slot].copy_(t[src])
         if self.quant_spec is not None:
             self._requantize(w13, w2)
 

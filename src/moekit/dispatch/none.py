@@ -3,8 +3,10 @@
 Each rank maps logical ids to its local expert slots (-1 where the expert lives elsewhere),
 runs its share, and combine all-reduces the partial outputs over the group (if any): the TP
 group, which sums over the EP ranks' experts and, in the hybrid EP x TP layout, over the moe-TP
-ranks' slices of I. A logical expert with copies on several ranks is computed by its first copy
-only (`moekit.dispatch.slots.SlotMap`), so the sum counts it once.
+ranks' slices of I. A logical expert with copies on several ranks (redundant experts) has its
+pairs split over the copies by token: token t goes to copy t mod copies
+(`moekit.dispatch.slots.SlotMap`), the same choice on every rank since every rank holds the
+same tokens. So the sum counts each pair once, and the copies share a hot expert's work.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class NoneDispatcher(Dispatcher):
         self.update_placement(placement, num_logical_experts)
 
     def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
-        self._slots = SlotMap(placement, num_logical, spread=False)
+        self._slots = SlotMap(placement, num_logical)
         self._identity = placement.ep_size == 1 and torch.equal(
             placement.physical_to_logical, torch.arange(self._slots.num_logical)
         )
