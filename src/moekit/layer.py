@@ -178,8 +178,10 @@ class MoE(nn.Module):
         first: dict[int, int] = {}
         for slot, expert in enumerate(self.local_experts.tolist()):
             src = first.setdefault(expert, slot)
+            if src == slot:
+                continue
             for t in (w13, w2, self.b13, self.b2):
-                if t is not None and src != slot:
+                if t is not None:
                     t[slot].copy_(t[src])
         if self.quant_spec is not None:
             self._requantize(w13, w2)
