@@ -151,7 +151,7 @@ def test_normal_plan_and_pack_triton_match_torch(T, redundant, dtype, chunks):
     outs = [b[:, :x.shape[1] * x.element_size()].view(dtype) for b in bufs]
     metas = [b[:, pbytes:].view(torch.int32) for b in bufs]
     rows = [torch.full((T, R), -7, dtype=torch.int64) for _ in range(2)]
-    for c, bounds in enumerate(plan.chunk_bounds()):
+    for bounds in plan.chunk_bounds():
         pack_rows_torch(x, plans[0], topk.weights, E, outs[0], metas[0], rows[0], bounds)
         pack_rows(x, plans[1], topk.weights, E, outs[1], metas[1], rows[1], bounds, impl="triton")
     assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], plan.rows())

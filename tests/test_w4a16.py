@@ -246,7 +246,7 @@ def test_launches_decided_once_per_call_shape(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch
     r, act, dev = W4A16Runner(), ActivationSpec(), torch.device("cpu")
     spec, E, H, I = make_spec("mxfp4"), 2, 64, 64
-    for round_ in range(2):  # a new set of weights the second time
+    for _ in range(2):  # a new set of weights the second time
         w = quantize_experts(ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I)), spec)
         p = r.packed(w, interleaved=False)
         for T in (1, 4, 1, 4):

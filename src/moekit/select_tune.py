@@ -156,7 +156,7 @@ def run_cli(args) -> int:
     except ValueError:
         raise ConfigError(
             f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}"
-        )
+        ) from None
     spec = sweep_spec(
         args.model,
         tp_size=args.tp_size,

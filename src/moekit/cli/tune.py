@@ -54,7 +54,9 @@ def _batch_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise ConfigError(f"--batch-sizes: expected comma-separated integers, got {text!r}")
+        raise ConfigError(
+            f"--batch-sizes: expected comma-separated integers, got {text!r}"
+        ) from None
     if not sizes or any(s < 1 for s in sizes):
         raise ConfigError(f"--batch-sizes: expected positive integers, got {text!r}")
     return sizes
