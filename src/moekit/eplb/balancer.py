@@ -60,7 +60,9 @@ class ExpertBalancer:
     its busiest rank's load falls by that fraction of itself or more. group: the ranks whose
     loads are summed; by default the whole world when torch.distributed is initialized (ranks
     that hold the same tokens add the same counts, which scales the load, not its balance), else
-    none. With ranks, every rank must call `step`, `rebalance`, `save_load` and `apply` together.
+    none. With ranks, every rank must call `step`, `rebalance`, `save_load` and `apply` together,
+    and pass group=None only when every rank records the same tokens (the ranks must reach the
+    same placements).
     """
 
     def __init__(
