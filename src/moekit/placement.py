@@ -57,18 +57,6 @@ class ExpertPlacement:
         s = self.local_slots(ep_rank)
         return self.physical_to_logical[s.start : s.stop]
 
-    def logical_to_local(self, ep_rank: int, num_logical: int) -> torch.Tensor:
-        """[num_logical + 1] int32 map from logical id to local slot, -1 where not on this rank.
-
-        Index it with the routing ids directly: id -1 wraps to the last entry, which is -1.
-        Where a logical expert has several local copies, the first one is used.
-        """
-        table = torch.full((num_logical + 1,), -1, dtype=torch.int32)
-        local = self.local_experts(ep_rank)
-        for slot in reversed(range(local.numel())):
-            table[int(local[slot])] = slot
-        return table
-
 
 def save_placements(path: str | Path, placements: Sequence[ExpertPlacement]) -> None:
     """Write one placement per layer as JSON: {"ep_size": R, "placements": [[slot -> expert]]}
