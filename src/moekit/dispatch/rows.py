@@ -35,18 +35,6 @@ def use_triton(t: torch.Tensor, impl: str) -> bool:
     return impl == "triton"
 
 
-def positions(mask_N: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices of the True entries of mask_N [N] bool, in order, as [n] int64, where n is the
-    number of True entries (known to the caller) or an upper bound (then the tail is
-    undefined). Like nonzero(), without a host synchronisation."""
-    N = mask_N.numel()
-    pos = mask_N.long().cumsum(0) - 1
-    target = torch.where(mask_N & (pos < n), pos, n)  # n is a trash slot
-    out = torch.empty(n + 1, dtype=torch.int64, device=mask_N.device)
-    out.scatter_(0, target, torch.arange(N, device=mask_N.device))
-    return out[:n]
-
-
 def gather_reduce_torch(
     src_MH: torch.Tensor,
     rows_NK: torch.Tensor,
