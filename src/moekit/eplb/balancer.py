@@ -46,10 +46,9 @@ class LayerBalance:
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The moekit MoE layers in `model` (itself included), in module order."""
-    from moekit.layer import MoE  # the layer imports eplb's recorder
-
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    """The moekit MoE layers in `model` (itself included), in module order: the modules that
+    record their expert load (eplb sits below layer.py, so it does not import the class)."""
+    return [m for m in model.modules() if callable(getattr(m, "record_expert_load", None))]
 
 
 class ExpertBalancer:
@@ -82,6 +81,8 @@ class ExpertBalancer:
         if not 0 <= min_gain < 1:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
         self.min_gain = min_gain
+        if len({layer.config.total_experts for layer in self.layers}) != 1:
+            raise ValueError("the layers have different numbers of experts; balance them apart")
         if group is _WORLD:
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         self.group = group
@@ -105,8 +106,6 @@ class ExpertBalancer:
             raise ValueError(f"MoE layers {stopped} stopped recording their load "
                              "(record_expert_load(False)); the balancer needs it")  # fmt: skip
         counts = [layer.expert_load.counts for layer in self.layers]
-        if len({c.numel() for c in counts}) != 1:
-            raise ValueError("the layers have different numbers of experts; balance them apart")
         stacked = torch.stack([c.to(counts[0].device) for c in counts])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(stacked, group=self.group)
@@ -129,10 +128,10 @@ class ExpertBalancer:
             layer.expert_load.reset()
             metrics.record_balance(i, after if moved else before, moved)
             reports.append(LayerBalance(i, before, after, moved))
-        moved = [r for r in reports if r.moved]
+        movers = [r for r in reports if r.moved]
         logger.log(
             logging.INFO,
-            f"EPLB check after {self.steps} steps: moved the experts of {len(moved)} of "
+            f"EPLB check after {self.steps} steps: moved the experts of {len(movers)} of "
             f"{len(reports)} layers; worst balancedness "
             f"{min(r.before for r in reports):.3f} -> "
             f"{min(r.after if r.moved else r.before for r in reports):.3f}",
