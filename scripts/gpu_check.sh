@@ -15,10 +15,12 @@
 #   GPU_CHECK_DEADLINE=560        seconds the whole script may take (the device tool stops a
 #                                 command at 600); steps get what is left, bench runs last
 #   GPU_CHECK_BENCH="m1 args;m2 args"   bench runs, ';'-separated `moekit bench` arguments
+#                                 (set but empty: no bench runs)
 #   GPU_CHECK_BATCH_SIZES=1,16,256,4096
 #   GPU_CHECK_BENCH_TIMEOUT=120   seconds per bench run at most
 #   GPU_CHECK_BENCH_RESERVE=200   seconds the tests leave for the bench runs
-#   GPU_CHECK_WORKERS=2           pytest-xdist processes for the GPU tests
+#   GPU_CHECK_WORKERS=2           pytest-xdist processes for the GPU tests (3 ran out of the H100's
+#                                 80 GB in two gpt-oss preset tests of shard 0/2 at bedce99)
 #   GPU_CHECK_SHARD=i/n           only test files i, i+n, i+2n, ... (0-based, sorted): the GPU
 #                                 suite takes longer than one 600 s call on an H100 (about 85%
 #                                 ran in 345 s at 5f0884b), so run it as 0/2 and 1/2
@@ -44,7 +46,7 @@ mkdir -p "$RESULTS"
 REST_TESTS=${GPU_CHECK_REST_TESTS:-0}
 export GPU_CHECK_REST_TESTS=$REST_TESTS
 BATCH_SIZES=${GPU_CHECK_BATCH_SIZES:-1,16,256,4096}
-BENCH=${GPU_CHECK_BENCH:-"--model qwen3-30b-a3b;--model mixtral-8x7b --tp-size 2;--model deepseek-v3 --tp-size 8 --ep-size 8"}
+BENCH=${GPU_CHECK_BENCH-"--model qwen3-30b-a3b;--model mixtral-8x7b --tp-size 2;--model deepseek-v3 --tp-size 8 --ep-size 8"}
 DEADLINE=${GPU_CHECK_DEADLINE:-560}
 BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-120}
 BENCH_RESERVE=${GPU_CHECK_BENCH_RESERVE:-200} # seconds the tests leave for the bench runs
@@ -112,6 +114,7 @@ fi
 
 IFS=';' read -r -a RUNS <<<"$BENCH"
 for args in "${RUNS[@]}"; do
+    [ -n "${args// /}" ] || continue
     secs=$(left 15)
     secs=$((secs > BENCH_TIMEOUT ? BENCH_TIMEOUT : secs))
     # shellcheck disable=SC2086  # the arguments are meant to split
