@@ -341,11 +341,15 @@ def test_unaligned_weights_are_padded_once():
     topk = make_topk(case)
     runner.run_standard(x, topk, w, act_of(case))
     runner.run_standard(x, topk, w, act_of(case))
-    assert len(runner._padded) == 1
-    first = next(iter(runner._padded.values()))
-    w.w13.mul_(2)  # in-place change: a new version, a new padded copy replaces the old one
+    [first] = runner._padded.copies()
+    ptr = first.w13.data_ptr()
+    w.w13.mul_(2)  # in-place change: the padded copy is rewritten in its own storage
     out = runner.run_standard(x, topk, w, act_of(case))
-    assert len(runner._padded) == 1 and next(iter(runner._padded.values())) is not first
+    assert runner._padded.copies() == [first] and first.w13.data_ptr() == ptr
+    assert rel_err(out, reference(x, topk, w, act_of(case))) <= TOLERANCE[torch.bfloat16]
+    w = make_weights(case, torch.bfloat16)  # new tensors: a new copy replaces the old one
+    out = runner.run_standard(x, topk, w, act_of(case))
+    assert len(runner._padded.copies()) == 1 and runner._padded.copies()[0] is not first
     assert rel_err(out, reference(x, topk, w, act_of(case))) <= TOLERANCE[torch.bfloat16]
 
 

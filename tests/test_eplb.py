@@ -13,6 +13,7 @@ import torch.distributed as dist
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, metrics
 from moekit.cli.eplb import read_load
 from moekit.config import ConfigError
+from moekit.dispatch.slots import SlotMap
 from moekit.eplb import (
     ExpertBalancer,
     ExpertLoadRecorder,
@@ -175,8 +176,9 @@ def test_rebalance_on_one_rank_keeps_the_output(fmt, bias):
     w13 = layer.w13
     placement = balanced_placement(rec.counts, layer.placement.num_slots, 1)
     assert (placement.physical_to_logical == 2).sum() > 1
-    rebalance_(layer, placement)
-    assert layer.w13 is w13  # in place
+    table = layer.dispatcher.slots._table
+    assert rebalance_(layer, placement) is True  # in place: graphs captured before stay valid
+    assert layer.w13 is w13 and layer.dispatcher.slots._table is table
     assert torch.equal(layer.placement.physical_to_logical, placement.physical_to_logical)
     assert rel_err(layer(x, logits), before) < 1e-6  # copies split a hot expert: the sums run in another order
 
@@ -190,6 +192,39 @@ def test_rebalance_refuses_another_slot_count_and_a_layer_without_ranks():
                 runner=RunnerConfig(moe_runner_backend="torch"))  # fmt: skip
     with pytest.raises(ValueError, match="needs the layer built on a parallel state"):
         rebalance_(rank1, ExpertPlacement(torch.tensor([4, 5, 6, 7, 0, 1, 2, 3]), 2))
+
+
+@pytest.mark.parametrize("E,redundant,ep", [(8, 0, 1), (8, 4, 1), (8, 8, 4), (6, 2, 2)])
+def test_slot_map_is_rewritten_in_place_for_a_new_placement(E, redundant, ep):
+    """update_ keeps the map's tensors and gives what a map built for the new placement gives."""
+    g = torch.Generator().manual_seed(E + redundant + ep)
+    slots = SlotMap(ExpertPlacement.contiguous(E, ep, E + redundant), E)
+    table, copies = slots._table, slots._copies
+    ids = torch.randint(-1, E, (37, 3), generator=g)
+    for seed in range(3):
+        load = torch.rand(E, generator=torch.Generator().manual_seed(seed)) ** 4 * 1000
+        new = balanced_placement(load, E + redundant, ep)
+        slots.update_(new)
+        fresh = SlotMap(new, E)
+        assert slots._table is table and slots._copies is copies
+        assert torch.equal(slots.physical(ids), fresh.physical(ids))
+        for r in range(ep):
+            assert torch.equal(slots.local_ids_torch(ids, r), fresh.local_ids_torch(ids, r))
+            assert slots.local_share(r) == pytest.approx(fresh.local_share(r))
+    with pytest.raises(ValueError, match="must keep the slots and ranks"):
+        slots.update_(ExpertPlacement.contiguous(E, ep, E + redundant + ep))
+
+
+def test_none_dispatcher_rebuilds_when_its_ids_turn_mapped():
+    """One rank, no copies: slot i = expert i needs no mapping. A permutation does; the
+    dispatcher then rebuilds (rebalance_ says so) and the output stays right."""
+    layer = _layer(redundant=0)
+    x, logits = torch.randn(16, 128), torch.randn(16, 8)
+    before = layer(x, logits)
+    assert rebalance_(layer, ExpertPlacement(torch.arange(8).flip(0), 1)) is False
+    assert rel_err(layer(x, logits), before) < 1e-6
+    assert rebalance_(layer, ExpertPlacement(torch.arange(8).roll(1), 1)) is True
+    assert rel_err(layer(x, logits), before) < 1e-6
 
 
 def test_placements_round_trip_through_a_file(tmp_path):
@@ -313,7 +348,8 @@ def run_eplb_case(case: EplbCase):
     placement = balanced_placement(load, layer.placement.num_slots, case.ep)
     old = layer.placement
     moved = sum(src != r for r, row in enumerate(transfer_plan(old, placement)) for src, _ in row)
-    rebalance_(layer, placement)
+    table = layer.dispatcher.slots._table
+    assert rebalance_(layer, placement) is True and layer.dispatcher.slots._table is table
     after = layer(x.to(state.device), logits.to(state.device)).cpu()
     ref = moe_reference_fp64(x, full.route(logits), full.expert_weights, full.act)
     assert rel_err(before, ref) < 1e-5 and rel_err(after, ref) < 1e-5
@@ -436,3 +472,35 @@ def test_recorder_counts_inside_cuda_graph_replays():
     torch.cuda.synchronize()
     assert torch.equal(rec.counts, 4 * want)
     assert torch.equal(out, layer(x, logits))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend,fmt", [("triton", None), ("triton_kernel", None),
+                                         ("cutlass", None), ("w4a16", "int4_w4a16")])  # fmt: skip
+def test_cuda_graph_captured_before_a_rebalance_runs_the_new_placement(backend, fmt):
+    """A graph of the layer's forward captured under the contiguous placement, replayed after
+    its experts moved (a hot expert given several copies, the others shifted): the output is
+    the same function (a stale slot map or weight copy would mix experts up). cutlass at
+    H = 196 keeps a padded copy of the weights, w4a16 a packed one: both rewritten in place."""
+    from tests.helpers import capture_graph
+
+    H = 196 if backend == "cutlass" else 256
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=H, intermediate_size=128)
+    torch.manual_seed(0)
+    layer = MoE(cfg, ParallelConfig(ep_num_redundant_experts=8), device="cuda",
+                runner=RunnerConfig(moe_runner_backend=backend), weight_format=fmt)  # fmt: skip
+    x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(64, 16, device="cuda")
+    logits[:, 3] += 4  # expert 3 is hot
+    rec = layer.record_expert_load()
+    graph, out = capture_graph(lambda: layer(x, logits))
+    before = out.clone()
+    placement = balanced_placement(rec.counts.cpu(), layer.placement.num_slots, 1)
+    assert (placement.physical_to_logical == 3).sum() > 1
+    assert rebalance_(layer, placement) is True
+    graph.replay()
+    eager = layer(x, logits)
+    torch.cuda.synchronize()
+    assert rel_err(out.float(), before.float()) < 1e-2
+    assert rel_err(eager.float(), before.float()) < 1e-2

@@ -49,6 +49,11 @@ class RunnerCache:
         metrics.record_runner_call(name)
         return self._runners[name]
 
+    def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
+        """The weights were written in place: every runner made so far rewrites its copies."""
+        for runner in self._runners.values():
+            runner.refresh(weights, act)
+
 
 def workload_of(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) -> Workload:
     """What the runner must do for this dispatch output: the input of `moekit.select`."""

@@ -384,14 +384,14 @@ class AllToAllDispatcher(Dispatcher):
             return Availability(False, NEEDS_DIST)
         return Availability(True)
 
-    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
-        """Take a new placement (EPLB); must keep the same ep_size and slots per rank."""
-        if (placement.ep_size, placement.slots_per_rank) != (self.ep_size, self.num_local):
-            raise ValueError("a new placement must keep ep_size and the slots per rank")
-        self.slots = SlotMap(placement, num_logical or self.slots.num_logical)
-        self.exchange.reset(self.slots)
-        if self.p2p is not None:
-            self.p2p.reset(self.slots)
+    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None) -> bool:
+        """Take a new placement (EPLB) of the same slots, in place: the exchanges and their
+        graphs read the slot map's tensors, which are rewritten."""
+        if num_logical not in (None, self.slots.num_logical):
+            raise ValueError(f"a new placement must keep the {self.slots.num_logical} logical "
+                             f"experts, got {num_logical}")
+        self.slots.update_(placement)
+        return True
 
     # ---- mode ----------------------------------------------------------------------------
 

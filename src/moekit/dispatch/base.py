@@ -37,7 +37,8 @@ class Dispatcher(ABC):
     def combine(self, runner_out: RunnerOutput, dispatched: DispatchOutput) -> torch.Tensor:
         """Runner results -> out [T, H] for this rank's original tokens."""
 
-    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
+    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None) -> bool:
         """Take a new placement (EPLB: `moekit.eplb.rebalance_`), with the same ep_size and
-        slots per rank."""
+        slots per rank. True when done in place (CUDA graphs captured with this dispatcher read
+        the new placement), False when its state was rebuilt (capture them again)."""
         raise NotImplementedError(f"the {self.name!r} dispatcher cannot change its placement")

@@ -204,11 +204,6 @@ class PlanExchange:
         self.captures = 0  # graphs captured so far (for tests and logs)
         _EXCHANGES.add(self)
 
-    def reset(self, slots: SlotMap) -> None:
-        """A new placement: the graphs read the old slot table, drop them."""
-        self.slots = slots
-        self._graphs.clear()
-
     def _graphed(self, ids_TK: torch.Tensor, impl: str) -> bool:
         return (self.use_graphs and self.group is not None and self._eager_calls > 0
                 and use_triton(ids_TK, impl) and ids_TK.shape[1] > 0

@@ -36,19 +36,34 @@ class NoneDispatcher(Dispatcher):
     ) -> None:
         self.ep_rank = ep_rank
         self.group = group
-        self.update_placement(placement, num_logical_experts)
+        self.slots = SlotMap(placement, num_logical_experts)
+        self._identity = self._is_identity(placement)
+        self._share = self.slots.local_share(ep_rank)
 
-    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None):
-        self._slots = SlotMap(placement, num_logical)
-        self._identity = placement.ep_size == 1 and torch.equal(
-            placement.physical_to_logical, torch.arange(self._slots.num_logical)
+    def _is_identity(self, placement: ExpertPlacement) -> bool:
+        """One rank whose slot i holds expert i: the ids need no mapping."""
+        return placement.ep_size == 1 and torch.equal(
+            placement.physical_to_logical.cpu(), torch.arange(self.slots.num_logical)
         )
-        self._share = self._slots.local_share(self.ep_rank)
+
+    def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None) -> bool:
+        """In place, unless the ids' mapping turns on or off (one rank, slot i = expert i)."""
+        if num_logical not in (None, self.slots.num_logical):
+            raise ValueError(f"a new placement must keep the {self.slots.num_logical} logical "
+                             f"experts, got {num_logical}")
+        in_place = self._is_identity(placement) == self._identity
+        if in_place:
+            self.slots.update_(placement)
+        else:
+            self.slots = SlotMap(placement, self.slots.num_logical)
+            self._identity = not self._identity
+        self._share = self.slots.local_share(self.ep_rank)
+        return in_place
 
     def dispatch(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
         if self._identity:
             return StandardDispatchOutput(x_TH, topk)
-        local_ids = self._slots.local_ids(topk.ids, self.ep_rank)
+        local_ids = self.slots.local_ids(topk.ids, self.ep_rank)
         return StandardDispatchOutput(x_TH, TopKOutput(topk.weights, local_ids),
                                       local_share=self._share)
 

@@ -206,11 +206,6 @@ class P2PExchange:
         self._seq = 0
         self.captures = 0
 
-    def reset(self, slots: SlotMap) -> None:
-        """A new placement: the graphs read the old slot table, drop them."""
-        self.slots = slots
-        self._graphs.clear()
-
     def dispatch(self, ids_TK: torch.Tensor, pack: PackJob, hidden: int,
                  dtype: torch.dtype) -> P2PResult:
         """ids_TK [T, K] logical; pack: the payload [T, P] (int32 words: P * itemsize % 4 == 0)

@@ -4,6 +4,10 @@ A logical expert may have several physical copies (redundant experts, EPLB). Wit
 token t uses copy t % n_copies (copies in slot order): a balance that needs no communication;
 without, every token uses the first copy. Either way every rank that holds the same tokens picks
 the same slot, so each pair is computed exactly once.
+
+The map's tensors have a shape fixed by the slot count alone (room for the most copies any
+placement of those slots can give one expert), so `update_` rewrites them in place for a new
+placement (EPLB) and CUDA graphs captured with the map read the new one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ class SlotMap:
     ) -> None:
         p2l = placement.physical_to_logical.detach().to("cpu", torch.int64)
         L = int(num_logical if num_logical is not None else p2l.max().item() + 1)
+        self.num_logical = L
+        self.num_slots = placement.num_slots
+        self.ep_size = placement.ep_size
+        self.slots_per_rank = placement.slots_per_rank
+        self.redundant = self.num_slots > L  # some expert has two copies, in any placement
+        self.spread = spread
+        table, copies = self._tables(p2l)
+        self._table = table  # [L + 1, num_slots - L + 1]; row L (for id -1) is -1
+        self._copies = copies  # [L + 1]
+        self._shares = self._rank_shares(table, copies)
+
+    def _tables(self, p2l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """p2l [num_slots] (CPU) -> (table [L + 1, width] of each expert's slots, -1 past its
+        copies; copies [L + 1], 1 for the masked row)."""
+        L = self.num_logical
         if p2l.numel() and (p2l.min() < 0 or p2l.max() >= L):
             raise ValueError(
                 f"placement maps slots to logical experts outside [0, {L}): "
@@ -34,20 +53,26 @@ class SlotMap:
         missing = (copies == 0).nonzero().flatten().tolist()
         if missing:
             raise ValueError(f"placement holds no slot for logical experts {missing[:16]}")
-        width = int(copies.max())
-        table = torch.full((L + 1, width), -1, dtype=torch.int64)
+        table = torch.full((L + 1, self.num_slots - L + 1), -1, dtype=torch.int64)
         filled = [0] * L
         for slot, e in enumerate(p2l.tolist()):
             table[e, filled[e]] = slot
             filled[e] += 1
-        self.num_logical = L
-        self.ep_size = placement.ep_size
-        self.slots_per_rank = placement.slots_per_rank
-        self.redundant = width > 1
-        self.spread = spread
-        self._table = table  # [L + 1, width]; row L (for id -1) is -1
-        self._copies = torch.cat([copies, torch.ones(1, dtype=torch.int64)])  # [L + 1]
-        self._shares = self._rank_shares()
+        return table, torch.cat([copies, torch.ones(1, dtype=torch.int64)])
+
+    def update_(self, placement: ExpertPlacement) -> None:
+        """Take a new placement of the same slots over the same ranks, writing the map's
+        tensors in place (outside CUDA-graph capture)."""
+        if (placement.num_slots, placement.ep_size) != (self.num_slots, self.ep_size):
+            raise ValueError(
+                f"a new placement must keep the slots and ranks: it has {placement.num_slots} "
+                f"slots over {placement.ep_size} ranks, the map {self.num_slots} over "
+                f"{self.ep_size}"
+            )
+        table, copies = self._tables(placement.physical_to_logical.detach().to("cpu", torch.int64))
+        self._table.copy_(table)
+        self._copies.copy_(copies)
+        self._shares = self._rank_shares(table, copies)
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._table.device != device:
@@ -71,8 +96,8 @@ class SlotMap:
         its first copy. Computed once, on the host."""
         return self._shares[ep_rank]
 
-    def _rank_shares(self) -> list[float]:
-        table, copies = self._table[: self.num_logical], self._copies[: self.num_logical]
+    def _rank_shares(self, table: torch.Tensor, copies: torch.Tensor) -> list[float]:
+        table, copies = table[: self.num_logical], copies[: self.num_logical]
         shares = []
         for r in range(self.ep_size):
             start = r * self.slots_per_rank

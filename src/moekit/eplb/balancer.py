@@ -3,14 +3,14 @@
 
     balancer = ExpertBalancer(model)         # every moekit MoE layer in it, recording its load
     for batch in batches:
-        out = model(batch)
-        if balancer.step():                  # every `every` steps, on every rank: balance
-            recapture_cuda_graphs()          # the layers' slot maps changed
+        out = model(batch)                   # eager, or CUDA graphs captured once
+        balancer.step()                      # every `every` steps, on every rank: balance
 
 At each check the load each layer recorded since the last one is summed over the ranks (one
 all-reduce for all layers), a balanced placement is computed per layer (`balanced_placement`),
 and a layer's experts move only when that makes its busiest EP rank at least `min_gain` lighter.
-Every rank sees the same summed load, so every rank takes the same decisions.
+Every rank sees the same summed load, so every rank takes the same decisions. Experts move in
+place (`rebalance_`): CUDA graphs captured before run with the new placement.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class ExpertBalancer:
             layer.record_expert_load()
 
     def step(self) -> bool:
-        """Count one forward step; every `every` steps, `rebalance`. True when experts moved (a
-        CUDA graph captured before reads the old slot maps: capture it again)."""
+        """Count one forward step; every `every` steps, `rebalance`. True when experts moved
+        (in place: see `rebalance_` for the one case that needs graphs captured again)."""
         self.steps += 1
         if self.steps % self.every:
             return False

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.experts import QUANT_TENSORS
+from moekit.log import logger
 from moekit.placement import ExpertPlacement
 
 _PER_EXPERT = ("w13", "w2", "b13", "b2", *QUANT_TENSORS)
@@ -55,12 +56,15 @@ def transfer_plan(old: ExpertPlacement, new: ExpertPlacement) -> list[list[tuple
 
 
 @torch.no_grad()
-def rebalance_(layer, placement: ExpertPlacement) -> None:
-    """Give `layer` (a moekit MoE) the new `placement`: its expert tensors are rearranged in
-    place (the same storage; runner caches keyed on the tensors see the write) and its
-    dispatcher takes the new slot map. A CUDA graph captured earlier of the layer's forward
-    still reads the old slot map: capture it again. With ep_size > 1 every rank of the layer's
-    EP group must call it with the same placement (point-to-point transfers over that group)."""
+def rebalance_(layer, placement: ExpertPlacement) -> bool:
+    """Give `layer` (a moekit MoE) the new `placement`, in place: its expert tensors are
+    rearranged in their storage, its runners rewrite the copies they keep of them (packed,
+    padded), and its dispatcher rewrites its slot map's tensors. So CUDA graphs captured
+    earlier of the layer's forward run with the new placement; True. False (and a warning) where
+    the dispatcher had to rebuild its state instead (one rank whose ids turn mapped or unmapped:
+    a permutation of its experts from or to slot i = expert i): capture those graphs again.
+    With ep_size > 1 every rank of the layer's EP group must call it with the same placement
+    (point-to-point transfers over that group). Not during CUDA-graph capture."""
     old = layer.placement
     if (placement.ep_size, placement.num_slots) != (old.ep_size, old.num_slots):
         raise ValueError(
@@ -94,5 +98,10 @@ def rebalance_(layer, placement: ExpertPlacement) -> None:
             work.wait()
     for name, t in tensors.items():
         t.copy_(fresh[name])
+    layer.runners.refresh(layer.expert_weights, layer.act)
     layer.placement = placement
-    layer.dispatcher.update_placement(placement, layer.config.total_experts)
+    in_place = layer.dispatcher.update_placement(placement, layer.config.total_experts)
+    if not in_place:
+        logger.warning(f"EPLB: the {layer.dispatcher.name!r} dispatcher rebuilt its slot map for "
+                       "the new placement; CUDA graphs of this layer must be captured again")
+    return in_place

@@ -95,6 +95,12 @@ class Runner(ABC):
             return torch.empty(E, C, H, dtype=x_ECH.dtype, device=x_ECH.device)
         return None
 
+    def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:  # noqa: B027 (a hook)
+        """`weights`' tensors were written in place (an EPLB move): rewrite any copy derived from
+        them that this runner keeps (a permuted or padded layout) in place too, so CUDA graphs
+        captured with it read the new values. Runners that read the weights themselves keep
+        none."""
+
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
     ) -> RunnerOutput:

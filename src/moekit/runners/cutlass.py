@@ -40,7 +40,7 @@ from moekit.hardware import Availability, Platform
 from moekit.router import TopKOutput
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows
-from moekit.runners._shared import tensors_key
+from moekit.runners._shared import DerivedCopies
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.stages import (
@@ -177,10 +177,6 @@ class _PaddedWeights:
         self.padded = (self.Hp, self.Ip) != (H, I)
 
 
-def _weights_key(w: ExpertWeights, act: ActivationSpec) -> tuple:
-    return (*tensors_key(w.w13, w.w2, w.b13), act.interleaved)
-
-
 @register
 class CutlassRunner(Runner):
     """`torch._grouped_mm` (CUTLASS, SM90+) for both GEMMs; device-side grouping, Triton
@@ -202,7 +198,7 @@ class CutlassRunner(Runner):
         """use_triton: force the Triton kernels (True; on CPU that needs TRITON_INTERPRET=1) or the
         torch twins (False); None picks Triton on CUDA tensors."""
         self.use_triton = use_triton
-        self._padded: dict[tuple, _PaddedWeights] = {}
+        self._padded: DerivedCopies[_PaddedWeights] = DerivedCopies(_MAX_CACHED_PADDINGS)
 
     @classmethod
     def availability(cls, platform: Platform) -> Availability:
@@ -256,13 +252,14 @@ class CutlassRunner(Runner):
         align = STRIDE_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
         if w.hidden_size % align == 0 and w.intermediate_size % align == 0:
             return _PaddedWeights(w, act, align)  # no copies: the tensors themselves
-        key = _weights_key(w, act)
-        cached = self._padded.get(key)
-        if cached is None:
-            if len(self._padded) >= _MAX_CACHED_PADDINGS:
-                self._padded.clear()
-            cached = self._padded[key] = _PaddedWeights(w, act, align)
-        return cached
+        return self._padded.get((w.w13, w.w2, w.b13), (act.interleaved, align),
+                                lambda: _PaddedWeights(w, act, align))  # fmt: skip
+
+    def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            align = STRIDE_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+            self._padded.refresh((weights.w13, weights.w2, weights.b13), (act.interleaved, align),
+                                 lambda: _PaddedWeights(weights, act, align))  # fmt: skip
 
     @staticmethod
     def _check_shapes(x: torch.Tensor, w: ExpertWeights) -> None:

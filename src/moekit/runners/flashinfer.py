@@ -24,6 +24,7 @@ import torch
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform
+from moekit.runners._shared import DerivedCopies
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.stages import MASKED, STANDARD, DispatchOutput, RunnerOutput, StandardRunnerOutput
@@ -97,6 +98,11 @@ class FlashInferCuteDslRunner(_SM100Only):
     caps = sm100_caps(MASKED, {"nvfp4"}, {"silu"}, bias=False)
 
 
+def _up_first(w13: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    gate, up = (w13[:, 0::2], w13[:, 1::2]) if interleaved else w13.chunk(2, dim=1)
+    return torch.cat([up, gate], dim=1).contiguous()
+
+
 @register
 class FlashInferCutlassRunner(Runner):
     """FlashInfer CUTLASS fused MoE (SM90+): unquantized bf16/fp16, SwiGLU, no biases, standard
@@ -115,7 +121,7 @@ class FlashInferCutlassRunner(Runner):
     )
 
     def __init__(self) -> None:
-        self._w31: dict[tuple, torch.Tensor] = {}
+        self._w31: DerivedCopies[torch.Tensor] = DerivedCopies()
 
     @classmethod
     def availability(cls, platform: Platform) -> Availability:
@@ -131,15 +137,12 @@ class FlashInferCutlassRunner(Runner):
 
     def _up_gate(self, w13: torch.Tensor, interleaved: bool) -> torch.Tensor:
         """w13 [E, 2I, H] (gate rows then up rows, or interleaved gate, up, gate, ...) -> [E, 2I,
-        H] up rows first, the order of the TensorRT-LLM SwiGLU epilogue; cached per weight
-        tensor version."""
-        key = (w13.data_ptr(), w13._version, tuple(w13.shape), interleaved)
-        cached = self._w31.get(key)
-        if cached is None:
-            gate, up = (w13[:, 0::2], w13[:, 1::2]) if interleaved else w13.chunk(2, dim=1)
-            self._w31.clear()
-            cached = self._w31[key] = torch.cat([up, gate], dim=1).contiguous()
-        return cached
+        H] up rows first, the order of the TensorRT-LLM SwiGLU epilogue; kept while w13 is."""
+        return self._w31.get((w13,), interleaved, lambda: _up_first(w13, interleaved))
+
+    def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
+        self._w31.refresh((weights.w13,), act.interleaved,
+                          lambda: _up_first(weights.w13, act.interleaved))  # fmt: skip
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec

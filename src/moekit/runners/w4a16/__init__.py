@@ -30,7 +30,7 @@ import torch
 from moekit.config import ACTIVATIONS
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform, sm_count
-from moekit.runners._shared import tensors_key
+from moekit.runners._shared import DerivedCopies
 from moekit.runners._tables import table_key
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
@@ -60,10 +60,18 @@ def pairs_problem(num_tokens: int, top_k: int | None) -> str | None:
     return None
 
 
-def _weights_key(w: ExpertWeights, interleaved: bool) -> tuple:
-    return (interleaved, *tensors_key(w.w13, w.w2, w.b13, w.b2, w.w13_scale, w.w2_scale,
-                                      w.w13_zero, w.w2_zero, w.w13_global_scale,
-                                      w.w2_global_scale))  # fmt: skip
+def _weight_tensors(w: ExpertWeights) -> tuple:
+    return (w.w13, w.w2, w.b13, w.b2, w.w13_scale, w.w2_scale, w.w13_zero, w.w2_zero,
+            w.w13_global_scale, w.w2_global_scale)  # fmt: skip
+
+
+def _pack(w: ExpertWeights, interleaved: bool) -> PackedExperts:
+    if torch.cuda.is_current_stream_capturing():
+        raise RunnerError(
+            "runner 'w4a16' permutes a new set of weights on its first call with them; make "
+            "one call outside CUDA-graph capture first (a warm-up)"
+        )
+    return pack_experts(w, interleaved)
 
 
 @register
@@ -85,10 +93,11 @@ class W4A16Runner(Runner):
     toolchain_problem = staticmethod(jit.problem)
 
     def __init__(self) -> None:
-        self._packed: tuple[tuple, PackedExperts] | None = None  # one layer's weights
-        # (gate_up plan, down plan, overlap) per call shape, for the packed weights: decided
-        # once, not on every forward
+        self._packed: DerivedCopies[PackedExperts] = DerivedCopies()  # one layer's weights
+        # (gate_up plan, down plan, overlap) per call shape, for the packed weights
+        # `_launches_for`: decided once, not on every forward
         self._launches: dict[tuple, tuple[jit.Plan, jit.Plan, bool]] = {}
+        self._launches_for: PackedExperts | None = None
 
     @classmethod
     def availability(cls, platform: Platform) -> Availability:
@@ -112,20 +121,16 @@ class W4A16Runner(Runner):
         )
 
     def packed(self, w: ExpertWeights, interleaved: bool) -> PackedExperts:
-        """The weights in the kernels' layout, permuted on the first call with them."""
-        key = _weights_key(w, interleaved)
-        if self._packed is not None and self._packed[0] == key:
-            return self._packed[1]
-        if torch.cuda.is_current_stream_capturing():
-            raise RunnerError(
-                "runner 'w4a16' permutes a new set of weights on its first call with them; make "
-                "one call outside CUDA-graph capture first (a warm-up)"
-            )
-        self._packed = None  # free the old copy first
-        self._launches = {}
-        packed = pack_experts(w, interleaved)
-        self._packed = (key, packed)
-        return packed
+        """The weights in the kernels' layout, permuted on the first call with them (again, into
+        the same tensors, after they were written in place)."""
+        p = self._packed.get(_weight_tensors(w), interleaved, lambda: _pack(w, interleaved))
+        if p is not self._launches_for:
+            self._launches, self._launches_for = {}, p
+        return p
+
+    def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
+        self._packed.refresh(_weight_tensors(weights), act.interleaved,
+                             lambda: _pack(weights, act.interleaved))  # fmt: skip
 
     def run(self, dispatch_out, weights, act):
         self.check(dispatch_out, weights, act)
