@@ -490,12 +490,15 @@ def test_cuda_graph_captured_before_a_rebalance_runs_the_new_placement(backend, 
     torch.manual_seed(0)
     layer = MoE(cfg, ParallelConfig(ep_num_redundant_experts=8), device="cuda",
                 runner=RunnerConfig(moe_runner_backend=backend), weight_format=fmt)  # fmt: skip
-    x = torch.randn(64, H, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(64, 16, device="cuda")
+    T = 32  # 128 (token, expert) pairs: within w4a16's decode batches
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(T, 16, device="cuda")
     logits[:, 3] += 4  # expert 3 is hot
     rec = layer.record_expert_load()
     graph, out = capture_graph(lambda: layer(x, logits))
+    graph.replay()
     before = out.clone()
+    assert rel_err(before.float(), layer(x, logits).float()) < 1e-2
     placement = balanced_placement(rec.counts.cpu(), layer.placement.num_slots, 1)
     assert (placement.physical_to_logical == 3).sum() > 1
     assert rebalance_(layer, placement) is True
