@@ -8,7 +8,7 @@ T * K / E pairs: no partly filled block) as the bound of what padding costs.
 A job is `preset tp ep format`. A variant is a number of tail levels L for both GEMMs at every
 batch size (`L`), for gate_up only (`Lg`), the PipelineConfig as shipped (`shipped`), or that
 with short last blocks folded into the block before (`foldR`, `foldRg`, `foldRd`: fold_rows R,
-both GEMMs / gate_up / down). Per point: microseconds of `tail0` (whole tiles), of each variant
+both GEMMs / gate_up / down; `foldRxL`: in L levels). Per point: microseconds of `tail0` (whole tiles), of each variant
 (`tail` + its name), of `balanced` (tail0 on the balanced routing; its floor is the same), and
 the largest relative difference of each variant's output from tail0's. Writes $OUT/NAME.json
 (default tail.json).
@@ -42,12 +42,14 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
 def _pipeline(variant: str):
     """`L`: L tail levels for both GEMMs at every batch size (no folding); `Lg`: for gate_up only;
     `shipped`: the PipelineConfig as shipped; `foldR` / `foldRg` / `foldRd`: as shipped with
-    fold_rows R (one level) for both GEMMs / gate_up only / down only ("fold0": none)."""
+    fold_rows R (one level; `foldRxL`: L levels) for both GEMMs / gate_up only / down only
+    ("fold0": none)."""
     if variant == "shipped":
         return ops.PIPELINE
     if variant.startswith("fold"):
         gemms = {"g": ("gate_up",), "d": ("down",)}.get(variant[-1], ("gate_up", "down"))
-        return replace(ops.PIPELINE, fold_rows=int(variant[4:].rstrip("gd")), fold_levels=1,
+        rows, _, levels = variant[4:].rstrip("gd").partition("x")
+        return replace(ops.PIPELINE, fold_rows=int(rows), fold_levels=int(levels or 1),
                        fold_gemms=gemms)
     gemms = ("gate_up",) if variant.endswith("g") else ("gate_up", "down")
     levels = int(variant.rstrip("g"))

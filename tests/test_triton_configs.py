@@ -333,9 +333,23 @@ def test_ep_tune_routes_over_all_experts_and_keys_by_local_tokens(tmp_path):
 def test_config_code_round_trips():
     """`GemmConfig.code` (how `moekit tune` logs configs and probes take them) and its parse."""
     for c in (GemmConfig(), GemmConfig(1, 16, 256), GemmConfig(16, 64, 128, 1, 4, 5, True, "atomic",
-                                                              True, 4)):  # fmt: skip
+                                                              True, 4),
+              GemmConfig(128, fold_rows=32), GemmConfig(128, fold_rows=0)):  # fmt: skip
         assert GemmConfig.from_code(c.code()) == c
+        assert GemmConfig.from_dict(c.to_dict()) == c
+    assert "fold_rows" not in GemmConfig().to_dict()  # tables that leave it unset stay as they were
+    with pytest.raises(ValueError, match="fold_rows"):
+        GemmConfig(fold_rows=-16)
     atomic_tma = GemmConfig(64, 128, 64, 8, 4, 3, reduce="atomic", tma=True)
     assert atomic_tma.code() == "m64n128k64g8w4s3AM"
     with pytest.raises(ValueError, match="bad config code"):
         GemmConfig.from_code("m64n128k64g8w4s3TAx4")
+
+
+def test_shipped_mixtral_tp2_table_folds_32_rows_at_1024_tokens():
+    """The H100 bf16 table of mixtral-8x7b TP2 sets fold_rows 32 at T = 1024 (256 +- 16 rows an
+    expert), both GEMMs, and leaves the pipeline's 16 at T = 4096 (where 32 lost)."""
+    dev = "NVIDIA H100 80GB HBM3"
+    for gemm in ("gate_up", "down"):
+        assert tc.get_config(gemm, 1024, 2, 8, 4096, 7168, "bfloat16", dev).fold_rows == 32
+        assert tc.get_config(gemm, 4096, 2, 8, 4096, 7168, "bfloat16", dev).fold_rows is None

@@ -194,6 +194,9 @@ FOLD_CASES = [
     ("kernel-oai", (16, 1), "swiglu_oai", True, (GemmConfig(64, 16, 16), GemmConfig(64, 16, 16))),
     ("tma-mixed-bm", (16, 2), "gelu", False, (GemmConfig(32, 16, 16, tma=True),
                                               GemmConfig(64, 16, 16, tma=True, reduce="atomic"))),
+    # the pipeline's 16 rows replaced by the configs' 32 (GemmConfig.fold_rows)
+    ("config-32", (16, 1), "silu", False,
+     (GemmConfig(64, 16, 16, fold_rows=32), GemmConfig(64, 32, 16, reduce="atomic", fold_rows=32))),
 ]
 
 
@@ -206,7 +209,7 @@ def test_folded_tails_match_reference(name, fold, act_name, interleaved, configs
     E, K, H, I = 6, 2, 64, 48
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
     bm = max(c.block_m for c in configs)
-    side = fold[0]
+    side = configs[0].fold_rows or fold[0]
     counts = [bm + 3, 2 * bm + side, bm + side + 1, side - 2, 0, 2 * bm + 1]
     masked = (-sum(counts)) % K + K
     topk = _routing_with_counts(counts, K, masked)
@@ -224,7 +227,7 @@ def test_folded_tails_match_reference(name, fold, act_name, interleaved, configs
     pipe = replace(ops.PIPELINE, fold_rows=fold[0], fold_levels=fold[1])
     with mock.patch.object(ops, "PIPELINE", pipe), mock.patch.object(ops, "_fold_meta", spy):
         out = ops.fused_moe(x, topk, w, act, configs=configs)
-    assert [g for g, meta in folds if meta.get("FOLD", 0) >= 16] == ["gate_up", "down"]
+    assert [(g, meta["FOLD"]) for g, meta in folds if meta] == [("gate_up", side), ("down", side)]
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
 
 
@@ -255,9 +258,15 @@ def test_fold_meta_conditions():
                               None) == {"FOLD": 32, "FOLD_LEVELS": 2}  # fmt: skip
     with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, fold_rows=8)):
         assert ops._fold_meta("down", cfg, sorted_rows, None) == {}
-    # as shipped: 16 rows, one level
+    # as shipped: 16 rows, one level; a config's fold_rows replaces that, but not when the
+    # pipeline turns folding off
     assert ops._fold_meta("gate_up", GemmConfig(64, 64, 64), sorted_rows, None) == {
         "FOLD": 16, "FOLD_LEVELS": 1}  # fmt: skip
+    assert ops._fold_meta("gate_up", replace(cfg, fold_rows=32), sorted_rows, None) == {
+        "FOLD": 32, "FOLD_LEVELS": 1}  # fmt: skip
+    assert ops._fold_meta("gate_up", replace(cfg, fold_rows=0), sorted_rows, None) == {}
+    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, fold_rows=0)):
+        assert ops._fold_meta("gate_up", replace(cfg, fold_rows=32), sorted_rows, None) == {}
 
 
 def test_tail_levels_follow_the_blocks_per_expert():

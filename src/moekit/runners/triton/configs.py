@@ -45,7 +45,7 @@ from moekit.runners._tables import (
 )
 
 GEMMS = ("gate_up", "down")
-_CODE = re.compile(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)(T?)(A?)(M?)(?:K(\d+))?")
+_CODE = re.compile(r"m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)s(\d+)(T?)(A?)(M?)(?:K(\d+))?(?:F(\d+))?")
 REDUCE_MODES = ("kernel", "atomic")
 SPLIT_K_OPTIONS = (1, 2, 4, 8)
 
@@ -68,6 +68,10 @@ class GemmConfig:
     only): each adds its product into the output (masked rows, which store instead of
     adding, run unsplit). gate_up: each stores its float32 sums in a workspace, and the last
     program of a tile adds them up and applies the activation.
+    fold_rows: the most rows of a short last block that the block before it computes
+    (`PipelineConfig.fold_rows`, which it replaces for this launch; 0: none; None: the
+    pipeline's). 32 at mixtral-8x7b TP2's T = 1024 on the H100, where experts get 256 +- 16
+    rows (benchmarks/triton_notes.md, session 37).
     """
 
     block_m: int = 64
@@ -80,6 +84,7 @@ class GemmConfig:
     reduce: str = "kernel"
     tma: bool = False
     split_k: int = 1
+    fold_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -108,18 +113,25 @@ class GemmConfig:
             raise ValueError(
                 f"GemmConfig.split_k must be one of {SPLIT_K_OPTIONS}, got {self.split_k!r}"
             )
+        if self.fold_rows is not None and (not isinstance(self.fold_rows, int)
+                                           or self.fold_rows < 0):  # fmt: skip
+            raise ValueError(f"GemmConfig.fold_rows must be None or >= 0, got {self.fold_rows!r}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["fold_rows"] is None:
+            del d["fold_rows"]  # the pipeline's: tables that do not set it stay as they were
+        return d
 
     def code(self) -> str:
         """A short name, as `moekit tune` logs configs and probes take them: m64n128k64g8w4s3
         (block_m, block_n, block_k, group_m, warps, stages), then T swap_ab, A atomic reduce,
-        M TMA, K<n> split-K."""
+        M TMA, K<n> split-K, F<n> fold_rows."""
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
                 f"w{self.num_warps}s{self.num_stages}" + ("T" if self.swap_ab else "")
                 + ("A" if self.reduce == "atomic" else "") + ("M" if self.tma else "")
-                + (f"K{self.split_k}" if self.split_k > 1 else ""))  # fmt: skip
+                + (f"K{self.split_k}" if self.split_k > 1 else "")
+                + (f"F{self.fold_rows}" if self.fold_rows is not None else ""))  # fmt: skip
 
     @classmethod
     def from_code(cls, text: str) -> GemmConfig:
@@ -130,7 +142,8 @@ class GemmConfig:
         bm, bn, bk, g, w, st = (int(v) for v in m.groups()[:6])
         return cls(bm, bn, bk, g, w, st, swap_ab=bool(m[7]),
                    reduce="atomic" if m[8] else "kernel", tma=bool(m[9]),
-                   split_k=int(m[10] or 1))  # fmt: skip
+                   split_k=int(m[10] or 1),
+                   fold_rows=None if m[11] is None else int(m[11]))  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -185,7 +198,8 @@ class PipelineConfig:
     turns (benchmarks/triton_notes.md): 16 rows took 1-6% off at 9 of the 10 points where it
     applies on the H100 (mixtral TP2 T = 16384: 2% slower, within that point's spread) and 2-13%
     at 7 of 10 on the H200 (mixtral TP2 T = 1024: 4% slower); 32 rows in two levels gained 10%
-    at mixtral TP2 T = 1024 on the H100 but lost up to 5% elsewhere."""
+    at mixtral TP2 T = 1024 on the H100 but lost up to 5% elsewhere: a table's config sets
+    `GemmConfig.fold_rows` where another size pays."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False

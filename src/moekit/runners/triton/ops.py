@@ -284,10 +284,13 @@ def _tail_meta(gemm: str, cfg: GemmConfig, rows: Rows, wq: WeightQuant | None) -
 
 def _fold_meta(gemm: str, cfg: GemmConfig, rows: Rows, wq: WeightQuant | None) -> dict:
     """FOLD, FOLD_LEVELS of a GEMM (`PipelineConfig.fold_rows`, `.fold_levels`): at most how
-    many rows of a short last block the block before it computes (16 or more, under block_m),
-    on the fewest of FOLD / 2^j rows, j < FOLD_LEVELS, down to 16; for sorted rows, unquantized
-    weights, one K share, no swapped operands, and experts that get a full block on average."""
-    p, side = PIPELINE, PIPELINE.fold_rows
+    many rows of a short last block the block before it computes (16 or more, under block_m;
+    the config's `fold_rows` where it sets one, PipelineConfig.fold_rows 0 turning folding
+    off), on the fewest of FOLD / 2^j rows, j < FOLD_LEVELS, down to 16; for sorted rows,
+    unquantized weights, one K share, no swapped operands, and experts that get a full block on
+    average."""
+    p = PIPELINE
+    side = p.fold_rows if cfg.fold_rows is None or not p.fold_rows else cfg.fold_rows
     if not 16 <= side < cfg.block_m or rows.mode != k.ROWS_SORTED or gemm not in p.fold_gemms:
         return {}
     if wq is not None or cfg.split_k > 1 or cfg.swap_ab:
