@@ -432,3 +432,31 @@ def test_cuda_graph_gpu(overlap, monkeypatch):
     torch.cuda.synchronize()
     ref = TorchRunner().run(d, w, act).out
     assert rel_err(out, ref) < BOUND
+
+
+def test_packed_copy_follows_the_weights():
+    """The permuted copy is made once per set of weights; weights written in place (an EPLB
+    move) are permuted again into the same copy (CUDA graphs captured with it stay valid) with
+    the call plans kept; other weights get a new copy, new plans, and the old copy is freed."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(3)
+    w = ExpertWeights(torch.randn(4, 128, 128, generator=g).bfloat16() * 0.1,
+                      torch.randn(4, 128, 64, generator=g).bfloat16() * 0.1)  # fmt: skip
+    q = quantize_experts(w, "int4_w4a16", group_size=64)
+    runner = W4A16Runner()
+    p = runner.packed(q, False)
+    runner._launches["plan"] = "kept"
+    assert runner.packed(q, False) is p
+    codes = p.w13.codes.data_ptr()
+    q.w13.copy_(q.w13.flip(0))  # the experts move, in place
+    assert runner.packed(q, False) is p and p.w13.codes.data_ptr() == codes
+    assert torch.equal(p.w13.codes, pk.pack_experts(q, False).w13.codes)
+    assert runner._launches == {"plan": "kept"}
+    old = weakref.ref(p)
+    del p
+    other = quantize_experts(w, "int4_w4a16", group_size=64)
+    assert runner.packed(other, False) is not None and runner._launches == {}
+    gc.collect()
+    assert old() is None

@@ -20,10 +20,13 @@ pairs per call (`jit.MAX_PAIRS`: decode batches; `auto` picks another runner abo
 multiples of 64; a CUDA GPU of compute capability 8.0+ and nvcc (the kernels are built on first
 use, about 12 s per weight format, then cached). The permuted copy of the weights (the same size
 as the stored ones) is made on the first call with a set of weights (outside CUDA-graph
-capture) and kept until the weights change.
+capture) and kept while they are; written in place (an EPLB move), they are permuted again
+into the same copy, so CUDA graphs captured with it stay valid (`runners._shared.DerivedCopies`).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -66,7 +69,7 @@ def _weight_tensors(w: ExpertWeights) -> tuple:
 
 
 def _pack(w: ExpertWeights, interleaved: bool) -> PackedExperts:
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RunnerError(
             "runner 'w4a16' permutes a new set of weights on its first call with them; make "
             "one call outside CUDA-graph capture first (a warm-up)"
@@ -97,7 +100,7 @@ class W4A16Runner(Runner):
         # (gate_up plan, down plan, overlap) per call shape, for the packed weights
         # `_launches_for`: decided once, not on every forward
         self._launches: dict[tuple, tuple[jit.Plan, jit.Plan, bool]] = {}
-        self._launches_for: PackedExperts | None = None
+        self._launches_for = lambda: None  # a weak reference: an old copy is freed, not kept
 
     @classmethod
     def availability(cls, platform: Platform) -> Availability:
@@ -124,8 +127,8 @@ class W4A16Runner(Runner):
         """The weights in the kernels' layout, permuted on the first call with them (again, into
         the same tensors, after they were written in place)."""
         p = self._packed.get(_weight_tensors(w), interleaved, lambda: _pack(w, interleaved))
-        if p is not self._launches_for:
-            self._launches, self._launches_for = {}, p
+        if p is not self._launches_for():
+            self._launches, self._launches_for = {}, weakref.ref(p)
         return p
 
     def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
