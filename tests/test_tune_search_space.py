@@ -11,6 +11,7 @@ import torch
 from moekit.quant import make_spec
 from moekit.runners.triton.configs import GemmConfig
 from moekit.tune import (
+    FOLD_TRY,
     SMEM_LIMIT,
     TWO_WARPS_MAX_TILE,
     TileBytes,
@@ -134,6 +135,23 @@ def test_two_warps_only_for_small_weight_only_tiles(gemm, n, k):
         tb = tile_bytes(spec, 2)
         assert 2 not in _warps(schedule_variants(gemm, small, n, k, tb))
     assert 2 not in _warps(schedule_variants(gemm, small, n, k))  # int elem: unquantized
+
+
+def test_round_2_tries_a_larger_fold_where_short_blocks_fold():
+    """With unquantized weights and experts of a full block or more, round 2 also times the
+    tile folding FOLD_TRY rows; not where folding cannot apply (quantized: None, fewer rows
+    than a block, FOLD_TRY not under block_m, swapped or split tiles)."""
+    tile = GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True)
+    n, k = 14336, 4096
+    got = schedule_variants("gate_up", tile, n, k, 2, fold_rows_per_expert=256.0)
+    assert [c for c in got if c.fold_rows is not None] == [replace(tile, fold_rows=FOLD_TRY)]
+    for blocked in (dict(fold_rows_per_expert=None), dict(fold_rows_per_expert=100.0)):
+        assert all(c.fold_rows is None for c in schedule_variants("gate_up", tile, n, k, 2,
+                                                                  **blocked))  # fmt: skip
+    for other in (replace(tile, block_m=32), replace(tile, swap_ab=True, block_m=64),
+                  replace(tile, split_k=2, reduce="atomic")):  # fmt: skip
+        got = schedule_variants("down", other, 4096, 7168, 2, fold_rows_per_expert=256.0)
+        assert all(c.fold_rows is None for c in got)
 
 
 class _Stop(Exception):

@@ -295,11 +295,19 @@ TWO_WARPS_MAX_TILE = 16 * 64
 SPLIT_K_TRIES = (2, 4)
 SPLIT_K_MAX_ROWS = 16
 
+# Round 2 also tries folding this many rows of a short last block into the block before (the
+# pipeline folds 16): at mixtral-8x7b TP2 T = 1024 on the H100, 32 took the layer 8% further
+# (benchmarks/triton_notes.md, session 37), and lost elsewhere.
+FOLD_TRY = 32
 
-def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: TileBytes | int = 2):
+
+def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: TileBytes | int = 2,
+                      fold_rows_per_expert: float | None = None):  # fmt: skip
     """Round 2: warps and pipeline stages around one tile, and the other group_m. Warps 4
     and 8, and 2 for small tiles (block_m x block_n <= TWO_WARPS_MAX_TILE) of weight-only
-    formats (`elem` a `TileBytes` with weight_only)."""
+    formats (`elem` a `TileBytes` with weight_only). fold_rows_per_expert: the rows per expert
+    where short last blocks can fold (unquantized weights; None: they cannot): then also the
+    tile folding FOLD_TRY rows instead of the pipeline's 16, for a tile that folds at all."""
     tb = _tile_bytes(elem)
     warps_options = (4, 8)
     if tb.weight_only and tile.block_m * tile.block_n <= TWO_WARPS_MAX_TILE:
@@ -308,6 +316,10 @@ def schedule_variants(gemm: str, tile: GemmConfig, n: int, k: int, elem: TileByt
     for warps in warps_options:
         for stages in (3, 4, 5):
             out.append(replace(tile, num_warps=warps, num_stages=stages))
+    folds = (fold_rows_per_expert is not None and fold_rows_per_expert >= tile.block_m
+             and FOLD_TRY < tile.block_m and not tile.swap_ab and tile.split_k == 1)  # fmt: skip
+    if folds:
+        out.append(replace(tile, fold_rows=FOLD_TRY))
     return [c for c in out if c != tile and fits(gemm, c, n, k, tb)]
 
 
@@ -624,9 +636,11 @@ def tune_point(
         return _gate_up_fn(p, c, warmup)[0]
 
     split_ks = SPLIT_K_TRIES if rows <= SPLIT_K_MAX_ROWS else ()
+    fold_rows = None if w.is_quantized else rows  # folding is for unquantized weights
     best1, t1, tried1 = _search(
         "gate_up", p, gate_fn, tile_candidates("gate_up", rows, n1, k1, tile_elem, quant),
-        lambda c: schedule_variants("gate_up", c, n1, k1, tile_elem), advance, limit, split_ks,
+        lambda c: schedule_variants("gate_up", c, n1, k1, tile_elem, fold_rows), advance, limit,
+        split_ks,
     )  # fmt: skip
     fn, hs = _gate_up_fn(p, best1)
     fn()
@@ -636,7 +650,8 @@ def tune_point(
 
     best2, t2, tried2 = _search(
         "down", p, down_fn, tile_candidates("down", rows, n2, k2, tile_elem, quant),
-        lambda c: schedule_variants("down", c, n2, k2, tile_elem), advance, limit, split_ks,
+        lambda c: schedule_variants("down", c, n2, k2, tile_elem, fold_rows), advance, limit,
+        split_ks,
     )  # fmt: skip
 
     cfgs = (best1, best2)
