@@ -40,10 +40,10 @@ def test_copy_follows_in_place_writes_in_its_own_storage():
 def test_refresh_rewrites_existing_copies_only_and_new_tensors_replace():
     w, other = torch.randn(4, 3), torch.randn(4, 3)
     cache = DerivedCopies(max_entries=1)
-    cache.refresh((w,), "t", lambda: pytest.fail("no copy of w yet"))
+    cache.refresh((w,), lambda tag: pytest.fail("no copy of w yet"))
     first = cache.get((w,), "t", lambda: _double(w))
     w.sub_(1)
-    cache.refresh((w,), "t", lambda: _double(w))
+    cache.refresh((w,), lambda tag: _double(w))
     assert torch.equal(first.w, w * 2)
     second = cache.get((other,), "t", lambda: _double(other))
     assert second is not first and cache.copies() == [second]  # at most one entry

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, metrics
-from moekit.cli.eplb import read_load
 from moekit.config import ConfigError
 from moekit.dispatch.slots import SlotMap
 from moekit.eplb import (
@@ -21,6 +20,7 @@ from moekit.eplb import (
     balancedness,
     pack,
     rank_loads,
+    read_load,
     rebalance_,
     replicate,
     transfer_plan,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from moekit import hardware, select_table
-from moekit.config import ConfigError, ParallelConfig, validate
+from moekit.config import ParallelConfig, validate
 from moekit.presets import model_config
 from moekit.select import workload_for
 from moekit.select_table import Point, SelectionTable, TableKey
@@ -148,22 +148,16 @@ def tune_select(
     return SelectTuneReport(table, select_table.save(table, out_dir), excluded, result)
 
 
-def run_cli(args) -> int:
+def run_cli(args, sizes: tuple[int, ...]) -> int:
     """`moekit tune --select` (called by moekit.cli.tune): args model, tp_size, ep_size, dtype,
-    batch_sizes (comma-separated), out_dir, no_progress, and optionally quantization, routing."""
-    try:
-        sizes = tuple(int(s) for s in args.batch_sizes.split(",") if s.strip())
-    except ValueError:
-        raise ConfigError(
-            f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}"
-        ) from None
+    out_dir, no_progress, and optionally quantization, routing; sizes: the batch sizes."""
     spec = sweep_spec(
         args.model,
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
         quantization=getattr(args, "quantization", "unquantized"),
-        batch_sizes=sizes or None,
+        batch_sizes=sizes,
         routing=getattr(args, "routing", "uniform"),
     )
 

@@ -85,14 +85,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
+def parse_batch_sizes(text: str, minimum: int = 0) -> tuple[int, ...]:
+    """--batch-sizes "1,4,16" -> (1, 4, 16), duplicates dropped; ConfigError unless every value
+    is an integer >= minimum (0: an empty batch)."""
     try:
         sizes = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         sizes = ()
-    if not sizes or any(t < 0 for t in sizes):
+    if not sizes or any(t < minimum for t in sizes):
         raise ConfigError(
-            f"--batch-sizes: expected comma-separated integers >= 0 (e.g. 1,4,16), got {text!r}"
+            f"--batch-sizes: expected comma-separated integers >= {minimum} (e.g. 1,4,16), "
+            f"got {text!r}"
         )
     return tuple(dict.fromkeys(sizes))
 

@@ -5,13 +5,17 @@ reads it back, for `MoE(placement=...)` or `ExpertBalancer.apply`)."""
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
 from moekit.config import ConfigError, ParallelConfig
-from moekit.eplb import ExpertLoadRecorder, balanced_placement, balancedness, rank_loads
+from moekit.eplb import (
+    ExpertLoadRecorder,
+    balanced_placement,
+    balancedness,
+    rank_loads,
+    read_load,
+)
 from moekit.placement import ExpertPlacement, save_placements
 from moekit.presets import PRESETS, model_config
 from moekit.sweep import ROUTINGS, make_routing
@@ -44,25 +48,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def read_load(path: str) -> torch.Tensor:
-    """[L, E] float64 from a JSON list (of lists) or a torch.save'd tensor [E] / [L, E]."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--load: no such file {path!r}")
-    if file.suffix == ".json":
-        load = torch.tensor(json.loads(file.read_text()), dtype=torch.float64)
-    else:
-        load = torch.load(file, map_location="cpu", weights_only=True)
-        if not isinstance(load, torch.Tensor):
-            raise ConfigError(f"--load: {path!r} holds a {type(load).__name__}, not a tensor")
-        load = load.to(torch.float64)
-    if load.dim() == 1:
-        load = load[None]
-    if load.dim() != 2 or load.shape[1] == 0:
-        raise ConfigError(f"--load: expected [E] or [L, E] values, got shape {tuple(load.shape)}")
-    return load
-
-
 def simulated_load(model: str, routing: str, zipf_s: float, tokens: int, seed: int):
     """[1, E] tokens per expert of `tokens` tokens routed by the synthetic routing."""
     cfg = model_config(model)
@@ -77,7 +62,10 @@ def run(args) -> int:
     ParallelConfig(tp_size=args.ep_size, ep_size=args.ep_size,
                    ep_num_redundant_experts=args.ep_num_redundant_experts)  # checks both options
     if args.load:
-        load = read_load(args.load)
+        try:
+            load = read_load(args.load)
+        except ValueError as err:
+            raise ConfigError(f"--load: {err}") from None
         source = args.load
     else:
         load = simulated_load(args.model, args.routing, args.zipf_s, args.tokens, args.seed)

@@ -50,27 +50,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--batch-sizes: expected comma-separated integers, got {text!r}"
-        ) from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise ConfigError(f"--batch-sizes: expected positive integers, got {text!r}")
-    return sizes
-
-
 def run(args) -> int:
+    from moekit.cli.bench import parse_batch_sizes
+
     if args.select:
         from moekit.select_tune import run_cli
 
-        return run_cli(args)
+        return run_cli(args, parse_batch_sizes(args.batch_sizes))
     from moekit.tune import shape_for, tune
 
     shape = shape_for(args.model, args.tp_size, args.ep_size, args.dtype)
-    sizes = _batch_sizes(args.batch_sizes)
+    sizes = list(parse_batch_sizes(args.batch_sizes, minimum=1))
     try:
         report = tune(
             shape,

@@ -13,7 +13,7 @@ or, every --eplb-rebalance-num-iterations steps of a serving loop, `ExpertBalanc
 from moekit.eplb.algorithm import balanced_placement, balancedness, pack, rank_loads, replicate
 from moekit.eplb.balancer import ExpertBalancer, LayerBalance, moe_layers
 from moekit.eplb.rebalance import rebalance_, transfer_plan
-from moekit.eplb.recorder import ExpertLoadRecorder
+from moekit.eplb.recorder import ExpertLoadRecorder, read_load, save_load
 
 __all__ = [
     "ExpertBalancer",
@@ -24,7 +24,9 @@ __all__ = [
     "moe_layers",
     "pack",
     "rank_loads",
+    "read_load",
     "rebalance_",
     "replicate",
+    "save_load",
     "transfer_plan",
 ]

@@ -15,7 +15,6 @@ place (`rebalance_`): CUDA graphs captured before run with the new placement.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch import nn
 from moekit import metrics
 from moekit.eplb.algorithm import balanced_placement, balancedness
 from moekit.eplb.rebalance import rebalance_
+from moekit.eplb.recorder import save_load
 from moekit.log import logger
 from moekit.placement import ExpertPlacement
 
@@ -149,5 +149,5 @@ class ExpertBalancer:
     def save_load(self, path: str | Path) -> torch.Tensor:
         """Write `loads()` as JSON [L, E] (what `moekit eplb --load` reads); returns it."""
         load = self.loads()
-        Path(path).write_text(json.dumps(load.tolist()))
+        save_load(path, load)
         return load

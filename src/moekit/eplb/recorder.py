@@ -3,10 +3,14 @@
 `record` adds one routing's counts with one scatter-add into a fixed buffer (no host
 synchronisation, so it runs inside CUDA graphs and under torch.compile); `counts` reads them.
 On an expert-parallel layer each rank counts its own tokens: sum the counts over the ranks that
-hold different tokens (`total`) before balancing.
+hold different tokens (`total`) before balancing. `save_load` / `read_load` keep a load [L, E]
+(one row per layer) in a file, for `moekit eplb --load`.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,3 +49,28 @@ class ExpertLoadRecorder:
 
     def reset(self) -> None:
         self._buf.zero_()
+
+
+def save_load(path: str | Path, load_LE: torch.Tensor) -> None:
+    """Write load [L, E] (or [E]) as JSON, what `read_load` and `moekit eplb --load` read."""
+    Path(path).write_text(json.dumps(load_LE.tolist()))
+
+
+def read_load(path: str | Path) -> torch.Tensor:
+    """[L, E] float64 from a JSON list (of lists) or a torch.save'd tensor [E] / [L, E];
+    ValueError naming what is wrong."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"no such file {str(path)!r}")
+    if file.suffix == ".json":
+        load = torch.tensor(json.loads(file.read_text()), dtype=torch.float64)
+    else:
+        load = torch.load(file, map_location="cpu", weights_only=True)
+        if not isinstance(load, torch.Tensor):
+            raise ValueError(f"{str(path)!r} holds a {type(load).__name__}, not a tensor")
+        load = load.to(torch.float64)
+    if load.dim() == 1:
+        load = load[None]
+    if load.dim() != 2 or load.shape[1] == 0:
+        raise ValueError(f"expected [E] or [L, E] values, got shape {tuple(load.shape)}")
+    return load

@@ -5,7 +5,7 @@ follow the weights, and the expected number of experts a batch touches under uni
 from __future__ import annotations
 
 import math
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -54,7 +54,7 @@ class DerivedCopies(Generic[T]):
     a newer version counter: a weight load, an EPLB move), the copy is built again *into its own
     tensors*, so a CUDA graph captured with it reads the new values (unless the new values change
     the copy's layout, e.g. a flag of the packed format: then it is a new copy); `refresh` does
-    that alone, for copies that exist."""
+    that alone, for the copies that exist."""
 
     def __init__(self, max_entries: int = 1) -> None:
         self.max_entries = max_entries
@@ -77,9 +77,13 @@ class DerivedCopies(Generic[T]):
             self._entries[key] = (_versions(tensors), fresh)
         return self._entries[key][1]
 
-    def refresh(self, tensors: tuple, tag, build: Callable[[], T]) -> None:
-        if (tag, *_storage_key(tensors)) in self._entries:
-            self.get(tensors, tag, build)
+    def refresh(self, tensors: tuple, build: Callable[[Any], T]) -> None:
+        """Bring every existing copy of `tensors` up to date, whatever its tag (`build(tag)`
+        makes the copy for that tag); makes none that does not exist."""
+        storage = _storage_key(tensors)
+        for tag, *rest in list(self._entries):
+            if tuple(rest) == storage:
+                self.get(tensors, tag, lambda tag=tag: build(tag))
 
     def copies(self) -> list[T]:
         return [copy for _, copy in self._entries.values()]

@@ -256,10 +256,8 @@ class CutlassRunner(Runner):
                                 lambda: _PaddedWeights(w, act, align))  # fmt: skip
 
     def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            align = STRIDE_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
-            self._padded.refresh((weights.w13, weights.w2, weights.b13), (act.interleaved, align),
-                                 lambda: _PaddedWeights(weights, act, align))  # fmt: skip
+        self._padded.refresh((weights.w13, weights.w2, weights.b13),
+                             lambda tag: _PaddedWeights(weights, act, tag[1]))  # fmt: skip
 
     @staticmethod
     def _check_shapes(x: torch.Tensor, w: ExpertWeights) -> None:

@@ -141,8 +141,7 @@ class FlashInferCutlassRunner(Runner):
         return self._w31.get((w13,), interleaved, lambda: _up_first(w13, interleaved))
 
     def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
-        self._w31.refresh((weights.w13,), act.interleaved,
-                          lambda: _up_first(weights.w13, act.interleaved))  # fmt: skip
+        self._w31.refresh((weights.w13,), lambda interleaved: _up_first(weights.w13, interleaved))
 
     def run(
         self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec

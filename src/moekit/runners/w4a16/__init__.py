@@ -132,8 +132,8 @@ class W4A16Runner(Runner):
         return p
 
     def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
-        self._packed.refresh(_weight_tensors(weights), act.interleaved,
-                             lambda: _pack(weights, act.interleaved))  # fmt: skip
+        self._packed.refresh(_weight_tensors(weights),
+                             lambda interleaved: _pack(weights, interleaved))  # fmt: skip
 
     def run(self, dispatch_out, weights, act):
         self.check(dispatch_out, weights, act)
