@@ -70,6 +70,17 @@ def test_config_consumers_is_one_or_two():
         replace(gluon_ops.DEFAULT, consumers=3)
 
 
+def test_config_fold_rows_and_where_folding_applies():
+    w = make_weights(2, 64, 32, torch.float32, False, device="cpu")
+    fold = replace(gluon_ops.DEFAULT, fold_rows=16)
+    assert fold.fold_for(w) == 16 and gluon_ops.DEFAULT.fold_for(w) == gluon_ops.DEFAULT.fold_rows
+    assert replace(fold, consumers=2).fold_for(w) == 0  # one consumer partition only
+    assert replace(fold, gate_up_fused=True).fold_for(w) == 0
+    assert fold.fold_for(_fp8_weights()) == 0  # unquantized weights only
+    with pytest.raises(ValueError, match=r"GluonConfig.fold_rows=8; allowed: 0, 16"):
+        replace(gluon_ops.DEFAULT, fold_rows=8)
+
+
 def test_engine_status_for_moekit_env():
     assert gluon_ops.engine_status((8, 0), "3.9.0") == (
         "Gluon engine: off (needs an sm_90 GPU; fp8 block-wise weights need it)"
@@ -197,11 +208,19 @@ def compile_kernels_for_sm90() -> None:
                    "up_row_off": "i32", "stride_be": "i32", "stride_hm": "i32", "alpha": "fp32",
                    "limit": "fp32"}  # fmt: skip
     consts = {"ACT": 2, "HAS_BIAS": True, "INTERLEAVED": False, "STAGES": 4, "GROUP_M": 8,
-              "CONSUMERS": 1, "num_warps": gk.NUM_WARPS}  # fmt: skip
+              "CONSUMERS": 1, "FOLD": 0, "num_warps": gk.NUM_WARPS}  # fmt: skip
     xd = gluon_ops._desc(x, [P, H], [H, 1], [bm, cfg.gate_up_block_k])
-    sig = {"xs_desc": xd.__mangle__(), **gate_up_sig}
+    sig = {"xs_desc": xd.__mangle__(), "side_desc": xd.__mangle__(), **gate_up_sig}
     ptx = _compile_sm90(gk.gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "n16k16" not in ptx  # no side rows without FOLD
+    # FOLD: side rows through their own [16, BK] box, multiplied with swapped operands
+    fold = 16
+    sd = gluon_ops._desc(x, [P, H], [H, 1], [fold, cfg.gate_up_block_k])
+    sig = {**sig, "side_desc": sd.__mangle__()}
+    ptx = _compile_sm90(gk.gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
+                        {**consts, "FOLD": fold})  # fmt: skip
+    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, cfg.gate_up_block_k], gl.bfloat16)
     bb_layout = gl.NVMMASharedLayout.get_default_for([2 * cfg.gate_up_block_n,
                                                       cfg.gate_up_block_k], gl.bfloat16)  # fmt: skip
@@ -216,6 +235,10 @@ def compile_kernels_for_sm90() -> None:
                         {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
                         gather_consts, aligned)  # fmt: skip
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    ptx = _compile_sm90(gk.gate_up_gather_kernel,
+                        {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
+                        {**gather_consts, "FOLD": fold}, aligned)  # fmt: skip
+    assert "m64n16k16.f32.bf16.bf16" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     ptx = _compile_sm90(gk.gate_up_gather_kernel,
                         {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
                         {**gather_consts, "FUSED": True}, aligned)  # fmt: skip
@@ -239,8 +262,9 @@ def compile_kernels_for_sm90() -> None:
     hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
-                   "SCALED": False, "CONSUMERS": 1, "num_warps": gk.NUM_WARPS}  # fmt: skip
-    down_sig = {"h_desc": hd.__mangle__(), "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
+                   "SCALED": False, "CONSUMERS": 1, "FOLD": 0, "num_warps": gk.NUM_WARPS}  # fmt: skip
+    down_sig = {"h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
+                "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
                 "y_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_pairs_ptr": "*i32",
                 **tiles, "top_k": "i32", "N": "i32", "K": "i32", "stride_be": "i32",
                 "stride_ym": "i32", "h_scale_ptr": "*fp32", "stride_hs": "i32",
@@ -248,12 +272,18 @@ def compile_kernels_for_sm90() -> None:
                 **dict.fromkeys(down_consts, "constexpr")}  # fmt: skip
     ptx = _compile_sm90(gk.down_kernel, down_sig, down_consts)
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+    sd = gluon_ops._desc(h, [P, I], [I, 1], [fold, cfg.down_block_k])
+    for atomic in (False, True):
+        ptx = _compile_sm90(gk.down_kernel, {**down_sig, "side_desc": sd.__mangle__()},
+                            {**down_consts, "FOLD": fold, "ATOMIC": atomic})  # fmt: skip
+        assert "m64n16k16.f32.bf16.bf16" in ptx
     hq = torch.empty(P, I, dtype=torch.float8_e4m3fn)
     w2q = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
     hd = gluon_ops._desc(hq, [P, I], [I, 1], [bm, fp8.down_block_k])
     w2d = gluon_ops._desc(w2q, [E * H, I], [I, 1], [fp8.down_block_n, fp8.down_block_k])
     down_consts = {**down_consts, "STAGES": fp8.down_stages, "SCALED": True}
-    down_sig = {**down_sig, "h_desc": hd.__mangle__(), "w_desc": w2d.__mangle__()}
+    down_sig = {**down_sig, "h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
+                "w_desc": w2d.__mangle__()}  # fmt: skip
     for variant in ({}, split):
         ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, **variant})
         assert "e4m3.e4m3" in ptx
@@ -397,19 +427,61 @@ def test_fp8_presets_gpu(model, tp, ep):
         assert err < 3e-2, (model, T, err)
 
 
+FOLD = replace(gluon_ops.DEFAULT, fold_rows=16)
+FOLD_CONFIGS = {"gather": FOLD, "copy": replace(FOLD, gather=False),
+                "atomic": replace(FOLD, reduce="atomic")}  # fmt: skip
+
+
+def _topk_with_counts(counts: list[int], K: int) -> TopKOutput:
+    """A routing in which expert e takes exactly counts[e] pairs (shuffled over T = sum / K
+    tokens; a token may take an expert twice), random weights."""
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel())].view(-1, K).cuda()
+    weights = torch.rand(ids.shape, device="cuda") + 0.1
+    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["unquantized", "fp8_w8a8"])
+@pytest.mark.parametrize("name", list(FOLD_CONFIGS))
+def test_fold_matches_reference_gpu(name):
+    """Tiles that take an expert's last 1 ... 16 rows (129, 143, 144, 272 = 128 + 144 rows) as
+    side rows, beside experts whose tails keep their own tiles (145, 300 rows), a lone short
+    tile (16) and an empty expert: against the float64 reference and the unfolded engine, with
+    interleaved swiglu_oai and biases."""
+    from moekit.runners.triton_kernel.routing import route
+
+    counts = [128, 129, 143, 144, 145, 272, 16, 0, 300, 129]
+    E, H, I, K = len(counts), 328, 200, 2
+    cfg = FOLD_CONFIGS[name]
+    w = make_weights(E, H, I, torch.bfloat16, True)
+    act = ActivationSpec("swiglu_oai", interleaved=True)
+    topk = _topk_with_counts(counts, K)
+    x = torch.randn(topk.num_tokens, H, device="cuda", dtype=torch.bfloat16)
+    _skip_unless_engine(x, w, act)
+    r = route(topk.ids, E, 128, cfg.fold_for(w))
+    nt = int(r.num_tiles.item())
+    assert sorted(r.tile_rows[:nt].tolist()) == sorted(
+        [128, 129, 143, 144, 128, 17, 128, 144, 16, 128, 128, 44, 129])  # fmt: skip
+    out = _gluon(x, topk, w, act, cfg)
+    ref = moe_reference_fp64(x, topk, w, act)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    plain = _gluon(x, topk, w, act, replace(cfg, fold_rows=0))
+    assert rel_err(out, plain) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["unquantized", "fp8_w8a8", "unquantized-fold"])
 def test_cuda_graph_replay_equals_eager_gpu(fmt):
     from moekit.quant import quantize_experts
 
     E, K, H, I, T = 32, 4, 1024, 512, 1500
-    w = quantize_experts(make_weights(E, H, I, torch.bfloat16, False), fmt)
+    w = quantize_experts(make_weights(E, H, I, torch.bfloat16, False), fmt.split("-")[0])
     act = ActivationSpec()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     _skip_unless_engine(x, w, act)
     topk = make_topk(T, K, E)
     static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-    cfg = gluon_ops.config_for(w)
+    cfg = FOLD if fmt.endswith("fold") else gluon_ops.config_for(w)
 
     def step():
         return _gluon(static_x, TopKOutput(static_w, static_ids), w, act, cfg)

@@ -69,23 +69,45 @@ def check_invariants(r: routing.Routing, ids_TK: torch.Tensor, E: int) -> None:
     covered = torch.zeros(P, dtype=torch.long)
     for j in range(nt):
         e = int(te[j])
-        assert 0 <= e < E and 1 <= tr[j] <= r.block_m
+        assert 0 <= e < E and 1 <= tr[j] <= r.block_m + r.fold
         assert off[e] <= t0[j] and t0[j] + tr[j] <= off[e + 1]
+        last = t0[j] + tr[j] == off[e + 1]
+        assert last or tr[j] == r.block_m  # only an expert's last tile is short or folded
+        if last and tr[j] < r.block_m and cnt[e] > r.block_m:  # a short tail after full tiles
+            assert tr[j] > r.fold  # ... that was not folded into the tile before
         covered[t0[j] : t0[j] + tr[j]] += 1
     assert torch.equal(covered, (torch.arange(P) < n_valid).long())  # exactly once
     assert (te[nt:] == -1).all() and (tr[nt:] == 0).all()
 
 
+@pytest.mark.parametrize("fold", [0, 4])
 @pytest.mark.parametrize("T,K,E,bm,masked,one_expert,chunk", ROUTE_CASES)
-def test_routing_matches_twin_and_invariants(monkeypatch, T, K, E, bm, masked, one_expert, chunk):
+def test_routing_matches_twin_and_invariants(monkeypatch, T, K, E, bm, masked, one_expert, chunk,
+                                             fold):  # fmt: skip
     monkeypatch.setattr(routing, "ROUTING", replace(routing.ROUTING, chunk=chunk))
     ids = make_topk(T, K, E, masked, one_expert).ids
-    got, want = routing.route(ids, E, bm), routing.route_torch(ids, E, bm)
+    got, want = routing.route(ids, E, bm, fold), routing.route_torch(ids, E, bm, fold)
     for name in ("sorted_pairs", "counts", "offsets", "tile_expert", "tile_row0", "tile_rows",
                  "num_tiles"):  # fmt: skip
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     check_invariants(got, ids, E)
     check_invariants(want, ids, E)
+
+
+def test_routing_folds_short_last_tiles():
+    """Experts of 0, 16, 17, 20, 21, 32, 36, 37, 52 and 3 rows at BM 16, fold 4: a last tile of
+    1 ... 4 rows after a full one joins it; a lone short tile, an exact fit and a tail of 5
+    rows keep their own tiles."""
+    sizes = [0, 16, 17, 20, 21, 32, 36, 37, 52, 3]
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(sizes)])
+    ids = ids[torch.randperm(ids.numel())].view(-1, 1).to(DEVICE)
+    r = routing.route(ids, len(sizes), 16, fold=4)
+    nt = int(r.num_tiles.item())
+    got = list(zip(r.tile_expert[:nt].tolist(), r.tile_rows[:nt].tolist()))
+    assert got == [(1, 16), (2, 17), (3, 20), (4, 16), (4, 5), (5, 16), (5, 16), (6, 16),
+                   (6, 20), (7, 16), (7, 16), (7, 5), (8, 16), (8, 16), (8, 20),
+                   (9, 3)]  # fmt: skip
+    check_invariants(r, ids, len(sizes))
 
 
 def test_routing_refuses_bad_input():
@@ -96,6 +118,8 @@ def test_routing_refuses_bad_input():
         routing.route(ids.int(), 4, 24)
     with pytest.raises(ValueError, match=r"\[T, K\]"):
         routing.route(ids.int().view(-1), 4, 16)
+    with pytest.raises(ValueError, match=r"fold must be in \[0, block_m=16\), got 16"):
+        routing.route(ids.int(), 4, 16, fold=16)
 
 
 # ---------------------------------------------------------------------------------------------

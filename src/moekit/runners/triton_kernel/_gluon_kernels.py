@@ -31,6 +31,14 @@ mask.
 SCALED (fp8, 128 x 128 weight blocks, activation groups of 128 = BK): each K step's products
 land in fresh accumulators, retire, and are added into the sums times the rows' activation
 scales and the tile's weight scale.
+
+FOLD (> 0; CONSUMERS = 1, not SCALED, not FUSED): a work tile may hold up to FOLD rows past BM,
+an expert's last rows (`routing.route(..., fold)`). The producer loads them as a [FOLD, BK]
+side tile each K step, and the consumer multiplies the stage's weight tile(s) by it with the
+operands swapped (weight rows in wgmma's M, the side rows in N: a [BN, FOLD] product, issued
+before the main wgmma so that the step's wait retires it), then stores those rows after the
+tile's own. So an expert's few last rows cost one small wgmma a step, not a work item that
+streams the weight tiles again for them.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -63,6 +72,14 @@ def _acc_layout(BN, num_warps, dtype):
         version=[3, 0], warps_per_cta=[num_warps, 1],
         instr_shape=[16, BN, 256 // dtype.primitive_bitwidth],
     )
+
+
+@gluon.jit
+def _side_rows(acc):
+    """A side product [BN, FOLD] (weight rows by side rows, a wgmma layout) -> [FOLD, BN] in a
+    blocked layout, rows first: the form the epilogues take."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [gl.num_warps(), 1], [0, 1])
+    return gl.convert_layout(acc, layout).permute((1, 0))
 
 
 @gluon.jit
@@ -93,13 +110,15 @@ def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
-def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
     """One warp: the TMA loads of every (work item, K step) of this program, at most STAGES
     ahead of the consumer. Weight rows of expert e, column block n0: b_desc at e * b_row_step +
-    n0, and (TWO_B) b2_desc at that + b2_row_off."""
+    n0, and (TWO_B) b2_desc at that + b2_row_off. FOLD: a tile of more than BM rows also loads
+    its rows from BM on through side_desc (block [FOLD, BK]) into side_bufs."""
     (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr,
-     tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, b2_row_off) = args  # fmt: skip
+     tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, b2_row_off, side_desc, side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes * (1 + TWO_B)
@@ -108,15 +127,21 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, _, pid_n = _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                            num_tiles, num_n, GROUP_M)  # fmt: skip
+        expert, row0, nrows, pid_n = _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
+                                                num_tiles, num_n, GROUP_M)  # fmt: skip
         b_row = expert * b_row_step + pid_n * BN
         for ki in range(num_k):
             s = count % STAGES
             # stages start free: the first pass waits on the phase before the initial one
             mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
+            if FOLD > 0:
+                mbarrier.expect(bar, nbytes + side_desc.block_type.nbytes, pred=nrows > BM)
+                mbarrier.expect(bar, nbytes, pred=nrows <= BM)
+                tma.async_load(side_desc, [row0 + BM, ki * BK], bar, side_bufs.index(s),
+                               pred=nrows > BM)  # fmt: skip
+            else:
+                mbarrier.expect(bar, nbytes)
             tma.async_load(a_desc, [row0, ki * BK], bar, a_bufs.index(s))
             tma.async_load(b_desc, [b_row, ki * BK], bar, b_bufs.index(s))
             if TWO_B:
@@ -125,17 +150,27 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
 
 
 @gluon.jit
-def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
+def _gathered_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0, offs, ok, VEC: gl.constexpr):
+    """Pointers to x's rows of sorted rows row0 + offs (token = sorted_pairs[row] // top_k;
+    rows where not ok point at row 0)."""
+    pair = gl.load(sorted_pairs_ptr + row0 + offs, mask=ok, other=0)
+    row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, VEC)
+    return x_ptr + row_off[:, None]
+
+
+@gluon.jit
+def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
     """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
     are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
     (16 bytes a thread and copy; rows past the tile's valid ones and columns past K are
     zero-filled; x's row stride a multiple of 16 bytes), each thread arriving on `ready[s]` when
     its copies land (the barrier counts the threads and the weight tiles' expect-tx arrival).
     FUSED: b_bufs [2 * STAGES, BN, BK] takes stage s's gate tile at 2s, its up tile at 2s + 1
-    (b2_bufs unused)."""
+    (b2_bufs unused). FOLD: a tile's rows from BM on are copied into side_bufs [STAGES, FOLD,
+    BK] the same way."""
     (x_ptr, stride_xm, sorted_pairs_ptr, top_k, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
      empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
-     b2_row_off) = args  # fmt: skip
+     b2_row_off, side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -156,9 +191,13 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: 
         )
         b_row = expert * b_row_step + pid_n * BN
         row_ok = offs_m < nrows
-        pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
-        row_off = gl.multiple_of((pair // top_k).to(gl.int64) * stride_xm, VEC)
-        a_rows = x_ptr + row_off[:, None]
+        a_rows = _gathered_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0, offs_m, row_ok,
+                                VEC)  # fmt: skip
+        if FOLD > 0:
+            offs_s = gl.arange(0, FOLD, layout=gl.SliceLayout(1, layout))
+            side_ok = offs_s < nrows - BM
+            side_rows = _gathered_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0 + BM,
+                                       offs_s, side_ok, VEC)  # fmt: skip
         for ki in range(num_k):
             s = count % STAGES
             mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
@@ -177,6 +216,10 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr):  # fmt: 
             col_ok = gl.max_constancy(cols < K, VEC)
             mask = row_ok[:, None] & col_ok[None, :]
             async_copy.async_load(a_bufs.index(s), a_rows + cols[None, :], mask=mask)
+            if FOLD > 0:
+                if nrows > BM:
+                    async_copy.async_load(side_bufs.index(s), side_rows + cols[None, :],
+                                          mask=side_ok[:, None] & col_ok[None, :])  # fmt: skip
             async_copy.mbarrier_arrive(bar, increment_count=False)
             count += 1
 
@@ -211,18 +254,20 @@ def _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m, r
 
 @gluon.jit
 def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
-                BY_PAIR: gl.constexpr):  # fmt: skip
+                BY_PAIR: gl.constexpr, MAX_W: gl.constexpr = 128):  # fmt: skip
     """Store a tile out [BM, W] (y's dtype, any layout) at columns n0 ... of y's rows: tile row
     m to y's row row0 + m, or (BY_PAIR) sorted_pairs[row0 + m]; rows m >= nrows and columns
     >= N are left alone. Through shared memory into a layout of 16 bytes a thread and row
     first: a wgmma accumulator row holds 4-byte pieces, whose stores write half of each
-    32-byte sector (W > 128: in two halves, which share the shared memory)."""
+    32-byte sector (W > MAX_W: in halves, which share the shared memory; FOLD's tiles take
+    64, so that the side tiles fit beside the stages; a side tile of a few rows goes whole)."""
     BM: gl.constexpr = out.shape[0]
     W: gl.constexpr = out.shape[1]
-    if W > 128:
+    if W > MAX_W:
         lo, hi = out.reshape([BM, 2, W // 2]).permute((0, 2, 1)).split()
-        _store_rows(lo, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr, BY_PAIR)
-        _store_rows(hi, y_ptr, stride_ym, row0, nrows, n0 + W // 2, N, sorted_pairs_ptr, BY_PAIR)
+        _store_rows(lo, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr, BY_PAIR, MAX_W)
+        _store_rows(hi, y_ptr, stride_ym, row0, nrows, n0 + W // 2, N, sorted_pairs_ptr, BY_PAIR,
+                    MAX_W)  # fmt: skip
     else:
         VEC: gl.constexpr = 128 // out.dtype.primitive_bitwidth
         TN: gl.constexpr = min(W // VEC, 32)
@@ -262,7 +307,7 @@ def _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert, pid_n, N,
 @gluon.jit
 def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be, stride_hm,
                    alpha, limit, BN: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   INTERLEAVED: gl.constexpr):  # fmt: skip
+                   INTERLEAVED: gl.constexpr, MAX_W: gl.constexpr = 128):  # fmt: skip
     """Epilogue of gate_up: gate g and up u [BM, BN] (float32, any distributed layout) of a
     work item -> bias, activation, h rows stored (`_store_rows`; rows past nrows left alone)."""
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, g.type.layout))
@@ -280,7 +325,7 @@ def _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_
         u += gl.load(b_base + u_col, mask=col_ok, other=0.0).to(gl.float32)[None, :]
     out = _activate(g, u, alpha, limit, ACT)
     _store_rows(out.to(h_ptr.dtype.element_ty), h_ptr, stride_hm, row0, nrows, pid_n * BN, N,
-                h_ptr, False)  # fmt: skip
+                h_ptr, False, MAX_W)  # fmt: skip
 
 
 @gluon.jit
@@ -349,24 +394,29 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
 @gluon.jit
 def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
                       GROUP_M: gl.constexpr, GATHERED: gl.constexpr, SCALED: gl.constexpr,
-                      M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                      M_OFF: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Two accumulators (gate: b_bufs, up: b2_bufs) per work item; epilogue: bias, activation,
     h rows stored from registers. GATHERED: the A tiles were written by the producer's
     cp.async copies (generic proxy), so a proxy fence orders them before the wgmma reads.
     SCALED (fp8 with 128 x 128 weight blocks and activation groups of 128 = BK): each K step's
     products land in fresh accumulators, which are added in scaled by the step's activation
     scale (per row: x's scales [T, cdiv(H, 128)] by token) and weight scale (one per gate / up
-    tile: w_scale [E, cdiv(2I, 128), cdiv(H, 128)]; BN = 64 keeps a tile in one row block)."""
+    tile: w_scale [E, cdiv(2I, 128), cdiv(H, 128)]; BN = 64 keeps a tile in one row block).
+    FOLD: the side rows (module docstring) in side_bufs."""
     (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr,
      tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr,
-     top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
+     top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
+    STORE_W: gl.constexpr = 64 if FOLD > 0 else 128  # `_store_rows`' MAX_W
     layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     zero = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+    if FOLD > 0:
+        side_zero = gl.zeros((BN, FOLD), dtype=gl.float32,
+                             layout=_acc_layout(FOLD, num_warps, a_bufs.dtype))  # fmt: skip
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
@@ -378,6 +428,9 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
         row_ok = offs_m < nrows
         acc_g = zero
         acc_u = zero
+        if FOLD > 0:  # accumulator-typed across the loop: the steps' waits leave them alone
+            side_g = warpgroup_mma_init(side_zero)
+            side_u = warpgroup_mma_init(side_zero)
         if SCALED:
             a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
                                    row_ok, True)  # fmt: skip
@@ -407,6 +460,11 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                 acc_g += p_g * g_s[:, None]
                 acc_u += p_u * u_s[:, None]
             else:
+                if FOLD > 0:
+                    if nrows > BM:  # before the main wgmma: the wait below retires them
+                        side = side_bufs.index(s).permute((1, 0))
+                        side_g = warpgroup_mma(b_bufs.index(s), side, side_g, is_async=True)
+                        side_u = warpgroup_mma(b2_bufs.index(s), side, side_u, is_async=True)
                 acc_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
                 acc_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
                 # this step's two wgmma groups may run on; the previous step's have retired
@@ -417,24 +475,36 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
         _gate_up_store(acc_g, acc_u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
-                       stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
+                       stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED,
+                       STORE_W)  # fmt: skip
+        if FOLD > 0:
+            side_g, side_u = warpgroup_mma_wait(num_outstanding=0, deps=(side_g, side_u))
+            if nrows > BM:
+                _gate_up_store(_side_rows(side_g), _side_rows(side_u), expert, row0 + BM,
+                               nrows - BM, pid_n, bias_ptr, h_ptr, N, stride_be, stride_hm,
+                               alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED, BN)  # fmt: skip
 
 
 @gluon.jit
-def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr,
-                   tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, up_row_off, stride_be,
-                   stride_hm, alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
+                   tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, up_row_off,
+                   stride_be, stride_hm, alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                    INTERLEAVED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                   CONSUMERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                   CONSUMERS: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """h [P, N = I] = act(xs @ w13[e].T + b13[e]) per sorted row (module docstring). xs_desc:
-    xs [P, H], block [BM, BK]; w_desc / w_up_desc: the gate / up weight rows, block [BN, BK]:
-    w13 viewed [E * 2I, H] for both (b_row_step 2I, up_row_off I), or, interleaved, the gate
-    rows and the up rows each viewed [E * I, H] with row stride 2H (b_row_step I, 0)."""
+    xs [P, H], block [BM, BK]; side_desc: xs, block [FOLD, BK] (FOLD > 0); w_desc / w_up_desc:
+    the gate / up weight rows, block [BN, BK]: w13 viewed [E * 2I, H] for both (b_row_step 2I,
+    up_row_off I), or, interleaved, the gate rows and the up rows each viewed [E * I, H] with
+    row stride 2H (b_row_step I, 0)."""
     dtype: gl.constexpr = xs_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + xs_desc.block_type.shape, xs_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     b2_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_up_desc.block_type.shape,
                                         w_up_desc.layout)  # fmt: skip
+    side_bufs = a_bufs  # unused without FOLD
+    if FOLD > 0:
+        side_bufs = gl.allocate_shared_memory(dtype, [STAGES] + side_desc.block_type.shape,
+                                              side_desc.layout)  # fmt: skip
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -442,28 +512,28 @@ def gate_up_kernel(xs_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
         mbarrier.init(empty.index(i), count=CONSUMERS)
     consumer = (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
                 tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
-                limit, tile_expert_ptr, 1, bias_ptr, 0, bias_ptr, 0, 0)  # fmt: skip
+                limit, tile_expert_ptr, 1, bias_ptr, 0, bias_ptr, 0, 0, side_bufs)  # fmt: skip
     producer = (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
-                up_row_off)  # fmt: skip
+                up_row_off, side_desc, side_bufs)  # fmt: skip
     if CONSUMERS == 1:
         gl.warp_specialize(
             [
                 (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
-                                     0, num_warps)),
-                (_producer, (producer, True, GROUP_M)),
+                                     0, FOLD, num_warps)),
+                (_producer, (producer, True, GROUP_M, FOLD)),
             ],
             [1],
             [PRODUCER_REGS],
         )
-    else:  # a partition per consumer warpgroup (module docstring)
+    else:  # a partition per consumer warpgroup (module docstring); no FOLD
         gl.warp_specialize(
             [
                 (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
-                                     0, num_warps)),
+                                     0, 0, num_warps)),
                 (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
-                                     16 * num_warps, num_warps)),
-                (_producer, (producer, True, GROUP_M)),
+                                     16 * num_warps, 0, num_warps)),
+                (_producer, (producer, True, GROUP_M, 0)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -478,7 +548,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                           ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
                           A_LAYOUT: gl.constexpr, SCALED: gl.constexpr, FUSED: gl.constexpr,
-                          BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr,
+                          BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr, FOLD: gl.constexpr,
                           num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
@@ -486,11 +556,16 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
     with block scales (`_gate_up_consumer`): x_scale [T, cdiv(H, 128)] (row stride stride_xs),
     w_scale [E, cdiv(2I, 128), cdiv(H, 128)] (strides stride_wse, stride_wsn). FUSED: a stage's
     gate and up tiles are adjacent, read as one [2 * BN, BK] tile of shared layout BB_LAYOUT
-    (`_gate_up_fused_consumer`; the same swizzle as the weight tiles': 128-byte rows)."""
+    (`_gate_up_fused_consumer`; the same swizzle as the weight tiles': 128-byte rows). FOLD
+    (CONSUMERS = 1, neither SCALED nor FUSED): side rows (module docstring), stored in
+    A_LAYOUT's swizzle."""
     dtype: gl.constexpr = w_desc.dtype
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
+    side_bufs = a_bufs  # unused without FOLD
+    if FOLD > 0:
+        side_bufs = gl.allocate_shared_memory(dtype, [STAGES, FOLD, BK], A_LAYOUT)
     if FUSED:  # stage s's gate tile at 2s, up at 2s + 1: together one [2 * BN, BK] tile
         b_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, BK], w_desc.layout)
         b2_bufs = b_bufs
@@ -505,7 +580,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
         mbarrier.init(empty.index(i), count=CONSUMERS)
     producer = (x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, a_bufs, b_bufs,
                 b2_bufs, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                num_tiles_ptr, N, K, b_row_step, up_row_off)  # fmt: skip
+                num_tiles_ptr, N, K, b_row_step, up_row_off, side_bufs)  # fmt: skip
     shared = (ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
               num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k,
               x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn)  # fmt: skip
@@ -517,7 +592,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 [
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
                                                SCALED, 0, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, 0)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -529,19 +604,19 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                                                SCALED, 0, num_warps)),
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
                                                SCALED, 16 * num_warps, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, 0)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
             )
     else:
-        consumer = (a_bufs, b_bufs, b2_bufs) + shared
+        consumer = (a_bufs, b_bufs, b2_bufs) + shared + (side_bufs,)
         if CONSUMERS == 1:
             gl.warp_specialize(
                 [
                     (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
-                                         SCALED, 0, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED)),
+                                         SCALED, 0, FOLD, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, FOLD)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -550,10 +625,10 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
             gl.warp_specialize(
                 [
                     (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
-                                         SCALED, 0, num_warps)),
+                                         SCALED, 0, 0, num_warps)),
                     (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
-                                         SCALED, 16 * num_warps, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED)),
+                                         SCALED, 16 * num_warps, 0, num_warps)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, 0)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
@@ -561,23 +636,53 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
 
 
 @gluon.jit
+def _down_store(acc, expert, row0, nrows, n0, bias_ptr, y_ptr, topk_weights_ptr,
+                sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS: gl.constexpr,
+                ATOMIC: gl.constexpr, MAX_W: gl.constexpr):  # fmt: skip
+    """Epilogue of down: rows [BM', BN] (float32, any distributed layout) of sorted rows row0 ...
+    (nrows valid), columns n0 ...: bias, routing weight, stored by pair (or added by token)."""
+    BM: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+    n_out = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+    row_ok = offs_m < nrows
+    col_ok = n_out < N
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n_out, mask=col_ok,
+                       other=0.0).to(gl.float32)[None, :]  # fmt: skip
+    pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+    acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    if ATOMIC:
+        ptrs = y_ptr + (pair // top_k).to(gl.int64)[:, None] * stride_ym + n_out[None, :]
+        gl.atomic_add(ptrs, acc.to(y_ptr.dtype.element_ty),
+                      mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")  # fmt: skip
+    else:
+        _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows, n0, N,
+                    sorted_pairs_ptr, True, MAX_W)  # fmt: skip
+
+
+@gluon.jit
 def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: gl.constexpr,
-                   SCALED: gl.constexpr, M_OFF: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                   SCALED: gl.constexpr, M_OFF: gl.constexpr, FOLD: gl.constexpr,
+                   num_warps: gl.constexpr):  # fmt: skip
     """One accumulator per work item; epilogue: bias, routing weight, store by pair (or atomic
     add by token) from registers. SCALED: as `_gate_up_consumer`, with h's scales [P,
     cdiv(I, 128)] by sorted row and w2's [E, cdiv(H, 128), cdiv(I, 128)] (BN = 128: one row
-    block a tile)."""
+    block a tile). FOLD: the side rows (module docstring) in side_bufs."""
     (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K, stride_be,
-     stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
+     stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
+    STORE_W: gl.constexpr = 64 if FOLD > 0 else 128  # `_store_rows`' MAX_W
     layout: gl.constexpr = _acc_layout(BN, num_warps, a_bufs.dtype)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     zero = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+    if FOLD > 0:
+        side_zero = gl.zeros((BN, FOLD), dtype=gl.float32,
+                             layout=_acc_layout(FOLD, num_warps, a_bufs.dtype))  # fmt: skip
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
@@ -586,9 +691,11 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
         expert, row0, nrows, pid_n = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
-        row_ok = offs_m < nrows
         acc = zero
+        if FOLD > 0:  # accumulator-typed across the loop, as in `_gate_up_consumer`
+            side_acc = warpgroup_mma_init(side_zero)
         if SCALED:
+            row_ok = offs_m < nrows
             a_s_rows = _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m,
                                    row_ok, False)  # fmt: skip
             w_s_ptr = (w_scale_ptr + expert.to(gl.int64) * stride_wse
@@ -606,6 +713,10 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                 mbarrier.arrive(empty.index(s))
                 acc += p * scale[:, None]
             else:
+                if FOLD > 0:
+                    if nrows > BM:  # before the main wgmma: the wait below retires it
+                        side_acc = warpgroup_mma(b_bufs.index(s), side_bufs.index(s).permute(
+                            (1, 0)), side_acc, is_async=True)  # fmt: skip
                 acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc,
                                     is_async=True)  # fmt: skip
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -614,37 +725,37 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        n_out = pid_n * BN + offs_n
-        col_ok = n_out < N
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n_out, mask=col_ok,
-                           other=0.0).to(gl.float32)[None, :]  # fmt: skip
-        pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
-        acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-        if ATOMIC:
-            ptrs = y_ptr + (pair // top_k).to(gl.int64)[:, None] * stride_ym + n_out[None, :]
-            gl.atomic_add(ptrs, acc.to(y_ptr.dtype.element_ty),
-                          mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")  # fmt: skip
-        else:
-            _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows,
-                        pid_n * BN, N, sorted_pairs_ptr, True)  # fmt: skip
+        _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
+                    STORE_W)  # fmt: skip
+        if FOLD > 0:
+            side_acc = warpgroup_mma_wait(num_outstanding=0, deps=(side_acc,))
+            if nrows > BM:
+                _down_store(_side_rows(side_acc), expert, row0 + BM, nrows - BM, pid_n * BN,
+                            bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr, top_k, N,
+                            stride_be, stride_ym, HAS_BIAS, ATOMIC, BN)  # fmt: skip
 
 
 @gluon.jit
-def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
+def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K,
                 stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr, stride_wse,
                 stride_wsn, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                 GROUP_M: gl.constexpr, SCALED: gl.constexpr, CONSUMERS: gl.constexpr,
-                num_warps: gl.constexpr):  # fmt: skip
+                FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """y = weight * (h @ w2[e].T + b2[e]) per sorted row (module docstring); N = H, K = I.
-    h_desc: h [P, I], block [BM, BK]; w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H]
-    by pair, or (ATOMIC) out [T, H], zeroed before, by token. SCALED: h and w2 are fp8 with
-    block scales (`_down_consumer`): h_scale [P, cdiv(I, 128)] (row stride stride_hs), w_scale
-    [E, cdiv(H, 128), cdiv(I, 128)]."""
+    h_desc: h [P, I], block [BM, BK]; side_desc: h, block [FOLD, BK] (FOLD > 0; CONSUMERS = 1,
+    not SCALED); w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H] by pair, or (ATOMIC)
+    out [T, H], zeroed before, by token. SCALED: h and w2 are fp8 with block scales
+    (`_down_consumer`): h_scale [P, cdiv(I, 128)] (row stride stride_hs), w_scale [E,
+    cdiv(H, 128), cdiv(I, 128)]."""
     dtype: gl.constexpr = h_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    side_bufs = a_bufs  # unused without FOLD
+    if FOLD > 0:
+        side_bufs = gl.allocate_shared_memory(dtype, [STAGES] + side_desc.block_type.shape,
+                                              side_desc.layout)  # fmt: skip
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -653,25 +764,27 @@ def down_kernel(h_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_
     consumer = (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
                 sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
                 top_k, N, K, stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr,
-                stride_wse, stride_wsn)  # fmt: skip
+                stride_wse, stride_wsn, side_bufs)  # fmt: skip
     producer = (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N, 0)  # fmt: skip
+                tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N, 0, side_desc,
+                side_bufs)  # fmt: skip
     if CONSUMERS == 1:
         gl.warp_specialize(
             [
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, num_warps)),
-                (_producer, (producer, False, GROUP_M)),
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, FOLD,
+                                  num_warps)),
+                (_producer, (producer, False, GROUP_M, FOLD)),
             ],
             [1],
             [PRODUCER_REGS],
         )
-    else:  # a partition per consumer warpgroup (module docstring)
+    else:  # a partition per consumer warpgroup (module docstring); no FOLD
         gl.warp_specialize(
             [
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, num_warps)),
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps,
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, 0, num_warps)),
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps, 0,
                                   num_warps)),
-                (_producer, (producer, False, GROUP_M)),
+                (_producer, (producer, False, GROUP_M, 0)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],

@@ -64,10 +64,11 @@ def _scan_tiles_kernel(
     BLOCK_M: tl.constexpr,
     EP: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    FOLD: tl.constexpr = 0,
 ):
     """One program. base[c, e] = pairs of expert e in chunks before c; counts[e] (e < E);
     offsets[e] = first sorted row of expert e for e <= E (offsets[E] = valid pairs; masked
-    pairs follow them); num_tiles = sum of cdiv(counts[e], BM)."""
+    pairs follow them); num_tiles = sum of `_expert_tiles`."""
     cols = tl.arange(0, EP)
     running = tl.zeros([EP], dtype=tl.int32)
     for c0 in range(0, num_chunks, BLOCK_C):
@@ -82,21 +83,32 @@ def _scan_tiles_kernel(
     offsets = tl.cumsum(counts, 0) - counts  # offsets[E] = sum of counts (valid pairs)
     tl.store(offsets_ptr + cols, offsets, mask=cols <= E)
 
-    tl.store(num_tiles_ptr, tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0))
+    tl.store(num_tiles_ptr, tl.sum(_expert_tiles(counts, BLOCK_M, FOLD), 0))
+
+
+@triton.jit
+def _expert_tiles(counts, BLOCK_M: tl.constexpr, FOLD: tl.constexpr):
+    """Work tiles of experts with `counts` rows: cdiv(count, BM), one fewer where a last tile
+    of 1 ... FOLD rows follows a full one (the full tile takes those rows too)."""
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    if FOLD > 0:
+        tail = counts % BLOCK_M
+        tiles -= ((counts > BLOCK_M) & (tail > 0) & (tail <= FOLD)).to(tl.int32)
+    return tiles
 
 
 @triton.jit
 def _write_tiles(
     counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo, t_hi, E,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
-    """Work tiles t in [t_lo, t_hi): expert e owns cdiv(counts[e], BM) tiles, in expert order;
-    tile j of e covers sorted rows [offsets[e] + j*BM, + rows). Past the last tile: expert -1,
-    0 rows."""
+    """Work tiles t in [t_lo, t_hi): expert e owns `_expert_tiles` tiles, in expert order;
+    tile j of e covers sorted rows [offsets[e] + j*BM, + rows): BM rows, or what is left of
+    the expert where that fits in BM + FOLD rows. Past the last tile: expert -1, 0 rows."""
     cols = tl.arange(0, EP)
     counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
     offsets = tl.load(offsets_ptr + cols, mask=cols < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles = _expert_tiles(counts, BLOCK_M, FOLD)
     tile_end = tl.cumsum(tiles, 0)
     tile_start = tile_end - tiles
     num_tiles = tl.sum(tiles, 0)
@@ -109,7 +121,8 @@ def _write_tiles(
         first = tl.sum(tl.where(onehot, (offsets - tile_start * BLOCK_M)[None, :], 0), 1)
         seg_end = tl.sum(tl.where(onehot, (offsets + counts)[None, :], 0), 1)
         row0 = first + t * BLOCK_M
-        rows = tl.minimum(seg_end - row0, BLOCK_M)
+        rows = seg_end - row0
+        rows = tl.where(rows <= BLOCK_M + FOLD, rows, BLOCK_M)
         live = t < num_tiles
         in_range = t < t_hi
         tl.store(tile_expert_ptr + t, tl.where(live, expert, -1), mask=in_range)
@@ -121,7 +134,7 @@ def _write_tiles(
 def _scatter_kernel(
     ids_ptr, base_ptr, counts_ptr, offsets_ptr, sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr,
     tile_rows_ptr, P, E, tiles_per_program, max_tiles, CHUNK: tl.constexpr, EP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, FOLD: tl.constexpr = 0,
 ):  # fmt: skip
     """sorted_pairs[offsets[e] + base[c, e] + rank] = pair, for the pairs of chunk c (rank:
     position among the chunk's pairs of expert e, in pair order: a stable sort). Masked pairs
@@ -130,7 +143,8 @@ def _scatter_kernel(
     c = tl.program_id(0)
     t_lo = c * tiles_per_program
     _write_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo,
-                 tl.minimum(t_lo + tiles_per_program, max_tiles), E, BLOCK_M, EP, BLOCK_T)  # fmt: skip
+                 tl.minimum(t_lo + tiles_per_program, max_tiles), E, BLOCK_M, EP, BLOCK_T,
+                 FOLD)  # fmt: skip
     sorted_e, sorted_pair, rank, _ = sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
     dest = tl.load(offsets_ptr + sorted_e) + tl.load(base_ptr + c * EP + sorted_e) + rank
     tl.store(sorted_pairs_ptr + dest, sorted_pair, mask=sorted_pair < P)

@@ -42,6 +42,11 @@ ENGINES = ("auto", "triton", "gluon")
 MIN_ROWS_PER_EXPERT = 32
 
 
+# a side tile's rows (wgmma N; 32 would not fit in the shared memory beside 4 stages of
+# 128 x 64 A tiles and 256 x 64 weight tiles and the epilogue's float32 side tile)
+FOLD_ROWS = (0, 16)
+
+
 @dataclass(frozen=True)
 class GluonConfig:
     """Tiles of the two GEMMs (block_m is fixed at 128: two consumer warpgroups of 64 rows);
@@ -54,7 +59,9 @@ class GluonConfig:
     multiplied by one wgmma of 2 * block_n columns (FP8's; bf16 at block_n 128 spills);
     consumers: 1 = the two consumer warpgroups in one partition, held in step; 2 = one partition
     each (64 rows of every tile), so one can scale in its products while the other's wgmma
-    runs (the `_gluon_kernels` docstring)."""
+    runs (the `_gluon_kernels` docstring); fold_rows: an expert's last 1 ... fold_rows rows
+    after a full tile are that tile's too, multiplied as side rows (`_gluon_kernels` FOLD;
+    0: off; with consumers 1, unquantized weights and gate_up_fused off, else ignored)."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -67,10 +74,19 @@ class GluonConfig:
     gather: bool = True
     gate_up_fused: bool = False
     consumers: int = 1
+    fold_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2):
             raise ValueError(f"GluonConfig.consumers={self.consumers!r}; allowed: 1, 2")
+        if self.fold_rows not in FOLD_ROWS:
+            raise ValueError(f"GluonConfig.fold_rows={self.fold_rows!r}; allowed: "
+                             f"{', '.join(map(str, FOLD_ROWS))}")  # fmt: skip
+
+    def fold_for(self, w: ExpertWeights) -> int:
+        """The side rows a tile takes for these weights (0 where folding does not apply)."""
+        applies = self.consumers == 1 and not self.gate_up_fused and not w.is_quantized
+        return self.fold_rows if applies else 0
 
     @property
     def num_warps(self) -> int:
@@ -239,6 +255,22 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
 
 
+def _fold(r, cfg: GluonConfig, w: ExpertWeights) -> int:
+    """A GEMM's FOLD: the routing's fold (its tiles hold that many rows past BM at most), which
+    must be what the config gives these weights."""
+    if r.fold != cfg.fold_for(w):
+        raise ValueError(f"routing folds {r.fold} rows, the config {cfg.fold_for(w)} for "
+                         f"{w.format} weights: route with fold=cfg.fold_for(w)")  # fmt: skip
+    return r.fold
+
+
+def _side_desc(a: torch.Tensor, fold: int, bk: int, unused):
+    """The side rows' descriptor over a GEMM's A rows (block [fold, bk]); `unused` without."""
+    if not fold:
+        return unused
+    return _desc(a, [a.shape[0], a.shape[1]], [a.shape[1], 1], [fold, bk])
+
+
 def _grid(device: torch.device, work_bound: int) -> tuple[int]:
     """Persistent: one program per SM, fewer if there is less work."""
     return (max(1, min(sm_count(device), work_bound)),)
@@ -283,7 +315,7 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
                 STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
-                num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS)  # fmt: skip
+                FOLD=_fold(r, cfg, w), num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS)  # fmt: skip
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
               float(act.limit))  # fmt: skip
@@ -301,7 +333,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     else:
         xs = torch.index_select(x, 0, r.sorted_pairs // top_k)
         xs_desc = _desc(xs, [xs.shape[0], H], [H, 1], [gk.BLOCK_M, bk])
-        gk.gate_up_kernel[grid](xs_desc, *common, **tail)
+        gk.gate_up_kernel[grid](xs_desc, _side_desc(xs, tail["FOLD"], bk, xs_desc), *common,
+                                **tail)  # fmt: skip
     return out
 
 
@@ -318,13 +351,14 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
     w_desc = _desc(w.w2, [E * H, I], [I, 1], [bn, bk])
     b2 = w.b2 if w.b2 is not None else w.w2
     grid = _grid(h.device, r.max_tiles * triton.cdiv(H, bn))
+    fold = _fold(r, cfg, w)
     gk.down_kernel[grid](
-        h_desc, w_desc, b2, out, topk_weights, r.sorted_pairs, r.tile_expert, r.tile_row0,
-        r.tile_rows, r.num_tiles, top_k, H, I, b2.stride(0), out.stride(0),
-        *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
+        h_desc, _side_desc(h, fold, bk, h_desc), w_desc, b2, out, topk_weights, r.sorted_pairs,
+        r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles, top_k, H, I, b2.stride(0),
+        out.stride(0), *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
         ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
-        SCALED=h_scale is not None, CONSUMERS=cfg.consumers, num_warps=cfg.num_warps,
-        maxnreg=gk.MAX_REGS,
+        SCALED=h_scale is not None, CONSUMERS=cfg.consumers, FOLD=fold,
+        num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
@@ -342,7 +376,7 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     K = ids.shape[1]
     E = w.num_experts
     cfg = config_for(w) if cfg is None else cfg
-    r = route(ids, E, gk.BLOCK_M)
+    r = route(ids, E, gk.BLOCK_M, cfg.fold_for(w))
     if w.format == "fp8_w8a8":  # block-wise: both GEMM inputs quantized per group of 128
         from moekit.quant.act_quant import quantize_act
 

@@ -1,0 +1,100 @@
+"""The triton_kernel runner's Gluon engine with an expert's last rows folded into its tile before
+(`GluonConfig.fold_rows`) against the engine without, and against the `triton` runner: the
+layer on `moekit bench`'s input sets, timed in turns (issue 5: `triton_kernel` faster than
+`triton` at T >= 4096).
+
+    PYTHONPATH=<triton 3.9>:src python3 scripts/gpu_gluon_fold_ab.py [--jobs 'J1;J2']
+        [--batches 1024,4096,16384] [--folds 0,16] [--out NAME]
+
+A job is `preset tp ep`. Per point: microseconds a call (over the bench's input sets) of
+`triton` and of `triton_kernel` at each fold size (`tk fold<R>`), the speed-up of each over
+`triton`, of folding over none, the largest relative difference of each output from `triton`'s,
+and the work tiles of the first set's routing without and with folding. Writes $OUT/NAME.json
+(default gluon_fold.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import replace
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from probe_out import option, write_probe
+
+from moekit.bench import time_ms_interleaved
+from moekit.config import RunnerConfig
+from moekit.layer import RunnerCache
+from moekit.runners.triton_kernel import gluon_ops
+from moekit.runners.triton_kernel.routing import route
+from moekit.select_tune import sweep_spec
+from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets, rel_err
+
+JOBS = "qwen3-30b-a3b 1 1;mixtral-8x7b 2 1;deepseek-v3 8 8;gpt-oss-120b 1 1"
+
+
+@contextlib.contextmanager
+def _variant(module, cache: RunnerCache, fold: int):
+    """The layer on `cache`'s runners, the Gluon engine folding `fold` rows."""
+    cfg = replace(gluon_ops.DEFAULT, fold_rows=fold)
+    with mock.patch.object(module, "runners", cache), \
+            mock.patch.object(gluon_ops, "DEFAULT", cfg):  # fmt: skip
+        yield
+
+
+def _tiles(topk, E: int, fold: int) -> int:
+    """Work tiles of rank 0's routing (ids under E local; EPLB off)."""
+    ids = topk.ids.to(torch.int32)
+    ids = torch.where(ids < E, ids, -1).contiguous()  # an EP rank's other experts: masked
+    return int(route(ids, E, 128, fold).num_tiles.item())
+
+
+def main() -> None:
+    jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
+    batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
+    folds = [int(f) for f in option("--folds", "0,16").split(",")]
+    name = option("--out", "gluon_fold") + ".json"
+    res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
+    for model, tp, ep in jobs:
+        spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization="unquantized",
+                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
+        module = build_layer(spec)
+        caches = {"triton": RunnerCache(RunnerConfig("triton")),
+                  "tk": RunnerCache(RunnerConfig("triton_kernel"))}  # fmt: skip
+        E_local = module.expert_weights.num_experts
+        gen = torch.Generator().manual_seed(0)
+        for T in batches:
+            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+
+            variants = {"triton": lambda m=module, c=caches["triton"]: _variant(m, c, 0)}
+            variants |= {f"tk fold{f}": lambda m=module, c=caches["tk"], f=f: _variant(m, c, f)
+                         for f in folds}  # fmt: skip
+            outs = {}
+            for n, ctx in variants.items():
+                with ctx(), torch.no_grad():
+                    outs[n] = module.forward_topk(*sets[0]).float()
+            fns = {n: layer_over_sets(module, sets, ctx) for n, ctx in variants.items()}
+            ms = time_ms_interleaved(fns, "cuda", rounds=4, samples=16)
+            us = {n: round(v * 1e3 / len(sets), 1) for n, v in ms.items()}
+            point = f"{model} tp{tp} ep{ep} T={T}"
+            res["points"][point] = {
+                "us": us,
+                "triton_over": {n: round(us["triton"] / v, 4) for n, v in us.items()},
+                "fold_gain": {f"fold{f}": round(us[f"tk fold{folds[0]}"] / us[f"tk fold{f}"], 4)
+                              for f in folds},  # fmt: skip
+                "rel_err_vs_triton": {n: rel_err(o, outs["triton"]) for n, o in outs.items()},
+                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local, f) for f in folds},
+                "sets": len(sets),
+            }
+            print(point, res["points"][point], flush=True)
+            write_probe(name, res)
+        del module, caches
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
