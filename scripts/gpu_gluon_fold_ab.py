@@ -6,16 +6,21 @@ layer on `moekit bench`'s input sets, timed in turns (issue 5: `triton_kernel` f
     PYTHONPATH=<triton 3.9>:src python3 scripts/gpu_gluon_fold_ab.py [--jobs 'J1;J2']
         [--batches 1024,4096,16384] [--folds 0,16] [--out NAME]
 
-A job is `preset tp ep`. Per point: microseconds a call (over the bench's input sets) of
-`triton` and of `triton_kernel` at each fold size (`tk fold<R>`), the speed-up of each over
-`triton`, of folding over none, the largest relative difference of each output from `triton`'s,
-and the work tiles of the first set's routing without and with folding. Writes $OUT/NAME.json
-(default gluon_fold.json).
+A job is `preset tp ep`. A fold is `auto` (the engine's own rule, `gluon_ops.config_for`), a
+fold size R (`tk foldR`, at every batch size), or one of two diagnostics:
+`R-notiles` (the kernels built for R side rows, the routing folding none: what the code costs
+tiles that do not fold) and `R-w64` (every epilogue store split at 64 columns, as folding
+kernels do). Per point: microseconds a call (over the bench's input sets) of `triton` and of
+`triton_kernel` at each fold, the speed-up of each over `triton`, of each fold over the first,
+the largest relative difference of each output from `triton`'s, and the work tiles of the
+first set's routing at each size. Writes $OUT/NAME.json (default gluon_fold.json).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 import sys
 from dataclasses import replace
@@ -29,7 +34,8 @@ from probe_out import option, write_probe
 from moekit.bench import time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
-from moekit.runners.triton_kernel import gluon_ops
+import moekit.runners.triton_kernel as tk_pkg
+from moekit.runners.triton_kernel import _gluon_kernels, gluon_ops, routing
 from moekit.runners.triton_kernel.routing import route
 from moekit.select_tune import sweep_spec
 from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets, rel_err
@@ -37,12 +43,40 @@ from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets, r
 JOBS = "qwen3-30b-a3b 1 1;mixtral-8x7b 2 1;deepseek-v3 8 8;gpt-oss-120b 1 1"
 
 
+@functools.cache
+def _w64_kernels():
+    """A copy of `_gluon_kernels` whose epilogues always store in 64-column pieces."""
+    src = open(_gluon_kernels.__file__).read()
+    old = "STORE_W: gl.constexpr = 64 if FOLD > 0 else 128"
+    assert src.count(old) == 2, "the kernels' STORE_W line changed"
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "_gluon_kernels_w64.py")
+    with open(path, "w") as f:
+        f.write(src.replace(old, "STORE_W: gl.constexpr = 64"))
+    spec = importlib.util.spec_from_file_location("_gluon_kernels_w64", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @contextlib.contextmanager
-def _variant(module, cache: RunnerCache, fold: int):
-    """The layer on `cache`'s runners, the Gluon engine folding `fold` rows."""
-    cfg = replace(gluon_ops.DEFAULT, fold_rows=fold)
-    with mock.patch.object(module, "runners", cache), \
-            mock.patch.object(gluon_ops, "DEFAULT", cfg):  # fmt: skip
+def _variant(module, cache: RunnerCache, fold: str):
+    """The layer on `cache`'s runners, the Gluon engine at `fold` (module docstring)."""
+    rows, _, diag = fold.partition("-")
+    plain_config = gluon_ops.config_for
+
+    def config_for(w, rows_per_expert=None):
+        return replace(plain_config(w, rows_per_expert), fold_rows=int(rows))
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(module, "runners", cache))
+        if rows != "auto":
+            stack.enter_context(mock.patch.object(gluon_ops, "config_for", config_for))
+        if diag == "notiles":
+            plain = routing.route
+            stack.enter_context(mock.patch.object(
+                routing, "route", lambda ids, E, bm, f=0: replace(plain(ids, E, bm), fold=f)))
+        elif diag == "w64":
+            stack.enter_context(mock.patch.object(tk_pkg, "_gluon_kernels", _w64_kernels()))
         yield
 
 
@@ -56,7 +90,7 @@ def _tiles(topk, E: int, fold: int) -> int:
 def main() -> None:
     jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in option("--batches", "1024,4096,16384").split(",")]
-    folds = [int(f) for f in option("--folds", "0,16").split(",")]
+    folds = option("--folds", "0,16").split(",")
     name = option("--out", "gluon_fold") + ".json"
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
     for model, tp, ep in jobs:
@@ -70,7 +104,7 @@ def main() -> None:
         for T in batches:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
 
-            variants = {"triton": lambda m=module, c=caches["triton"]: _variant(m, c, 0)}
+            variants = {"triton": lambda m=module, c=caches["triton"]: _variant(m, c, "0")}
             variants |= {f"tk fold{f}": lambda m=module, c=caches["tk"], f=f: _variant(m, c, f)
                          for f in folds}  # fmt: skip
             outs = {}
@@ -87,7 +121,8 @@ def main() -> None:
                 "fold_gain": {f"fold{f}": round(us[f"tk fold{folds[0]}"] / us[f"tk fold{f}"], 4)
                               for f in folds},  # fmt: skip
                 "rel_err_vs_triton": {n: rel_err(o, outs["triton"]) for n, o in outs.items()},
-                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local, f) for f in folds},
+                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local, int(f.split("-")[0]))
+                          for f in folds if f != "auto"},  # fmt: skip
                 "sets": len(sets),
             }
             print(point, res["points"][point], flush=True)

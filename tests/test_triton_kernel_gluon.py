@@ -79,6 +79,27 @@ def test_config_fold_rows_and_where_folding_applies():
     assert fold.fold_for(_fp8_weights()) == 0  # unquantized weights only
     with pytest.raises(ValueError, match=r"GluonConfig.fold_rows=8; allowed: 0, 16"):
         replace(gluon_ops.DEFAULT, fold_rows=8)
+    # the engine folds at one or two tiles an expert (the measured window), not elsewhere
+    lo, hi = gluon_ops.FOLD_MIN_ROWS, gluon_ops.FOLD_MAX_ROWS
+    for rows, want in ((None, 0), (lo - 1, 0), (lo, 16), (hi, 16), (hi + 1, 0)):
+        assert gluon_ops.config_for(w, rows).fold_rows == want, rows
+    assert gluon_ops.config_for(_fp8_weights(), lo) == gluon_ops.FP8
+
+
+def test_runner_gives_the_engine_its_local_share(monkeypatch):
+    """The fold rule counts an EP rank's local rows: the runner passes its share on."""
+    seen = {}
+
+    def engine(x, ids, weights, w, act, cfg=None, local_share=1.0):
+        seen["share"] = local_share
+        return x
+
+    monkeypatch.setattr(gluon_ops, "engine_for", lambda *a, **k: "gluon")
+    monkeypatch.setattr(gluon_ops, "fused_moe", engine)
+    w = make_weights(4, 64, 32, torch.float32, False, device="cpu")
+    ops.fused_moe(torch.zeros(8, 64), make_topk(8, 2, 4, device="cpu"), w, ActivationSpec(),
+                  local_share=0.125)  # fmt: skip
+    assert seen["share"] == 0.125
 
 
 def test_engine_status_for_moekit_env():

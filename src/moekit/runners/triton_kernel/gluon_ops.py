@@ -119,12 +119,27 @@ FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=4, dow
 GATHER_MAX_INTERMEDIATE = 4096
 
 
-def config_for(w: ExpertWeights) -> GluonConfig:
+# Folding (`GluonConfig.fold_rows`) where the mean rows per expert is in [FOLD_MIN_ROWS,
+# FOLD_MAX_ROWS]: one or two tiles an expert, so that a tail of a few rows is often a third or
+# half of the expert's tiles. Timed on the H100 (Triton 3.9, the layer in turns on `moekit
+# bench`'s inputs, two runs; scripts/gpu_gluon_fold_ab.py, benchmarks/triton_kernel_notes.md,
+# session 38), 16 folded rows over none: qwen3 T = 4096 (256 rows) 1.020 / 1.029, gpt-oss
+# T = 4096 (128) 1.030 / 1.054, deepseek-v3 EP8 T = 4096 (128) 1.044 / 0.972, mixtral TP2
+# T = 1024 (256) 1.141 (one run). With many tiles an expert the few folded tiles cost far more
+# than the tiles they save (T = 16384: deepseek-v3 0.92 / 0.87, gpt-oss 0.85 / 0.84; not
+# understood), and the folding kernels cost gpt-oss 5-8% on tiles that do not fold.
+FOLD_MIN_ROWS, FOLD_MAX_ROWS = 128, 256
+FOLD_AUTO = 16
+
+
+def config_for(w: ExpertWeights, rows_per_expert: float | None = None) -> GluonConfig:
     """The engine's config for a layer: FP8 for fp8 weights, else DEFAULT with the gather rule
-    above."""
+    and (given the call's mean rows per local expert) the fold rule above."""
     if w.format == "fp8_w8a8":
         return FP8
-    return replace(DEFAULT, gather=w.intermediate_size < GATHER_MAX_INTERMEDIATE)
+    fold = rows_per_expert is not None and FOLD_MIN_ROWS <= rows_per_expert <= FOLD_MAX_ROWS
+    return replace(DEFAULT, gather=w.intermediate_size < GATHER_MAX_INTERMEDIATE,
+                   fold_rows=FOLD_AUTO if fold else DEFAULT.fold_rows)  # fmt: skip
 
 
 def fp8_problem(spec) -> str | None:
@@ -364,10 +379,12 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
 
 
 def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertWeights,
-              act: ActivationSpec, cfg: GluonConfig | None = None) -> torch.Tensor:  # fmt: skip
+              act: ActivationSpec, cfg: GluonConfig | None = None,
+              local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
     """out [T, H] = sum over k of weight_k * expert_{id_k}(x) (ids of -1 or >= E add 0), for
     a call `unavailable_reason` accepted; x_TH, ids [T, K] int32, weights [T, K] float32 as
-    `ops.kernel_inputs` makes them. cfg: `config_for(w)` when None."""
+    `ops.kernel_inputs` makes them. cfg: `config_for(w, rows per expert)` when None, the rows
+    counted from T * K * local_share (an EP rank's share of the pairs is local)."""
     from moekit.runners.triton.ops import sum_topk
     from moekit.runners.triton_kernel import _gluon_kernels as gk
     from moekit.runners.triton_kernel.routing import route
@@ -375,7 +392,8 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     T, H = x_TH.shape
     K = ids.shape[1]
     E = w.num_experts
-    cfg = config_for(w) if cfg is None else cfg
+    if cfg is None:
+        cfg = config_for(w, x_TH.shape[0] * ids.shape[1] * local_share / max(w.num_experts, 1))
     r = route(ids, E, gk.BLOCK_M, cfg.fold_for(w))
     if w.format == "fp8_w8a8":  # block-wise: both GEMM inputs quantized per group of 128
         from moekit.quant.act_quant import quantize_act

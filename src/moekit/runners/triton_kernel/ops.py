@@ -186,7 +186,7 @@ def fused_moe(x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: Activ
     if (config is None or w.is_quantized) and gluon_ops.engine_for(
         x_TH, w, act, K, local_share
     ) == "gluon":
-        return gluon_ops.fused_moe(x_TH, ids, weights, w, act)
+        return gluon_ops.fused_moe(x_TH, ids, weights, w, act, local_share=local_share)
     if config is None:
         dev = None if x_TH.device.type != "cuda" else device_key(x_TH.device)[0]
         dtype = str(x_TH.dtype).removeprefix("torch.")
