@@ -122,12 +122,13 @@ GATHER_MAX_INTERMEDIATE = 4096
 # Folding (`GluonConfig.fold_rows`) where the mean rows per expert is in [FOLD_MIN_ROWS,
 # FOLD_MAX_ROWS]: one or two tiles an expert, so that a tail of a few rows is often a third or
 # half of the expert's tiles. Timed on the H100 (Triton 3.9, the layer in turns on `moekit
-# bench`'s inputs, two runs; scripts/gpu_gluon_fold_ab.py, benchmarks/triton_kernel_notes.md,
+# bench`'s inputs, three runs; scripts/gpu_gluon_fold_ab.py, benchmarks/triton_kernel_notes.md,
 # session 38), 16 folded rows over none: qwen3 T = 4096 (256 rows) 1.020 / 1.029, gpt-oss
 # T = 4096 (128) 1.030 / 1.054, deepseek-v3 EP8 T = 4096 (128) 1.044 / 0.972, mixtral TP2
-# T = 1024 (256) 1.141 (one run). With many tiles an expert the few folded tiles cost far more
-# than the tiles they save (T = 16384: deepseek-v3 0.92 / 0.87, gpt-oss 0.85 / 0.84; not
-# understood), and the folding kernels cost gpt-oss 5-8% on tiles that do not fold.
+# T = 1024 (256) 1.141; the rule itself 1.026, 1.035, 1.037, 1.142 (H200, one run: 0.997,
+# 1.034, 1.096, 0.989). With many tiles an expert the few folded tiles cost far more than the
+# tiles they save (T = 16384: deepseek-v3 0.92 / 0.87, gpt-oss 0.85 / 0.84; not understood),
+# and the folding kernels cost gpt-oss 5-8% on tiles that do not fold.
 FOLD_MIN_ROWS, FOLD_MAX_ROWS = 128, 256
 FOLD_AUTO = 16
 
