@@ -387,10 +387,7 @@ class AllToAllDispatcher(Dispatcher):
     def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None) -> bool:
         """Take a new placement (EPLB) of the same slots, in place: the exchanges and their
         graphs read the slot map's tensors, which are rewritten."""
-        if num_logical not in (None, self.slots.num_logical):
-            raise ValueError(f"a new placement must keep the {self.slots.num_logical} logical "
-                             f"experts, got {num_logical}")
-        self.slots.update_(placement)
+        self.slots.update_(placement, num_logical)
         return True
 
     # ---- mode ----------------------------------------------------------------------------

@@ -40,5 +40,5 @@ class Dispatcher(ABC):
     def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None) -> bool:
         """Take a new placement (EPLB: `moekit.eplb.rebalance_`), with the same ep_size and
         slots per rank. True when done in place (CUDA graphs captured with this dispatcher read
-        the new placement), False when its state was rebuilt (capture them again)."""
+        the new placement), False when its forward changed path (capture them again)."""
         raise NotImplementedError(f"the {self.name!r} dispatcher cannot change its placement")

@@ -47,16 +47,11 @@ class NoneDispatcher(Dispatcher):
         )
 
     def update_placement(self, placement: ExpertPlacement, num_logical: int | None = None) -> bool:
-        """In place, unless the ids' mapping turns on or off (one rank, slot i = expert i)."""
-        if num_logical not in (None, self.slots.num_logical):
-            raise ValueError(f"a new placement must keep the {self.slots.num_logical} logical "
-                             f"experts, got {num_logical}")
-        in_place = self._is_identity(placement) == self._identity
-        if in_place:
-            self.slots.update_(placement)
-        else:
-            self.slots = SlotMap(placement, self.slots.num_logical)
-            self._identity = not self._identity
+        """The slot map is rewritten in place; False where the ids' mapping turns on or off
+        (one rank, slot i = expert i), which graphs captured before do not follow."""
+        self.slots.update_(placement, num_logical)
+        identity = self._is_identity(placement)
+        in_place, self._identity = identity == self._identity, identity
         self._share = self.slots.local_share(self.ep_rank)
         return in_place
 

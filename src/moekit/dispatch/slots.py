@@ -60,9 +60,13 @@ class SlotMap:
             filled[e] += 1
         return table, torch.cat([copies, torch.ones(1, dtype=torch.int64)])
 
-    def update_(self, placement: ExpertPlacement) -> None:
-        """Take a new placement of the same slots over the same ranks, writing the map's
-        tensors in place (outside CUDA-graph capture)."""
+    def update_(self, placement: ExpertPlacement, num_logical: int | None = None) -> None:
+        """Take a new placement of the same slots over the same ranks (and, given, the same
+        `num_logical` experts), writing the map's tensors in place (outside CUDA-graph
+        capture)."""
+        if num_logical not in (None, self.num_logical):
+            raise ValueError(f"a new placement must keep the {self.num_logical} logical "
+                             f"experts, got {num_logical}")
         if (placement.num_slots, placement.ep_size) != (self.num_slots, self.ep_size):
             raise ValueError(
                 f"a new placement must keep the slots and ranks: it has {placement.num_slots} "

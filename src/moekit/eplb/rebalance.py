@@ -61,7 +61,7 @@ def rebalance_(layer, placement: ExpertPlacement) -> bool:
     rearranged in their storage, its runners rewrite the copies they keep of them (packed,
     padded), and its dispatcher rewrites its slot map's tensors. So CUDA graphs captured
     earlier of the layer's forward run with the new placement; True. False (and a warning) where
-    the dispatcher had to rebuild its state instead (one rank whose ids turn mapped or unmapped:
+    the dispatcher's forward changed path instead (one rank whose ids turn mapped or unmapped:
     a permutation of its experts from or to slot i = expert i): capture those graphs again.
     With ep_size > 1 every rank of the layer's EP group must call it with the same placement
     (point-to-point transfers over that group). Not during CUDA-graph capture."""
@@ -102,6 +102,6 @@ def rebalance_(layer, placement: ExpertPlacement) -> bool:
     layer.placement = placement
     in_place = layer.dispatcher.update_placement(placement, layer.config.total_experts)
     if not in_place:
-        logger.warning(f"EPLB: the {layer.dispatcher.name!r} dispatcher rebuilt its slot map for "
-                       "the new placement; CUDA graphs of this layer must be captured again")
+        logger.warning(f"EPLB: the {layer.dispatcher.name!r} dispatcher maps its ids differently "
+                       "for the new placement; CUDA graphs of this layer must be captured again")
     return in_place
