@@ -6,6 +6,9 @@
 #
 #   tests  the engine's GPU tests (tests/test_triton_kernel_gluon.py) and the routing's
 #   ab     scripts/gpu_gluon_fold_ab.py (FOLD_AB_ARGS) -> $OUT/gluon_fold.json
+#   ncu    scripts/gpu_ncu_layer.py under Nsight Compute (SpeedOfLight per kernel) for each
+#          run of NCU_RUNS ("preset tp ep|T|variant;variant" runs, separated by "/")
+#          -> $OUT/ncu_<n>.csv
 # FOLD_DEADLINE (s, default 560) bounds the whole run.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -28,5 +31,19 @@ for step in ${1:-tests ab}; do
     ab)
       OUT=$OUT PYTHONPATH=$T39:src timeout "$(left)" python3 scripts/gpu_gluon_fold_ab.py \
         ${FOLD_AB_ARGS:-} 2>&1 | grep -v "moekit INFO" | tail -40 ;;
+    ncu)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      n=0
+      IFS=/ read -ra runs <<< "${NCU_RUNS:-deepseek-v3 8 8|4096|triton;auto}"
+      for run in "${runs[@]}"; do
+        IFS='|' read -r job batch variants <<< "$run"
+        n=$((n + 1))
+        PYTHONPATH=$T39:src timeout "$(left)" "$NCU" --profile-from-start off \
+          --clock-control none --section SpeedOfLight --csv python3 scripts/gpu_ncu_layer.py \
+          --job "$job" --batch "$batch" --variants "$variants" > "$OUT/ncu_$n.csv" \
+          2> "$OUT/ncu_$n.err"
+        echo "ncu $n ($job T=$batch $variants): rc $?, $(wc -l < "$OUT/ncu_$n.csv") lines"
+        tail -3 "$OUT/ncu_$n.err"
+      done ;;
   esac
 done

@@ -4,16 +4,19 @@ layer on `moekit bench`'s input sets, timed in turns (issue 5: `triton_kernel` f
 `triton` at T >= 4096).
 
     PYTHONPATH=<triton 3.9>:src python3 scripts/gpu_gluon_fold_ab.py [--jobs 'J1;J2']
-        [--batches 1024,4096,16384] [--folds 0,16] [--out NAME]
+        [--batches 1024,4096,16384] [--folds 0,16] [--rounds 4] [--out NAME]
 
 A job is `preset tp ep`. A fold is `auto` (the engine's own rule, `gluon_ops.config_for`), a
 fold size R (`tk foldR`, at every batch size), or one of two diagnostics:
 `R-notiles` (the kernels built for R side rows, the routing folding none: what the code costs
 tiles that do not fold) and `R-w64` (every epilogue store split at 64 columns, as folding
-kernels do). Per point: microseconds a call (over the bench's input sets) of `triton` and of
+kernels do). Any of them may end in `+field=value` edits of the engine's config
+(`auto+gate_up_block_n=64+gate_up_stages=6`: the rule's config with those fields replaced).
+Per point: microseconds a call (over the bench's input sets) of `triton` and of
 `triton_kernel` at each fold, the speed-up of each over `triton`, of each fold over the first,
 the largest relative difference of each output from `triton`'s, and the work tiles of the
-first set's routing at each size. Writes $OUT/NAME.json (default gluon_fold.json).
+first set's routing at each size; variants that fail (a config past shared memory) are listed
+under `failed`. Writes $OUT/NAME.json (default gluon_fold.json).
 """
 
 from __future__ import annotations
@@ -61,15 +64,19 @@ def _w64_kernels():
 @contextlib.contextmanager
 def _variant(module, cache: RunnerCache, fold: str):
     """The layer on `cache`'s runners, the Gluon engine at `fold` (module docstring)."""
+    fold, *edits = fold.split("+")
     rows, _, diag = fold.partition("-")
+    fields = {k: int(v) for k, v in (e.split("=") for e in edits)}
+    if rows != "auto":
+        fields["fold_rows"] = int(rows)
     plain_config = gluon_ops.config_for
 
     def config_for(w, rows_per_expert=None):
-        return replace(plain_config(w, rows_per_expert), fold_rows=int(rows))
+        return replace(plain_config(w, rows_per_expert), **fields)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(module, "runners", cache))
-        if rows != "auto":
+        if fields:
             stack.enter_context(mock.patch.object(gluon_ops, "config_for", config_for))
         if diag == "notiles":
             plain = routing.route
@@ -107,22 +114,27 @@ def main() -> None:
             variants = {"triton": lambda m=module, c=caches["triton"]: _variant(m, c, "0")}
             variants |= {f"tk fold{f}": lambda m=module, c=caches["tk"], f=f: _variant(m, c, f)
                          for f in folds}  # fmt: skip
-            outs = {}
-            for n, ctx in variants.items():
-                with ctx(), torch.no_grad():
-                    outs[n] = module.forward_topk(*sets[0]).float()
+            outs, failed = {}, {}
+            for n, ctx in list(variants.items()):
+                try:
+                    with ctx(), torch.no_grad():
+                        outs[n] = module.forward_topk(*sets[0]).float()
+                except Exception as err:  # noqa: BLE001 - e.g. a config past shared memory
+                    failed[n] = f"{type(err).__name__}: {str(err)[:200]}"
+                    del variants[n]
             fns = {n: layer_over_sets(module, sets, ctx) for n, ctx in variants.items()}
-            ms = time_ms_interleaved(fns, "cuda", rounds=4, samples=16)
+            ms = time_ms_interleaved(fns, "cuda", rounds=int(option("--rounds", "4")), samples=16)
             us = {n: round(v * 1e3 / len(sets), 1) for n, v in ms.items()}
             point = f"{model} tp{tp} ep{ep} T={T}"
             res["points"][point] = {
                 "us": us,
                 "triton_over": {n: round(us["triton"] / v, 4) for n, v in us.items()},
                 "fold_gain": {f"fold{f}": round(us[f"tk fold{folds[0]}"] / us[f"tk fold{f}"], 4)
-                              for f in folds},  # fmt: skip
+                              for f in folds if f"tk fold{f}" in us},  # fmt: skip
+                "failed": failed,
                 "rel_err_vs_triton": {n: rel_err(o, outs["triton"]) for n, o in outs.items()},
-                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local, int(f.split("-")[0]))
-                          for f in folds if f != "auto"},  # fmt: skip
+                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local, int(f.split("+")[0].split("-")[0]))
+                          for f in folds if not f.startswith("auto")},  # fmt: skip
                 "sets": len(sets),
             }
             print(point, res["points"][point], flush=True)
