@@ -7,7 +7,8 @@
 #   tests  the engine's GPU tests (tests/test_triton_kernel_gluon.py) and the routing's
 #   ab     scripts/gpu_gluon_fold_ab.py (FOLD_AB_ARGS) -> $OUT/gluon_fold.json
 #   ncu    scripts/gpu_ncu_layer.py under Nsight Compute (SpeedOfLight per kernel) for each
-#          run of NCU_RUNS ("preset tp ep|T|variant;variant" runs, separated by "/")
+#          run of NCU_RUNS ("preset tp ep|T|variant;variant" runs, separated by "/";
+#          NCU_METRICS: more metrics, comma-separated)
 #          -> $OUT/ncu_<n>.csv
 # FOLD_DEADLINE (s, default 560) bounds the whole run.
 set -u
@@ -39,7 +40,8 @@ for step in ${1:-tests ab}; do
         IFS='|' read -r job batch variants <<< "$run"
         n=$((n + 1))
         PYTHONPATH=$T39:src timeout "$(left)" "$NCU" --profile-from-start off \
-          --clock-control none --section SpeedOfLight --csv python3 scripts/gpu_ncu_layer.py \
+          --clock-control none --section SpeedOfLight ${NCU_METRICS:+--metrics $NCU_METRICS} --csv \
+          python3 scripts/gpu_ncu_layer.py \
           --job "$job" --batch "$batch" --variants "$variants" > "$OUT/ncu_$n.csv" \
           2> "$OUT/ncu_$n.err"
         echo "ncu $n ($job T=$batch $variants): rc $?, $(wc -l < "$OUT/ncu_$n.csv") lines"

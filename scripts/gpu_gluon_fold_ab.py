@@ -66,7 +66,7 @@ def _variant(module, cache: RunnerCache, fold: str):
     """The layer on `cache`'s runners, the Gluon engine at `fold` (module docstring)."""
     fold, *edits = fold.split("+")
     rows, _, diag = fold.partition("-")
-    fields = {k: int(v) for k, v in (e.split("=") for e in edits)}
+    fields = {k: int(v) if v.isdigit() else v for k, v in (e.split("=") for e in edits)}
     if rows != "auto":
         fields["fold_rows"] = int(rows)
     plain_config = gluon_ops.config_for
