@@ -229,7 +229,7 @@ def compile_kernels_for_sm90() -> None:
                    "up_row_off": "i32", "stride_be": "i32", "stride_hm": "i32", "alpha": "fp32",
                    "limit": "fp32"}  # fmt: skip
     consts = {"ACT": 2, "HAS_BIAS": True, "INTERLEAVED": False, "STAGES": 4, "GROUP_M": 8,
-              "CONSUMERS": 1, "FOLD": 0, "num_warps": gk.NUM_WARPS}  # fmt: skip
+              "CONSUMERS": 1, "FOLD": 0, "EVICT_W": False, "num_warps": gk.NUM_WARPS}  # fmt: skip
     xd = gluon_ops._desc(x, [P, H], [H, 1], [bm, cfg.gate_up_block_k])
     sig = {"xs_desc": xd.__mangle__(), "side_desc": xd.__mangle__(), **gate_up_sig}
     ptx = _compile_sm90(gk.gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
@@ -258,6 +258,10 @@ def compile_kernels_for_sm90() -> None:
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     ptx = _compile_sm90(gk.gate_up_gather_kernel,
                         {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
+                        {**gather_consts, "EVICT_W": True}, aligned)  # fmt: skip
+    assert ptx.count(".L2::cache_hint") == 2  # the gate and the up tile
+    ptx = _compile_sm90(gk.gate_up_gather_kernel,
+                        {**gather_sig, **dict.fromkeys(gather_consts, "constexpr")},
                         {**gather_consts, "FOLD": fold}, aligned)  # fmt: skip
     assert "m64n16k16.f32.bf16.bf16" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     ptx = _compile_sm90(gk.gate_up_gather_kernel,
@@ -283,7 +287,8 @@ def compile_kernels_for_sm90() -> None:
     hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
-                   "SCALED": False, "CONSUMERS": 1, "FOLD": 0, "num_warps": gk.NUM_WARPS}  # fmt: skip
+                   "SCALED": False, "CONSUMERS": 1, "FOLD": 0, "EVICT_W": False,
+                   "num_warps": gk.NUM_WARPS}  # fmt: skip
     down_sig = {"h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
                 "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
                 "y_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_pairs_ptr": "*i32",
@@ -292,7 +297,11 @@ def compile_kernels_for_sm90() -> None:
                 "w_scale_ptr": "*fp32", "stride_wse": "i32", "stride_wsn": "i32",
                 **dict.fromkeys(down_consts, "constexpr")}  # fmt: skip
     ptx = _compile_sm90(gk.down_kernel, down_sig, down_consts)
-    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cache_hint" not in ptx
+    # EVICT_W: the weight tiles' TMA loads carry an L2 evict-first policy, the A tiles' none
+    ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, "EVICT_W": True})
+    assert "createpolicy.fractional.L2::evict_first" in ptx
+    assert ptx.count(".L2::cache_hint") == 1 and ptx.count("cp.async.bulk.tensor") == 2
     sd = gluon_ops._desc(h, [P, I], [I, 1], [fold, cfg.down_block_k])
     for atomic in (False, True):
         ptx = _compile_sm90(gk.down_kernel, {**down_sig, "side_desc": sd.__mangle__()},

@@ -45,7 +45,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import (
+    CachePolicy,
+    FractionalEvictionPolicy,
+    async_copy,
+)
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -62,6 +66,11 @@ GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.asy
 GATHER_REGS = gl.constexpr(88)  # its registers: row pointers and masks of 8 copies a thread
 MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
 CONSUMER_REGS = gl.constexpr(208)  # the second consumer warpgroup's (CONSUMERS = 2)
+# EVICT_W: weight tiles are loaded to be evicted from L2 first. Each is read by the one or two
+# work tiles of its expert at about the same time, while an activation tile is read by every
+# column block of its work tile, spread over the time the program's neighbours take for theirs:
+# streamed weights should not push those rows out of L2.
+WEIGHTS_EVICT_FIRST = gl.constexpr(CachePolicy(l2=FractionalEvictionPolicy("evict_first", 1.0)))
 
 
 @gluon.constexpr_function
@@ -110,7 +119,17 @@ def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
-def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
+def _load_weights(desc, coord, bar, dst, EVICT_W: gl.constexpr):
+    """TMA load of a weight tile (EVICT_W: L2 evict-first, the module's WEIGHTS_EVICT_FIRST)."""
+    if EVICT_W:
+        tma.async_load(desc, coord, bar, dst, cache_policy=WEIGHTS_EVICT_FIRST)
+    else:
+        tma.async_load(desc, coord, bar, dst)
+
+
+@gluon.jit
+def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constexpr,
+              EVICT_W: gl.constexpr):  # fmt: skip
     """One warp: the TMA loads of every (work item, K step) of this program, at most STAGES
     ahead of the consumer. Weight rows of expert e, column block n0: b_desc at e * b_row_step +
     n0, and (TWO_B) b2_desc at that + b2_row_off. FOLD: a tile of more than BM rows also loads
@@ -143,9 +162,10 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constex
             else:
                 mbarrier.expect(bar, nbytes)
             tma.async_load(a_desc, [row0, ki * BK], bar, a_bufs.index(s))
-            tma.async_load(b_desc, [b_row, ki * BK], bar, b_bufs.index(s))
+            _load_weights(b_desc, [b_row, ki * BK], bar, b_bufs.index(s), EVICT_W)
             if TWO_B:
-                tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s))
+                _load_weights(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s),
+                              EVICT_W)  # fmt: skip
             count += 1
 
 
@@ -159,7 +179,8 @@ def _gathered_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0, offs, ok, VE
 
 
 @gluon.jit
-def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
+def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.constexpr,
+                     EVICT_W: gl.constexpr):  # fmt: skip
     """GATHER_WARPS warps: `_producer` for gate_up without the sorted copy xs: the A tile's rows
     are x's rows of the tile's tokens (token = sorted_pairs[row] // top_k), copied with cp.async
     (16 bytes a thread and copy; rows past the tile's valid ones and columns past K are
@@ -209,8 +230,8 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.
             else:
                 b_dst = b_bufs.index(s)
                 b2_dst = b2_bufs.index(s)
-            tma.async_load(b_desc, [b_row, ki * BK], bar, b_dst)
-            tma.async_load(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst)
+            _load_weights(b_desc, [b_row, ki * BK], bar, b_dst, EVICT_W)
+            _load_weights(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst, EVICT_W)
             cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
             # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
             col_ok = gl.max_constancy(cols < K, VEC)
@@ -490,7 +511,8 @@ def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_
                    tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, up_row_off,
                    stride_be, stride_hm, alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                    INTERLEAVED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                   CONSUMERS: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                   CONSUMERS: gl.constexpr, FOLD: gl.constexpr, EVICT_W: gl.constexpr,
+                   num_warps: gl.constexpr):  # fmt: skip
     """h [P, N = I] = act(xs @ w13[e].T + b13[e]) per sorted row (module docstring). xs_desc:
     xs [P, H], block [BM, BK]; side_desc: xs, block [FOLD, BK] (FOLD > 0); w_desc / w_up_desc:
     the gate / up weight rows, block [BN, BK]: w13 viewed [E * 2I, H] for both (b_row_step 2I,
@@ -521,7 +543,7 @@ def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_
             [
                 (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
                                      0, FOLD, num_warps)),
-                (_producer, (producer, True, GROUP_M, FOLD)),
+                (_producer, (producer, True, GROUP_M, FOLD, EVICT_W)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -533,7 +555,7 @@ def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_
                                      0, 0, num_warps)),
                 (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, False, False,
                                      16 * num_warps, 0, num_warps)),
-                (_producer, (producer, True, GROUP_M, 0)),
+                (_producer, (producer, True, GROUP_M, 0, EVICT_W)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -549,7 +571,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
                           A_LAYOUT: gl.constexpr, SCALED: gl.constexpr, FUSED: gl.constexpr,
                           BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr, FOLD: gl.constexpr,
-                          num_warps: gl.constexpr):  # fmt: skip
+                          EVICT_W: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
     shared layout of an A tile [BM, BK] (BK = the weight block's). SCALED: x and w13 are fp8
@@ -592,7 +614,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 [
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
                                                SCALED, 0, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED, 0)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, 0, EVICT_W)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -604,7 +626,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                                                SCALED, 0, num_warps)),
                     (_gate_up_fused_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M,
                                                SCALED, 16 * num_warps, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED, 0)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, 0, EVICT_W)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
@@ -616,7 +638,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 [
                     (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
                                          SCALED, 0, FOLD, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED, FOLD)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, FOLD, EVICT_W)),
                 ],
                 [GATHER_WARPS],
                 [GATHER_REGS],
@@ -628,7 +650,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                                          SCALED, 0, 0, num_warps)),
                     (_gate_up_consumer, (consumer, ACT, HAS_BIAS, INTERLEAVED, GROUP_M, True,
                                          SCALED, 16 * num_warps, 0, num_warps)),
-                    (_gather_producer, (producer, GROUP_M, FUSED, 0)),
+                    (_gather_producer, (producer, GROUP_M, FUSED, 0, EVICT_W)),
                 ],
                 [num_warps, GATHER_WARPS],
                 [CONSUMER_REGS, GATHER_REGS],
@@ -742,7 +764,7 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
                 stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr, stride_wse,
                 stride_wsn, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                 GROUP_M: gl.constexpr, SCALED: gl.constexpr, CONSUMERS: gl.constexpr,
-                FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                FOLD: gl.constexpr, EVICT_W: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """y = weight * (h @ w2[e].T + b2[e]) per sorted row (module docstring); N = H, K = I.
     h_desc: h [P, I], block [BM, BK]; side_desc: h, block [FOLD, BK] (FOLD > 0; CONSUMERS = 1,
     not SCALED); w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H] by pair, or (ATOMIC)
@@ -773,7 +795,7 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
             [
                 (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, FOLD,
                                   num_warps)),
-                (_producer, (producer, False, GROUP_M, FOLD)),
+                (_producer, (producer, False, GROUP_M, FOLD, EVICT_W)),
             ],
             [1],
             [PRODUCER_REGS],
@@ -784,7 +806,7 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
                 (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, 0, num_warps)),
                 (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps, 0,
                                   num_warps)),
-                (_producer, (producer, False, GROUP_M, 0)),
+                (_producer, (producer, False, GROUP_M, 0, EVICT_W)),
             ],
             [num_warps, 1],
             [CONSUMER_REGS, PRODUCER_REGS],

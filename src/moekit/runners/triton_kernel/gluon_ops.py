@@ -61,7 +61,9 @@ class GluonConfig:
     each (64 rows of every tile), so one can scale in its products while the other's wgmma
     runs (the `_gluon_kernels` docstring); fold_rows: an expert's last 1 ... fold_rows rows
     after a full tile are that tile's too, multiplied as side rows (`_gluon_kernels` FOLD;
-    0: off; with consumers 1, unquantized weights and gate_up_fused off, else ignored)."""
+    0: off; with consumers 1, unquantized weights and gate_up_fused off, else ignored);
+    evict_weights: weight tiles are loaded L2 evict-first (`_gluon_kernels` EVICT_W), so that
+    the activation rows every column block of a tile reads stay in L2."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -75,6 +77,7 @@ class GluonConfig:
     gate_up_fused: bool = False
     consumers: int = 1
     fold_rows: int = 0
+    evict_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2):
@@ -331,7 +334,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
                 STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
-                FOLD=_fold(r, cfg, w), num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS)  # fmt: skip
+                FOLD=_fold(r, cfg, w), EVICT_W=cfg.evict_weights, num_warps=cfg.num_warps,
+                maxnreg=gk.MAX_REGS)  # fmt: skip
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
               float(act.limit))  # fmt: skip
@@ -374,7 +378,7 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
         out.stride(0), *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
         ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
         SCALED=h_scale is not None, CONSUMERS=cfg.consumers, FOLD=fold,
-        num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS,
+        EVICT_W=cfg.evict_weights, num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
