@@ -298,10 +298,11 @@ def compile_kernels_for_sm90() -> None:
                 **dict.fromkeys(down_consts, "constexpr")}  # fmt: skip
     ptx = _compile_sm90(gk.down_kernel, down_sig, down_consts)
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cache_hint" not in ptx
-    # EVICT_W: the weight tiles' TMA loads carry an L2 evict-first policy, the A tiles' none
+    # EVICT_W: a weight tile's TMA load carries an L2 evict-first policy where its expert has
+    # one work tile (a branch beside the plain load), an A tile's never
     ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, "EVICT_W": True})
     assert "createpolicy.fractional.L2::evict_first" in ptx
-    assert ptx.count(".L2::cache_hint") == 1 and ptx.count("cp.async.bulk.tensor") == 2
+    assert ptx.count(".L2::cache_hint") == 1 and ptx.count("cp.async.bulk.tensor") == 3
     sd = gluon_ops._desc(h, [P, I], [I, 1], [fold, cfg.down_block_k])
     for atomic in (False, True):
         ptx = _compile_sm90(gk.down_kernel, {**down_sig, "side_desc": sd.__mangle__()},
@@ -334,6 +335,7 @@ ATOMIC = replace(gluon_ops.DEFAULT, reduce="atomic")
 COPY = replace(gluon_ops.DEFAULT, gather=False)
 FUSED = replace(gluon_ops.DEFAULT, gate_up_fused=True)
 SPLIT = replace(gluon_ops.DEFAULT, consumers=2)  # a partition per consumer warpgroup
+EVICT = replace(gluon_ops.DEFAULT, evict_weights=True)
 PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
            ("gpt-oss-120b", 1, 1)]  # fmt: skip
 # (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
@@ -354,6 +356,12 @@ ODD_CASES = [
     (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, SPLIT),
     (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False,
      replace(COPY, consumers=2)),
+    # experts of one and of several work tiles (evict-first weights on the first only)
+    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, EVICT),
+    (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False,
+     replace(COPY, evict_weights=True)),
+    (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False,
+     replace(ATOMIC, evict_weights=True, fold_rows=16)),
 ]
 
 
@@ -361,7 +369,8 @@ def _case_id(c) -> str:
     tags = ("-masked" if c[9] else "") + ("-skew" if c[10] else "")
     return (f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
             f"{'-gather' if c[11].gather else '-copy'}{'-fused' if c[11].gate_up_fused else ''}"
-            f"{'-split' if c[11].consumers == 2 else ''}")  # fmt: skip
+            f"{'-split' if c[11].consumers == 2 else ''}{'-evict' if c[11].evict_weights else ''}"
+            f"{f'-fold{c[11].fold_rows}' if c[11].fold_rows else ''}")  # fmt: skip
 
 
 @pytest.mark.gpu

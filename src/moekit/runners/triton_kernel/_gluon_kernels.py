@@ -66,10 +66,9 @@ GATHER_WARPS = gl.constexpr(4)  # the producer that gathers x's rows with cp.asy
 GATHER_REGS = gl.constexpr(88)  # its registers: row pointers and masks of 8 copies a thread
 MAX_REGS = 168  # per-thread cap of the 12 warps (3 warpgroups) on one SM's 64K registers
 CONSUMER_REGS = gl.constexpr(208)  # the second consumer warpgroup's (CONSUMERS = 2)
-# EVICT_W: weight tiles are loaded to be evicted from L2 first. Each is read by the one or two
-# work tiles of its expert at about the same time, while an activation tile is read by every
-# column block of its work tile, spread over the time the program's neighbours take for theirs:
-# streamed weights should not push those rows out of L2.
+# EVICT_W: the weight tiles of an expert with one work tile are read once: they are loaded to
+# be evicted from L2 first, so that they do not push out the activation rows, which every
+# column block of a work tile reads again (spread over the time the programs take for them).
 WEIGHTS_EVICT_FIRST = gl.constexpr(CachePolicy(l2=FractionalEvictionPolicy("evict_first", 1.0)))
 
 
@@ -92,16 +91,21 @@ def _side_rows(acc):
 
 
 @gluon.jit
-def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n,
-               GROUP_M: gl.constexpr, M_OFF: gl.constexpr = 0):  # fmt: skip
-    """Work item w -> (expert, first sorted row, valid rows, column block). GROUP_M work tiles
-    fastest within each column block: the programs running at once read a weight tile once.
-    M_OFF: the calling partition's first row of the tile (rows and count counted from it)."""
+def _work_tile(w, num_tiles, num_n, GROUP_M: gl.constexpr):
+    """Work item w -> (work tile, column block): GROUP_M work tiles fastest within each column
+    block, so that the programs running at once read a weight tile once."""
     width = GROUP_M * num_n
     first = (w // width) * GROUP_M
     size = gl.minimum(num_tiles - first, GROUP_M)
-    tile = first + (w % width) % size
-    pid_n = (w % width) // size
+    return first + (w % width) % size, (w % width) // size
+
+
+@gluon.jit
+def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n,
+               GROUP_M: gl.constexpr, M_OFF: gl.constexpr = 0):  # fmt: skip
+    """Work item w -> (expert, first sorted row, valid rows, column block) (`_work_tile`).
+    M_OFF: the calling partition's first row of the tile (rows and count counted from it)."""
+    tile, pid_n = _work_tile(w, num_tiles, num_n, GROUP_M)
     expert = gl.load(tile_expert_ptr + tile)
     row0 = gl.load(tile_row0_ptr + tile)
     nrows = gl.load(tile_rows_ptr + tile)
@@ -119,9 +123,23 @@ def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
-def _load_weights(desc, coord, bar, dst, EVICT_W: gl.constexpr):
-    """TMA load of a weight tile (EVICT_W: L2 evict-first, the module's WEIGHTS_EVICT_FIRST)."""
+def _evict_weights(w, tile_expert_ptr, num_tiles, num_n, expert, GROUP_M: gl.constexpr,
+                   EVICT_W: gl.constexpr):  # fmt: skip
+    """EVICT_W and work item w's tile is its expert's only one (an expert's tiles are
+    adjacent); False without EVICT_W."""
     if EVICT_W:
+        tile, _ = _work_tile(w, num_tiles, num_n, GROUP_M)
+        before = gl.load(tile_expert_ptr + tile - 1, mask=tile > 0, other=-1)
+        after = gl.load(tile_expert_ptr + tile + 1, mask=tile + 1 < num_tiles, other=-1)
+        return (before != expert) & (after != expert)
+    else:
+        return False
+
+
+@gluon.jit
+def _load_weights(desc, coord, bar, dst, evict):
+    """TMA load of a weight tile; evict: L2 evict-first (WEIGHTS_EVICT_FIRST)."""
+    if evict:
         tma.async_load(desc, coord, bar, dst, cache_policy=WEIGHTS_EVICT_FIRST)
     else:
         tma.async_load(desc, coord, bar, dst)
@@ -149,6 +167,7 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constex
         expert, row0, nrows, pid_n = _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
                                                 num_tiles, num_n, GROUP_M)  # fmt: skip
         b_row = expert * b_row_step + pid_n * BN
+        evict = _evict_weights(w, tile_expert_ptr, num_tiles, num_n, expert, GROUP_M, EVICT_W)
         for ki in range(num_k):
             s = count % STAGES
             # stages start free: the first pass waits on the phase before the initial one
@@ -162,10 +181,10 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constex
             else:
                 mbarrier.expect(bar, nbytes)
             tma.async_load(a_desc, [row0, ki * BK], bar, a_bufs.index(s))
-            _load_weights(b_desc, [b_row, ki * BK], bar, b_bufs.index(s), EVICT_W)
+            _load_weights(b_desc, [b_row, ki * BK], bar, b_bufs.index(s), evict)
             if TWO_B:
                 _load_weights(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_bufs.index(s),
-                              EVICT_W)  # fmt: skip
+                              evict)  # fmt: skip
             count += 1
 
 
@@ -211,6 +230,7 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
         b_row = expert * b_row_step + pid_n * BN
+        evict = _evict_weights(w, tile_expert_ptr, num_tiles, num_n, expert, GROUP_M, EVICT_W)
         row_ok = offs_m < nrows
         a_rows = _gathered_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0, offs_m, row_ok,
                                 VEC)  # fmt: skip
@@ -230,8 +250,8 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.
             else:
                 b_dst = b_bufs.index(s)
                 b2_dst = b2_bufs.index(s)
-            _load_weights(b_desc, [b_row, ki * BK], bar, b_dst, EVICT_W)
-            _load_weights(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst, EVICT_W)
+            _load_weights(b_desc, [b_row, ki * BK], bar, b_dst, evict)
+            _load_weights(b2_desc, [b_row + b2_row_off, ki * BK], bar, b2_dst, evict)
             cols = gl.max_contiguous(gl.multiple_of(ki * BK + offs_k, VEC), VEC)
             # a partial last step is zero-filled (K is a multiple of VEC: whole 16-byte copies)
             col_ok = gl.max_constancy(cols < K, VEC)
@@ -275,10 +295,12 @@ def _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m, r
 
 @gluon.jit
 def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
-                BY_PAIR: gl.constexpr, MAX_W: gl.constexpr = 128):  # fmt: skip
+                BY_PAIR: gl.constexpr, MAX_W: gl.constexpr = 128, ATOMIC: gl.constexpr = False,
+                top_k=1):  # fmt: skip
     """Store a tile out [BM, W] (y's dtype, any layout) at columns n0 ... of y's rows: tile row
-    m to y's row row0 + m, or (BY_PAIR) sorted_pairs[row0 + m]; rows m >= nrows and columns
-    >= N are left alone. Through shared memory into a layout of 16 bytes a thread and row
+    m to y's row row0 + m, or (BY_PAIR) sorted_pairs[row0 + m], or (ATOMIC) added into y's row
+    sorted_pairs[row0 + m] // top_k (the pair's token); rows m >= nrows and columns >= N are
+    left alone. Through shared memory into a layout of 16 bytes a thread and row
     first: a wgmma accumulator row holds 4-byte pieces, whose stores write half of each
     32-byte sector (W > MAX_W: in halves, which share the shared memory; FOLD's tiles take
     64, so that the side tiles fit beside the stages; a side tile of a few rows goes whole)."""
@@ -286,9 +308,10 @@ def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
     W: gl.constexpr = out.shape[1]
     if W > MAX_W:
         lo, hi = out.reshape([BM, 2, W // 2]).permute((0, 2, 1)).split()
-        _store_rows(lo, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr, BY_PAIR, MAX_W)
+        _store_rows(lo, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr, BY_PAIR, MAX_W,
+                    ATOMIC, top_k)  # fmt: skip
         _store_rows(hi, y_ptr, stride_ym, row0, nrows, n0 + W // 2, N, sorted_pairs_ptr, BY_PAIR,
-                    MAX_W)  # fmt: skip
+                    MAX_W, ATOMIC, top_k)  # fmt: skip
     else:
         VEC: gl.constexpr = 128 // out.dtype.primitive_bitwidth
         TN: gl.constexpr = min(W // VEC, 32)
@@ -300,13 +323,20 @@ def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
         cols = gl.max_contiguous(gl.multiple_of(n0 + gl.arange(0, W, layout=gl.SliceLayout(
             0, layout)), VEC), VEC)
         row_ok = offs_m < nrows
-        if BY_PAIR:
-            rows = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0).to(gl.int64)
+        if BY_PAIR or ATOMIC:
+            rows = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+            if ATOMIC:
+                rows = rows // top_k
+            rows = rows.to(gl.int64)
         else:
             rows = (row0 + offs_m).to(gl.int64)
         row_off = gl.multiple_of(rows * stride_ym, VEC)
-        gl.store(y_ptr + row_off[:, None] + cols[None, :], out,
-                 mask=row_ok[:, None] & gl.max_constancy(cols < N, VEC)[None, :])  # fmt: skip
+        ptrs = y_ptr + row_off[:, None] + cols[None, :]
+        mask = row_ok[:, None] & gl.max_constancy(cols < N, VEC)[None, :]
+        if ATOMIC:
+            gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
+        else:
+            gl.store(ptrs, out, mask=mask)
 
 
 @gluon.jit
@@ -674,13 +704,8 @@ def _down_store(acc, expert, row0, nrows, n0, bias_ptr, y_ptr, topk_weights_ptr,
                        other=0.0).to(gl.float32)[None, :]  # fmt: skip
     pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
     acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    if ATOMIC:
-        ptrs = y_ptr + (pair // top_k).to(gl.int64)[:, None] * stride_ym + n_out[None, :]
-        gl.atomic_add(ptrs, acc.to(y_ptr.dtype.element_ty),
-                      mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")  # fmt: skip
-    else:
-        _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows, n0, N,
-                    sorted_pairs_ptr, True, MAX_W)  # fmt: skip
+    _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows, n0, N,
+                sorted_pairs_ptr, True, MAX_W, ATOMIC, top_k)  # fmt: skip
 
 
 @gluon.jit

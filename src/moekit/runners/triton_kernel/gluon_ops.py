@@ -62,8 +62,9 @@ class GluonConfig:
     runs (the `_gluon_kernels` docstring); fold_rows: an expert's last 1 ... fold_rows rows
     after a full tile are that tile's too, multiplied as side rows (`_gluon_kernels` FOLD;
     0: off; with consumers 1, unquantized weights and gate_up_fused off, else ignored);
-    evict_weights: weight tiles are loaded L2 evict-first (`_gluon_kernels` EVICT_W), so that
-    the activation rows every column block of a tile reads stay in L2."""
+    evict_weights: the weight tiles of an expert with one work tile are loaded L2 evict-first
+    (`_gluon_kernels` EVICT_W), so that the activation rows every column block of a tile reads
+    stay in L2."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
