@@ -100,7 +100,14 @@ class GluonConfig:
         return gk.NUM_WARPS // self.consumers
 
 
-DEFAULT = GluonConfig()
+# bf16: the top-k sum in down's epilogue (atomic adds into the zeroed output, no [T * K, H]
+# intermediate and no sum kernel) and evict-first weights of single-tile experts. Timed in
+# turns on the H100 (Triton 3.9, scripts/gpu_gluon_fold_ab.py, benchmarks/triton_kernel_notes.md,
+# session 39), both over neither at T = 1024 / 4096 / 16384: qwen3 1.086 / 1.053 / 1.041,
+# mixtral TP2 1.006 / 1.007 / 0.980, deepseek-v3 EP8 1.012 / 1.027 / 1.037, gpt-oss 1.013 /
+# 1.083 / 1.012. The sum's order of bf16 additions then varies between runs; reduce='sum' is
+# bit-reproducible.
+DEFAULT = GluonConfig(reduce="atomic", evict_weights=True)
 # fp8 with 128 x 128 weight blocks (block_k = the scale group; gate_up's block_n 64 keeps a gate
 # or up tile inside one 128-row scale block, and the four float32 accumulators of a warpgroup
 # within the registers; down's 128 is one row block).
