@@ -133,7 +133,8 @@ def main() -> None:
                               for f in folds if f"tk fold{f}" in us},  # fmt: skip
                 "failed": failed,
                 "rel_err_vs_triton": {n: rel_err(o, outs["triton"]) for n, o in outs.items()},
-                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local, int(f.split("+")[0].split("-")[0]))
+                "tiles": {f"fold{f}": _tiles(sets[0][1], E_local,
+                                             int(f.split("+")[0].split("-")[0]))
                           for f in folds if not f.startswith("auto")},  # fmt: skip
                 "sets": len(sets),
             }
