@@ -103,13 +103,14 @@ def _work_tile(w, num_tiles, num_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n,
                GROUP_M: gl.constexpr, M_OFF: gl.constexpr = 0):  # fmt: skip
-    """Work item w -> (expert, first sorted row, valid rows, column block) (`_work_tile`).
-    M_OFF: the calling partition's first row of the tile (rows and count counted from it)."""
+    """Work item w -> (expert, first sorted row, valid rows, column block, work tile)
+    (`_work_tile`). M_OFF: the calling partition's first row of the tile (rows and count
+    counted from it)."""
     tile, pid_n = _work_tile(w, num_tiles, num_n, GROUP_M)
     expert = gl.load(tile_expert_ptr + tile)
     row0 = gl.load(tile_row0_ptr + tile)
     nrows = gl.load(tile_rows_ptr + tile)
-    return expert, row0 + M_OFF, nrows - M_OFF, pid_n
+    return expert, row0 + M_OFF, nrows - M_OFF, pid_n, tile
 
 
 @gluon.jit
@@ -123,12 +124,10 @@ def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
-def _evict_weights(w, tile_expert_ptr, num_tiles, num_n, expert, GROUP_M: gl.constexpr,
-                   EVICT_W: gl.constexpr):  # fmt: skip
-    """EVICT_W and work item w's tile is its expert's only one (an expert's tiles are
-    adjacent); False without EVICT_W."""
+def _evict_weights(tile, expert, tile_expert_ptr, num_tiles, EVICT_W: gl.constexpr):
+    """EVICT_W and work tile `tile` is its expert's only one (an expert's tiles are adjacent);
+    False without EVICT_W."""
     if EVICT_W:
-        tile, _ = _work_tile(w, num_tiles, num_n, GROUP_M)
         before = gl.load(tile_expert_ptr + tile - 1, mask=tile > 0, other=-1)
         after = gl.load(tile_expert_ptr + tile + 1, mask=tile + 1 < num_tiles, other=-1)
         return (before != expert) & (after != expert)
@@ -164,10 +163,11 @@ def _producer(args, TWO_B: gl.constexpr, GROUP_M: gl.constexpr, FOLD: gl.constex
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, nrows, pid_n = _work_item(w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
-                                                num_tiles, num_n, GROUP_M)  # fmt: skip
+        expert, row0, nrows, pid_n, tile = _work_item(
+            w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
+        )
         b_row = expert * b_row_step + pid_n * BN
-        evict = _evict_weights(w, tile_expert_ptr, num_tiles, num_n, expert, GROUP_M, EVICT_W)
+        evict = _evict_weights(tile, expert, tile_expert_ptr, num_tiles, EVICT_W)
         for ki in range(num_k):
             s = count % STAGES
             # stages start free: the first pass waits on the phase before the initial one
@@ -226,11 +226,11 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, nrows, pid_n = _work_item(
+        expert, row0, nrows, pid_n, tile = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M
         )
         b_row = expert * b_row_step + pid_n * BN
-        evict = _evict_weights(w, tile_expert_ptr, num_tiles, num_n, expert, GROUP_M, EVICT_W)
+        evict = _evict_weights(tile, expert, tile_expert_ptr, num_tiles, EVICT_W)
         row_ok = offs_m < nrows
         a_rows = _gathered_rows(x_ptr, stride_xm, sorted_pairs_ptr, top_k, row0, offs_m, row_ok,
                                 VEC)  # fmt: skip
@@ -405,7 +405,7 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, nrows, pid_n = _work_item(
+        expert, row0, nrows, pid_n, _ = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
         row_ok = offs_m < nrows
@@ -473,7 +473,7 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, nrows, pid_n = _work_item(
+        expert, row0, nrows, pid_n, _ = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
         row_ok = offs_m < nrows
@@ -735,7 +735,7 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
     num_tiles = gl.load(num_tiles_ptr)
     count = 0
     for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
-        expert, row0, nrows, pid_n = _work_item(
+        expert, row0, nrows, pid_n, _ = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
         acc = zero
