@@ -227,7 +227,7 @@ def compile_kernels_for_sm90() -> None:
     gate_up_sig = {"w_desc": wd.__mangle__(), "w_up_desc": wd.__mangle__(), "bias_ptr": "*bf16",
                    "h_ptr": "*bf16", **tiles, "N": "i32", "K": "i32", "b_row_step": "i32",
                    "up_row_off": "i32", "stride_be": "i32", "stride_hm": "i32", "alpha": "fp32",
-                   "limit": "fp32"}  # fmt: skip
+                   "limit": "fp32", "zero_ptr": "*bf16", "zero_numel": "i32"}  # fmt: skip
     consts = {"ACT": 2, "HAS_BIAS": True, "INTERLEAVED": False, "STAGES": 4, "GROUP_M": 8,
               "CONSUMERS": 1, "FOLD": 0, "EVICT_W": False, "num_warps": gk.NUM_WARPS}  # fmt: skip
     xd = gluon_ops._desc(x, [P, H], [H, 1], [bm, cfg.gate_up_block_k])
@@ -287,7 +287,7 @@ def compile_kernels_for_sm90() -> None:
     hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
-                   "SCALED": False, "CONSUMERS": 1, "FOLD": 0, "EVICT_W": False,
+                   "SCALED": False, "CONSUMERS": 1, "FOLD": 0, "EVICT_W": False, "EARLY": False,
                    "num_warps": gk.NUM_WARPS}  # fmt: skip
     down_sig = {"h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
                 "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
@@ -298,6 +298,10 @@ def compile_kernels_for_sm90() -> None:
                 **dict.fromkeys(down_consts, "constexpr")}  # fmt: skip
     ptx = _compile_sm90(gk.down_kernel, down_sig, down_consts)
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cache_hint" not in ptx
+    # EARLY: a tile's pairs and routing weights load once, before its K loop, not per half
+    # of the epilogue
+    early = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, "EARLY": True})
+    assert 0 < early.count("ld.global") < ptx.count("ld.global")
     # EVICT_W: a weight tile's TMA load carries an L2 evict-first policy where its expert has
     # one work tile (a branch beside the plain load), an A tile's never
     ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, "EVICT_W": True})
@@ -336,6 +340,8 @@ COPY = replace(gluon_ops.DEFAULT, gather=False)
 FUSED = replace(gluon_ops.DEFAULT, gate_up_fused=True)
 SPLIT = replace(gluon_ops.DEFAULT, consumers=2)  # a partition per consumer warpgroup
 NO_EVICT = replace(gluon_ops.DEFAULT, evict_weights=False)
+# gate_up zeroes the output down adds into; down loads its rows' pairs and weights early
+ZERO_EARLY = replace(gluon_ops.DEFAULT, zero_in_gate_up=True, early_pairs=True)
 PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
            ("gpt-oss-120b", 1, 1)]  # fmt: skip
 # (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
@@ -362,6 +368,16 @@ ODD_CASES = [
      replace(COPY, reduce="sum")),
     (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False,
      replace(gluon_ops.DEFAULT, fold_rows=16)),
+    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, ZERO_EARLY),
+    (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, ZERO_EARLY),
+    (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False,
+     replace(ZERO_EARLY, gather=False)),
+    (3, 512, 256, 400, 2, "silu", False, False, torch.bfloat16, 0.0, True,
+     replace(ZERO_EARLY, consumers=2)),
+    (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False,
+     replace(ZERO_EARLY, fold_rows=16)),
+    (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False,
+     replace(ZERO_EARLY, gate_up_fused=True)),
 ]
 
 
@@ -370,7 +386,9 @@ def _case_id(c) -> str:
     return (f"E{c[0]}H{c[1]}I{c[2]}T{c[3]}{c[5]}{tags}-{c[11].reduce}"
             f"{'-gather' if c[11].gather else '-copy'}{'-fused' if c[11].gate_up_fused else ''}"
             f"{'-split' if c[11].consumers == 2 else ''}{'-evict' if c[11].evict_weights else ''}"
-            f"{f'-fold{c[11].fold_rows}' if c[11].fold_rows else ''}")  # fmt: skip
+            f"{f'-fold{c[11].fold_rows}' if c[11].fold_rows else ''}"
+            f"{'-zero' if c[11].zero_in_gate_up else ''}"
+            f"{'-early' if c[11].early_pairs else ''}")  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -385,6 +403,31 @@ def test_odd_shapes_match_reference_gpu(case):
     out = _gluon(x, topk, w, act, cfg)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, moe_reference_fp64(x, topk, w, act)) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gather", "copy", "fused", "split", "fold"])
+@pytest.mark.parametrize("masked", [0.0, 1.0])
+def test_gate_up_zeroes_the_tensor_it_is_given_gpu(variant, masked):
+    """gate_up(zero=t) leaves every element of t zero, whatever it held: pieces zeroed during
+    the K steps and the rest after (all of them where every id is masked: no work items), in
+    each consumer variant."""
+    from moekit.runners.triton_kernel.routing import route
+
+    E, H, I, T, K = 6, 328, 200, 1500, 3
+    cfg = {"gather": gluon_ops.DEFAULT, "copy": COPY, "fused": FUSED, "split": SPLIT,
+           "fold": replace(gluon_ops.DEFAULT, fold_rows=16)}[variant]  # fmt: skip
+    w = make_weights(E, H, I, torch.bfloat16, True)
+    act = ActivationSpec("swiglu_oai", interleaved=True)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _skip_unless_engine(x, w, act)
+    topk = make_topk(T, K, E, masked=masked)
+    r = route(topk.ids, E, 128, cfg.fold_for(w))
+    # several 2048-element pieces a program beyond its few K steps, and a short last piece
+    zero = torch.full((5 * 132 * 2048 + 8,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gluon_ops.gate_up(x, r, w, act, cfg, K, zero=zero)
+    torch.cuda.synchronize()
+    assert int(torch.count_nonzero(zero)) == 0 and not zero.isnan().any()
 
 
 @pytest.mark.gpu
@@ -509,7 +552,8 @@ def test_fold_matches_reference_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["unquantized", "unquantized-sum", "fp8_w8a8", "unquantized-fold"])
+@pytest.mark.parametrize("fmt", ["unquantized", "unquantized-sum", "fp8_w8a8", "unquantized-fold",
+                                 "unquantized-zero"])
 def test_cuda_graph_replay_equals_eager_gpu(fmt):
     """Replay equals eager: bit-identical with reduce 'sum' (fp8's config), within rounding
     with 'atomic' (the order of the bf16 additions varies)."""
@@ -522,7 +566,8 @@ def test_cuda_graph_replay_equals_eager_gpu(fmt):
     _skip_unless_engine(x, w, act)
     topk = make_topk(T, K, E)
     static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-    cfg = {"fold": FOLD, "sum": SUM}.get(fmt.partition("-")[2], gluon_ops.config_for(w))
+    cfg = {"fold": FOLD, "sum": SUM, "zero": ZERO_EARLY}.get(fmt.partition("-")[2],
+                                                             gluon_ops.config_for(w))  # fmt: skip
 
     def step():
         return _gluon(static_x, TopKOutput(static_w, static_ids), w, act, cfg)

@@ -266,6 +266,31 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.
 
 
 @gluon.jit
+def _zero_piece(zero_ptr, zero_numel, i):
+    """Zeros over piece i of this program's share of zero_ptr [zero_numel] (a piece: 16 bytes a
+    thread of the calling partition; this program's pieces are p, p + programs, ...); nothing
+    once past zero_numel (a multiple of 16 bytes)."""
+    VEC: gl.constexpr = 128 // zero_ptr.dtype.element_ty.primitive_bitwidth
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
+    PIECE: gl.constexpr = VEC * 32 * gl.num_warps()
+    start = (gl.program_id(0) + i * gl.num_programs(0)).to(gl.int64) * PIECE
+    if start < zero_numel:
+        offs = start + gl.arange(0, PIECE, layout=layout)
+        gl.store(zero_ptr + offs, gl.zeros([PIECE], zero_ptr.dtype.element_ty, layout),
+                 mask=gl.max_constancy(offs < zero_numel, VEC))  # fmt: skip
+
+
+@gluon.jit
+def _zero_rest(zero_ptr, zero_numel, done):
+    """This program's pieces from `done` on (`_zero_piece`): after its work items, whose K steps
+    each zeroed one."""
+    PIECE: gl.constexpr = 128 // zero_ptr.dtype.element_ty.primitive_bitwidth * 32 * gl.num_warps()
+    pieces = gl.cdiv(zero_numel, PIECE)
+    for i in range(done, gl.cdiv(pieces - gl.program_id(0), gl.num_programs(0))):
+        _zero_piece(zero_ptr, zero_numel, i)
+
+
+@gluon.jit
 def _activate(g, u, alpha, limit, ACT: gl.constexpr):
     """float32 gate g, up u -> act(g) * u: silu, exact-erf gelu, or swiglu_oai (the twin of
     `_triton_common.activate`)."""
@@ -296,22 +321,23 @@ def _scale_rows(a_scale_ptr, stride_as, sorted_pairs_ptr, top_k, row0, offs_m, r
 @gluon.jit
 def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
                 BY_PAIR: gl.constexpr, MAX_W: gl.constexpr = 128, ATOMIC: gl.constexpr = False,
-                top_k=1):  # fmt: skip
+                top_k=1, pairs=None):  # fmt: skip
     """Store a tile out [BM, W] (y's dtype, any layout) at columns n0 ... of y's rows: tile row
     m to y's row row0 + m, or (BY_PAIR) sorted_pairs[row0 + m], or (ATOMIC) added into y's row
     sorted_pairs[row0 + m] // top_k (the pair's token); rows m >= nrows and columns >= N are
     left alone. Through shared memory into a layout of 16 bytes a thread and row
     first: a wgmma accumulator row holds 4-byte pieces, whose stores write half of each
     32-byte sector (W > MAX_W: in halves, which share the shared memory; FOLD's tiles take
-    64, so that the side tiles fit beside the stages; a side tile of a few rows goes whole)."""
+    64, so that the side tiles fit beside the stages; a side tile of a few rows goes whole).
+    pairs: sorted_pairs[row0 + m] [BM] already loaded (any layout), else loaded here."""
     BM: gl.constexpr = out.shape[0]
     W: gl.constexpr = out.shape[1]
     if W > MAX_W:
         lo, hi = out.reshape([BM, 2, W // 2]).permute((0, 2, 1)).split()
         _store_rows(lo, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr, BY_PAIR, MAX_W,
-                    ATOMIC, top_k)  # fmt: skip
+                    ATOMIC, top_k, pairs)  # fmt: skip
         _store_rows(hi, y_ptr, stride_ym, row0, nrows, n0 + W // 2, N, sorted_pairs_ptr, BY_PAIR,
-                    MAX_W, ATOMIC, top_k)  # fmt: skip
+                    MAX_W, ATOMIC, top_k, pairs)  # fmt: skip
     else:
         VEC: gl.constexpr = 128 // out.dtype.primitive_bitwidth
         TN: gl.constexpr = min(W // VEC, 32)
@@ -324,7 +350,10 @@ def _store_rows(out, y_ptr, stride_ym, row0, nrows, n0, N, sorted_pairs_ptr,
             0, layout)), VEC), VEC)
         row_ok = offs_m < nrows
         if BY_PAIR or ATOMIC:
-            rows = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+            if pairs is None:
+                rows = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+            else:
+                rows = gl.convert_layout(pairs, gl.SliceLayout(1, layout))
             if ATOMIC:
                 rows = rows // top_k
             rows = rows.to(gl.int64)
@@ -390,7 +419,7 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
     scale of each half applied per column."""
     (a_bufs, bb_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
      num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k, a_scale_ptr,
-     stride_as, w_scale_ptr, stride_wse, stride_wsn) = args  # fmt: skip
+     stride_as, w_scale_ptr, stride_wse, stride_wsn, zero_ptr, zero_numel) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -433,6 +462,8 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                 acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+            if M_OFF == 0:  # while the step's wgmma runs
+                _zero_piece(zero_ptr, zero_numel, count)
             count += 1
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -440,6 +471,8 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
         g, u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
         _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
                        stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
+    if M_OFF == 0:
+        _zero_rest(zero_ptr, zero_numel, count)
 
 
 @gluon.jit
@@ -456,7 +489,8 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
     FOLD: the side rows (module docstring) in side_bufs."""
     (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr,
      tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr,
-     top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs) = args  # fmt: skip
+     top_k, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, zero_ptr, zero_numel,
+     side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -521,6 +555,8 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                 # this step's two wgmma groups may run on; the previous step's have retired
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+            if M_OFF == 0:  # while the step's wgmma runs
+                _zero_piece(zero_ptr, zero_numel, count)
             count += 1
         if not SCALED:
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
@@ -534,20 +570,24 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                 _gate_up_store(_side_rows(side_g), _side_rows(side_u), expert, row0 + BM,
                                nrows - BM, pid_n, bias_ptr, h_ptr, N, stride_be, stride_hm,
                                alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED, BN)  # fmt: skip
+    if M_OFF == 0:
+        _zero_rest(zero_ptr, zero_numel, count)
 
 
 @gluon.jit
 def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_expert_ptr,
                    tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step, up_row_off,
-                   stride_be, stride_hm, alpha, limit, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   INTERLEAVED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                   CONSUMERS: gl.constexpr, FOLD: gl.constexpr, EVICT_W: gl.constexpr,
-                   num_warps: gl.constexpr):  # fmt: skip
+                   stride_be, stride_hm, alpha, limit, zero_ptr, zero_numel, ACT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr, STAGES: gl.constexpr,
+                   GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, FOLD: gl.constexpr,
+                   EVICT_W: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """h [P, N = I] = act(xs @ w13[e].T + b13[e]) per sorted row (module docstring). xs_desc:
     xs [P, H], block [BM, BK]; side_desc: xs, block [FOLD, BK] (FOLD > 0); w_desc / w_up_desc:
     the gate / up weight rows, block [BN, BK]: w13 viewed [E * 2I, H] for both (b_row_step 2I,
     up_row_off I), or, interleaved, the gate rows and the up rows each viewed [E * I, H] with
-    row stride 2H (b_row_step I, 0)."""
+    row stride 2H (b_row_step I, 0). zero_ptr [zero_numel]: zeroed on the way, a piece each
+    K step of the (first) consumer partition (`_zero_piece`; down's output where it adds into
+    it); zero_numel 0: nothing."""
     dtype: gl.constexpr = xs_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + xs_desc.block_type.shape, xs_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -564,7 +604,8 @@ def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_
         mbarrier.init(empty.index(i), count=CONSUMERS)
     consumer = (a_bufs, b_bufs, b2_bufs, ready, empty, bias_ptr, h_ptr, tile_expert_ptr,
                 tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, stride_be, stride_hm, alpha,
-                limit, tile_expert_ptr, 1, bias_ptr, 0, bias_ptr, 0, 0, side_bufs)  # fmt: skip
+                limit, tile_expert_ptr, 1, bias_ptr, 0, bias_ptr, 0, 0, zero_ptr, zero_numel,
+                side_bufs)  # fmt: skip
     producer = (xs_desc, w_desc, w_up_desc, a_bufs, b_bufs, b2_bufs, ready, empty,
                 tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, b_row_step,
                 up_row_off, side_desc, side_bufs)  # fmt: skip
@@ -596,12 +637,13 @@ def gate_up_kernel(xs_desc, side_desc, w_desc, w_up_desc, bias_ptr, h_ptr, tile_
 def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_up_desc, bias_ptr,
                           h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N,
                           K, b_row_step, up_row_off, stride_be, stride_hm, alpha, limit,
-                          x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn,
-                          ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAVED: gl.constexpr,
-                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
-                          A_LAYOUT: gl.constexpr, SCALED: gl.constexpr, FUSED: gl.constexpr,
-                          BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr, FOLD: gl.constexpr,
-                          EVICT_W: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                          zero_ptr, zero_numel, x_scale_ptr, stride_xs, w_scale_ptr, stride_wse,
+                          stride_wsn, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          INTERLEAVED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                          BM: gl.constexpr, A_LAYOUT: gl.constexpr, SCALED: gl.constexpr,
+                          FUSED: gl.constexpr, BB_LAYOUT: gl.constexpr, CONSUMERS: gl.constexpr,
+                          FOLD: gl.constexpr, EVICT_W: gl.constexpr,
+                          num_warps: gl.constexpr):  # fmt: skip
     """`gate_up_kernel` reading x [T, H] directly (x_ptr, row stride stride_xm): the producer
     gathers each tile's rows (`_gather_producer`), so no sorted copy xs is made. A_LAYOUT: the
     shared layout of an A tile [BM, BK] (BK = the weight block's). SCALED: x and w13 are fp8
@@ -610,7 +652,7 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
     gate and up tiles are adjacent, read as one [2 * BN, BK] tile of shared layout BB_LAYOUT
     (`_gate_up_fused_consumer`; the same swizzle as the weight tiles': 128-byte rows). FOLD
     (CONSUMERS = 1, neither SCALED nor FUSED): side rows (module docstring), stored in
-    A_LAYOUT's swizzle."""
+    A_LAYOUT's swizzle. zero_ptr, zero_numel: as in `gate_up_kernel`."""
     dtype: gl.constexpr = w_desc.dtype
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -635,7 +677,8 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
                 num_tiles_ptr, N, K, b_row_step, up_row_off, side_bufs)  # fmt: skip
     shared = (ready, empty, bias_ptr, h_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr,
               num_tiles_ptr, N, K, stride_be, stride_hm, alpha, limit, sorted_pairs_ptr, top_k,
-              x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn)  # fmt: skip
+              x_scale_ptr, stride_xs, w_scale_ptr, stride_wse, stride_wsn, zero_ptr,
+              zero_numel)  # fmt: skip
     if FUSED:
         bb_bufs = b_bufs.reinterpret(dtype, [STAGES, 2 * BN, BK], BB_LAYOUT)
         consumer = (a_bufs, bb_bufs) + shared
@@ -690,9 +733,11 @@ def gate_up_gather_kernel(x_ptr, stride_xm, sorted_pairs_ptr, top_k, w_desc, w_u
 @gluon.jit
 def _down_store(acc, expert, row0, nrows, n0, bias_ptr, y_ptr, topk_weights_ptr,
                 sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS: gl.constexpr,
-                ATOMIC: gl.constexpr, MAX_W: gl.constexpr):  # fmt: skip
+                ATOMIC: gl.constexpr, MAX_W: gl.constexpr, pair=None, weight=None):  # fmt: skip
     """Epilogue of down: rows [BM', BN] (float32, any distributed layout) of sorted rows row0 ...
-    (nrows valid), columns n0 ...: bias, routing weight, stored by pair (or added by token)."""
+    (nrows valid), columns n0 ...: bias, routing weight, stored by pair (or added by token).
+    pair, weight: the rows' pairs and routing weights [BM'] (acc's row layout) loaded before
+    (`_down_consumer` EARLY), else loaded here."""
     BM: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
@@ -702,20 +747,27 @@ def _down_store(acc, expert, row0, nrows, n0, bias_ptr, y_ptr, topk_weights_ptr,
     if HAS_BIAS:
         acc += gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n_out, mask=col_ok,
                        other=0.0).to(gl.float32)[None, :]  # fmt: skip
-    pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
-    acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows, n0, N,
-                sorted_pairs_ptr, True, MAX_W, ATOMIC, top_k)  # fmt: skip
+    if pair is None:
+        pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=row_ok, other=0)
+        acc = acc * gl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows, n0, N,
+                    sorted_pairs_ptr, True, MAX_W, ATOMIC, top_k)  # fmt: skip
+    else:
+        acc = acc * weight[:, None]
+        _store_rows(acc.to(y_ptr.dtype.element_ty), y_ptr, stride_ym, row0, nrows, n0, N,
+                    sorted_pairs_ptr, True, MAX_W, ATOMIC, top_k, pair)  # fmt: skip
 
 
 @gluon.jit
 def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: gl.constexpr,
                    SCALED: gl.constexpr, M_OFF: gl.constexpr, FOLD: gl.constexpr,
-                   num_warps: gl.constexpr):  # fmt: skip
+                   EARLY: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """One accumulator per work item; epilogue: bias, routing weight, store by pair (or atomic
     add by token) from registers. SCALED: as `_gate_up_consumer`, with h's scales [P,
     cdiv(I, 128)] by sorted row and w2's [E, cdiv(H, 128), cdiv(I, 128)] (BN = 128: one row
-    block a tile). FOLD: the side rows (module docstring) in side_bufs."""
+    block a tile). FOLD: the side rows (module docstring) in side_bufs. EARLY: the tile's pairs
+    and routing weights are loaded before its K loop, so that the epilogue does not wait for
+    them."""
     (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K, stride_be,
      stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs) = args  # fmt: skip
@@ -739,6 +791,10 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
         acc = zero
+        if EARLY:
+            pair_ok = offs_m < nrows
+            pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=pair_ok, other=0)
+            weight = gl.load(topk_weights_ptr + pair, mask=pair_ok, other=0.0)
         if FOLD > 0:  # accumulator-typed across the loop, as in `_gate_up_consumer`
             side_acc = warpgroup_mma_init(side_zero)
         if SCALED:
@@ -772,9 +828,14 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
-                    STORE_W)  # fmt: skip
+        if EARLY:
+            _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
+                        sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
+                        STORE_W, pair, weight)  # fmt: skip
+        else:
+            _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
+                        sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
+                        STORE_W)  # fmt: skip
         if FOLD > 0:
             side_acc = warpgroup_mma_wait(num_outstanding=0, deps=(side_acc,))
             if nrows > BM:
@@ -789,7 +850,8 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
                 stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr, stride_wse,
                 stride_wsn, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                 GROUP_M: gl.constexpr, SCALED: gl.constexpr, CONSUMERS: gl.constexpr,
-                FOLD: gl.constexpr, EVICT_W: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                FOLD: gl.constexpr, EVICT_W: gl.constexpr, EARLY: gl.constexpr,
+                num_warps: gl.constexpr):  # fmt: skip
     """y = weight * (h @ w2[e].T + b2[e]) per sorted row (module docstring); N = H, K = I.
     h_desc: h [P, I], block [BM, BK]; side_desc: h, block [FOLD, BK] (FOLD > 0; CONSUMERS = 1,
     not SCALED); w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H] by pair, or (ATOMIC)
@@ -818,7 +880,7 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
     if CONSUMERS == 1:
         gl.warp_specialize(
             [
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, FOLD,
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, FOLD, EARLY,
                                   num_warps)),
                 (_producer, (producer, False, GROUP_M, FOLD, EVICT_W)),
             ],
@@ -828,9 +890,10 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
     else:  # a partition per consumer warpgroup (module docstring); no FOLD
         gl.warp_specialize(
             [
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, 0, num_warps)),
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps, 0,
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, 0, EARLY,
                                   num_warps)),
+                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 16 * num_warps, 0,
+                                  EARLY, num_warps)),
                 (_producer, (producer, False, GROUP_M, 0, EVICT_W)),
             ],
             [num_warps, 1],

@@ -64,7 +64,9 @@ class GluonConfig:
     0: off; with consumers 1, unquantized weights and gate_up_fused off, else ignored);
     evict_weights: the weight tiles of an expert with one work tile are loaded L2 evict-first
     (`_gluon_kernels` EVICT_W), so that the activation rows every column block of a tile reads
-    stay in L2."""
+    stay in L2; zero_in_gate_up (reduce 'atomic'): gate_up zeroes the output down adds into, a
+    piece each K step while its wgmma run, instead of a fill kernel before; early_pairs: down
+    loads a tile's pair ids and routing weights before its K loop, not in its epilogue."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -79,6 +81,8 @@ class GluonConfig:
     consumers: int = 1
     fold_rows: int = 0
     evict_weights: bool = False
+    zero_in_gate_up: bool = False
+    early_pairs: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2):
@@ -320,10 +324,12 @@ def _scale_args(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, dumm
 
 def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: GluonConfig,
             top_k: int, out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+            out_dtype: torch.dtype | None = None,
+            zero: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """h [P, I] in sorted row order = act(x[token(row)] @ w13[e].T + b13[e]) for x [T, H];
     rows past the valid pairs are left unwritten. fp8 block-wise weights: x is fp8 with
-    x_scale [T, cdiv(H, 128)] (its rows are always gathered), h in out_dtype."""
+    x_scale [T, cdiv(H, 128)] (its rows are always gathered), h in out_dtype. zero: a
+    contiguous tensor of 16-byte multiple size, zeroed on the way (down's atomic output)."""
     from moekit.runners.triton_kernel import _gluon_kernels as gk
 
     E, I, H = w.num_experts, w.intermediate_size, w.hidden_size
@@ -339,6 +345,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
         w_desc = w_up_desc = _desc(w.w13, [E * 2 * I, H], [H, 1], [bn, bk])
         row_step, up_off = 2 * I, I
     b13 = w.b13 if w.b13 is not None else w.w13
+    if zero is not None and not (zero.is_contiguous() and zero.nbytes % 16 == 0):
+        raise ValueError("gate_up(zero=...): needs a contiguous tensor of a multiple of 16 bytes")
     grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
                 STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
@@ -346,7 +354,8 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
                 maxnreg=gk.MAX_REGS)  # fmt: skip
     common = (w_desc, w_up_desc, b13, out, r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles,
               I, H, row_step, up_off, b13.stride(0), out.stride(0), float(act.alpha),
-              float(act.limit))  # fmt: skip
+              float(act.limit), out if zero is None else zero,
+              0 if zero is None else zero.numel())  # fmt: skip
     # the gathering producer copies 16-byte pieces of x's rows
     aligned = x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
     if scaled and not aligned:
@@ -386,7 +395,8 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
         out.stride(0), *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
         ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
         SCALED=h_scale is not None, CONSUMERS=cfg.consumers, FOLD=fold,
-        EVICT_W=cfg.evict_weights, num_warps=cfg.num_warps, maxnreg=gk.MAX_REGS,
+        EVICT_W=cfg.evict_weights, EARLY=cfg.early_pairs, num_warps=cfg.num_warps,
+        maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
@@ -408,16 +418,22 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     if cfg is None:
         cfg = config_for(w, x_TH.shape[0] * ids.shape[1] * local_share / max(w.num_experts, 1))
     r = route(ids, E, gk.BLOCK_M, cfg.fold_for(w))
+    atomic = cfg.reduce == "atomic"
+    out = None
+    if atomic:  # down adds into it: zeroed by gate_up on the way, or by a fill kernel now
+        make = torch.empty if cfg.zero_in_gate_up else torch.zeros
+        out = make(T, H, dtype=x_TH.dtype, device=x_TH.device)
+    zero = out if atomic and cfg.zero_in_gate_up else None
     if w.format == "fp8_w8a8":  # block-wise: both GEMM inputs quantized per group of 128
         from moekit.quant.act_quant import quantize_act
 
         xq, xs = quantize_act(x_TH, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
-        h = gate_up(xq, r, w, act, cfg, K, x_scale=xs, out_dtype=x_TH.dtype)
+        h = gate_up(xq, r, w, act, cfg, K, x_scale=xs, out_dtype=x_TH.dtype, zero=zero)
         h, hs = quantize_act(h, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
     else:
-        h, hs = gate_up(x_TH, r, w, act, cfg, K), None
-    if cfg.reduce == "atomic":
-        return down(h, r, w, cfg, weights.view(-1), K, torch.zeros_like(x_TH), hs)
+        h, hs = gate_up(x_TH, r, w, act, cfg, K, zero=zero), None
+    if atomic:
+        return down(h, r, w, cfg, weights.view(-1), K, out, hs)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
     y = down(h, r, w, cfg, weights.view(-1), K, y, hs)
     return sum_topk(y, ids, E, torch.empty_like(x_TH))
