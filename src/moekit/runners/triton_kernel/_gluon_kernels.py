@@ -22,7 +22,8 @@ cp.async. A tile's rows past its valid ones (the next expert's, out of bounds an
 or not gathered) are computed but never stored: the epilogue stores from registers with a row
 mask.
 
-  gate_up_kernel         h[row] = act(xs[row] @ w13[e].T + b13[e])   (two accumulators)
+  gate_up_kernel         h[row] = act(xs[row] @ w13[e].T + b13[e])   (two accumulators; may
+                         zero down's ATOMIC output on the way, a piece a K step)
   gate_up_gather_kernel  the same from x [T, H] and the sorted pairs (FUSED: gate and up tiles
                          side by side, one wgmma; SCALED: fp8 x and w13 with block scales)
   down_kernel            y[pair(row)] = weight[pair] * (h[row] @ w2[e].T + b2[e]), or (ATOMIC)

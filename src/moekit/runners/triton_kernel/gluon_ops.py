@@ -2,7 +2,9 @@
 over the runner's routing, for large batches on sm_90 with Triton >= 3.9.
 
   fused_moe(x [T, H], ids, weights, w, act, cfg) -> [T, H]
-    route (BM = 128) -> gate_up (x's rows gathered by the producer) -> down -> sum over K
+    route (BM = 128) -> gate_up (x's rows gathered by the producer; zeroes the output on the
+    way) -> down (adds each pair's weighted rows into the output; reduce 'sum': stores them by
+    pair, then a sum over K)
     fp8_w8a8 with 128 x 128 weight blocks: x and h quantized per token and group of 128 first
     (`quantize_act`), the scales applied per K step inside the GEMMs (`FP8`, `fp8_problem`)
 
@@ -110,8 +112,12 @@ class GluonConfig:
 # session 39), both over neither at T = 1024 / 4096 / 16384: qwen3 1.086 / 1.053 / 1.041,
 # mixtral TP2 1.006 / 1.007 / 0.980, deepseek-v3 EP8 1.012 / 1.027 / 1.037, gpt-oss 1.013 /
 # 1.083 / 1.012. The sum's order of bf16 additions then varies between runs; reduce='sum' is
-# bit-reproducible.
-DEFAULT = GluonConfig(reduce="atomic", evict_weights=True)
+# bit-reproducible. The output zeroed by gate_up (no fill kernel) and down's pair ids and weights
+# loaded before its K loop: both over neither (session 40, same probe, 4 rounds) 1.019 / 1.002 /
+# 1.046, 1.008 / 0.954 / 1.011, 1.005 / 1.004 / 1.000, 0.999 / 1.000 / 1.006; each alone
+# 0.997-1.037 (benchmarks/triton_kernel_notes.md, session 40).
+DEFAULT = GluonConfig(reduce="atomic", evict_weights=True, zero_in_gate_up=True,
+                      early_pairs=True)  # fmt: skip
 # fp8 with 128 x 128 weight blocks (block_k = the scale group; gate_up's block_n 64 keeps a gate
 # or up tile inside one 128-row scale block, and the four float32 accumulators of a warpgroup
 # within the registers; down's 128 is one row block).
