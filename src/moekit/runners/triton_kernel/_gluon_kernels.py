@@ -33,10 +33,6 @@ SCALED (fp8, 128 x 128 weight blocks, activation groups of 128 = BK): each K ste
 land in fresh accumulators, retire, and are added into the sums times the rows' activation
 scales and the tile's weight scale.
 
-PINGPONG (down; CONSUMERS = 2, no FOLD): the two consumer partitions take alternate work items
-of the program, a whole tile each, their K loops in turn, so that one's epilogue (the scattered
-stores or atomic adds) runs while the other multiplies.
-
 FOLD (> 0; CONSUMERS = 1, not SCALED, not FUSED): a work tile may hold up to FOLD rows past BM,
 an expert's last rows (`routing.route(..., fold)`). The producer loads them as a [FOLD, BK]
 side tile each K step, and the consumer multiplies the stage's weight tile(s) by it with the
@@ -775,13 +771,10 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
     and routing weights are loaded before its K loop, so that the epilogue does not wait for
     them. PARTS = 2 (PINGPONG): this partition takes every other work item of the program
     (PART: the first or the second), whole tiles, and skips the other's K steps in the stage
-    ring; its K loop of an item starts once the other's K loop of the item before has ended
-    (order[p]: partition p's K loops done), so that one's epilogue runs while the other
-    multiplies, and a partition never waits on a stage more than one phase ahead."""
+    ring, so that one's epilogue runs while the other multiplies."""
     (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K, stride_be,
-     stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs,
-     order) = args  # fmt: skip
+     stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     # this partition's rows of a tile, from M_OFF (all of them with PARTS = 2)
     BM: gl.constexpr = a_bufs.type.shape[1] if PARTS > 1 else 16 * num_warps
@@ -798,7 +791,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
     count = PART * num_k  # the other partition's work items take the K steps between
-    mine = 0  # this partition's work items so far
     for w in range(gl.program_id(0) + PART * gl.num_programs(0), num_tiles * num_n,
                    PARTS * gl.num_programs(0)):  # fmt: skip
         expert, row0, nrows, pid_n, _ = _work_item(
@@ -817,9 +809,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                                    row_ok, False)  # fmt: skip
             w_s_ptr = (w_scale_ptr + expert.to(gl.int64) * stride_wse
                        + (pid_n * BN // 128) * stride_wsn)  # fmt: skip
-        if PARTS > 1:  # after the other partition's K loop of the work item before this one
-            if mine + PART > 0:
-                mbarrier.wait(order.index(1 - PART), (mine + PART - 1) & 1)
         for ki in range(num_k):
             s = count % STAGES
             a = _stage_rows(a_bufs, s, M_OFF, BM)
@@ -845,8 +834,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        if PARTS > 1:
-            mbarrier.arrive(order.index(PART))
         if EARLY:
             _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
                         sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
@@ -862,7 +849,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                             bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr, top_k, N,
                             stride_be, stride_ym, HAS_BIAS, ATOMIC, BN)  # fmt: skip
         count += (PARTS - 1) * num_k
-        mine += 1
 
 
 @gluon.jit
@@ -893,14 +879,10 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
         mbarrier.init(ready.index(i), count=1)
         # PINGPONG: one partition frees each stage, else every consumer partition
         mbarrier.init(empty.index(i), count=1 if PINGPONG else CONSUMERS)
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if PINGPONG:
-        for i in gl.static_range(2):
-            mbarrier.init(order.index(i), count=1)
     consumer = (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
                 sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
                 top_k, N, K, stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr,
-                stride_wse, stride_wsn, side_bufs, order)  # fmt: skip
+                stride_wse, stride_wsn, side_bufs)  # fmt: skip
     producer = (h_desc, w_desc, w_desc, a_bufs, b_bufs, b_bufs, ready, empty, tile_expert_ptr,
                 tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, N, K, N, 0, side_desc,
                 side_bufs)  # fmt: skip
