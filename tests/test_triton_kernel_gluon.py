@@ -76,7 +76,6 @@ def test_config_fold_rows_and_where_folding_applies():
     assert fold.fold_for(w) == 16 and gluon_ops.DEFAULT.fold_for(w) == gluon_ops.DEFAULT.fold_rows
     assert replace(fold, consumers=2).fold_for(w) == 0  # one consumer partition only
     assert replace(fold, gate_up_fused=True).fold_for(w) == 0
-    assert replace(fold, down_pingpong=True, down_block_n=128).fold_for(w) == 0
     assert fold.fold_for(_fp8_weights()) == 0  # unquantized weights only
     with pytest.raises(ValueError, match=r"GluonConfig.fold_rows=8; allowed: 0, 16"):
         replace(gluon_ops.DEFAULT, fold_rows=8)
@@ -85,13 +84,6 @@ def test_config_fold_rows_and_where_folding_applies():
     for rows, want in ((None, 0), (lo - 1, 0), (lo, 16), (hi, 16), (hi + 1, 0)):
         assert gluon_ops.config_for(w, rows).fold_rows == want, rows
     assert gluon_ops.config_for(_fp8_weights(), lo) == gluon_ops.FP8
-
-
-def test_config_pingpong_takes_narrow_down_tiles():
-    """A ping-pong warpgroup holds a whole [128, down_block_n] float32 tile."""
-    with pytest.raises(ValueError, match=r"down_pingpong needs down_block_n <= 128.*got 256"):
-        replace(gluon_ops.DEFAULT, down_pingpong=True)
-    assert replace(gluon_ops.DEFAULT, down_pingpong=True, down_block_n=128).down_pingpong
 
 
 def test_runner_gives_the_engine_its_local_share(monkeypatch):
@@ -296,7 +288,7 @@ def compile_kernels_for_sm90() -> None:
     w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [cfg.down_block_n, cfg.down_block_k])
     down_consts = {"HAS_BIAS": False, "ATOMIC": False, "STAGES": 4, "GROUP_M": 8,
                    "SCALED": False, "CONSUMERS": 1, "FOLD": 0, "EVICT_W": False, "EARLY": False,
-                   "PINGPONG": False, "num_warps": gk.NUM_WARPS}  # fmt: skip
+                   "num_warps": gk.NUM_WARPS}  # fmt: skip
     down_sig = {"h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
                 "w_desc": w2d.__mangle__(), "bias_ptr": "*bf16",
                 "y_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_pairs_ptr": "*i32",
@@ -330,15 +322,6 @@ def compile_kernels_for_sm90() -> None:
     for variant in ({}, split):
         ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, **variant})
         assert "e4m3.e4m3" in ptx
-    # PINGPONG: two partitions of one warpgroup, each a whole 128 x 128 tile of its own items
-    w2d = gluon_ops._desc(w2, [E * H, I], [I, 1], [128, cfg.down_block_k])
-    hd = gluon_ops._desc(h, [P, I], [I, 1], [bm, cfg.down_block_k])
-    pp_sig = {**down_sig, "h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
-              "w_desc": w2d.__mangle__()}  # fmt: skip
-    pp = {**down_consts, "STAGES": 4, "SCALED": False, "ATOMIC": True, "EARLY": True,
-          "PINGPONG": True, **split}  # fmt: skip
-    ptx = _compile_sm90(gk.down_kernel, pp_sig, pp)
-    assert "m64n128k16.f32.bf16.bf16" in ptx and "red.global" in ptx
 
 
 def _skip_unless_engine(x, w, act):
@@ -359,8 +342,6 @@ SPLIT = replace(gluon_ops.DEFAULT, consumers=2)  # a partition per consumer warp
 NO_EVICT = replace(gluon_ops.DEFAULT, evict_weights=False)
 # gate_up zeroes the output down adds into; down loads its rows' pairs and weights early
 ZERO_EARLY = replace(gluon_ops.DEFAULT, zero_in_gate_up=True, early_pairs=True)
-# down's two consumer warpgroups on alternate work items
-PINGPONG = replace(gluon_ops.DEFAULT, down_pingpong=True, down_block_n=128)
 PRESETS = [("qwen3-30b-a3b", 1, 1), ("mixtral-8x7b", 2, 1), ("deepseek-v3", 8, 8),
            ("gpt-oss-120b", 1, 1)]  # fmt: skip
 # (E, H, I, T, K, act, interleaved, bias, dtype, masked, one_expert, config)
@@ -397,12 +378,6 @@ ODD_CASES = [
      replace(ZERO_EARLY, fold_rows=16)),
     (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False,
      replace(ZERO_EARLY, gate_up_fused=True)),
-    (6, 328, 200, 301, 3, "swiglu_oai", True, True, torch.bfloat16, 0.1, False, PINGPONG),
-    (5, 200, 136, 700, 2, "silu", False, False, torch.bfloat16, 0.0, False, PINGPONG),
-    (3, 512, 256, 400, 2, "silu", False, False, torch.bfloat16, 0.0, True, PINGPONG),
-    (4, 256, 128, 64, 2, "silu", False, False, torch.bfloat16, 1.0, False, PINGPONG),
-    (7, 256, 384, 513, 4, "gelu", False, True, torch.float16, 0.2, False,
-     replace(PINGPONG, gather=False, reduce="sum", down_stages=6)),
 ]
 
 
@@ -413,8 +388,7 @@ def _case_id(c) -> str:
             f"{'-split' if c[11].consumers == 2 else ''}{'-evict' if c[11].evict_weights else ''}"
             f"{f'-fold{c[11].fold_rows}' if c[11].fold_rows else ''}"
             f"{'-zero' if c[11].zero_in_gate_up else ''}"
-            f"{'-early' if c[11].early_pairs else ''}"
-            f"{'-pingpong' if c[11].down_pingpong else ''}")  # fmt: skip
+            f"{'-early' if c[11].early_pairs else ''}")  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -579,7 +553,7 @@ def test_fold_matches_reference_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["unquantized", "unquantized-sum", "fp8_w8a8", "unquantized-fold",
-                                 "unquantized-zero", "unquantized-pingpong"])
+                                 "unquantized-zero"])
 def test_cuda_graph_replay_equals_eager_gpu(fmt):
     """Replay equals eager: bit-identical with reduce 'sum' (fp8's config), within rounding
     with 'atomic' (the order of the bf16 additions varies)."""
@@ -592,8 +566,8 @@ def test_cuda_graph_replay_equals_eager_gpu(fmt):
     _skip_unless_engine(x, w, act)
     topk = make_topk(T, K, E)
     static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-    cfg = {"fold": FOLD, "sum": SUM, "zero": ZERO_EARLY, "pingpong": PINGPONG}.get(
-        fmt.partition("-")[2], gluon_ops.config_for(w))
+    cfg = {"fold": FOLD, "sum": SUM, "zero": ZERO_EARLY}.get(fmt.partition("-")[2],
+                                                             gluon_ops.config_for(w))  # fmt: skip
 
     def step():
         return _gluon(static_x, TopKOutput(static_w, static_ids), w, act, cfg)

@@ -762,22 +762,18 @@ def _down_store(acc, expert, row0, nrows, n0, bias_ptr, y_ptr, topk_weights_ptr,
 @gluon.jit
 def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: gl.constexpr,
                    SCALED: gl.constexpr, M_OFF: gl.constexpr, FOLD: gl.constexpr,
-                   EARLY: gl.constexpr, num_warps: gl.constexpr, PART: gl.constexpr = 0,
-                   PARTS: gl.constexpr = 1):  # fmt: skip
+                   EARLY: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """One accumulator per work item; epilogue: bias, routing weight, store by pair (or atomic
     add by token) from registers. SCALED: as `_gate_up_consumer`, with h's scales [P,
     cdiv(I, 128)] by sorted row and w2's [E, cdiv(H, 128), cdiv(I, 128)] (BN = 128: one row
     block a tile). FOLD: the side rows (module docstring) in side_bufs. EARLY: the tile's pairs
     and routing weights are loaded before its K loop, so that the epilogue does not wait for
-    them. PARTS = 2 (PINGPONG): this partition takes every other work item of the program
-    (PART: the first or the second), whole tiles, and skips the other's K steps in the stage
-    ring, so that one's epilogue runs while the other multiplies."""
+    them."""
     (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr,
      tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr, top_k, N, K, stride_be,
      stride_ym, a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, side_bufs) = args  # fmt: skip
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    # this partition's rows of a tile, from M_OFF (all of them with PARTS = 2)
-    BM: gl.constexpr = a_bufs.type.shape[1] if PARTS > 1 else 16 * num_warps
+    BM: gl.constexpr = 16 * num_warps  # this partition's rows of a tile, from M_OFF
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     STORE_W: gl.constexpr = 64 if FOLD > 0 else 128  # `_store_rows`' MAX_W
@@ -790,9 +786,8 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = gl.load(num_tiles_ptr)
-    count = PART * num_k  # the other partition's work items take the K steps between
-    for w in range(gl.program_id(0) + PART * gl.num_programs(0), num_tiles * num_n,
-                   PARTS * gl.num_programs(0)):  # fmt: skip
+    count = 0
+    for w in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
         expert, row0, nrows, pid_n, _ = _work_item(
             w, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles, num_n, GROUP_M, M_OFF
         )
@@ -848,7 +843,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                 _down_store(_side_rows(side_acc), expert, row0 + BM, nrows - BM, pid_n * BN,
                             bias_ptr, y_ptr, topk_weights_ptr, sorted_pairs_ptr, top_k, N,
                             stride_be, stride_ym, HAS_BIAS, ATOMIC, BN)  # fmt: skip
-        count += (PARTS - 1) * num_k
 
 
 @gluon.jit
@@ -858,14 +852,13 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
                 stride_wsn, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                 GROUP_M: gl.constexpr, SCALED: gl.constexpr, CONSUMERS: gl.constexpr,
                 FOLD: gl.constexpr, EVICT_W: gl.constexpr, EARLY: gl.constexpr,
-                PINGPONG: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                num_warps: gl.constexpr):  # fmt: skip
     """y = weight * (h @ w2[e].T + b2[e]) per sorted row (module docstring); N = H, K = I.
     h_desc: h [P, I], block [BM, BK]; side_desc: h, block [FOLD, BK] (FOLD > 0; CONSUMERS = 1,
     not SCALED); w_desc: w2 viewed [E * H, I], block [BN, BK]. y [P, H] by pair, or (ATOMIC)
     out [T, H], zeroed before, by token. SCALED: h and w2 are fp8 with block scales
     (`_down_consumer`): h_scale [P, cdiv(I, 128)] (row stride stride_hs), w_scale [E,
-    cdiv(H, 128), cdiv(I, 128)]. PINGPONG (CONSUMERS = 2, FOLD = 0): the two consumer
-    partitions (num_warps each) take alternate work items, a whole [BM, BN] tile each."""
+    cdiv(H, 128), cdiv(I, 128)]."""
     dtype: gl.constexpr = h_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -877,8 +870,7 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        # PINGPONG: one partition frees each stage, else every consumer partition
-        mbarrier.init(empty.index(i), count=1 if PINGPONG else CONSUMERS)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     consumer = (a_bufs, b_bufs, ready, empty, bias_ptr, y_ptr, topk_weights_ptr,
                 sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, num_tiles_ptr,
                 top_k, N, K, stride_be, stride_ym, h_scale_ptr, stride_hs, w_scale_ptr,
@@ -895,18 +887,6 @@ def down_kernel(h_desc, side_desc, w_desc, bias_ptr, y_ptr, topk_weights_ptr, so
             ],
             [1],
             [PRODUCER_REGS],
-        )
-    elif PINGPONG:  # alternate work items, a whole tile each; no FOLD
-        gl.warp_specialize(
-            [
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, 0, EARLY,
-                                  num_warps, 0, 2)),
-                (_down_consumer, (consumer, HAS_BIAS, ATOMIC, GROUP_M, SCALED, 0, 0, EARLY,
-                                  num_warps, 1, 2)),
-                (_producer, (producer, False, GROUP_M, 0, EVICT_W)),
-            ],
-            [num_warps, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
         )
     else:  # a partition per consumer warpgroup (module docstring); no FOLD
         gl.warp_specialize(

@@ -47,8 +47,6 @@ MIN_ROWS_PER_EXPERT = 32
 # a side tile's rows (wgmma N; 32 would not fit in the shared memory beside 4 stages of
 # 128 x 64 A tiles and 256 x 64 weight tiles and the epilogue's float32 side tile)
 FOLD_ROWS = (0, 16)
-# down_pingpong: one warpgroup's [128, block_n] float32 accumulator in its registers
-PINGPONG_MAX_BLOCK_N = 128
 
 
 @dataclass(frozen=True)
@@ -70,10 +68,7 @@ class GluonConfig:
     (`_gluon_kernels` EVICT_W), so that the activation rows every column block of a tile reads
     stay in L2; zero_in_gate_up (reduce 'atomic'): gate_up zeroes the output down adds into, a
     piece each K step while its wgmma run, instead of a fill kernel before; early_pairs: down
-    loads a tile's pair ids and routing weights before its K loop, not in its epilogue;
-    down_pingpong (unquantized weights): down's two consumer warpgroups take alternate work
-    items, a whole [128, down_block_n <= 128] tile each, so that one's epilogue runs while the
-    other multiplies (`_gluon_kernels` PINGPONG; no folding then)."""
+    loads a tile's pair ids and routing weights before its K loop, not in its epilogue."""
 
     gate_up_block_n: int = 128
     gate_up_block_k: int = 64
@@ -90,7 +85,6 @@ class GluonConfig:
     evict_weights: bool = False
     zero_in_gate_up: bool = False
     early_pairs: bool = False
-    down_pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2):
@@ -98,15 +92,10 @@ class GluonConfig:
         if self.fold_rows not in FOLD_ROWS:
             raise ValueError(f"GluonConfig.fold_rows={self.fold_rows!r}; allowed: "
                              f"{', '.join(map(str, FOLD_ROWS))}")  # fmt: skip
-        if self.down_pingpong and self.down_block_n > PINGPONG_MAX_BLOCK_N:
-            raise ValueError(f"GluonConfig.down_pingpong needs down_block_n <= "
-                             f"{PINGPONG_MAX_BLOCK_N} (a warpgroup's float32 accumulator), "
-                             f"got {self.down_block_n}")  # fmt: skip
 
     def fold_for(self, w: ExpertWeights) -> int:
         """The side rows a tile takes for these weights (0 where folding does not apply)."""
-        applies = (self.consumers == 1 and not self.gate_up_fused and not w.is_quantized
-                   and not self.down_pingpong)  # fmt: skip
+        applies = self.consumers == 1 and not self.gate_up_fused and not w.is_quantized
         return self.fold_rows if applies else 0
 
     @property
@@ -406,15 +395,14 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
     b2 = w.b2 if w.b2 is not None else w.w2
     grid = _grid(h.device, r.max_tiles * triton.cdiv(H, bn))
     fold = _fold(r, cfg, w)
-    pingpong = cfg.down_pingpong and h_scale is None  # fp8 keeps its row split
     gk.down_kernel[grid](
         h_desc, _side_desc(h, fold, bk, h_desc), w_desc, b2, out, topk_weights, r.sorted_pairs,
         r.tile_expert, r.tile_row0, r.tile_rows, r.num_tiles, top_k, H, I, b2.stride(0),
         out.stride(0), *_scale_args(h_scale, w.w2_scale, b2), HAS_BIAS=w.b2 is not None,
         ATOMIC=cfg.reduce == "atomic", STAGES=cfg.down_stages, GROUP_M=cfg.group_m,
-        SCALED=h_scale is not None, CONSUMERS=2 if pingpong else cfg.consumers, FOLD=fold,
-        EVICT_W=cfg.evict_weights, EARLY=cfg.early_pairs, PINGPONG=pingpong,
-        num_warps=gk.NUM_WARPS // 2 if pingpong else cfg.num_warps, maxnreg=gk.MAX_REGS,
+        SCALED=h_scale is not None, CONSUMERS=cfg.consumers, FOLD=fold,
+        EVICT_W=cfg.evict_weights, EARLY=cfg.early_pairs, num_warps=cfg.num_warps,
+        maxnreg=gk.MAX_REGS,
     )  # fmt: skip
     return out
 
