@@ -796,6 +796,9 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
             pair_ok = offs_m < nrows
             pair = gl.load(sorted_pairs_ptr + row0 + offs_m, mask=pair_ok, other=0)
             weight = gl.load(topk_weights_ptr + pair, mask=pair_ok, other=0.0)
+        else:  # `_down_store` loads them
+            pair = None
+            weight = None
         if FOLD > 0:  # accumulator-typed across the loop, as in `_gate_up_consumer`
             side_acc = warpgroup_mma_init(side_zero)
         if SCALED:
@@ -829,14 +832,9 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        if EARLY:
-            _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
-                        sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
-                        STORE_W, pair, weight)  # fmt: skip
-        else:
-            _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
-                        sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC,
-                        STORE_W)  # fmt: skip
+        _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC, STORE_W,
+                    pair, weight)  # fmt: skip
         if FOLD > 0:
             side_acc = warpgroup_mma_wait(num_outstanding=0, deps=(side_acc,))
             if nrows > BM:
