@@ -113,9 +113,9 @@ class GluonConfig:
 # mixtral TP2 1.006 / 1.007 / 0.980, deepseek-v3 EP8 1.012 / 1.027 / 1.037, gpt-oss 1.013 /
 # 1.083 / 1.012. The sum's order of bf16 additions then varies between runs; reduce='sum' is
 # bit-reproducible. The output zeroed by gate_up (no fill kernel) and down's pair ids and weights
-# loaded before its K loop: both over neither (session 40, same probe, 4 rounds) 1.019 / 1.002 /
-# 1.046, 1.008 / 0.954 / 1.011, 1.005 / 1.004 / 1.000, 0.999 / 1.000 / 1.006; each alone
-# 0.997-1.037 (benchmarks/triton_kernel_notes.md, session 40).
+# loaded before its K loop: both over neither (session 40, same probe, second run, 5 rounds)
+# 1.023 / 1.002 / 1.012, 1.006 / 1.007 / 1.012, 1.005 / 1.002 / 0.985, 0.998 / 1.001 / 1.007;
+# each alone 0.997-1.037 in the first run (benchmarks/triton_kernel_notes.md, session 40).
 DEFAULT = GluonConfig(reduce="atomic", evict_weights=True, zero_in_gate_up=True,
                       early_pairs=True)  # fmt: skip
 # fp8 with 128 x 128 weight blocks (block_k = the scale group; gate_up's block_n 64 keeps a gate
