@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_out import option, write_probe
+from probe_out import config_edits, option, write_probe
 
 from moekit.bench import time_ms_interleaved
 from moekit.config import RunnerConfig
@@ -64,9 +64,8 @@ def _w64_kernels():
 @contextlib.contextmanager
 def _variant(module, cache: RunnerCache, fold: str):
     """The layer on `cache`'s runners, the Gluon engine at `fold` (module docstring)."""
-    fold, *edits = fold.split("+")
+    fold, fields = config_edits(fold)
     rows, _, diag = fold.partition("-")
-    fields = {k: int(v) if v.isdigit() else v for k, v in (e.split("=") for e in edits)}
     if rows != "auto":
         fields["fold_rows"] = int(rows)
     plain_config = gluon_ops.config_for

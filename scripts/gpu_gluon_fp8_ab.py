@@ -7,7 +7,9 @@ Per preset shape (uniform random routing, deepseek-v3 EP8 with every pair local)
 BATCHES: bf16 `triton` on the unquantized weights, and the engine on the same weights quantized
 to fp8 (128 x 128 blocks) with `gluon_ops.FP8` and its VARIANTS (consumer partitions, stage
 counts), and the engine in bf16 (`config_for`, and with consumers=2), each checked against the
-torch runner on the same weights first (fp8: its dequantized math).
+torch runner on the same weights first (fp8: its dequantized math). AB_VARIANTS names them
+(comma-separated); a name may end in `+field=value` edits over its config, as in
+scripts/gpu_gluon_fold_ab.py (`fp8 c2+down_stages=6`).
 
 AB_PREV_KERNELS=<path of another `_gluon_kernels.py`> (e.g. `git show REV:src/moekit/runners/
 triton_kernel/_gluon_kernels.py > scripts/_prev_gluon_kernels.py`) adds each variant's twin
@@ -24,7 +26,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_out import write_probe
+from probe_out import config_edits, write_probe
 
 from moekit.bench import time_ms_interleaved
 from moekit.quant import quantize_experts
@@ -62,6 +64,13 @@ VARIANTS = {
 }
 AB = [n for n in os.environ.get("AB_VARIANTS", ",".join(VARIANTS)).split(",") if n]
 PREV = os.environ.get("AB_PREV_KERNELS")
+
+
+def _variant(name: str) -> tuple[bool, dict]:
+    """A variant name (`VARIANTS`, maybe with `+field=value` edits) -> (fp8 weights, edits)."""
+    base, extra = config_edits(name.removesuffix(" prev"))
+    fp8, edits = VARIANTS[base]
+    return fp8, {**edits, **extra}
 
 
 def _prev_kernels():
@@ -107,10 +116,10 @@ def main() -> None:
             fns = {"bf16 triton": lambda: triton_ops.fused_moe(x, topk, w, act)}
             refs = {fp8: TorchRunner().run(StandardDispatchOutput(x, topk), wq if fp8 else w,
                                            act).out.float()
-                    for fp8 in {VARIANTS[n][0] for n in AB}}  # fmt: skip
+                    for fp8 in {_variant(n)[0] for n in AB}}  # fmt: skip
             errs = {}
             for name in AB:
-                fp8, edits = VARIANTS[name]
+                fp8, edits = _variant(name)
                 wn = wq if fp8 else w
                 cfg = replace(gluon_ops.config_for(wn), **edits)
                 fns[name] = (lambda c=cfg, wn=wn: gluon_ops.fused_moe(x_TH, ids, weights, wn, act,
@@ -118,7 +127,7 @@ def main() -> None:
                 if prev is not None:
                     fns[f"{name} prev"] = _running(prev, fns[name])
             for name in names:
-                ref = refs[VARIANTS[name.removesuffix(" prev")][0]]
+                ref = refs[_variant(name)[0]]
                 errs[name] = ((fns[name]().float() - ref).norm() / ref.norm()).item()
             refs = None
             ms = time_ms_interleaved(fns, dev, rounds=ROUNDS)
@@ -131,7 +140,7 @@ def main() -> None:
         w = wq = None
         torch.cuda.empty_cache()
     write_probe("gluon_fp8_ab.json", {"rounds": ROUNDS, "fp8_config": vars(gluon_ops.FP8),
-                                      "variants": {n: VARIANTS[n] for n in AB},
+                                      "variants": {n: _variant(n) for n in AB},
                                       "prev_kernels": PREV,
                                       "results": recs})  # fmt: skip
 

@@ -61,3 +61,11 @@ def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0
             yield f"{model} tp{tp} ep{ep} {fmt} T={T}", T, module, sets
         del module
         torch.cuda.empty_cache()
+
+
+def config_edits(spec: str) -> tuple[str, dict]:
+    """'base+field=value+...' -> (base, {field: value}): a probe's variant of a config, for
+    `dataclasses.replace(config, **edits)` (values of digits as int)."""
+    base, *edits = spec.split("+")
+    pairs = (e.split("=", 1) for e in edits)
+    return base, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
