@@ -266,6 +266,12 @@ def _gather_producer(args, GROUP_M: gl.constexpr, FUSED: gl.constexpr, FOLD: gl.
             count += 1
 
 
+@gluon.constexpr_function
+def _piece(dtype, num_warps):
+    """Elements of a `_zero_piece`: 16 bytes a thread of num_warps warps."""
+    return 128 // dtype.primitive_bitwidth * 32 * num_warps
+
+
 @gluon.jit
 def _zero_piece(zero_ptr, zero_numel, i):
     """Zeros over piece i of this program's share of zero_ptr [zero_numel] (a piece: 16 bytes a
@@ -273,7 +279,7 @@ def _zero_piece(zero_ptr, zero_numel, i):
     once past zero_numel (a multiple of 16 bytes)."""
     VEC: gl.constexpr = 128 // zero_ptr.dtype.element_ty.primitive_bitwidth
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
-    PIECE: gl.constexpr = VEC * 32 * gl.num_warps()
+    PIECE: gl.constexpr = _piece(zero_ptr.dtype.element_ty, gl.num_warps())
     start = (gl.program_id(0) + i * gl.num_programs(0)).to(gl.int64) * PIECE
     if start < zero_numel:
         offs = start + gl.arange(0, PIECE, layout=layout)
@@ -285,8 +291,7 @@ def _zero_piece(zero_ptr, zero_numel, i):
 def _zero_rest(zero_ptr, zero_numel, done):
     """This program's pieces from `done` on (`_zero_piece`): after its work items, whose K steps
     each zeroed one."""
-    PIECE: gl.constexpr = 128 // zero_ptr.dtype.element_ty.primitive_bitwidth * 32 * gl.num_warps()
-    pieces = gl.cdiv(zero_numel, PIECE)
+    pieces = gl.cdiv(zero_numel, _piece(zero_ptr.dtype.element_ty, gl.num_warps()))
     for i in range(done, gl.cdiv(pieces - gl.program_id(0), gl.num_programs(0))):
         _zero_piece(zero_ptr, zero_numel, i)
 

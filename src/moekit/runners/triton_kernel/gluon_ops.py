@@ -424,12 +424,11 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     if cfg is None:
         cfg = config_for(w, x_TH.shape[0] * ids.shape[1] * local_share / max(w.num_experts, 1))
     r = route(ids, E, gk.BLOCK_M, cfg.fold_for(w))
-    atomic = cfg.reduce == "atomic"
-    out = None
-    if atomic:  # down adds into it: zeroed by gate_up on the way, or by a fill kernel now
-        make = torch.empty if cfg.zero_in_gate_up else torch.zeros
-        out = make(T, H, dtype=x_TH.dtype, device=x_TH.device)
-    zero = out if atomic and cfg.zero_in_gate_up else None
+    out = None  # reduce 'atomic': down adds into it, zeroed by gate_up on the way or a fill now
+    if cfg.reduce == "atomic":
+        out = (torch.empty if cfg.zero_in_gate_up else torch.zeros)(
+            T, H, dtype=x_TH.dtype, device=x_TH.device)
+    zero = out if cfg.zero_in_gate_up else None
     if w.format == "fp8_w8a8":  # block-wise: both GEMM inputs quantized per group of 128
         from moekit.quant.act_quant import quantize_act
 
@@ -438,7 +437,7 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
         h, hs = quantize_act(h, "token_group", FP8_DTYPE, group_size=FP8_BLOCK[1])
     else:
         h, hs = gate_up(x_TH, r, w, act, cfg, K, zero=zero), None
-    if atomic:
+    if out is not None:
         return down(h, r, w, cfg, weights.view(-1), K, out, hs)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
     y = down(h, r, w, cfg, weights.view(-1), K, y, hs)
