@@ -319,9 +319,10 @@ def compile_kernels_for_sm90() -> None:
     down_consts = {**down_consts, "STAGES": fp8.down_stages, "SCALED": True}
     down_sig = {**down_sig, "h_desc": hd.__mangle__(), "side_desc": hd.__mangle__(),
                 "w_desc": w2d.__mangle__()}  # fmt: skip
-    for variant in ({}, split):
+    for variant in ({}, split, {**split, "ATOMIC": True, "EARLY": True}):  # the last: FP8's
         ptx = _compile_sm90(gk.down_kernel, down_sig, {**down_consts, **variant})
         assert "e4m3.e4m3" in ptx
+    assert "red.global" in ptx
 
 
 def _skip_unless_engine(x, w, act):
@@ -398,18 +399,25 @@ def test_odd_shapes_match_reference_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gather", "copy", "fused", "split", "fold"])
+@pytest.mark.parametrize("variant", ["gather", "copy", "fused", "split", "fold", "fp8"])
 @pytest.mark.parametrize("masked", [0.0, 1.0])
 def test_gate_up_zeroes_the_tensor_it_is_given_gpu(variant, masked):
     """gate_up(zero=t) leaves every element of t zero, whatever it held: pieces zeroed during
     the K steps and the rest after (all of them where every id is masked: no work items), in
-    each consumer variant."""
+    each consumer variant (fp8: FP8's scaled, fused gate_up of two consumer partitions)."""
+    from moekit.quant import quantize_experts
+    from moekit.quant.act_quant import quantize_act
+    from moekit.quant.spec import FP8_DTYPE
     from moekit.runners.triton_kernel.routing import route
 
     E, H, I, T, K = 6, 328, 200, 1500, 3
+    if variant == "fp8":  # the fp8 engine's shape rules: H a multiple of 16, I of 64
+        H, I = 320, 192
     cfg = {"gather": gluon_ops.DEFAULT, "copy": COPY, "fused": FUSED, "split": SPLIT,
-           "fold": replace(gluon_ops.DEFAULT, fold_rows=16)}[variant]  # fmt: skip
+           "fold": replace(gluon_ops.DEFAULT, fold_rows=16), "fp8": gluon_ops.FP8}[variant]  # fmt: skip
     w = make_weights(E, H, I, torch.bfloat16, True)
+    if variant == "fp8":
+        w = quantize_experts(w, "fp8_w8a8")
     act = ActivationSpec("swiglu_oai", interleaved=True)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     _skip_unless_engine(x, w, act)
@@ -417,7 +425,11 @@ def test_gate_up_zeroes_the_tensor_it_is_given_gpu(variant, masked):
     r = route(topk.ids, E, 128, cfg.fold_for(w))
     # several 2048-element pieces a program beyond its few K steps, and a short last piece
     zero = torch.full((5 * 132 * 2048 + 8,), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gluon_ops.gate_up(x, r, w, act, cfg, K, zero=zero)
+    if variant == "fp8":
+        xq, xs = quantize_act(x, "token_group", FP8_DTYPE, group_size=gluon_ops.FP8_BLOCK[1])
+        gluon_ops.gate_up(xq, r, w, act, cfg, K, x_scale=xs, out_dtype=x.dtype, zero=zero)
+    else:
+        gluon_ops.gate_up(x, r, w, act, cfg, K, zero=zero)
     torch.cuda.synchronize()
     assert int(torch.count_nonzero(zero)) == 0 and not zero.isnan().any()
 
@@ -482,6 +494,9 @@ def test_fp8_block_matches_reference_gpu(case):
     assert rel_err(_gluon(x, topk, w, act, fused), ref) < 3e-2  # the other gate_up layout
     split = replace(gluon_ops.FP8, consumers=3 - gluon_ops.FP8.consumers)
     assert rel_err(_gluon(x, topk, w, act, split), ref) < 3e-2  # the other consumer count
+    # the deterministic sum over K (rows stored by pair), pairs loaded in the epilogue
+    summed = replace(gluon_ops.FP8, reduce="sum", early_pairs=False)
+    assert rel_err(_gluon(x, topk, w, act, summed), ref) < 3e-2
 
 
 @pytest.mark.gpu
@@ -544,11 +559,12 @@ def test_fold_matches_reference_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["unquantized", "unquantized-sum", "fp8_w8a8", "unquantized-fold"])
+@pytest.mark.parametrize("fmt", ["unquantized", "unquantized-sum", "fp8_w8a8", "fp8_w8a8-sum",
+                                 "unquantized-fold"])  # fmt: skip
 def test_cuda_graph_replay_equals_eager_gpu(fmt):
-    """Replay equals eager: bit-identical with reduce 'sum' (fp8's config), within rounding
-    with 'atomic' (the order of the bf16 additions varies). The graph's output holds the
-    previous replay's result, so a piece gate_up failed to zero would show."""
+    """Replay equals eager: bit-identical with reduce 'sum', within rounding with 'atomic' (the
+    default: the order of the bf16 additions varies). The graph's output holds the previous
+    replay's result, so a piece gate_up failed to zero would show."""
     from moekit.quant import quantize_experts
 
     E, K, H, I, T = 32, 4, 1024, 512, 1500
@@ -558,7 +574,11 @@ def test_cuda_graph_replay_equals_eager_gpu(fmt):
     _skip_unless_engine(x, w, act)
     topk = make_topk(T, K, E)
     static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-    cfg = {"fold": FOLD, "sum": SUM}.get(fmt.partition("-")[2], gluon_ops.config_for(w))
+    cfg = gluon_ops.config_for(w)
+    if fmt.endswith("-sum"):
+        cfg = replace(cfg, reduce="sum")
+    elif fmt.endswith("-fold"):
+        cfg = FOLD
 
     def step():
         return _gluon(static_x, TopKOutput(static_w, static_ids), w, act, cfg)

@@ -130,9 +130,17 @@ FP8_BLOCK = (128, 128)
 # (results/ab/20261122T1851Z_*, 1855Z_*): 4 stages faster than 5 at all 8 points of the second
 # run (0.1-3.1%); group_m 4 over 8 at 6 of 8 (up to 8.7%, gpt-oss T = 4096), 0.3-0.8% slower on
 # qwen3.
+# The epilogue and cache policy as DEFAULT's (the top-k sum added into the output that gate_up
+# zeroes, down's pairs and weights loaded before its K loop, evict-first weights of single-tile
+# experts) over the deterministic sum: timed in turns on the H100 (scripts/gpu_gluon_fp8_ab.py,
+# 4 rounds, two runs; benchmarks/triton_kernel_notes.md, session 41), T = 256 / 1024 / 4096 /
+# 16384, second run: qwen3 1.110 / 1.086 / 1.088 / 1.093, mixtral TP2 1.065 / 1.012 / 1.018 /
+# 1.034, deepseek-v3 (all local) 1.092 / 1.063 / 1.043 / 1.024, gpt-oss 1.009 / 0.989 / 1.025 /
+# 1.045.
 FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=4, down_block_n=128,
                   down_block_k=128, down_stages=4, group_m=4, gate_up_fused=True,
-                  consumers=2)  # fmt: skip
+                  consumers=2, reduce="atomic", evict_weights=True, zero_in_gate_up=True,
+                  early_pairs=True)  # fmt: skip
 # gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
 # copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
 # elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
