@@ -15,8 +15,8 @@ src/moekit/configs/triton_kernel/, a heuristic table elsewhere.
 
 On sm_90 with Triton >= 3.9, large batches run the GEMMs as warp-specialized Gluon kernels
 instead (`gluon_ops`: a TMA producer warp, two wgmma warpgroups; MOEKIT_TRITON_KERNEL_ENGINE);
-in bf16 their top-k sum is the atomic one, into an output their gate_up zeroes on the way
-(`gluon_ops.DEFAULT`).
+their top-k sum (bf16 and fp8) is the atomic one, into an output their gate_up zeroes on the
+way (`gluon_ops.DEFAULT`, `gluon_ops.FP8`).
 
 Supports: the standard dispatch format (not masked), unquantized weights (and, in the Gluon
 engine only, fp8_w8a8 with 128 x 128 block scales and per-token-group activations), activations

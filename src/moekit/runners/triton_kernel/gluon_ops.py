@@ -137,10 +137,9 @@ FP8_BLOCK = (128, 128)
 # 16384, second run: qwen3 1.110 / 1.086 / 1.088 / 1.093, mixtral TP2 1.065 / 1.012 / 1.018 /
 # 1.034, deepseek-v3 (all local) 1.092 / 1.063 / 1.043 / 1.024, gpt-oss 1.009 / 0.989 / 1.025 /
 # 1.045.
-FP8 = GluonConfig(gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=4, down_block_n=128,
-                  down_block_k=128, down_stages=4, group_m=4, gate_up_fused=True,
-                  consumers=2, reduce="atomic", evict_weights=True, zero_in_gate_up=True,
-                  early_pairs=True)  # fmt: skip
+FP8 = replace(DEFAULT, gate_up_block_n=64, gate_up_block_k=128, gate_up_stages=4,
+              down_block_n=128, down_block_k=128, down_stages=4, group_m=4, gate_up_fused=True,
+              consumers=2)  # fmt: skip
 # gate_up gathers x's rows in its producer below this intermediate size, else reads a sorted
 # copy through TMA. Same A/B: the copy's share of the work falls with I (it moves P * H
 # elements twice, the GEMMs 6 * P * H * I FLOPs): gathering gained 6-9% on qwen3 (I 768) and
@@ -246,6 +245,12 @@ def unavailable_reason(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec) -
     return _gluon_import_error()
 
 
+def _mean_rows(num_tokens: int, top_k: int, local_share: float, w: ExpertWeights) -> float:
+    """Mean rows per local expert of a call: its local pairs (an EP rank's share of the
+    num_tokens * top_k) over the experts."""
+    return num_tokens * top_k * local_share / max(w.num_experts, 1)
+
+
 def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: int,
                local_share: float = 1.0) -> str:  # fmt: skip
     """'gluon' or 'triton' for a call, from MOEKIT_TRITON_KERNEL_ENGINE: auto takes this
@@ -265,8 +270,7 @@ def engine_for(x: torch.Tensor, w: ExpertWeights, act: ActivationSpec, top_k: in
         return "gluon"
     if mode == "triton":
         return "triton"
-    rows = x.shape[0] * top_k * local_share / max(w.num_experts, 1)
-    if mode == "auto" and rows < MIN_ROWS_PER_EXPERT:
+    if mode == "auto" and _mean_rows(x.shape[0], top_k, local_share, w) < MIN_ROWS_PER_EXPERT:
         return "triton"
     reason = unavailable_reason(x, w, act)
     if reason is not None:
@@ -430,7 +434,7 @@ def fused_moe(x_TH: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: E
     K = ids.shape[1]
     E = w.num_experts
     if cfg is None:
-        cfg = config_for(w, x_TH.shape[0] * ids.shape[1] * local_share / max(w.num_experts, 1))
+        cfg = config_for(w, _mean_rows(T, K, local_share, w))
     r = route(ids, E, gk.BLOCK_M, cfg.fold_for(w))
     out = None  # reduce 'atomic': down adds into it, zeroed by gate_up on the way or a fill now
     if cfg.reduce == "atomic":
