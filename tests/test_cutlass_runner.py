@@ -204,10 +204,11 @@ def test_weighted_reduce_ignores_garbage_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["gather", "rows", "silu", "swiglu_oai+bias"])
-def test_gemm_rows_kernel_matches_twin(dtype, mode):
+@pytest.mark.parametrize("rows_hint", [None, 1])
+def test_gemm_rows_kernel_matches_twin(dtype, mode, rows_hint):
     """The bf16 / fp16 / fp32 paths (copy, gather, activation) on every device; rows of expert
     -1 and rows past `used` are left unwritten by the kernel. C = 200: a partial last group of
-    128 columns."""
+    128 columns. rows_hint 1: one row program loops over the three row tiles in use."""
     if not kernels.HAS_TRITON:
         pytest.skip("triton not importable")
     T, M, C, E = 5, 12, 200, 3
@@ -224,7 +225,9 @@ def test_gemm_rows_kernel_matches_twin(dtype, mode):
         kw["act"] = ActivationSpec(name, interleaved=name == "swiglu_oai")
         kw["b13_EN"] = torch.randn(E, 2 * C).to(KDEV, dtype) if bias else None
     used = torch.tensor([M - 2], dtype=torch.int32).to(KDEV)
-    got, s = kernels.gemm_rows_triton(src, expert, used=used, **kw)
+    til = kernels.RowsTiling(block_r=4) if rows_hint else None  # 3 row tiles, 1 program
+    got, s = kernels.gemm_rows_triton(src, expert, used=used, rows_hint=rows_hint, tiling=til,
+                                      **kw)  # fmt: skip
     ref, _ = kernels.gemm_rows_torch(src, expert, **kw)
     keep = (expert >= 0) & (torch.arange(M).to(KDEV) < M - 2)
     assert s is None and got.shape == (M, C)
@@ -250,15 +253,17 @@ def test_gemm_rows_twin_quantizes_like_quantize_act():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act, H", [(None, 7168), ("silu", 7168), ("swiglu_oai", 2880)])
+@pytest.mark.parametrize("act, H", [(None, 7168), ("rows", 7168), ("silu", 7168),
+                                    ("swiglu_oai", 2880)])  # fmt: skip
 def test_gemm_rows_fp8_kernel_matches_twin_gpu(act, H):
-    """The fp8 paths bit for bit against the twin; swiglu_oai as gpt-oss has it (interleaved
-    gate / up columns, biases, H off the 128-column grid)."""
+    """The fp8 paths bit for bit against the twin: the gather with the tokens quantized first
+    (None) and with each gathered row quantized ('rows'); swiglu_oai as gpt-oss has it
+    (interleaved gate / up columns, biases, H off the 128-column grid)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     T, M, R, E = 50, 256, 128, 4
     expert = torch.randint(-1, E, (M,), dtype=torch.int32, device="cuda")
-    if act is None:
+    if act in (None, "rows"):
         src = (torch.randn(T, H, device="cuda") * 3).to(torch.bfloat16)
         kw = {"token_M": torch.randint(0, T, (M,), device="cuda")}
     else:
@@ -267,7 +272,8 @@ def test_gemm_rows_fp8_kernel_matches_twin_gpu(act, H):
         kw = {"act": ActivationSpec(act, interleaved=interleaved)}
         if interleaved:
             kw["b13_EN"] = torch.randn(E, 2 * H, device="cuda").to(torch.bfloat16)
-    q, s = kernels.gemm_rows_triton(src, expert, quant=True, rows_per_group=R, **kw)
+    first = {"tokens_first": act is None} if act in (None, "rows") else {}
+    q, s = kernels.gemm_rows_triton(src, expert, quant=True, rows_per_group=R, **kw, **first)
     q_ref, s_ref = kernels.gemm_rows_torch(src, expert, quant=True, rows_per_group=R, **kw)
     keep = expert >= 0
     assert torch.equal(q[keep].float(), q_ref[keep].float())

@@ -84,6 +84,22 @@ def test_standard_contiguous(shape, T, fp8):
         assert rel_err(out, moe_reference_fp64(x, topk, w, act)) <= TOLERANCE[torch.bfloat16]
 
 
+def test_fp8_gather_quantization_paths_agree():
+    """The fp8 gather quantizes the tokens first (all-local pairs) or each gathered row (an EP
+    rank's local share, `ROW_QUANT_MAX_PAIRS`): the same output bit for bit."""
+    from moekit.runners import deep_gemm
+
+    E, K, H, I = SHAPES["deepseek-v3-ep8"]
+    w = _weights(E, H, I, True)
+    x = torch.randn(300, H, device="cuda").to(torch.bfloat16)
+    topk = _topk(300, E, K, masked=True)
+    act = ActivationSpec("silu")
+    share = deep_gemm.ROW_QUANT_MAX_PAIRS / K  # rows: K * share is not above the bound
+    rows = _runner().run(StandardDispatchOutput(x, topk, local_share=share), w, act).out
+    tokens = _runner().run(StandardDispatchOutput(x, topk, local_share=1.0), w, act).out
+    assert torch.equal(rows, tokens)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", list(ODD_SHAPES))
 @pytest.mark.parametrize("T", [3, 700])

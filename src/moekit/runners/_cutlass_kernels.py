@@ -9,9 +9,9 @@ plain-PyTorch twin of the same signature (used on CPU, and by the tests as the r
   the activation of the gate/up pre-activations h [M, 2I] (+ the row's expert's bias b13;
   before the second), optionally quantized to fp8 e4m3 per
   row and 128 columns with the scales written MN-major (DeepGEMM's layout; a gather quantizes
-  the tokens once and copies fp8 rows). Rows of expert -1 are skipped (left undefined) and the
-  programs stop at the rows in use, so padding and the slack of the static row bound cost no
-  memory traffic.
+  the tokens once and copies fp8 rows, or quantizes each row it gathers). Rows of expert -1
+  are skipped (left undefined) and the programs stop at the rows in use, so padding and the
+  slack of the static row bound cost no memory traffic.
 
 Numerics follow the reference runner: bias add and activation in float32, the result rounded to
 the activation dtype; the top-k sum in float32.
@@ -362,9 +362,17 @@ def gemm_rows_triton(
     rows_per_group: int = 1,
     used: torch.Tensor | None = None,
     tiling: RowsTiling | None = None,
+    tokens_first: bool = True,
+    rows_hint: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `gemm_rows_torch`; rows of expert -1 and rows at or past `used` (int32
-    [1] on the device: the rows in use, default all) are left unwritten."""
+    [1] on the device: the rows in use, default all) are left unwritten. tokens_first (an fp8
+    gather): quantize the tokens of src once, then copy fp8 rows and scales (where a token is
+    gathered into several rows), or quantize each gathered row (where most tokens are gathered
+    once or not at all: an EP rank's); the same values either way, the quantization being per
+    row. rows_hint: the rows expected in use (default M), which sizes the grid: the programs
+    loop over row tiles up to `used` whatever it is, and on an EP rank the static bound M is
+    about ep times the rows in use, whose empty programs cost more than the copy."""
     M = expert_M.shape[0]
     C = src.shape[1] // 2 if act is not None else src.shape[1]
     dev = src.device
@@ -381,12 +389,11 @@ def gemm_rows_triton(
     if tiling is None:
         tiling = ROWS_TILING if act is None else ROWS_TILING_ACT
     src_s = None
-    if quant and token_M is not None:
-        # Gathering: each token is read by up to K rows, so quantize the tokens once and copy
-        # fp8 rows (the same values: the quantization is per row).
+    if quant and token_M is not None and tokens_first:
         src, src_s = quantize_act(src, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
     block_g = min(tiling.block_g, triton.next_power_of_2(n_groups))
-    grid = (min(triton.cdiv(M, tiling.block_r), tiling.programs), triton.cdiv(n_groups, block_g))
+    row_tiles = triton.cdiv(min(M, rows_hint or M), tiling.block_r)
+    grid = (max(1, min(row_tiles, tiling.programs)), triton.cdiv(n_groups, block_g))
     _gemm_rows_kernel[grid](
         src,
         q,
@@ -437,7 +444,10 @@ def weighted_reduce(
     return fn(y_MH, row_TK, weights_TK, ids_TK, b2_EH, hidden, out_dtype)
 
 
-def gemm_rows(src, expert_M, *, use_triton: bool, used=None, **kw):
+def gemm_rows(src, expert_M, *, use_triton: bool, used=None, tokens_first: bool = True,
+              rows_hint: int | None = None, **kw):  # fmt: skip
+    """`gemm_rows_triton` or its twin (which takes no launch hints)."""
     if use_triton:
-        return gemm_rows_triton(src, expert_M, used=used, **kw)
+        return gemm_rows_triton(src, expert_M, used=used, tokens_first=tokens_first,
+                                rows_hint=rows_hint, **kw)  # fmt: skip
     return gemm_rows_torch(src, expert_M, **kw)

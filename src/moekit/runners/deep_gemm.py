@@ -33,6 +33,8 @@ first call of each GEMM shape compiles a kernel (about 10-60 s, then cached on d
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moekit.config import ACTIVATIONS
@@ -46,6 +48,10 @@ from moekit.runners.registry import register
 from moekit.stages import (
     MASKED,
     STANDARD,
+    DispatchOutput,
+    RunnerOutput,
+    StandardDispatchOutput,
+    StandardRunnerOutput,
 )
 
 LIBRARY = "sgl-deep-gemm"
@@ -54,6 +60,10 @@ SHAPE_ALIGN = 16  # H and I must be multiples of this: TMA rows start on 16 byte
 FP8_BLOCK = (128, 128)
 ACT_GROUP = kernels.FP8_GROUP  # activation scale group: DeepGEMM's 1x128
 CONTIGUOUS_ALIGN = 128  # rows per expert in the contiguous layout: the kernel's row tile
+# The fp8 gather quantizes each row it gathers, instead of every token first, where a token
+# has at most this many local pairs on average (K x the dispatcher's local share: about 1 on an
+# EP rank that sees every token, with a third of the tokens holding none).
+ROW_QUANT_MAX_PAIRS = 1.5
 
 
 def spec_problem(spec) -> str | None:
@@ -187,8 +197,22 @@ class DeepGemmRunner(Runner):
 
     # ------------------------------------------------------------------ formats
 
-    def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec) -> torch.Tensor:
-        """x [T, H] bf16, topk [T, K] -> out [T, H] bf16 (contiguous layout)."""
+    def run(
+        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
+    ) -> RunnerOutput:
+        """`Runner.run`, with the dispatcher's local share passed to `run_standard`."""
+        if not isinstance(dispatch_out, StandardDispatchOutput):
+            return super().run(dispatch_out, weights, act)
+        self.check(dispatch_out, weights, act)
+        return StandardRunnerOutput(self.run_standard(
+            dispatch_out.x, dispatch_out.topk, weights, act, dispatch_out.local_share))  # fmt: skip
+
+    def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec,
+                     local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
+        """x [T, H] bf16, topk [T, K] -> out [T, H] bf16 (contiguous layout). local_share: the
+        expected share of a token's pairs that are local (`StandardDispatchOutput`), which
+        picks how the fp8 gather quantizes (ROW_QUANT_MAX_PAIRS) and sizes the row kernels'
+        grids; results do not depend on it."""
         fp8 = self._check(x_TH, w)
         T, H = x_TH.shape
         if T == 0:
@@ -200,9 +224,14 @@ class DeepGemmRunner(Runner):
         # on a 128-row tile
         ends = rows.ends_E - torch.remainder(-rows.counts_E, CONTIGUOUS_ALIGN)
         used = rows.ends_E[-1:]  # rows past the last group are the static bound's slack
-        xa, xs = self._rows(x_TH, expert_M, fp8, M, token_M=rows.token_M, used=used)
+        pairs = T * topk.ids.shape[1] * local_share  # expected local pairs
+        hint = math.ceil(pairs) + w.num_experts * CONTIGUOUS_ALIGN  # and their groups' padding
+        first = pairs > ROW_QUANT_MAX_PAIRS * T
+        xa, xs = self._rows(x_TH, expert_M, fp8, M, token_M=rows.token_M, used=used,
+                            tokens_first=first, rows_hint=hint)  # fmt: skip
         h = self._gemm(xa, xs, w.w13, w.w13_scale, ends, M, False, CONTIGUOUS_ALIGN)
-        aa, as_ = self._rows(h, expert_M, fp8, M, act=act, b13_EN=w.b13, used=used)
+        aa, as_ = self._rows(h, expert_M, fp8, M, act=act, b13_EN=w.b13, used=used,
+                             rows_hint=hint)  # fmt: skip
         y = self._gemm(aa, as_, w.w2, w.w2_scale, ends, M, False, CONTIGUOUS_ALIGN)
         return kernels.weighted_reduce(
             y, rows.row_TK, topk.weights, topk.ids, w.b2, H, x_TH.dtype, use_triton=tri
