@@ -393,7 +393,7 @@ def gemm_rows_triton(
         src, src_s = quantize_act(src, "token_group", torch.float8_e4m3fn, group_size=FP8_GROUP)
     block_g = min(tiling.block_g, triton.next_power_of_2(n_groups))
     row_tiles = triton.cdiv(min(M, rows_hint or M), tiling.block_r)
-    grid = (max(1, min(row_tiles, tiling.programs)), triton.cdiv(n_groups, block_g))
+    grid = (min(row_tiles, tiling.programs), triton.cdiv(n_groups, block_g))
     _gemm_rows_kernel[grid](
         src,
         q,
