@@ -21,6 +21,18 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+if HAS_TRITON:
+    import triton.language as tl
+
+    from moekit.quant._act_kernels import div_by_scale
+
+    @triton.jit
+    def _both_divisions(x_ptr, s_ptr, a_ptr, b_ptr, BLOCK: tl.constexpr):
+        """Program p: a = div_rn(x, s[p]), b = div_by_scale(x, s[p]) over x[p * BLOCK, +BLOCK)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x, s = tl.load(x_ptr + offs), tl.load(s_ptr + tl.program_id(0))
+        tl.store(a_ptr + offs, tl.div_rn(x, s))
+        tl.store(b_ptr + offs, div_by_scale(x, s))
 # Kernel tests run on the GPU where there is one, else in the Triton CPU interpreter.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -151,6 +163,29 @@ def test_kernel_strided_input():
     q, s = quantize_act(x, "token_group", torch.int8)
     q_ref, s_ref = quantize_act_ref(x, "token_group", torch.int8)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+@needs_triton
+def test_div_by_scale_is_div_rn():
+    """The kernels' x / s by one reciprocal a scale and an fma correction equals tl.div_rn for
+    dynamic scales (|x| <= 448 s): every finite bf16 value x against 48 scales of random
+    magnitude, bit for bit where |x| >= 2^-100 and x / s is a normal float32 number, and after
+    the fp8 cast (by torch: the interpreter's is wrong) everywhere."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = bits.float()[torch.isfinite(bits.float())]
+    amax = torch.exp2(torch.randint(-40, 120, (48,)).float()) * (1 + torch.rand(48))
+    block = 4096
+    xs = [every[every.abs() <= a] for a in amax]
+    xs = [torch.nn.functional.pad(x, (0, -len(x) % block)).view(-1, block) for x in xs]
+    s = torch.cat([(a / 448).expand(len(x)) for a, x in zip(amax, xs)]).to(DEV)
+    x = torch.cat(xs).to(DEV)
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    _both_divisions[(x.shape[0],)](x, s, a, b, BLOCK=block)
+    normal = (x.abs() >= 2.0**-100) & (a.abs() >= torch.finfo(torch.float32).tiny)
+    assert normal.float().mean() > 0.5
+    assert torch.equal(a[normal], b[normal])
+    assert torch.equal(a.clamp(-448, 448).cpu().to(FP8).view(torch.uint8),
+                       b.clamp(-448, 448).cpu().to(FP8).view(torch.uint8))  # fmt: skip
 
 
 def test_errors():

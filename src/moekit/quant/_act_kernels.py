@@ -8,6 +8,19 @@ import triton.language as tl
 
 
 @triton.jit
+def div_by_scale(x, s):
+    """x / s rounded to nearest as `tl.div_rn(x, s)`, with one division per scale, for a
+    dynamic scale s = max(amax |x's group|, eps) / qmax broadcast over its group (so s is
+    normal and |x / s| <= qmax): q = x * (1 / s), corrected by its fma residual (Markstein).
+    It differs from div_rn only where |x| < 2^-100 or x / s is subnormal (the residual
+    underflows), far below the smallest fp8 or int8 step: the quantized values are the same. A division a value was
+    about a third of the instructions of an fp8 activation kernel."""
+    r = tl.div_rn(1.0, s)
+    q = x * r
+    return tl.fma(-tl.fma(q, s, -x), r, q)  # the residual x - q s, so that x = -0 gives -0
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,
@@ -63,7 +76,7 @@ def _quant_rows_kernel(
         amax = tl.max(tl.abs(x), axis=1)
         s = tl.div_rn(tl.maximum(amax, eps), qmax)
         tl.store(s_ptr + t * stride_st + g, s, mask=g < n_groups)
-        y = tl.div_rn(x, s[:, None])
+        y = div_by_scale(x, s[:, None])
     y = tl.minimum(tl.maximum(y, -qmax), qmax)
     if ROUND_INT:
         r = tl.floor(y + 0.5)

@@ -33,6 +33,7 @@ try:  # Triton is optional: the twins below run everywhere.
     import triton
     import triton.language as tl
 
+    from moekit.quant._act_kernels import div_by_scale
     from moekit.runners._triton_common import ACT_CODES, activate as activate_tl
 
     HAS_TRITON = True
@@ -267,7 +268,7 @@ if HAS_TRITON:
             elif QUANT:
                 xf = x.to(tl.float32)
                 s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=2), eps), qmax)  # [R, G]
-                y = tl.minimum(tl.maximum(tl.div_rn(xf, s[:, :, None]), -qmax), qmax)
+                y = tl.minimum(tl.maximum(div_by_scale(xf, s[:, :, None]), -qmax), qmax)
                 tl.store(out, y.to(q_ptr.dtype.element_ty), mask=mask)
                 tl.store(s_ptr + s_off, s, mask=s_mask)
             else:

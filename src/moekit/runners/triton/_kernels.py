@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moekit.quant._act_kernels import div_by_scale
 from moekit.runners._triton_common import (
     activate,
     desc_w_tile,
@@ -295,7 +296,7 @@ def _quant_a_tile(a):
     to +-448 and rounded to e4m3."""
     af = a.to(tl.float32)
     s = tl.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10), 448.0)
-    y = tl.div_rn(af, s[:, None])
+    y = div_by_scale(af, s[:, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     return y.to(tl.float8e4nv), s
 
