@@ -1,7 +1,7 @@
 """fp8 block-wise against bf16 on the same routing, timed in turns (issue 4's large-batch ratio).
 
     PYTHONPATH=src python3 scripts/gpu_fp8_vs_bf16.py [--batches 4096,16384] [--fp8 auto,triton]
-        # writes $OUT/fp8_vs_bf16.json
+        [--models qwen3-30b-a3b,...] [--out NAME]    # writes $OUT/NAME.json (fp8_vs_bf16.json)
 
 For each preset at the issue's parallel shape (mixtral-8x7b TP2, deepseek-v3 EP8 with rank 0
 seeing every token, as `moekit bench` runs them) and each batch size: the bf16 layer on the
@@ -73,7 +73,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
             del bf16, fp8_layers, fns, sets
             torch.cuda.empty_cache()
-    write_probe("fp8_vs_bf16.json", {"points": points, "argv": sys.argv[1:]})
+    write_probe(option("--out", "fp8_vs_bf16") + ".json", {"points": points, "argv": sys.argv[1:]})
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ ACT_GROUP = kernels.FP8_GROUP  # activation scale group: DeepGEMM's 1x128
 CONTIGUOUS_ALIGN = 128  # rows per expert in the contiguous layout: the kernel's row tile
 # The fp8 gather quantizes each row it gathers, instead of every token first, where a token
 # has at most this many local pairs on average (K x the dispatcher's local share: about 1 on an
-# EP rank that sees every token, with a third of the tokens holding none).
-ROW_QUANT_MAX_PAIRS = 1.5
+# EP rank that sees every token, with a third of the tokens holding none). H100, each path
+# alone (scripts/gpu_probe_glue.py, session 43, T = 4096 and 16384): quantizing the rows takes
+# 0.54-0.76x the time at 1 and 2 pairs (deepseek-v3 EP8, mixtral TP2), 1.03-1.11x at 4
+# (gpt-oss), 1.26-1.28x at 8 (qwen3).
+ROW_QUANT_MAX_PAIRS = 3.0
 
 
 def spec_problem(spec) -> str | None:
