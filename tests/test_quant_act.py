@@ -33,6 +33,7 @@ if HAS_TRITON:
         x, s = tl.load(x_ptr + offs), tl.load(s_ptr + tl.program_id(0))
         tl.store(a_ptr + offs, tl.div_rn(x, s))
         tl.store(b_ptr + offs, div_by_scale(x, s))
+
 # Kernel tests run on the GPU where there is one, else in the Triton CPU interpreter.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
