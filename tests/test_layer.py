@@ -7,12 +7,15 @@ import torch
 
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, fused_moe
 from moekit.config import ConfigError
+from moekit.experts import ActivationSpec
 from moekit.hardware import detect
 from moekit.router import TopKOutput
 from moekit.runners import registry
+from moekit.runners.base import Runner, RunnerCaps
 from moekit.runners.torch import TorchRunner, moe_reference_fp64
 from moekit.select import Workload, why_not
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
+from tests import helpers
 from tests.helpers import TOLERANCE, capture_graph, rel_err
 
 
@@ -244,3 +247,24 @@ def test_ep_decode_graph_replays_use_each_calls_ids_gpu(runner, fmt):
             ref = TorchRunner().run(StandardDispatchOutput(x2, d.topk), module.expert_weights,
                                     module.act).out  # fmt: skip
             assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (runner, fmt)
+
+
+def test_runner_run_passes_the_local_share_to_run_standard():
+    """`Runner.run` hands the dispatcher's local share to `run_standard` (the `deep_gemm` and
+    `w4a16` runners size their launches by it)."""
+
+    class Recorder(Runner):
+        name = "recorder"
+        caps = RunnerCaps(formats=frozenset({"standard"}),
+                          weight_formats=frozenset({"unquantized"}),
+                          activations=frozenset({"silu"}), devices=frozenset({"cpu"}))  # fmt: skip
+        shares: list = []
+
+        def run_standard(self, x, topk, weights, act, local_share=1.0):
+            self.shares.append(local_share)
+            return x
+
+    w = helpers.make_weights(4, 8, 16, torch.float32, False, device="cpu")
+    x, topk = torch.randn(3, 8), helpers.make_topk(3, 2, 4, device="cpu")
+    out = Recorder().run(StandardDispatchOutput(x, topk, local_share=0.25), w, ActivationSpec())
+    assert torch.equal(out.out, x) and Recorder.shares == [0.25]

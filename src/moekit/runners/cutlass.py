@@ -274,9 +274,10 @@ class CutlassRunner(Runner):
     # ------------------------------------------------------------------ formats
 
     def run_standard(
-        self, x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec
+        self, x_TH: torch.Tensor, topk: TopKOutput, w: ExpertWeights, act: ActivationSpec,
+        local_share: float = 1.0,
     ) -> torch.Tensor:
-        """x [T, H], topk ids/weights [T, K] -> out [T, H] in x's dtype."""
+        """x [T, H], topk ids/weights [T, K] -> out [T, H] in x's dtype (local_share unused)."""
         if w.is_quantized:
             return self._run_standard_fp8(x_TH, topk, w, act)
         self._check_shapes(x_TH, w)

@@ -45,14 +45,7 @@ from moekit.runners import deep_gemm_jit as jit
 from moekit.runners._grouped import group_rows
 from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
-from moekit.stages import (
-    MASKED,
-    STANDARD,
-    DispatchOutput,
-    RunnerOutput,
-    StandardDispatchOutput,
-    StandardRunnerOutput,
-)
+from moekit.stages import MASKED, STANDARD
 
 LIBRARY = "sgl-deep-gemm"
 INSTALL_HINT = "pip install sgl-deep-gemm==0.2.2 apache-tvm-ffi==0.1.11 (moekit[deep_gemm])"
@@ -199,16 +192,6 @@ class DeepGemmRunner(Runner):
         return d
 
     # ------------------------------------------------------------------ formats
-
-    def run(
-        self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec
-    ) -> RunnerOutput:
-        """`Runner.run`, with the dispatcher's local share passed to `run_standard`."""
-        if not isinstance(dispatch_out, StandardDispatchOutput):
-            return super().run(dispatch_out, weights, act)
-        self.check(dispatch_out, weights, act)
-        return StandardRunnerOutput(self.run_standard(
-            dispatch_out.x, dispatch_out.topk, weights, act, dispatch_out.local_share))  # fmt: skip
 
     def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec,
                      local_share: float = 1.0) -> torch.Tensor:  # fmt: skip

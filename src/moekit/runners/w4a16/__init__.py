@@ -39,7 +39,7 @@ from moekit.runners.base import Runner, RunnerCaps, RunnerError
 from moekit.runners.registry import register
 from moekit.runners.w4a16 import jit, plans
 from moekit.runners.w4a16.pack import PackedExperts, pack_experts
-from moekit.stages import STANDARD, StandardRunnerOutput
+from moekit.stages import STANDARD
 
 WEIGHT_FORMATS = ("int4_w4a16", "mxfp4", "nvfp4")
 SHAPE_ALIGN = 64  # H and I: whole 64-column chunks of the packed layout
@@ -134,12 +134,6 @@ class W4A16Runner(Runner):
     def refresh(self, weights: ExpertWeights, act: ActivationSpec) -> None:
         self._packed.refresh(_weight_tensors(weights),
                              lambda interleaved: _pack(weights, interleaved))  # fmt: skip
-
-    def run(self, dispatch_out, weights, act):
-        self.check(dispatch_out, weights, act)
-        out = self.run_standard(dispatch_out.x, dispatch_out.topk, weights, act,
-                                local_share=dispatch_out.local_share)  # fmt: skip
-        return StandardRunnerOutput(out)
 
     def run_standard(self, x_TH, topk, w: ExpertWeights, act: ActivationSpec,
                      local_share: float = 1.0) -> torch.Tensor:  # fmt: skip
