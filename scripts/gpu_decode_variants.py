@@ -1,7 +1,7 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|row1|pairs] [--tiles 'bn,bk,w,s;...']
+        [--min-gain 1.03] [--variants split|down-split|sweep|row1|pairs] [--tiles 'bn,bk,w,s;...']
         [--pairs 'NAME=GATE_UP,DOWN;...'] [--seed 0] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
@@ -10,6 +10,7 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   splitS      (--variants split, the default) gate_up split over K into S shares (S = 2, 4,
               8; `GemmConfig.split_k`)
   down splitS (--variants down-split) the down GEMM split over K into S shares (2, 4; atomic)
+  GEMM FIELD  (--variants sweep) one GEMM's config changed in one field (`_neighbours`)
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
               (ROW1_TILES, or --tiles)
@@ -83,6 +84,16 @@ def variants(kind: str = "split") -> dict:
             gu, dn = (None if c == "-" else GemmConfig.from_code(c) for c in codes.split(","))
             out[name] = lambda c1, c2, gu=gu, dn=dn: (gu or c1, dn or c2)
         return out
+    if kind == "sweep":
+        for gi, gemm in enumerate(("gate_up", "down")):
+            for label, edit in _neighbours(gemm):
+                def pick(c1, c2, gi=gi, edit=edit):
+                    pair = [c1, c2]
+                    pair[gi] = edit(pair[gi])
+                    return tuple(pair)
+
+                out[f"{gemm} {label}"] = pick
+        return out
     if kind == "split":
         for s in (2, 4, 8):
             out[f"split{s}"] = lambda c1, c2, s=s: (replace(c1, split_k=s), c2)
@@ -108,6 +119,23 @@ def variants(kind: str = "split") -> dict:
         tiles = [tuple(int(v) for v in t.split(",")) for t in _option("--tiles", "").split(";")]
     for t in tiles:
         out["row1 n{}k{}w{}s{}".format(*t)] = lambda c1, c2, t=t: (row1(c1, t), row1(c2, t))
+    return out
+
+
+def _neighbours(gemm: str):
+    """(label, edit) pairs: one GEMM's config changed in one field around the table's (--variants
+    sweep): pipeline stages 2-8, block_n halved / doubled, TMA and warps flipped, split over K
+    (gate_up; the down GEMM with the atomic reduction)."""
+    out = [(f"s{s}", lambda c, s=s: replace(c, num_stages=s)) for s in range(2, 9)]
+    out += [("bn/2", lambda c: replace(c, block_n=max(16, c.block_n // 2))),
+            ("bn*2", lambda c: replace(c, block_n=c.block_n * 2)),
+            ("tma flip", lambda c: replace(c, tma=not c.tma)),
+            ("warps flip", lambda c: replace(c, num_warps=8 if c.num_warps == 4 else 4))]  # fmt: skip
+    for s in (2, 4):
+        if gemm == "gate_up":
+            out.append((f"split{s}", lambda c, s=s: replace(c, split_k=s)))
+        else:
+            out.append((f"split{s}", lambda c, s=s: replace(c, reduce="atomic", split_k=s)))
     return out
 
 
@@ -154,6 +182,13 @@ def main() -> None:
             )
 
         fns = {n: make(c) for n, c in variants(kind).items()}
+        for n in list(fns):  # a variant that does not compile or run is left out, with why
+            try:
+                fns[n]()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 (probe: report and go on)
+                print(name, n, "left out:", type(e).__name__, str(e)[:160], flush=True)
+                del fns[n]
         ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
         us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
         best = min(us, key=us.get)
