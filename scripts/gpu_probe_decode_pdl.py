@@ -3,6 +3,7 @@ layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--variants pdl|direct]
         [--jobs 'J1;J2'] [--batches 1,4,16,64] [--out NAME]
+    ... --variants FIELD=V1,V2,...   (an int or bool field of PipelineConfig, set to each value)
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T the
 layer (MoE.forward_topk, `triton` runner, the shipped tables, CUDA-graph replay, the input sets
@@ -40,6 +41,11 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;"
 
 def variants(kind: str, batches: list[int]) -> dict:
     """name -> PipelineConfig; the first is the baseline."""
+    if "=" in kind:  # FIELD=V1,V2,...: PIPELINE with FIELD set to each value
+        field, values = kind.split("=")
+        kind_of = type(getattr(ops.PIPELINE, field))
+        return {f"{field}={v}": replace(ops.PIPELINE, **{field: kind_of(int(v))})
+                for v in values.split(",")}  # fmt: skip
     if kind == "direct":
         return {"align": replace(ops.PIPELINE, direct_max_tokens=1),
                 "direct": replace(ops.PIPELINE, direct_max_tokens=max(batches))}  # fmt: skip
@@ -51,7 +57,7 @@ def main() -> None:
     jobs = [j.split() for j in option("--jobs", JOBS).split(";")]
     batches = [int(b) for b in option("--batches", "1,4,16,64").split(",")]
     kind = option("--variants", "pdl")
-    name = option("--out", f"decode_{kind}") + ".json"
+    name = option("--out", f"decode_{kind.split('=')[0]}") + ".json"
     pipes = variants(kind, batches)
     first = next(iter(pipes))
     res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
