@@ -754,11 +754,10 @@ def _gate_up_block(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    tl.static_assert(GU_TILE != 2 or not USE_TMA, "stacked gate / up rows: pointers")
-    if GU_TILE != 0:
-        # one tile of 2 * BLOCK_N rows: alternating gate / up (GU_INTERLEAVED), or gate rows
-        # then up rows (GU_STACKED)
-        if GU_TILE == 1:
+    tl.static_assert(GU_TILE != GU_STACKED or not USE_TMA, "stacked gate / up rows: pointers")
+    if GU_TILE != GU_TWO_TILES:
+        # one tile of 2 * BLOCK_N rows: alternating gate / up, or gate rows then up rows
+        if GU_TILE == GU_INTERLEAVED:
             rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
         else:
             r = tl.arange(0, 2 * BLOCK_N)
@@ -901,7 +900,7 @@ def _split_gate_up(acc, GU_TILE: tl.constexpr):
     """acc [BM, 2 * BLOCK_N] of a one-tile gate_up program -> (gate, up), each [BM, BLOCK_N]."""
     BM: tl.constexpr = acc.shape[0]
     BN: tl.constexpr = acc.shape[1] // 2
-    if GU_TILE == 1:  # GU_INTERLEAVED
+    if GU_TILE == GU_INTERLEAVED:
         return tl.split(tl.reshape(acc, [BM, BN, 2]))
     return tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))
 
