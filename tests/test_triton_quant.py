@@ -160,23 +160,6 @@ def test_config_variants(name):
     assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
 
 
-@pytest.mark.parametrize("name", ["fp8-block-split2", "fp8-block-bk256-swap", "int8-w8a8-swap",
-                                  "int8_w8a16-row1", "fp8-tensor-atomic"])
-def test_stacked_gate_up_formats(name, monkeypatch):
-    """Gate and up rows as one stacked tile (`PIPELINE.stacked_gate_up`) for the formats stored
-    as the dot operand: the per-row weight scales follow each row to its place in the tile;
-    packed formats keep two tiles."""
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, stacked_gate_up=1 << 30))
-    tiles = []
-    real = ops._gate_up_tile
-    monkeypatch.setattr(ops, "_gate_up_tile", lambda *a: tiles.append(real(*a)) or tiles[-1])
-    test_config_variants(name)
-    assert tiles and set(tiles) == {ops.k.GU_STACKED}
-    spec, H, I = FORMATS["int4-g32-sym"]
-    w = make_experts(spec, 2, H, I)
-    assert real(ActivationSpec(), GemmConfig(16, 32, 64), ops.WeightQuant(w, "w13")) == ops.k.GU_TWO_TILES
-
-
 @pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8"])
 def test_masked_format(fmt):
     spec, H, I = FORMATS[fmt]

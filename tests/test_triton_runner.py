@@ -144,40 +144,6 @@ def test_direct_rows_match_reference(case: Case, monkeypatch):
     test_standard_matches_reference(case)
 
 
-# gate and up rows loaded as one stacked tile (`ops.PIPELINE.stacked_gate_up`): partial last
-# tiles (I = 40 in 16-column tiles), swapped MMA, split-K gate_up, one-row blocks, a TMA config
-# (stacked tiles load through pointers), bias, masked ids
-STACKED_CASES = [
-    Case("stacked-oai-bias", T=9, act="swiglu_oai", bias=True, masked=0.2),
-    Case("stacked-swap-fp16", configs=SWAP, T=5, E=6, dtype=torch.float16, bias=True),
-    Case("stacked-split-gelu", configs=SPLIT_GATE_UP, T=9, H=48, I=40, masked=0.2, bias=True,
-         act="gelu"),  # fmt: skip
-    Case("stacked-T1-row1", configs=ROW1, T=1, K=3, bias=True),
-    Case("stacked-tma-config", configs=TMA, T=9, H=64, I=48, masked=0.2, bias=True),
-]
-
-
-@pytest.mark.parametrize("case", STACKED_CASES, ids=lambda c: c.name)
-def test_stacked_gate_up_matches_reference(case: Case, monkeypatch):
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, stacked_gate_up=1 << 30))
-    tiles = []
-    real = ops._gate_up_tile
-    monkeypatch.setattr(ops, "_gate_up_tile", lambda *a: tiles.append(real(*a)) or tiles[-1])
-    test_standard_matches_reference(case)
-    assert case.T == 0 or tiles == [ops.k.GU_STACKED]
-
-
-def test_gate_up_tile_choice():
-    cfg16, cfg64 = GemmConfig(16, 32, 64), GemmConfig(64, 32, 64)
-    plain, oai = ActivationSpec(), ActivationSpec("swiglu_oai", interleaved=True)
-    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, stacked_gate_up=16)):
-        assert ops._gate_up_tile(plain, cfg16, None) == ops.k.GU_STACKED
-        assert ops._gate_up_tile(plain, cfg64, None) == ops.k.GU_TWO_TILES
-        assert ops._gate_up_tile(oai, cfg16, None) == ops.k.GU_INTERLEAVED
-    with mock.patch.object(ops, "PIPELINE", replace(ops.PIPELINE, stacked_gate_up=0)):
-        assert ops._gate_up_tile(plain, cfg16, None) == ops.k.GU_TWO_TILES
-
-
 def masked_reference(x_ECH, counts, w: ExpertWeights, act):
     to64 = {n: (None if t is None else t.double()) for n, t in vars(w).items()
             if isinstance(t, torch.Tensor) or t is None}  # fmt: skip

@@ -51,13 +51,6 @@ S_TENSOR, S_ROW, S_GROUP, S_GROUP_FUSED = 0, 1, 2, 3
 # Row modes (constexpr ROWS): how a program's row block maps to rows of the inputs/outputs.
 ROWS_SORTED, ROWS_MASKED, ROWS_DIRECT = 0, 1, 2
 
-# How a gate_up program tiles its gate and up weight rows (constexpr GU_TILE): two tiles of
-# BLOCK_N rows (gate rows n and up rows I + n of w13 [2I, H]), one tile of 2 BLOCK_N rows
-# alternating gate / up (w13 stored interleaved: gate 2n, up 2n + 1), or one tile stacking the
-# gate rows over the up rows of the two-tile layout (one MMA and one wait per K step instead
-# of two; loaded through pointers).
-GU_TWO_TILES, GU_INTERLEAVED, GU_STACKED = 0, 1, 2
-
 
 @triton.jit
 def _w_tile(
@@ -683,7 +676,7 @@ def _gate_up_block(
     stride_xs,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    GU_TILE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     ROWS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     QUANT: tl.constexpr,
@@ -754,14 +747,9 @@ def _gate_up_block(
     else:
         gscale = 1.0
     DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    tl.static_assert(GU_TILE != GU_STACKED or not USE_TMA, "stacked gate / up rows: pointers")
-    if GU_TILE != GU_TWO_TILES:
-        # one tile of 2 * BLOCK_N rows: alternating gate / up, or gate rows then up rows
-        if GU_TILE == GU_INTERLEAVED:
-            rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
-        else:
-            r = tl.arange(0, 2 * BLOCK_N)
-            rows = tl.where(r < BLOCK_N, 0, N) + (n0 + r % BLOCK_N) % N
+    if INTERLEAVED:
+        # one tile of 2 * BLOCK_N rows alternating gate / up
+        rows = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N)
         w_ptrs = w_base + rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
         s_base = ws_e + (rows // WROWS) * stride_wsn
         z_base = wz_e + rows * stride_wsn
@@ -801,14 +789,15 @@ def _gate_up_block(
         if QUANT == 1:
             acc = _w8a8_scale(acc, a_s_base, s_base, ASCALE, WSCALE)
         if HAS_BIAS:
-            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rows)
+            b_rows = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+            bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + b_rows, mask=b_rows < 2 * N)
             bias = tl.where(split == 0, bias.to(tl.float32), 0.0)
             acc += bias[None, :]
             if SIDE > 0:
                 acc2 += bias[None, :]
-        acc_g, acc_u = _split_gate_up(acc, GU_TILE)
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_N, 2]))
         if SIDE > 0:
-            acc2_g, acc2_u = _split_gate_up(acc2, GU_TILE)
+            acc2_g, acc2_u = tl.split(tl.reshape(acc2, [SIDE, BLOCK_N, 2]))
     else:
         n_rows = (n0 + tl.arange(0, BLOCK_N)) % N
         g_ptrs = w_base + n_rows[None, :].to(tl.int64) * stride_wn + offs_wk[:, None]
@@ -896,16 +885,6 @@ def _gate_up_block(
 
 
 @triton.jit
-def _split_gate_up(acc, GU_TILE: tl.constexpr):
-    """acc [BM, 2 * BLOCK_N] of a one-tile gate_up program -> (gate, up), each [BM, BLOCK_N]."""
-    BM: tl.constexpr = acc.shape[0]
-    BN: tl.constexpr = acc.shape[1] // 2
-    if GU_TILE == GU_INTERLEAVED:
-        return tl.split(tl.reshape(acc, [BM, BN, 2]))
-    return tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), (0, 2, 1)))
-
-
-@triton.jit
 def _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, ACT: tl.constexpr):
     """h[slot, n_out] = act(gate, up) where mask, in h's dtype."""
     act = activate(acc_g, acc_u, alpha, limit, ACT)
@@ -960,7 +939,7 @@ def _gate_up_kernel(
     stride_xs,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    GU_TILE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     ROWS: tl.constexpr,
     ZERO_OUT: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -992,10 +971,9 @@ def _gate_up_kernel(
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
-    x [rows, K=H]; w13 [E, 2I, H]: gate rows n and up rows I + n, or (GU_TILE ==
-    GU_INTERLEAVED) gate 2n and up 2n + 1; w_desc: TMA descriptor of w13 viewed [E * 2I, H] with
-    block [BLOCK_N, BLOCK_K] ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA (not with
-    GU_STACKED). h [slots, I] in x's dtype. The input row
+    x [rows, K=H]; w13 [E, 2I, H]: gate rows n and up rows I + n, or (INTERLEAVED) gate 2n and
+    up 2n + 1; w_desc: TMA descriptor of w13 viewed [E * 2I, H] with block [BLOCK_N, BLOCK_K]
+    ([2 * BLOCK_N, BLOCK_K] interleaved) when USE_TMA. h [slots, I] in x's dtype. The input row
     is the pair's token (sorted / direct rows) or the slot (masked rows). Padding rows are not
     stored: each output row of the down GEMM depends only on its own h row, and is masked too.
     ZERO_OUT: also zero zero_ptr[0:zero_numel] (the atomic down GEMM's output).
@@ -1055,7 +1033,7 @@ def _gate_up_kernel(
                         counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert,
                         align_m, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm,
                         part_ptr, part_stride, count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr,
-                        xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS, GU_TILE,
+                        xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS, INTERLEAVED,
                         ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
                         HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
                         BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
@@ -1070,7 +1048,7 @@ def _gate_up_kernel(
                     num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
                     stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
                     count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-                    stride_xs, ACT, HAS_BIAS, GU_TILE, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
+                    stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
                     WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
                     DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M,
                     BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P,
@@ -1081,7 +1059,7 @@ def _gate_up_kernel(
             num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K, stride_xm,
             stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr, alpha,
             limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
-            GU_TILE, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
+            INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
             pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
         )  # fmt: skip

@@ -168,9 +168,7 @@ class PipelineConfig:
     inside the GEMMs (no separate quantization launches). Off: on the H100 the qwen3 fp8
     block-wise T = 1 call measured 29.1 us with it (together with group scales loaded one
     step ahead) against 25.5 us with neither; each program re-quantizes its 16 identical
-    rows with IEEE divisions. stacked_gate_up: gate_up GEMMs of block_m at most this (0:
-    none) load each K step's gate and up rows as one tile of 2 block_n rows, multiplied in
-    one MMA (`_kernels.GU_STACKED`). asm_dequant: the packed 4-bit formats (int4_w4a16, mxfp4, nvfp4)
+    rows with IEEE divisions. asm_dequant: the packed 4-bit formats (int4_w4a16, mxfp4, nvfp4)
     dequantize in PTX on a GPU (`_kernels._dequant_bytes_asm`; off: its portable twin
     `_dequant_nibbles`, the same values). nvfp4_bf16_scale: with bf16 activations nvfp4
     weights are dequantized in bf16 arithmetic with the float32 group scale (e4m3 x global)
@@ -205,7 +203,6 @@ class PipelineConfig:
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
-    stacked_gate_up: int = 0
     asm_dequant: bool = True
     nvfp4_bf16_scale: bool = True
     packed_maxnreg: int | None = None

@@ -453,18 +453,6 @@ def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: to
     )
 
 
-def _gate_up_tile(act: ActivationSpec, cfg: GemmConfig, wq: "WeightQuant | None") -> int:
-    """How a gate_up program tiles its gate and up rows (`_kernels.GU_TILE`): as stored when
-    interleaved; else one stacked tile for blocks of at most `PIPELINE.stacked_gate_up` rows
-    of formats stored as the dot operand (one MMA and one wait per K step), else two tiles."""
-    if act.interleaved:
-        return k.GU_INTERLEAVED
-    stored = wq is None or wq.pack == 1
-    if stored and cfg.block_m <= PIPELINE.stacked_gate_up:
-        return k.GU_STACKED
-    return k.GU_TWO_TILES
-
-
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
     """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
     packed / weight-only formats load through pointers (dequantized in registers)."""
@@ -524,16 +512,15 @@ def gate_up(
         part = torch.empty(split, rows.slots(), 2 * I, dtype=torch.float32, device=x.device)
         count = split_counts(x.device, tiles)
     xs = x
-    gu_tile = _gate_up_tile(act, cfg, wq)
-    tile_rows = cfg.block_n if gu_tile == k.GU_TWO_TILES else 2 * cfg.block_n  # rows per tile
+    tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
     if wq is not None and wq.quant == k.Q_W8A8 and not fused:
         x, xs = quantize_input(x, w.spec, rows.valid_rows(), pdl=(pdl, pdl))
-    use_tma = (_use_tma(cfg, wq) and tma_ok(w.w13) and w.w13.is_contiguous()
-               and gu_tile != k.GU_STACKED)  # fmt: skip
+    use_tma = _use_tma(cfg, wq) and tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
     if use_tma:
-        w_desc = _desc(w.w13.view(E * 2 * I, H), [tile_rows, cfg.block_k])
+        rows_per_tile = 2 * cfg.block_n if act.interleaved else cfg.block_n
+        w_desc = _desc(w.w13.view(E * 2 * I, H), [rows_per_tile, cfg.block_k])
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
     args = (
@@ -546,7 +533,7 @@ def gate_up(
     meta = dict(
         ACT=ACT_CODES[act.name],
         HAS_BIAS=w.b13 is not None,
-        GU_TILE=gu_tile,
+        INTERLEAVED=act.interleaved,
         ROWS=rows.mode,
         ZERO_OUT=zero is not None,
         SPLIT_K=split,
