@@ -7,8 +7,10 @@ timed in turns on the same inputs.
     PYTHONPATH=src python3 scripts/gpu_probe_fp8_scales.py [--jobs 'preset tp ep;...']
         [--batches 1,4,16,64] [--out NAME]
 
-The channel layer runs with its own configs (the lookup's fallback) and with the block-wise
-layer's (`channel@block`). Writes $OUT/NAME.json (default fp8_scales.json): per point the
+The channel layer runs with its own configs (the lookup's fallback), with the block-wise
+layer's (`channel@block`) and with those at K steps of 256 (`channel@block-k256`: two scale
+groups' worth a step, which block scales do not allow); bf16 also with the block-wise layer's
+configs (`bf16@block`: the same tiles). Writes $OUT/NAME.json (default fp8_scales.json): per point the
 microseconds of each and bf16 over each fp8 variant.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -46,6 +49,9 @@ def main() -> None:
                     for k, w in layers.items()}  # fmt: skip
             runs = {k: (w, cfgs[k]) for k, w in layers.items()}
             runs["channel@block"] = (layers["channel"], cfgs["block"])
+            k256 = tuple(replace(c, block_k=256) for c in cfgs["block"])
+            runs["channel@block-k256"] = (layers["channel"], k256)
+            runs["bf16@block"] = (bf16, cfgs["block"])
 
             def make(w, c):
                 return lambda: [ops.fused_moe(p.x, t, w, shape.act, configs=c,
