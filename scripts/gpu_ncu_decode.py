@@ -6,9 +6,9 @@ kernels' time goes (warp stall reasons, throughput, occupancy), e.g. fp8 against
         python3 scripts/gpu_ncu_decode.py --jobs 'qwen3-30b-a3b 1 1 fp8_w8a8;...' \
         --batches 1 > ncu.csv
 
-Each point runs its layer twice unprofiled (compile, warm), then once on its first input set
-between cudaProfilerStart / Stop; a fill kernel of (point index + 1) elements runs before each
-profiled call, so the CSV's kernels split by point (the order is printed to stderr).
+Each point's layer runs on its first input set through `probe_out.profiled_call`: a fill
+kernel of (point index + 1) elements before each profiled call, so the CSV's kernels split by
+point (the order is printed to stderr).
 """
 
 from __future__ import annotations
@@ -19,26 +19,17 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_out import option, triton_layer_points
+from probe_out import option, profiled_call, triton_layer_points
 
 
 def main() -> None:
     jobs = [j.split() for j in option("--jobs", "qwen3-30b-a3b 1 1 fp8_w8a8").split(";")]
     batches = [int(b) for b in option("--batches", "1").split(",")]
-    i = 0
     with torch.no_grad():
-        for name, _, module, sets in triton_layer_points(jobs, batches):
+        for i, (name, _, module, sets) in enumerate(triton_layer_points(jobs, batches)):
             x, topk = sets[0]
-            for _ in range(2):
-                module.forward_topk(x, topk)
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStart()
-            torch.zeros(i + 1, device="cuda")
-            module.forward_topk(x, topk)
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStop()
+            profiled_call(lambda: module.forward_topk(x, topk), i)
             print(f"point {i + 1}: {name}", file=sys.stderr)
-            i += 1
 
 
 if __name__ == "__main__":

@@ -6,9 +6,8 @@ their time goes (duration, DRAM and SM throughput per kernel).
         --variants 'triton;auto;0;16' > ncu.csv
 
 Variants as in gpu_gluon_fold_ab.py (`triton`, or a fold spec of the triton_kernel runner's
-Gluon engine). Each variant runs twice unprofiled (compile, warm), then once between
-cudaProfilerStart / Stop; a fill kernel of (variant index + 1) elements runs before each
-variant's call, so the CSV's kernels split by variant.
+Gluon engine), each run by `probe_out.profiled_call`: a fill kernel of (variant index + 1)
+elements before each profiled call, so the CSV's kernels split by variant.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_gluon_fold_ab import _variant
-from probe_out import option
+from probe_out import option, profiled_call
 
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
@@ -43,19 +42,13 @@ def main() -> None:
         return _variant(module, caches["triton"], "0") if n == "triton" else \
             _variant(module, caches["tk"], n)
 
+    def call(n):
+        with ctx(n):
+            module.forward_topk(x, topk)
+
     with torch.no_grad():
-        for n in names:
-            for _ in range(2):
-                with ctx(n):
-                    module.forward_topk(x, topk)
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
         for i, n in enumerate(names):
-            torch.zeros(i + 1, device="cuda")
-            with ctx(n):
-                module.forward_topk(x, topk)
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+            profiled_call(lambda n=n: call(n), i)
     print("variants:", names, file=sys.stderr)
 
 

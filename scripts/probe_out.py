@@ -69,3 +69,17 @@ def config_edits(spec: str) -> tuple[str, dict]:
     base, *edits = spec.split("+")
     pairs = (e.split("=", 1) for e in edits)
     return base, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
+
+
+def profiled_call(fn, index: int) -> None:
+    """fn() twice unprofiled (compile, warm), then once between cudaProfilerStart / Stop (for
+    `ncu --profile-from-start off`), after a fill kernel of index + 1 elements that marks in the
+    report where this call's kernels start."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    torch.zeros(index + 1, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
