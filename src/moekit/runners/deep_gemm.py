@@ -210,7 +210,7 @@ class DeepGemmRunner(Runner):
         # on a 128-row tile
         ends = rows.ends_E - torch.remainder(-rows.counts_E, CONTIGUOUS_ALIGN)
         used = rows.ends_E[-1:]  # rows past the last group are the static bound's slack
-        pairs = T * topk.ids.shape[1] * local_share  # expected local pairs
+        pairs = T * topk.top_k * local_share  # expected local pairs
         hint = math.ceil(pairs) + w.num_experts * CONTIGUOUS_ALIGN  # and their groups' padding
         first = pairs > ROW_QUANT_MAX_PAIRS * T
         xa, xs = self._rows(x_TH, expert_M, fp8, M, token_M=rows.token_M, used=used,
