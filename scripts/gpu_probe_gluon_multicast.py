@@ -22,7 +22,6 @@ CTAs); the lead's producer waits on both, the other CTA's on its own.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
@@ -40,9 +39,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_probe_gluon_ws import SHAPES as WS_SHAPES
-from gpu_probe_gluon_ws import _check, _column_piece, _tile_coords, ws_grouped_gemm_kernel
+from gpu_probe_gluon_ws import _check, _column_piece, _tile_coords, run_shapes, time_in_turns
 from gpu_probe_gluon_ws import _descs as ws_descs
-from probe_out import write_probe
+from gpu_probe_gluon_ws import ws_grouped_gemm_kernel
 
 SHAPES = WS_SHAPES  # rows-paired variants skip gpt-oss T = 4096 (128 rows an expert)
 
@@ -227,8 +226,6 @@ def compile_only() -> None:
 
 def measure_shape(name, E, rows, N, K) -> list[dict]:
     """Every variant, the single-CTA kernel and cuBLAS on one shape, in turns, same inputs."""
-    from gpu_probe_fp8_ws import _graph_us
-
     dev = torch.device("cuda")
     M = E * rows
     torch.manual_seed(0)
@@ -272,25 +269,8 @@ def measure_shape(name, E, rows, N, K) -> list[dict]:
     dense_c = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
     runs["cublas dense"] = (lambda: torch.mm(dense_a, dense_b.T, out=dense_c), None)
 
-    recs = {}
-    for label, (fn, c) in runs.items():
-        try:
-            fn()
-            torch.cuda.synchronize()
-            err = _check(c, a, b, E, rows, N) if c is not None else None
-            recs[label] = {"shape": name, "variant": label, "us": [], "max_rel_err": err}
-        except Exception as exc:  # noqa: BLE001 - a failing variant is a result
-            recs[label] = {"shape": name, "variant": label,
-                           "error": f"{type(exc).__name__}: {exc}"[:400]}  # fmt: skip
-    for _ in range(int(os.environ.get("PROBE_ROUNDS", "5"))):  # rounds in turns: heat and clocks move all variants alike
-        for label, (fn, _c) in runs.items():
-            if "error" not in recs[label]:
-                recs[label]["us"].append(_graph_us(fn))
-    for r in recs.values():
-        if r.get("us"):
-            r["best_us"] = min(r["us"])
-            r["median_us"] = statistics.median(r["us"])
-            r["tflops"] = flops / r["best_us"] / 1e6
+    rounds = int(os.environ.get("PROBE_ROUNDS", "5"))
+    recs = time_in_turns(name, runs, lambda c: _check(c, a, b, E, rows, N), flops, rounds)
     # the GEMMs at these sizes run into the power cap: rounds spread 5-20 %, so medians
     base = recs[BASELINES[0][0]].get("median_us")
     for r in recs.values():
@@ -303,16 +283,7 @@ def main() -> None:
     if "--compile" in sys.argv:
         compile_only()
         return
-    recs = []
-    only = os.environ.get("PROBE_SHAPES")
-    for name, shape in SHAPES.items():
-        if only and name not in only.split(","):
-            continue
-        for rec in measure_shape(name, *shape):
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
-                   if k != "us"}, flush=True)  # fmt: skip
-            recs.append(rec)
-    write_probe("gluon_multicast_probe.json", {"results": recs})
+    run_shapes(SHAPES, measure_shape, "gluon_multicast_probe.json")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ expert to the block; B: weights [E * N, K]), as in scripts/gpu_probe_gluon.py.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch
@@ -303,24 +304,7 @@ def measure_shape(name, E, rows, N, K) -> list[dict]:
     dense_c = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
     runs["cublas dense"] = (lambda: torch.mm(dense_a, dense_b.T, out=dense_c), None)
 
-    recs = {}
-    for label, (fn, c) in runs.items():
-        try:
-            fn()
-            torch.cuda.synchronize()
-            err = _check(c, a, b, E, rows, N) if c is not None else None
-            recs[label] = {"shape": name, "variant": label, "us": [], "max_rel_err": err}
-        except Exception as exc:  # noqa: BLE001 - a failing variant is a result
-            recs[label] = {"shape": name, "variant": label,
-                           "error": f"{type(exc).__name__}: {exc}"[:400]}  # fmt: skip
-    for _ in range(3):  # rounds in turns: heat and clocks move all variants alike
-        for label, (fn, _c) in runs.items():
-            if "error" not in recs[label]:
-                recs[label]["us"].append(_graph_us(fn))
-    for r in recs.values():
-        if r.get("us"):
-            r["best_us"] = min(r["us"])
-            r["tflops"] = flops / r["best_us"] / 1e6
+    recs = time_in_turns(name, runs, lambda c: _check(c, a, b, E, rows, N), flops, rounds=3)
     base = recs["cublas dense"].get("best_us")
     for r in recs.values():
         if r.get("best_us") and base:
@@ -328,20 +312,53 @@ def measure_shape(name, E, rows, N, K) -> list[dict]:
     return list(recs.values())
 
 
+def time_in_turns(shape, runs, check, flops, rounds) -> dict:
+    """{label: record} for runs {label: (fn, output or None)}: each run once and checked
+    (`check(output)`; an exception is the record's error), then timed in `rounds` rounds in
+    turns (heat and clocks move all runs alike): us per round, best_us, median_us, tflops
+    (from the best)."""
+    recs = {}
+    for label, (fn, c) in runs.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            err = check(c) if c is not None else None
+            recs[label] = {"shape": shape, "variant": label, "us": [], "max_rel_err": err}
+        except Exception as exc:  # noqa: BLE001 - a failing variant is a result
+            recs[label] = {"shape": shape, "variant": label,
+                           "error": f"{type(exc).__name__}: {exc}"[:400]}  # fmt: skip
+    for _ in range(rounds):
+        for label, (fn, _c) in runs.items():
+            if "error" not in recs[label]:
+                recs[label]["us"].append(_graph_us(fn))
+    for r in recs.values():
+        if r.get("us"):
+            r["best_us"] = min(r["us"])
+            r["median_us"] = statistics.median(r["us"])
+            r["tflops"] = flops / r["best_us"] / 1e6
+    return recs
+
+
+def run_shapes(shapes, measure, out_name) -> None:
+    """measure(name, *shape) for each shape (only those named in $PROBE_SHAPES, if set),
+    printing each record without its rounds; all records into $OUT/out_name."""
+    recs = []
+    only = os.environ.get("PROBE_SHAPES")
+    for name, shape in shapes.items():
+        if only and name not in only.split(","):
+            continue
+        for rec in measure(name, *shape):
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                   if k != "us"}, flush=True)  # fmt: skip
+            recs.append(rec)
+    write_probe(out_name, {"results": recs})
+
+
 def main() -> None:
     if "--compile" in sys.argv:
         compile_only()
         return
-    recs = []
-    only = os.environ.get("PROBE_SHAPES")
-    for name, shape in SHAPES.items():
-        if only and name not in only.split(","):
-            continue
-        for rec in measure_shape(name, *shape):
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
-                   if k != "us"}, flush=True)  # fmt: skip
-            recs.append(rec)
-    write_probe("gluon_ws_probe.json", {"results": recs})
+    run_shapes(SHAPES, measure_shape, "gluon_ws_probe.json")
 
 
 if __name__ == "__main__":
