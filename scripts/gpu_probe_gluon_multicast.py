@@ -1,22 +1,24 @@
 """Probe: the warp-specialized bf16 grouped GEMM of gpu_probe_gluon_ws.py run by 2-CTA clusters
-whose two CTAs share each weight tile through TMA multicast (Triton >= 3.9, Gluon multi-CTA).
+whose two CTAs share one operand tile through TMA multicast (Triton >= 3.9, Gluon multi-CTA).
 
     PYTHONPATH=<triton 3.9>:src python3 scripts/gpu_probe_gluon_multicast.py  # $OUT/gluon_multicast_probe.json
     python3 scripts/gpu_probe_gluon_multicast.py --compile    # CPU: compile for sm_90 only
+    (PROBE_SHAPES=name,...: only those shapes; PROBE_ROUNDS: rounds in turns, default 5)
 
-Why: at the balance point (qwen3 T = 4096, mixtral / deepseek-v3 T = 1024) and above, the
-`triton_kernel` engine's GEMMs are bound by L2 -> SM traffic, not by DRAM or the tensor cores
-(triton_notes.md "ncu at the balance point"): a 128 x 256 tile moves 48 KB per K step of 64
-for 4 MFLOP. Two CTAs that multiply two 128-row blocks of the same expert by the same 256
-weight columns need the weight tile once: the cluster's lead CTA loads it with one TMA
-multicast into both CTAs' shared memory, so the pair moves 64 KB per step instead of 96.
+Why: the session-6 ncu reading (triton_notes.md "ncu at the balance point") had the large-T
+GEMMs bound by L2 -> SM traffic: a 128 x 256 tile moves 48 KB per K step of 64 for 4 MFLOP.
+Two CTAs that multiply two 128-row blocks of one expert by the same 256 weight columns ("rows")
+need the weight tile once: the cluster's lead CTA loads it by one TMA multicast into both CTAs'
+shared memory, so the pair moves 64 KB a step instead of 96. "cols": one 128-row block by two
+256-column blocks, the activation tile multicast (80 KB for 96).
+Outcome (benchmarks/triton_kernel_notes.md, session 45): correct everywhere, gains within the
+run spread at the compute-bound shapes, which run at the H100's power cap.
 
 Schedule per CTA (as gpu_probe_gluon_ws.py): a producer warp issuing TMA loads into STAGES
-stages and a default partition of two wgmma warpgroups. A cluster tile is 2 * BM rows (CTA r
-of the cluster takes rows [r * BM, (r + 1) * BM)) by BN columns. Stage hand-back: each CTA's
-consumer arrives on its own `empty` barrier (this CTA's activation rows may be overwritten) and
-on the pair barrier held by the lead CTA (the shared weight tile may be overwritten in both
-CTAs); the lead's producer waits on both, the other CTA's on its own.
+stages and a default partition of two wgmma warpgroups. Stage hand-back: each CTA's consumer
+arrives on its own `empty` barrier (this CTA's own tile may be overwritten) and on the pair
+barrier held by the lead CTA (the shared tile may be overwritten in both CTAs); the lead's
+producer waits on both, the other CTA's on its own.
 """
 
 from __future__ import annotations
