@@ -289,15 +289,21 @@ def _dequant_bytes_asm(
 
 
 @triton.jit
-def _quant_a_tile(a):
-    """An activation tile a [BM, BLOCK_K] (one group of BLOCK_K columns per row) -> (fp8 e4m3
-    [BM, BLOCK_K], scale float32 [BM]), with the arithmetic of `moekit.quant.quantize_act`
-    'token_group' (bit-identical on a GPU): s = max(amax |a|, 1e-10) / 448, q = a / s clamped
-    to +-448 and rounded to e4m3."""
+def _scaled_groups(a):
+    """Rows a [R, G] (one activation group each) -> (values [R, G] float32 just before the fp8
+    cast, scale float32 [R]), with the arithmetic of `moekit.quant.quantize_act` 'token_group'
+    (bit-identical on a GPU): s = max(amax |a|, 1e-10) / 448, a / s clamped to +-448."""
     af = a.to(tl.float32)
     s = tl.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10), 448.0)
     y = div_by_scale(af, s[:, None])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0), s
+
+
+@triton.jit
+def _quant_a_tile(a):
+    """An activation tile a [BM, BLOCK_K] (one group of BLOCK_K columns per row) -> (fp8 e4m3
+    [BM, BLOCK_K], scale float32 [BM]) (`_scaled_groups`)."""
+    y, s = _scaled_groups(a)
     return y.to(tl.float8e4nv), s
 
 
@@ -646,6 +652,9 @@ def _gate_up_block(
     w_desc,
     b_ptr,
     h_ptr,
+    hq_ptr,
+    hs_ptr,
+    qcount_ptr,
     row_map_ptr,
     block_expert_ptr,
     counts_ptr,
@@ -704,6 +713,8 @@ def _gate_up_block(
     BM: tl.constexpr,
     DIRECT_P: tl.constexpr = 1,
     SIDE: tl.constexpr = 0,
+    QUANT_H: tl.constexpr = False,
+    H_GROUP: tl.constexpr = 128,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
     row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there).
@@ -878,7 +889,12 @@ def _gate_up_block(
     else:
         last = True
     if last:
-        _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, ACT)
+        if QUANT_H:
+            _store_h_quantized(acc_g, acc_u, h_ptr, hq_ptr, hs_ptr, qcount_ptr, slot, row_ok, n_out,
+                               mask, stride_hm, alpha, limit, pid_m, pid_n, N, ACT, BLOCK_N,
+                               H_GROUP)  # fmt: skip
+        else:
+            _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, ACT)
     if SIDE > 0:
         mask2 = row_ok2[:, None] & (n_out[None, :] < N)
         _store_h(acc2_g, acc2_u, h_ptr, slot2, n_out, mask2, stride_hm, alpha, limit, ACT)
@@ -890,6 +906,56 @@ def _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, AC
     act = activate(acc_g, acc_u, alpha, limit, ACT)
     h_ptrs = h_ptr + slot[:, None] * stride_hm + n_out[None, :]
     tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_h_quantized(
+    acc_g, acc_u, h_ptr, hq_ptr, hs_ptr, qcount_ptr, slot, row_ok, n_out, mask, stride_hm,
+    alpha, limit, pid_m, pid_n, N, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+    H_GROUP: tl.constexpr,
+):  # fmt: skip
+    """h quantized here for a w8a8 down GEMM with per-token-group activations: act(gate, up)
+    rounded to h's dtype (as `_store_h` stores it), then per row and group of H_GROUP columns
+    as `moekit.quant.quantize_act` 'token_group' does it (`_scaled_groups`): the values into
+    hq [slots, N] (fp8; float32 for the interpreter tests: before the cast), the scales into
+    hs [slots, cdiv(N, H_GROUP)] float32.
+    BLOCK_N a multiple of H_GROUP: each tile quantizes its own groups in registers.
+    BLOCK_N dividing H_GROUP: a group spans H_GROUP / BLOCK_N tiles of one row block; each
+    stores its h columns (h [slots, N]) and counts itself in qcount[pid_m, group] (released
+    after the whole program's stores, as `_split_fixup`); the last to arrive reads the group
+    back from L2, quantizes it and sets the count back to 0 (qcount must be zeros on entry)."""
+    act = activate(acc_g, acc_u, alpha, limit, ACT).to(h_ptr.dtype.element_ty)
+    n_groups = tl.cdiv(N, H_GROUP)
+    if BLOCK_N >= H_GROUP:
+        tl.static_assert(BLOCK_N % H_GROUP == 0, "BLOCK_N must be a multiple of H_GROUP")
+        GPT: tl.constexpr = BLOCK_N // H_GROUP
+        BM: tl.constexpr = act.shape[0]
+        a = tl.where(mask, act.to(tl.float32), 0.0)  # columns past N do not enter the amax
+        y, s = _scaled_groups(tl.reshape(a, [BM * GPT, H_GROUP]))
+        q_ptrs = hq_ptr + slot[:, None] * stride_hm + n_out[None, :]
+        tl.store(q_ptrs, tl.reshape(y, [BM, BLOCK_N]).to(hq_ptr.dtype.element_ty), mask=mask)
+        g = pid_n * GPT + tl.arange(0, GPT)
+        s_ptrs = hs_ptr + slot[:, None] * n_groups + g[None, :]
+        tl.store(s_ptrs, tl.reshape(s, [BM, GPT]), mask=row_ok[:, None] & (g[None, :] < n_groups))
+    else:
+        tl.static_assert(H_GROUP % BLOCK_N == 0, "BLOCK_N must divide H_GROUP")
+        TPG: tl.constexpr = H_GROUP // BLOCK_N
+        tl.store(h_ptr + slot[:, None] * stride_hm + n_out[None, :], act, mask=mask)
+        tl.debug_barrier()
+        g = pid_n // TPG
+        in_group = tl.minimum(TPG, tl.cdiv(N, BLOCK_N) - g * TPG)
+        count = qcount_ptr + pid_m * n_groups + g
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if arrived == in_group - 1:
+            tl.debug_barrier()
+            cols = g * H_GROUP + tl.arange(0, H_GROUP)
+            m = row_ok[:, None] & (cols[None, :] < N)
+            offs = slot[:, None] * stride_hm + cols[None, :]
+            hv = tl.load(h_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+            y, s = _scaled_groups(hv)
+            tl.store(hq_ptr + offs, y.to(hq_ptr.dtype.element_ty), mask=m)
+            tl.store(hs_ptr + slot * n_groups + g, s, mask=row_ok)
+            tl.store(count, 0)
 
 
 
@@ -905,6 +971,9 @@ def _gate_up_kernel(
     w_desc,
     b_ptr,
     h_ptr,
+    hq_ptr,
+    hs_ptr,
+    qcount_ptr,
     zero_ptr,
     row_map_ptr,
     block_expert_ptr,
@@ -968,6 +1037,8 @@ def _gate_up_kernel(
     DIRECT_P: tl.constexpr = 1,
     FOLD: tl.constexpr = 0,
     FOLD_LEVELS: tl.constexpr = 1,
+    QUANT_H: tl.constexpr = False,
+    H_GROUP: tl.constexpr = 128,
 ):
     """h[slot, n] = act(x[row] @ w13[e, gate(n)] + b, x[row] @ w13[e, up(n)] + b), n < N = I.
 
@@ -995,6 +1066,10 @@ def _gate_up_kernel(
     most FOLD valid rows after a full one is folded into it (`_folded_tail`): the full block's
     program multiplies those rows too, by the weight tiles it loads anyway, on the fewest of
     FOLD / 2^j rows (j < FOLD_LEVELS) that hold them.
+    QUANT_H (for a w8a8 down GEMM with per-token-group activations of H_GROUP columns): h also
+    quantized here, into hq and hs (`_store_h_quantized`: h is then scratch, and qcount the
+    arrival counts of groups spanning several tiles), so that no quantization kernel runs
+    between the GEMMs.
     """
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
@@ -1029,39 +1104,42 @@ def _gate_up_kernel(
             for level in tl.static_range(FOLD_LEVELS):
                 if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
                     _gate_up_block(
-                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr,
-                        counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert,
+                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, qcount_ptr,
+                        row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
+                        capacity, blocks_per_expert,
                         align_m, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm,
                         part_ptr, part_stride, count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr,
                         xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS, INTERLEAVED,
                         ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
                         HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
                         BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
-                        FOLD >> (FOLD_LEVELS - 1 - level),
+                        FOLD >> (FOLD_LEVELS - 1 - level), QUANT_H=QUANT_H, H_GROUP=H_GROUP,
                     )  # fmt: skip
     elif TAIL_LEVELS > 0 and ROWS == 0:
         n_ok = tl.sum(row_ok.to(tl.int32))
         for level in tl.static_range(TAIL_LEVELS + 1):
             if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
                 _gate_up_block(
-                    x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
+                    x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, qcount_ptr, row_map_ptr,
+                    block_expert_ptr, counts_ptr,
                     num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
                     stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
                     count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
                     stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
                     WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
                     DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P,
+                    BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,
                 )  # fmt: skip
     else:
         _gate_up_block(
-            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, row_map_ptr, block_expert_ptr, counts_ptr,
+            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, qcount_ptr, row_map_ptr,
+            block_expert_ptr, counts_ptr,
             num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K, stride_xm,
             stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr, alpha,
             limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
             INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
-            pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
+            pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,
         )  # fmt: skip
 
 

@@ -199,7 +199,9 @@ class PipelineConfig:
     applies on the H100 (mixtral TP2 T = 16384: 2% slower, within that point's spread) and 2-13%
     at 7 of 10 on the H200 (mixtral TP2 T = 1024: 4% slower); 32 rows in two levels gained 10%
     at mixtral TP2 T = 1024 on the H100 but lost up to 5% elsewhere: a table's config sets
-    `GemmConfig.fold_rows` where another size pays."""
+    `GemmConfig.fold_rows` where another size pays. quant_h_in_gate_up: fp8 per-token-group
+    formats quantize h in gate_up's epilogue for down (`ops.h_quant_dtype`), instead of in a
+    kernel of their own between the GEMMs."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
@@ -215,6 +217,7 @@ class PipelineConfig:
     fold_rows: int = 16
     fold_levels: int = 1
     fold_gemms: tuple[str, ...] = ("gate_up", "down")
+    quant_h_in_gate_up: bool = True
 
 
 PIPELINE = PipelineConfig()

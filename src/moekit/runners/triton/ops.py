@@ -453,6 +453,23 @@ def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: to
     )
 
 
+def h_quant_dtype(w: ExpertWeights, cfg: GemmConfig, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which gate_up (config `cfg`) also stores h quantized for down
+    (`_kernels._store_h_quantized`), or None where a `quantize_input` kernel does it between
+    the GEMMs: fp8 per-token-group activations whose group gate_up's block_n divides or is a
+    multiple of, on a GPU (the Triton interpreter casts to fp8 wrongly), with
+    `PIPELINE.quant_h_in_gate_up`."""
+    spec = w.spec
+    if not (PIPELINE.quant_h_in_gate_up and w.is_quantized and x.device.type == "cuda"):
+        return None
+    if spec.name != "fp8_w8a8" or spec.act_scheme != "token_group":
+        return None
+    group = spec.act_group_size
+    if cfg.block_n % group and group % cfg.block_n:
+        return None
+    return spec.act_dtype
+
+
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
     """TMA weight loads for unquantized and w8a8 weights (stored values are the dot operands);
     packed / weight-only formats load through pointers (dequantized in registers)."""
@@ -479,14 +496,19 @@ def gate_up(
     zero: torch.Tensor | None = None,
     warmup: bool = False,
     pdl: bool = False,
-) -> torch.Tensor:
+    quant_h: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """h [slots, I] = act(x @ w13[e].T + b13[e]) per row block; x is [T, H] (sorted / direct
     rows) or [E * capacity, H] (masked rows). `zero`: a tensor this launch also zeroes (the
     atomic down GEMM's output). w8a8 formats: x is quantized here first (h stays in x's
     dtype; zero-initialised for the 'dynamic_tensor' scheme, whose scale of h must not see
     rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet in a float32
     workspace [split_k, slots, 2I] (`_kernels._split_fixup`). pdl: the quantization of x and
-    this GEMM as programmatic dependent launches (`decode_pdl`)."""
+    this GEMM as programmatic dependent launches (`decode_pdl`).
+    quant_h (fp8 per-token-group formats, see `h_quant_dtype`): returns h quantized for down
+    instead, (q [slots, I] of this dtype, scales float32 [slots, I / group]), as
+    `quantize_input(h, w.spec)` would give it; float32 gives the values just before the fp8
+    cast (the interpreter tests)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
@@ -494,10 +516,31 @@ def gate_up(
     if wq is not None:
         cfg = wq.clamp(cfg)
     split = cfg.split_k
+    h_group = 128
+    if quant_h is not None:
+        spec = w.spec
+        h_group = spec.act_group_size if w.is_quantized else 0
+        if out is not None or not (
+            w.is_quantized and spec.act_scheme == "token_group"
+            and (cfg.block_n % h_group == 0 or h_group % cfg.block_n == 0)
+        ):  # fmt: skip
+            raise ValueError(
+                f"quant_h: needs per-token-group activations with a group that block_n "
+                f"{cfg.block_n} divides or is a multiple of, and no `out`; got "
+                f"{spec.describe() if spec else 'unquantized weights'}"
+            )
+        hq = torch.empty(rows.slots(), I, dtype=quant_h, device=x.device)
+        hs = torch.empty(rows.slots(), triton.cdiv(I, h_group), dtype=torch.float32,
+                         device=x.device)  # fmt: skip
+        # h itself: scratch for groups spanning several tiles, else only its dtype is read
+        out = torch.empty(rows.slots() if cfg.block_n < h_group else 1, I, dtype=x.dtype,
+                          device=x.device)  # fmt: skip
     if out is None:
         dyn = w.is_quantized and w.spec.act_scheme == "dynamic_tensor"
         alloc = torch.zeros if dyn else torch.empty
         out = alloc(rows.slots(), I, dtype=x.dtype, device=x.device)
+    if quant_h is None:
+        hq = hs = out
     if act.name not in ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
     row_args = rows.args(cfg.block_m, top_k)
@@ -506,11 +549,15 @@ def gate_up(
     if grid[0] == 0:
         if zero is not None:
             zero.zero_()
-        return out
-    part = count = out
+        return out if quant_h is None else (hq, hs)
+    part = count = qcount = out
+    split_tiles = tiles if split > 1 else 0
+    q_tiles = row_args[-1] * triton.cdiv(I, h_group) if quant_h is not None else 0
+    if split_tiles + q_tiles:
+        count = split_counts(x.device, split_tiles + q_tiles)
+        qcount = count[split_tiles:]
     if split > 1:
         part = torch.empty(split, rows.slots(), 2 * I, dtype=torch.float32, device=x.device)
-        count = split_counts(x.device, tiles)
     xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
@@ -524,7 +571,7 @@ def gate_up(
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
     args = (
-        x, w.w13, w_desc, b13, out, zero_t, *row_args,
+        x, w.w13, w_desc, b13, out, hq, hs, qcount, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         part, part.stride(0) if split > 1 else 0, count,
@@ -542,10 +589,12 @@ def gate_up(
         **_gemm_meta(cfg, H, use_tma),
         **_pdl_meta(pdl, pdl),
         **rows.meta(),
+        QUANT_H=quant_h is not None,
+        H_GROUP=h_group,
     )
     meta |= _tail_meta("gate_up", cfg, rows, wq) | _fold_meta("gate_up", cfg, rows, wq)
     _launch(k._gate_up_kernel, grid, args, meta, warmup)
-    return out
+    return out if quant_h is None else (hq, hs)
 
 
 def down(
@@ -558,11 +607,13 @@ def down(
     top_k: int = 1,
     warmup: bool = False,
     pdl: bool = False,
+    h_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out = h @ w2[e].T + b2[e] per row block. Sorted / direct rows: times the pair's weight,
     into out [P, H] by pair (cfg.reduce 'kernel') or added into a zeroed out [T, H] by token
     ('atomic'). Masked rows: unweighted into out [E * capacity, H]. pdl: the quantization of h
-    and this GEMM as programmatic dependent launches (`decode_pdl`)."""
+    and this GEMM as programmatic dependent launches (`decode_pdl`). h_scales: h is already
+    quantized for a w8a8 format (`gate_up(..., quant_h=...)`), these its scales."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     masked = rows.mode == k.ROWS_MASKED
@@ -580,10 +631,10 @@ def down(
     grid = (row_args[-1] * triton.cdiv(H, cfg.block_n) * split_k,)
     if grid[0] == 0:
         return out
-    hs = h
+    hs = h if h_scales is None else h_scales
     dot_dtype = h.dtype
-    fused = _fuse_act_quant(wq, rows, cfg, h)
-    if wq is not None and wq.quant == k.Q_W8A8 and not fused:
+    fused = h_scales is None and _fuse_act_quant(wq, rows, cfg, h)
+    if wq is not None and wq.quant == k.Q_W8A8 and not fused and h_scales is None:
         # unwritten rows of h are zeros for dynamic_tensor
         h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
     use_tma = _use_tma(cfg, wq) and tma_ok(w.w2, h) and w.w2.is_contiguous()
@@ -695,13 +746,15 @@ def fused_moe(
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m), pdl=pdl)
         per_expert = rows_per_expert(T * local_share, K, w.num_experts)
         rows = Rows.sorted(align, w.num_experts, per_expert)
-    if cfg2.reduce == "atomic":
-        out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device)
-        h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl)
-        return down(h, rows, w, cfg2, out, weights, K, pdl=pdl)
-    h = gate_up(x_TH, rows, w, act, cfg1, K, pdl=pdl)
+    quant_h = h_quant_dtype(w, cfg1, x_TH)
+    atomic = cfg2.reduce == "atomic"
+    out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device) if atomic else None
+    h = gate_up(x_TH, rows, w, act, cfg1, K, zero=out, pdl=pdl, quant_h=quant_h)
+    h, hs = h if quant_h is not None else (h, None)
+    if atomic:
+        return down(h, rows, w, cfg2, out, weights, K, pdl=pdl, h_scales=hs)
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
-    down(h, rows, w, cfg2, y, weights, K, pdl=pdl)
+    down(h, rows, w, cfg2, y, weights, K, pdl=pdl, h_scales=hs)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 
