@@ -1,7 +1,7 @@
 """Decode-batch variants of the `triton` runner's tuned configs, timed through the layer in turns.
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py [--jobs 'J1;J2'] [--batches 1,4,16,64]
-        [--min-gain 1.03] [--variants split|down-split|sweep|row1|pairs] [--tiles 'bn,bk,w,s;...']
+        [--min-gain 1.03] [--variants split|down-split|sweep|row1|pairs|wide] [--tiles 'bn,bk,w,s;...']
         [--pairs 'NAME=GATE_UP,DOWN;...'] [--seed 0] [--out NAME]
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T, the
@@ -14,6 +14,8 @@ bench` does) runs with the configs its tables give (`table`) and with these chan
   row1 ...    (--variants row1) both GEMMs with one pair per program (`GemmConfig.block_m`
               1: products summed on the CUDA cores), the table's tiles or those named
               (ROW1_TILES, or --tiles)
+  gate_up bn128 [split2] (--variants wide) gate_up at least 128 columns wide (fp8 block-wise:
+              h quantized in its epilogue, `ops.h_quant_dtype`), also split over K in 2
   NAME        (--variants pairs) the configs --pairs names, as `moekit tune` logs them
               (`GemmConfig.code`: m128n64k128g8w8s3 = block_m 128, block_n 64, block_k 128,
               group_m 8, 8 warps, 3 stages; then T swap_ab, A atomic reduce, M TMA, K<n>
@@ -93,6 +95,11 @@ def variants(kind: str = "split") -> dict:
                     return tuple(pair)
 
                 out[f"{gemm} {label}"] = pick
+        return out
+    if kind == "wide":  # gate_up tiles of whole activation groups: h quantized in its epilogue
+        wide = lambda c: replace(c, block_n=max(c.block_n, 128))  # noqa: E731
+        out["gate_up bn128"] = lambda c1, c2: (wide(c1), c2)
+        out["gate_up bn128 split2"] = lambda c1, c2: (replace(wide(c1), split_k=2), c2)
         return out
     if kind == "split":
         for s in (2, 4, 8):

@@ -55,19 +55,13 @@ def _rows(x, topk, w, cfg):
 
 
 CASES = {
-    # tiles of a group meeting through the arrival counts: 2, 4 and 8 tiles a group
-    "bn64": (GemmConfig(16, 64, 64), ActivationSpec(), False, 256),
-    "bn32-swap": (GemmConfig(16, 32, 128, swap_ab=True), ActivationSpec(), False, 256),
-    "bn16": (GemmConfig(16, 16, 64), ActivationSpec(), False, 256),
-    # I = 320: the last group has 64 columns (one tile of 64, two of 32)
-    "bn64-partial-group": (GemmConfig(16, 64, 64), ActivationSpec(), False, 320),
-    "bn32-oai-bias": (GemmConfig(16, 32, 64), OAI, True, 320),
-    # a tile of whole groups, quantized in registers (I = 320: a last tile past N)
     "bn128": (GemmConfig(16, 128, 64), ActivationSpec(), False, 256),
-    "bn256-partial": (GemmConfig(32, 256, 64), OAI, True, 320),
-    # split-K: the last K share of each tile arrives at the group's count
-    "bn64-split2": (GemmConfig(16, 64, 64, split_k=2), ActivationSpec(), False, 320),
-    "bn128-split4": (GemmConfig(16, 128, 64, split_k=4), OAI, True, 256),
+    "bn128-swap-oai-bias": (GemmConfig(16, 128, 128, swap_ab=True), OAI, True, 256),
+    # I = 320: the last group 64 columns wide, the last tile past N
+    "bn128-partial": (GemmConfig(16, 128, 64), ActivationSpec(), False, 320),
+    "bn256-partial-oai-bias": (GemmConfig(32, 256, 64), OAI, True, 320),
+    # split-K: the last K share of each tile quantizes it
+    "bn128-split4-oai-bias": (GemmConfig(16, 128, 64, split_k=4), OAI, True, 320),
 }
 
 
@@ -81,15 +75,13 @@ def test_quant_h_matches_separate_quantization(case, T):
     topk = make_topk(T, K, E, masked=0.2 if T > 1 else 0.0, device=DEVICE)
     x, cfg, rows, valid = _rows(x, topk, w, cfg)
     h = ops.gate_up(x, rows, w, act, cfg, K)
+    q_ref, s_ref = quantize_act_ref(h[valid], "token_group", FP8)
     for out_dtype in (torch.float32, FP8) if ON_GPU else (torch.float32,):
-        for call in range(2):  # the second call checks that the counts were left at 0
-            q, s = ops.gate_up(x, rows, w, act, cfg, K, quant_h=out_dtype)
-            assert q.shape == h.shape and s.shape == (h.shape[0], -(-I // 128))
-            q_ref, s_ref = quantize_act_ref(h[valid], "token_group", FP8)
-            codes = q[valid] if out_dtype == FP8 else q[valid].to(FP8)
-            assert torch.equal(codes.view(torch.uint8), q_ref.view(torch.uint8)), (case, call)
-            assert torch.equal(s[valid], s_ref), (case, call)
-    assert not ops.split_counts(x.device, 1).any()
+        q, s = ops.gate_up(x, rows, w, act, cfg, K, quant_h=out_dtype)
+        assert q.shape == h.shape and s.shape == (h.shape[0], -(-I // 128))
+        codes = q[valid] if out_dtype == FP8 else q[valid].to(FP8)
+        assert torch.equal(codes.view(torch.uint8), q_ref.view(torch.uint8)), (case, out_dtype)
+        assert torch.equal(s[valid], s_ref), (case, out_dtype)
 
 
 def test_quant_h_refused_where_it_cannot_apply():
@@ -98,13 +90,17 @@ def test_quant_h_refused_where_it_cannot_apply():
     topk = make_topk(2, 1, 2, device=DEVICE)
     plain = ExpertWeights(torch.randn(2, 256, 128, device=DEVICE), torch.randn(2, 128, 128, device=DEVICE))
     per_token = quantize_experts(plain, Fp8W8A8("block", activation_scheme="token"))
-    x, cfg, rows, _ = _rows(x, topk, w, GemmConfig(16, 64, 64))
+    x, cfg, rows, _ = _rows(x, topk, w, GemmConfig(16, 128, 64))
     with pytest.raises(ValueError, match="quant_h: needs per-token-group activations"):
         ops.gate_up(x, rows, per_token, ActivationSpec(), cfg, 1, quant_h=torch.float32)
+    narrow = replace(cfg, block_n=64)
+    with pytest.raises(ValueError, match="a group that divides block_n 64, and no `out`"):
+        ops.gate_up(x, rows, w, ActivationSpec(), narrow, 1, quant_h=torch.float32)
     with pytest.raises(ValueError, match="and no `out`"):
         ops.gate_up(x, rows, w, ActivationSpec(), cfg, 1, out=torch.empty(2, 128, dtype=DTYPE),
                     quant_h=torch.float32)  # fmt: skip
     assert ops.h_quant_dtype(per_token, cfg, x) is None
+    assert ops.h_quant_dtype(w, narrow, x) is None
     expected = FP8 if x.device.type == "cuda" else None  # the interpreter cannot cast to fp8
     assert ops.h_quant_dtype(w, cfg, x) == expected
 
@@ -114,8 +110,8 @@ def test_quant_h_refused_where_it_cannot_apply():
 @pytest.mark.parametrize("model,tp,ep", [("qwen3-30b-a3b", 1, 1), ("gpt-oss-120b", 1, 1),
                                          ("deepseek-v3", 8, 8)])  # fmt: skip
 def test_layer_with_quant_h_gpu(model, tp, ep, T, monkeypatch):
-    """The fp8 block-wise layer on the preset shapes with its tables' configs: h quantized in
-    gate_up equals h quantized by its own kernel, bit for bit (same h, same arithmetic), eager
+    """The fp8 block-wise layer on the preset shapes with its tables' configs (gate_up at least
+    128 columns wide): h quantized in gate_up equals h quantized by its own kernel, bit for bit (same h, same arithmetic), eager
     and in CUDA-graph replay."""
     from moekit.tune import random_weights, shape_for
 
@@ -125,8 +121,7 @@ def test_layer_with_quant_h_gpu(model, tp, ep, T, monkeypatch):
     x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
     topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.02, device="cuda")
     cfgs = ops.configs_for(T, shape.top_k, w, x.dtype, x.device)
-    if ops.h_quant_dtype(w, cfgs[0], x) is None:
-        cfgs = (replace(cfgs[0], block_n=64), cfgs[1])
+    cfgs = (replace(cfgs[0], block_n=max(cfgs[0].block_n, 128)), cfgs[1])
     # deterministic sums, so that the two paths can be compared bit for bit
     cfgs = (cfgs[0], replace(cfgs[1], reduce="kernel", split_k=1))
     monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, quant_h_in_gate_up=False))

@@ -654,7 +654,6 @@ def _gate_up_block(
     h_ptr,
     hq_ptr,
     hs_ptr,
-    qcount_ptr,
     row_map_ptr,
     block_expert_ptr,
     counts_ptr,
@@ -890,8 +889,8 @@ def _gate_up_block(
         last = True
     if last:
         if QUANT_H:
-            _store_h_quantized(acc_g, acc_u, h_ptr, hq_ptr, hs_ptr, qcount_ptr, slot, row_ok, n_out,
-                               mask, stride_hm, alpha, limit, pid_m, pid_n, N, ACT, BLOCK_N,
+            _store_h_quantized(acc_g, acc_u, h_ptr.dtype.element_ty, hq_ptr, hs_ptr, slot, row_ok,
+                               n_out, mask, stride_hm, alpha, limit, pid_n, N, ACT,
                                H_GROUP)  # fmt: skip
         else:
             _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, ACT)
@@ -910,54 +909,28 @@ def _store_h(acc_g, acc_u, h_ptr, slot, n_out, mask, stride_hm, alpha, limit, AC
 
 @triton.jit
 def _store_h_quantized(
-    acc_g, acc_u, h_ptr, hq_ptr, hs_ptr, qcount_ptr, slot, row_ok, n_out, mask, stride_hm,
-    alpha, limit, pid_m, pid_n, N, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-    H_GROUP: tl.constexpr,
+    acc_g, acc_u, h_dtype: tl.constexpr, hq_ptr, hs_ptr, slot, row_ok, n_out, mask, stride_hm,
+    alpha, limit, pid_n, N, ACT: tl.constexpr, H_GROUP: tl.constexpr,
 ):  # fmt: skip
-    """h quantized here for a w8a8 down GEMM with per-token-group activations: act(gate, up)
-    rounded to h's dtype (as `_store_h` stores it), then per row and group of H_GROUP columns
-    as `moekit.quant.quantize_act` 'token_group' does it (`_scaled_groups`): the values into
-    hq [slots, N] (fp8; float32 for the interpreter tests: before the cast), the scales into
-    hs [slots, cdiv(N, H_GROUP)] float32.
-    BLOCK_N a multiple of H_GROUP: each tile quantizes its own groups in registers.
-    BLOCK_N dividing H_GROUP: a group spans H_GROUP / BLOCK_N tiles of one row block; each
-    stores its h columns (h [slots, N]) and counts itself in qcount[pid_m, group] (released
-    after the whole program's stores, as `_split_fixup`); the last to arrive reads the group
-    back from L2, quantizes it and sets the count back to 0 (qcount must be zeros on entry)."""
-    act = activate(acc_g, acc_u, alpha, limit, ACT).to(h_ptr.dtype.element_ty)
+    """h quantized for a w8a8 down GEMM with per-token-group activations, from a tile of whole
+    groups (BLOCK_N a multiple of H_GROUP): act(gate, up) rounded to h_dtype (as `_store_h`
+    stores it), then per row and group of H_GROUP columns as `moekit.quant.quantize_act`
+    'token_group' does it (`_scaled_groups`): the values into hq [slots, N] (fp8; float32 for
+    the interpreter tests: before the cast), the scales into hs [slots, cdiv(N, H_GROUP)]
+    float32."""
+    BM: tl.constexpr = acc_g.shape[0]
+    BLOCK_N: tl.constexpr = acc_g.shape[1]
+    tl.static_assert(BLOCK_N % H_GROUP == 0, "BLOCK_N must be a multiple of H_GROUP")
+    GPT: tl.constexpr = BLOCK_N // H_GROUP
+    act = activate(acc_g, acc_u, alpha, limit, ACT).to(h_dtype).to(tl.float32)
+    a = tl.where(mask, act, 0.0)  # columns past N do not enter the amax
+    y, s = _scaled_groups(tl.reshape(a, [BM * GPT, H_GROUP]))
+    q_ptrs = hq_ptr + slot[:, None] * stride_hm + n_out[None, :]
+    tl.store(q_ptrs, tl.reshape(y, [BM, BLOCK_N]).to(hq_ptr.dtype.element_ty), mask=mask)
     n_groups = tl.cdiv(N, H_GROUP)
-    if BLOCK_N >= H_GROUP:
-        tl.static_assert(BLOCK_N % H_GROUP == 0, "BLOCK_N must be a multiple of H_GROUP")
-        GPT: tl.constexpr = BLOCK_N // H_GROUP
-        BM: tl.constexpr = act.shape[0]
-        a = tl.where(mask, act.to(tl.float32), 0.0)  # columns past N do not enter the amax
-        y, s = _scaled_groups(tl.reshape(a, [BM * GPT, H_GROUP]))
-        q_ptrs = hq_ptr + slot[:, None] * stride_hm + n_out[None, :]
-        tl.store(q_ptrs, tl.reshape(y, [BM, BLOCK_N]).to(hq_ptr.dtype.element_ty), mask=mask)
-        g = pid_n * GPT + tl.arange(0, GPT)
-        s_ptrs = hs_ptr + slot[:, None] * n_groups + g[None, :]
-        tl.store(s_ptrs, tl.reshape(s, [BM, GPT]), mask=row_ok[:, None] & (g[None, :] < n_groups))
-    else:
-        tl.static_assert(H_GROUP % BLOCK_N == 0, "BLOCK_N must divide H_GROUP")
-        TPG: tl.constexpr = H_GROUP // BLOCK_N
-        tl.store(h_ptr + slot[:, None] * stride_hm + n_out[None, :], act, mask=mask)
-        tl.debug_barrier()
-        g = pid_n // TPG
-        in_group = tl.minimum(TPG, tl.cdiv(N, BLOCK_N) - g * TPG)
-        count = qcount_ptr + pid_m * n_groups + g
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if arrived == in_group - 1:
-            tl.debug_barrier()
-            cols = g * H_GROUP + tl.arange(0, H_GROUP)
-            m = row_ok[:, None] & (cols[None, :] < N)
-            offs = slot[:, None] * stride_hm + cols[None, :]
-            hv = tl.load(h_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-            y, s = _scaled_groups(hv)
-            tl.store(hq_ptr + offs, y.to(hq_ptr.dtype.element_ty), mask=m)
-            tl.store(hs_ptr + slot * n_groups + g, s, mask=row_ok)
-            tl.store(count, 0)
-
-
+    g = pid_n * GPT + tl.arange(0, GPT)
+    s_ptrs = hs_ptr + slot[:, None] * n_groups + g[None, :]
+    tl.store(s_ptrs, tl.reshape(s, [BM, GPT]), mask=row_ok[:, None] & (g[None, :] < n_groups))
 
 
 @triton.jit(
@@ -973,7 +946,6 @@ def _gate_up_kernel(
     h_ptr,
     hq_ptr,
     hs_ptr,
-    qcount_ptr,
     zero_ptr,
     row_map_ptr,
     block_expert_ptr,
@@ -1066,10 +1038,10 @@ def _gate_up_kernel(
     most FOLD valid rows after a full one is folded into it (`_folded_tail`): the full block's
     program multiplies those rows too, by the weight tiles it loads anyway, on the fewest of
     FOLD / 2^j rows (j < FOLD_LEVELS) that hold them.
-    QUANT_H (for a w8a8 down GEMM with per-token-group activations of H_GROUP columns): h also
-    quantized here, into hq and hs (`_store_h_quantized`: h is then scratch, and qcount the
-    arrival counts of groups spanning several tiles), so that no quantization kernel runs
-    between the GEMMs.
+    QUANT_H (for a w8a8 down GEMM with per-token-group activations of H_GROUP columns, BLOCK_N a
+    multiple of H_GROUP): h stored quantized instead, into hq and hs (`_store_h_quantized`;
+    h_ptr unwritten, its dtype the one h is rounded to first), so that no quantization kernel
+    runs between the GEMMs.
     """
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
@@ -1104,7 +1076,7 @@ def _gate_up_kernel(
             for level in tl.static_range(FOLD_LEVELS):
                 if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
                     _gate_up_block(
-                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, qcount_ptr,
+                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr,
                         row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
                         capacity, blocks_per_expert,
                         align_m, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm,
@@ -1120,7 +1092,7 @@ def _gate_up_kernel(
         for level in tl.static_range(TAIL_LEVELS + 1):
             if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
                 _gate_up_block(
-                    x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, qcount_ptr, row_map_ptr,
+                    x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
                     block_expert_ptr, counts_ptr,
                     num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
                     stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
@@ -1132,7 +1104,7 @@ def _gate_up_kernel(
                 )  # fmt: skip
     else:
         _gate_up_block(
-            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, qcount_ptr, row_map_ptr,
+            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
             block_expert_ptr, counts_ptr,
             num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K, stride_xm,
             stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr, alpha,

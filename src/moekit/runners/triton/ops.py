@@ -454,20 +454,17 @@ def _fuse_act_quant(wq: "WeightQuant | None", rows: Rows, cfg: GemmConfig, a: to
 
 
 def h_quant_dtype(w: ExpertWeights, cfg: GemmConfig, x: torch.Tensor) -> torch.dtype | None:
-    """The dtype in which gate_up (config `cfg`) also stores h quantized for down
+    """The dtype in which gate_up (config `cfg`) stores h already quantized for down
     (`_kernels._store_h_quantized`), or None where a `quantize_input` kernel does it between
-    the GEMMs: fp8 per-token-group activations whose group gate_up's block_n divides or is a
-    multiple of, on a GPU (the Triton interpreter casts to fp8 wrongly), with
+    the GEMMs: fp8 per-token-group activations, gate_up's tiles whole groups wide (block_n a
+    multiple of the group), on a GPU (the Triton interpreter casts to fp8 wrongly), with
     `PIPELINE.quant_h_in_gate_up`."""
     spec = w.spec
     if not (PIPELINE.quant_h_in_gate_up and w.is_quantized and x.device.type == "cuda"):
         return None
     if spec.name != "fp8_w8a8" or spec.act_scheme != "token_group":
         return None
-    group = spec.act_group_size
-    if cfg.block_n % group and group % cfg.block_n:
-        return None
-    return spec.act_dtype
+    return spec.act_dtype if cfg.block_n % spec.act_group_size == 0 else None
 
 
 def _use_tma(cfg: GemmConfig, wq: "WeightQuant | None") -> bool:
@@ -505,10 +502,10 @@ def gate_up(
     rows the GEMM leaves unwritten). cfg.split_k > 1: the K shares meet in a float32
     workspace [split_k, slots, 2I] (`_kernels._split_fixup`). pdl: the quantization of x and
     this GEMM as programmatic dependent launches (`decode_pdl`).
-    quant_h (fp8 per-token-group formats, see `h_quant_dtype`): returns h quantized for down
-    instead, (q [slots, I] of this dtype, scales float32 [slots, I / group]), as
-    `quantize_input(h, w.spec)` would give it; float32 gives the values just before the fp8
-    cast (the interpreter tests)."""
+    quant_h (fp8 per-token-group formats, block_n a multiple of the group: `h_quant_dtype`):
+    returns h quantized for down instead, (q [slots, I] of this dtype, scales float32 [slots,
+    I / group]), as `quantize_input(h, w.spec)` would give it; float32 gives the values just
+    before the fp8 cast (the interpreter tests)."""
     I, H = w.intermediate_size, w.hidden_size
     E = w.num_experts
     act_dtype = x.dtype
@@ -520,21 +517,16 @@ def gate_up(
     if quant_h is not None:
         spec = w.spec
         h_group = spec.act_group_size if w.is_quantized else 0
-        if out is not None or not (
-            w.is_quantized and spec.act_scheme == "token_group"
-            and (cfg.block_n % h_group == 0 or h_group % cfg.block_n == 0)
-        ):  # fmt: skip
+        if out is not None or not h_group or cfg.block_n % h_group:
             raise ValueError(
-                f"quant_h: needs per-token-group activations with a group that block_n "
-                f"{cfg.block_n} divides or is a multiple of, and no `out`; got "
+                f"quant_h: needs per-token-group activations with a group that divides block_n "
+                f"{cfg.block_n}, and no `out`; got "
                 f"{spec.describe() if spec else 'unquantized weights'}"
             )
         hq = torch.empty(rows.slots(), I, dtype=quant_h, device=x.device)
         hs = torch.empty(rows.slots(), triton.cdiv(I, h_group), dtype=torch.float32,
                          device=x.device)  # fmt: skip
-        # h itself: scratch for groups spanning several tiles, else only its dtype is read
-        out = torch.empty(rows.slots() if cfg.block_n < h_group else 1, I, dtype=x.dtype,
-                          device=x.device)  # fmt: skip
+        out = torch.empty(1, I, dtype=x.dtype, device=x.device)  # unwritten: only its dtype
     if out is None:
         dyn = w.is_quantized and w.spec.act_scheme == "dynamic_tensor"
         alloc = torch.zeros if dyn else torch.empty
@@ -550,14 +542,10 @@ def gate_up(
         if zero is not None:
             zero.zero_()
         return out if quant_h is None else (hq, hs)
-    part = count = qcount = out
-    split_tiles = tiles if split > 1 else 0
-    q_tiles = row_args[-1] * triton.cdiv(I, h_group) if quant_h is not None else 0
-    if split_tiles + q_tiles:
-        count = split_counts(x.device, split_tiles + q_tiles)
-        qcount = count[split_tiles:]
+    part = count = out
     if split > 1:
         part = torch.empty(split, rows.slots(), 2 * I, dtype=torch.float32, device=x.device)
+        count = split_counts(x.device, tiles)
     xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
@@ -571,7 +559,7 @@ def gate_up(
     b13 = w.b13 if w.b13 is not None else w.w13
     zero_t = zero if zero is not None else out
     args = (
-        x, w.w13, w_desc, b13, out, hq, hs, qcount, zero_t, *row_args,
+        x, w.w13, w_desc, b13, out, hq, hs, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
         x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
         part, part.stride(0) if split > 1 else 0, count,
