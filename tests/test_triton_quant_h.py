@@ -88,7 +88,8 @@ def test_quant_h_refused_where_it_cannot_apply():
     w = _experts(2, 128, 128)
     x = torch.randn(2, 128, device=DEVICE, dtype=DTYPE)
     topk = make_topk(2, 1, 2, device=DEVICE)
-    plain = ExpertWeights(torch.randn(2, 256, 128, device=DEVICE), torch.randn(2, 128, 128, device=DEVICE))
+    plain = ExpertWeights(torch.randn(2, 256, 128, device=DEVICE),
+                          torch.randn(2, 128, 128, device=DEVICE))  # fmt: skip
     per_token = quantize_experts(plain, Fp8W8A8("block", activation_scheme="token"))
     x, cfg, rows, _ = _rows(x, topk, w, GemmConfig(16, 128, 64))
     with pytest.raises(ValueError, match="quant_h: needs per-token-group activations"):
@@ -111,8 +112,8 @@ def test_quant_h_refused_where_it_cannot_apply():
                                          ("deepseek-v3", 8, 8)])  # fmt: skip
 def test_layer_with_quant_h_gpu(model, tp, ep, T, monkeypatch):
     """The fp8 block-wise layer on the preset shapes with its tables' configs (gate_up at least
-    128 columns wide): h quantized in gate_up equals h quantized by its own kernel, bit for bit (same h, same arithmetic), eager
-    and in CUDA-graph replay."""
+    128 columns wide): h quantized in gate_up equals h quantized by its own kernel, bit for bit
+    (same h, same arithmetic), eager and in CUDA-graph replay."""
     from moekit.tune import random_weights, shape_for
 
     shape = shape_for(model, tp, ep)
@@ -122,6 +123,7 @@ def test_layer_with_quant_h_gpu(model, tp, ep, T, monkeypatch):
     topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.02, device="cuda")
     cfgs = ops.configs_for(T, shape.top_k, w, x.dtype, x.device)
     cfgs = (replace(cfgs[0], block_n=max(cfgs[0].block_n, 128)), cfgs[1])
+    assert ops.h_quant_dtype(w, cfgs[0], x) == FP8
     # deterministic sums, so that the two paths can be compared bit for bit
     cfgs = (cfgs[0], replace(cfgs[1], reduce="kernel", split_k=1))
     monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, quant_h_in_gate_up=False))
