@@ -4,7 +4,7 @@
 #   QH_STEPS="tests ab ratio" bash scripts/gpu_quant_h.sh      # results under $OUT
 #   steps: tests (the new GPU tests), ab (decode A/B), ratio (issue 4's bf16 / fp8 at decode),
 #          abT (A/B at T = 256-4096), wide (decode tables' gate_up made 128 wide, so that it
-#          quantizes h), more (the fp8 / triton runner GPU tests)
+#          quantizes h; wideT the same at T = 256-4096), more (the fp8 / triton runner GPU tests)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
 export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 FP8_JOBS="qwen3-30b-a3b 1 1 fp8_w8a8;deepseek-v3 8 8 fp8_w8a8;gpt-oss-120b 1 1 fp8_w8a8;mixtral-8x7b 2 1 fp8_w8a8"
@@ -20,6 +20,8 @@ for step in ${QH_STEPS:-tests ab ratio}; do
            --jobs "$FP8_JOBS" --batches 256,1024,4096 --out quant_h_large ;;
     wide) python3 scripts/gpu_decode_variants.py --variants wide --jobs "$FP8_JOBS" \
             --batches 1,4,16,64 --min-gain 1.02 --out quant_h_wide ;;
+    wideT) python3 scripts/gpu_decode_variants.py --variants wide --jobs "$FP8_JOBS" \
+             --batches 256,1024,4096 --min-gain 1.02 --out quant_h_wide_large ;;
     more) python3 -m pytest -q -m gpu tests/test_triton_quant.py tests/test_triton_runner.py \
             2>&1 | tail -15 | tee "$OUT/gpu_tests_triton.txt" ;;
   esac
