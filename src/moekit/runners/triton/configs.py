@@ -200,8 +200,11 @@ class PipelineConfig:
     at 7 of 10 on the H200 (mixtral TP2 T = 1024: 4% slower); 32 rows in two levels gained 10%
     at mixtral TP2 T = 1024 on the H100 but lost up to 5% elsewhere: a table's config sets
     `GemmConfig.fold_rows` where another size pays. quant_h_in_gate_up: fp8 per-token-group
-    formats quantize h in gate_up's epilogue for down (`ops.h_quant_dtype`), instead of in a
-    kernel of their own between the GEMMs."""
+    formats whose gate_up tiles are whole groups wide quantize h in its epilogue for down
+    (`ops.h_quant_dtype`), instead of in a kernel of their own between the GEMMs: on the H100
+    1.4-7% off the layer at T = 1024 / 4096 (qwen3, deepseek-v3, gpt-oss; narrower tiles, as
+    the decode tables have, meeting through arrival counts lost 1-17% at T <= 256:
+    benchmarks/triton_notes.md, session 46)."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
