@@ -1076,10 +1076,10 @@ def _gate_up_kernel(
             for level in tl.static_range(FOLD_LEVELS):
                 if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
                     _gate_up_block(
-                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr,
-                        row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-                        capacity, blocks_per_expert,
-                        align_m, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm,
+                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
+                        block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
+                        blocks_per_expert, align_m, N, K, stride_xm, stride_we, stride_wn,
+                        stride_be, stride_hm,
                         part_ptr, part_stride, count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr,
                         xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS, INTERLEAVED,
                         ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
@@ -1093,8 +1093,8 @@ def _gate_up_kernel(
             if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
                 _gate_up_block(
                     x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
-                    block_expert_ptr, counts_ptr,
-                    num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+                    block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
+                    blocks_per_expert, align_m, N, K,
                     stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
                     count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
                     stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
@@ -1104,11 +1104,11 @@ def _gate_up_kernel(
                 )  # fmt: skip
     else:
         _gate_up_block(
-            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
-            block_expert_ptr, counts_ptr,
-            num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K, stride_xm,
-            stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr, alpha,
-            limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS,
+            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr, block_expert_ptr,
+            counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+            stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr,
+            alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT,
+            HAS_BIAS,
             INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
             HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
             pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,

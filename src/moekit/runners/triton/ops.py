@@ -622,7 +622,7 @@ def down(
     hs = h if h_scales is None else h_scales
     dot_dtype = h.dtype
     fused = h_scales is None and _fuse_act_quant(wq, rows, cfg, h)
-    if wq is not None and wq.quant == k.Q_W8A8 and not fused and h_scales is None:
+    if wq is not None and wq.quant == k.Q_W8A8 and h_scales is None and not fused:
         # unwritten rows of h are zeros for dynamic_tensor
         h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
     use_tma = _use_tma(cfg, wq) and tma_ok(w.w2, h) and w.w2.is_contiguous()
