@@ -375,17 +375,22 @@ def test_fused_act_quant_gpu(model, tp, ep, monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU interpreter run")
-def test_tiny_tune_quantized(tmp_path):
-    """`moekit tune --quantization`: tables keyed by the format, found by the runner's lookup."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_w8a8"])
+def test_tiny_tune_quantized(tmp_path, fmt):
+    """`moekit tune --quantization`: tables keyed by the format, found by the runner's lookup
+    (fp8: down timed on h quantized with gate_up's time, at direct and sorted rows)."""
     from moekit.bench import Ceilings
     from moekit.tune import TuneShape, tune
 
     shape = TuneShape(4, 2, 64, 32, "float16", ActivationSpec("silu"), False, "tiny")
     ceilings = Ceilings(1e10, 1e11, "float16")
-    report = tune(shape, [3], out_dir=tmp_path, device="cpu", progress=False, limit=1,
-                  ceilings=ceilings, quantization="mxfp4")  # fmt: skip
-    assert report.results[0].rel_err < TOLERANCE[torch.float16]
+    report = tune(shape, [3, 9], out_dir=tmp_path, device="cpu", progress=False, limit=1,
+                  ceilings=ceilings, quantization=fmt)  # fmt: skip
+    bound = TOLERANCE[torch.float16] if fmt == "mxfp4" else 3e-2  # fp8: the tuner's own check
+    for r in report.results:
+        assert r.rel_err < bound
+    tag = _tables.quant_tag(make_spec(fmt))
     for path in report.paths.values():
-        assert ",quant=mxfp4," in path.name and path.is_file()
-    key = configs.TableKey("down", 4, 64, 32, "float16", "cpu", _tables.triton_version(), "mxfp4")
+        assert f",quant={tag}," in path.name and path.is_file()
+    key = configs.TableKey("down", 4, 64, 32, "float16", "cpu", _tables.triton_version(), tag)
     assert key.filename() == report.paths["down"].name

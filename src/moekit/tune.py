@@ -493,42 +493,64 @@ def _time_us(fn, device, R: int, warmup: int = 2, samples: int = 7) -> float:
 
 
 def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
+    """The gate_up GEMM over the point's routings, with what the layer runs after it before
+    down: for the w8a8 formats h's quantization, in gate_up's epilogue where
+    `ops.h_quant_dtype` takes it, else by `ops.quantize_input`, so that configs with and
+    without it compare as the layer runs them. Returns (fn, hs): hs[i] after fn() is h of
+    routing i, (q, scales) for the w8a8 formats."""
     from moekit.runners.triton import ops
 
+    w, K = p.w, p.shape.top_k
     rows = p.rows(cfg.block_m)
+    quant_h = ops.h_quant_dtype(w, cfg, p.x)
+    w8a8 = w.is_quantized and w.spec.act_scheme is not None
     outs = [
         torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
         for r in rows
     ]
+    hs: list = list(outs)
 
     def fn():
-        for r, o in zip(rows, outs):
-            ops.gate_up(p.x, r, p.w, p.shape.act, cfg, p.shape.top_k, o, warmup=warmup)
+        for i, (r, o) in enumerate(zip(rows, outs)):
+            if quant_h is not None:
+                hs[i] = ops.gate_up(p.x, r, w, p.shape.act, cfg, K, warmup=warmup, quant_h=quant_h)
+            else:
+                ops.gate_up(p.x, r, w, p.shape.act, cfg, K, o, warmup=warmup)
+                if w8a8 and not warmup:
+                    hs[i] = ops.quantize_input(o, w.spec)
 
-    return fn, outs
+    return fn, hs
 
 
 def _down_fn(p: _Point, h_cfg: GemmConfig, hs, cfg: GemmConfig, warmup: bool = False):
-    """The down GEMM on gate_up outputs `hs` (aligned for h_cfg.block_m) plus the reduction.
-    Its block_m must divide h_cfg's alignment block; otherwise it gets its own alignment and
-    the first rows of hs are reused (timing only)."""
+    """The down GEMM on gate_up outputs `hs` (aligned for h_cfg.block_m; (q, scales) for the
+    w8a8 formats, whose quantization `_gate_up_fn` times) plus the reduction. Its block_m must
+    divide h_cfg's alignment block; otherwise it gets its own alignment and the first rows of
+    hs are reused (timing only)."""
     from moekit.runners.triton import ops
 
     T, H, K = p.T, p.shape.hidden, p.shape.top_k
     bm = max(cfg.block_m, h_cfg.block_m)
     rows = p.rows(bm)
-    hs = [h if bm == h_cfg.block_m else _padded_rows(h, r.slots()) for h, r in zip(hs, rows)]
+    ins = []
+    for h, r in zip(hs, rows):
+        q, s = (h, None) if isinstance(h, torch.Tensor) else h
+        if bm != h_cfg.block_m:
+            q = _padded_rows(q, r.slots())
+            if s is not None and s.dim() == 2:  # per-row scales follow their rows
+                s = _padded_rows(s, r.slots())
+        ins.append((q, s))
     atomic = cfg.reduce == "atomic"
     out = torch.empty(T, H, device=p.device, dtype=p.x.dtype)
     y = None if atomic else torch.empty(T * K, H, device=p.device, dtype=p.x.dtype)
 
     def fn():
-        for r, h, t in zip(rows, hs, p.topks):
+        for r, (h, s), t in zip(rows, ins, p.topks):
             if atomic:
                 out.zero_()  # (in the layer, the gate_up launch zeroes it)
-                ops.down(h, r, p.w, cfg, out, t.weights, K, warmup)
+                ops.down(h, r, p.w, cfg, out, t.weights, K, warmup, h_scales=s)
             else:
-                ops.down(h, r, p.w, cfg, y, t.weights, K, warmup)
+                ops.down(h, r, p.w, cfg, y, t.weights, K, warmup, h_scales=s)
                 if not warmup:
                     ops.sum_topk(y, t.ids, p.shape.num_experts, out)
 
