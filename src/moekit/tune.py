@@ -503,7 +503,7 @@ def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
     w, K = p.w, p.shape.top_k
     rows = p.rows(cfg.block_m)
     quant_h = ops.h_quant_dtype(w, cfg, p.x)
-    w8a8 = w.is_quantized and w.spec.act_scheme is not None
+    w8a8 = w.is_quantized and not w.spec.weight_only
     outs = [
         torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
         for r in rows

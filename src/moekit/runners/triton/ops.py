@@ -526,7 +526,7 @@ def gate_up(
         hq = torch.empty(rows.slots(), I, dtype=quant_h, device=x.device)
         hs = torch.empty(rows.slots(), triton.cdiv(I, h_group), dtype=torch.float32,
                          device=x.device)  # fmt: skip
-        out = torch.empty(1, I, dtype=x.dtype, device=x.device)  # unwritten: only its dtype
+        out = x  # h_ptr: unwritten, its dtype (x's) the one h is rounded to before quantizing
     if out is None:
         dyn = w.is_quantized and w.spec.act_scheme == "dynamic_tensor"
         alloc = torch.zeros if dyn else torch.empty
@@ -561,7 +561,7 @@ def gate_up(
     args = (
         x, w.w13, w_desc, b13, out, hq, hs, zero_t, *row_args,
         zero.numel() if zero is not None else 0, I, H,
-        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), out.stride(0),
+        x.stride(0), w.w13.stride(0), w.w13.stride(1), b13.stride(0), hq.stride(0),
         part, part.stride(0) if split > 1 else 0, count,
         float(act.alpha), float(act.limit), *_quant_args(wq, w.w13, xs),
     )  # fmt: skip
