@@ -14,9 +14,9 @@ explicit warp specialization, which Triton's own compiler does not build for the
   worker, 4 warps each, M_OFF its first row of the tile): each frees a stage alone (`empty[s]`
   counts both), where one partition of 8 warps arrives after a barrier over all of them, which
   holds the two in step. That matters for SCALED, whose wgmma retire every K step. There the
-  second partition of a work tile of at most 64 valid rows (an expert's last tile, or most
-  tiles at a few hundred rows an expert) multiplies nothing: it only frees the stages
-  (`_idle_steps`), and the first has the tensor cores to itself.
+  second partition of a tile of at most 64 valid rows (an expert's last, or every tile at
+  decode-like batch sizes) multiplies nothing: it only frees each stage, and the first has the
+  tensor cores to itself.
 
 The weights always come through TMA. The activation rows: down reads h [P, I] (sorted rows)
 through TMA; gate_up either reads xs [P, H] (x's rows copied into sorted order first) through
@@ -125,29 +125,6 @@ def _stage_rows(a_bufs, s, M_OFF: gl.constexpr, BM: gl.constexpr):
     if BM != a_bufs.type.shape[1]:
         a = a.slice(M_OFF, BM)
     return a
-
-
-@gluon.jit
-def _busy_steps(nrows, num_k, SCALED: gl.constexpr, M_OFF: gl.constexpr):
-    """The K steps a consumer partition multiplies for a work tile: all of them, but none for a
-    SCALED partition past the first (CONSUMERS = 2) that holds no rows of the tile."""
-    if SCALED and M_OFF > 0:
-        return num_k * (nrows > 0).to(gl.int32)
-    else:
-        return num_k
-
-
-@gluon.jit
-def _idle_steps(ready, empty, count, n):
-    """n K steps of a partition with no rows of the tile (`_busy_steps`): each stage is freed
-    once it has arrived, as if multiplied; returns the step count after them."""
-    STAGES: gl.constexpr = ready.type.shape[0]
-    for _ in range(n):
-        s = count % STAGES
-        mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-        mbarrier.arrive(empty.index(s))
-        count += 1
-    return count
 
 
 @gluon.jit
@@ -476,8 +453,7 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                                    row_ok, True)  # fmt: skip
             g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert,
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
-        steps = _busy_steps(nrows, num_k, SCALED, M_OFF)
-        for ki in range(steps):
+        for ki in range(num_k):
             s = count % STAGES
             a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:
@@ -487,10 +463,13 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
             fence_async_shared()  # the gathered A tile: generic-proxy writes
             b = bb_bufs.index(s).permute((1, 0))
             if SCALED:
-                p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                mbarrier.arrive(empty.index(s))
-                acc += p * (a_s[:, None] * col_s[None, :])
+                if nrows > 0:  # (a partition with no rows of the tile only frees the stage)
+                    p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                    mbarrier.arrive(empty.index(s))
+                    acc += p * (a_s[:, None] * col_s[None, :])
+                else:
+                    mbarrier.arrive(empty.index(s))
             else:
                 acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -501,8 +480,6 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        if SCALED and M_OFF > 0:
-            count = _idle_steps(ready, empty, count, num_k - steps)
         g, u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
         _gate_up_store(g, u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
                        stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED)  # fmt: skip
@@ -556,8 +533,7 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                                    row_ok, True)  # fmt: skip
             g_s_ptr, u_s_ptr = _gate_up_scale_ptrs(w_scale_ptr, stride_wse, stride_wsn, expert,
                                                    pid_n, N, BN, INTERLEAVED)  # fmt: skip
-        steps = _busy_steps(nrows, num_k, SCALED, M_OFF)
-        for ki in range(steps):
+        for ki in range(num_k):
             s = count % STAGES
             a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:  # the step's scales load while its operands arrive
@@ -571,15 +547,19 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                 # fresh products, retired before they are scaled in (ptxas serializes wgmma
                 # whose accumulators other instructions read while later ones run); the other
                 # warpgroup's wgmma keeps the tensor cores busy meanwhile, if it is not held
-                # in step with this one (CONSUMERS = 2)
-                p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                    is_async=True)  # fmt: skip
-                p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                    is_async=True)  # fmt: skip
-                p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
-                mbarrier.arrive(empty.index(s))
-                acc_g += p_g * g_s[:, None]
-                acc_u += p_u * u_s[:, None]
+                # in step with this one (CONSUMERS = 2; a partition with no rows of the tile
+                # only frees the stage)
+                if nrows > 0:
+                    p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)  # fmt: skip
+                    p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)  # fmt: skip
+                    p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
+                    mbarrier.arrive(empty.index(s))
+                    acc_g += p_g * g_s[:, None]
+                    acc_u += p_u * u_s[:, None]
+                else:
+                    mbarrier.arrive(empty.index(s))
             else:
                 if FOLD > 0:
                     if nrows > BM:  # before the main wgmma: the wait below retires them
@@ -597,8 +577,6 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
         if not SCALED:
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        if SCALED and M_OFF > 0:
-            count = _idle_steps(ready, empty, count, num_k - steps)
         _gate_up_store(acc_g, acc_u, expert, row0, nrows, pid_n, bias_ptr, h_ptr, N, stride_be,
                        stride_hm, alpha, limit, BN, ACT, HAS_BIAS, INTERLEAVED,
                        STORE_W)  # fmt: skip
@@ -844,19 +822,21 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                                    row_ok, False)  # fmt: skip
             w_s_ptr = (w_scale_ptr + expert.to(gl.int64) * stride_wse
                        + (pid_n * BN // 128) * stride_wsn)  # fmt: skip
-        steps = _busy_steps(nrows, num_k, SCALED, M_OFF)
-        for ki in range(steps):
+        for ki in range(num_k):
             s = count % STAGES
             a = _stage_rows(a_bufs, s, M_OFF, BM)
             if SCALED:
                 scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
             if SCALED:  # as in `_gate_up_consumer`
-                p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
-                                  use_acc=False, is_async=True)  # fmt: skip
-                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                mbarrier.arrive(empty.index(s))
-                acc += p * scale[:, None]
+                if nrows > 0:
+                    p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
+                                      use_acc=False, is_async=True)  # fmt: skip
+                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                    mbarrier.arrive(empty.index(s))
+                    acc += p * scale[:, None]
+                else:
+                    mbarrier.arrive(empty.index(s))
             else:
                 if FOLD > 0:
                     if nrows > BM:  # before the main wgmma: the wait below retires it
@@ -870,8 +850,6 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
         if not SCALED:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        if SCALED and M_OFF > 0:
-            count = _idle_steps(ready, empty, count, num_k - steps)
         _down_store(acc, expert, row0, nrows, pid_n * BN, bias_ptr, y_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, top_k, N, stride_be, stride_ym, HAS_BIAS, ATOMIC, STORE_W,
                     pair, weight)  # fmt: skip
