@@ -13,10 +13,7 @@ explicit warp specialization, which Triton's own compiler does not build for the
 - or (CONSUMERS = 2) each of those warpgroups is a partition of its own (the default one and a
   worker, 4 warps each, M_OFF its first row of the tile): each frees a stage alone (`empty[s]`
   counts both), where one partition of 8 warps arrives after a barrier over all of them, which
-  holds the two in step. That matters for SCALED, whose wgmma retire every K step. There the
-  second partition of a tile of at most 64 valid rows (an expert's last, or every tile at
-  decode-like batch sizes) multiplies nothing: it only frees each stage, and the first has the
-  tensor cores to itself.
+  holds the two in step. That matters for SCALED, whose wgmma retire every K step.
 
 The weights always come through TMA. The activation rows: down reads h [P, I] (sorted rows)
 through TMA; gate_up either reads xs [P, H] (x's rows copied into sorted order first) through
@@ -463,13 +460,10 @@ def _gate_up_fused_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
             fence_async_shared()  # the gathered A tile: generic-proxy writes
             b = bb_bufs.index(s).permute((1, 0))
             if SCALED:
-                if nrows > 0:  # (a partition with no rows of the tile only frees the stage)
-                    p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    mbarrier.arrive(empty.index(s))
-                    acc += p * (a_s[:, None] * col_s[None, :])
-                else:
-                    mbarrier.arrive(empty.index(s))
+                p = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * (a_s[:, None] * col_s[None, :])
             else:
                 acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -547,19 +541,15 @@ def _gate_up_consumer(args, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, INTERLEAV
                 # fresh products, retired before they are scaled in (ptxas serializes wgmma
                 # whose accumulators other instructions read while later ones run); the other
                 # warpgroup's wgmma keeps the tensor cores busy meanwhile, if it is not held
-                # in step with this one (CONSUMERS = 2; a partition with no rows of the tile
-                # only frees the stage)
-                if nrows > 0:
-                    p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
-                                        use_acc=False, is_async=True)  # fmt: skip
-                    p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero,
-                                        use_acc=False, is_async=True)  # fmt: skip
-                    p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
-                    mbarrier.arrive(empty.index(s))
-                    acc_g += p_g * g_s[:, None]
-                    acc_u += p_u * u_s[:, None]
-                else:
-                    mbarrier.arrive(empty.index(s))
+                # in step with this one (CONSUMERS = 2)
+                p_g = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                p_u = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                p_g, p_u = warpgroup_mma_wait(num_outstanding=0, deps=(p_g, p_u))
+                mbarrier.arrive(empty.index(s))
+                acc_g += p_g * g_s[:, None]
+                acc_u += p_u * u_s[:, None]
             else:
                 if FOLD > 0:
                     if nrows > BM:  # before the main wgmma: the wait below retires them
@@ -829,14 +819,11 @@ def _down_consumer(args, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr, GROUP_M: 
                 scale = gl.load(a_s_rows + ki, mask=row_ok, other=0.0) * gl.load(w_s_ptr + ki)
             mbarrier.wait(ready.index(s), (count // STAGES) & 1)
             if SCALED:  # as in `_gate_up_consumer`
-                if nrows > 0:
-                    p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
-                                      use_acc=False, is_async=True)  # fmt: skip
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    mbarrier.arrive(empty.index(s))
-                    acc += p * scale[:, None]
-                else:
-                    mbarrier.arrive(empty.index(s))
+                p = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero,
+                                  use_acc=False, is_async=True)  # fmt: skip
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s))
+                acc += p * scale[:, None]
             else:
                 if FOLD > 0:
                     if nrows > BM:  # before the main wgmma: the wait below retires it
