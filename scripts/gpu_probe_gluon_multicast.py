@@ -31,7 +31,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -41,7 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_probe_gluon_ws import SHAPES as WS_SHAPES
-from gpu_probe_gluon_ws import _check, _column_piece, _tile_coords, run_shapes, time_in_turns
+from gpu_probe_gluon_ws import _check, _store_tile, _tile_coords, run_shapes, time_in_turns
 from gpu_probe_gluon_ws import _descs as ws_descs
 from gpu_probe_gluon_ws import ws_grouped_gemm_kernel
 
@@ -88,7 +87,6 @@ def _mc_consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty_pair, block
     BM2: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    EPI_N: gl.constexpr = BN // EPI_SPLIT
     dtype: gl.constexpr = a_bufs.dtype
     CTA_BN: gl.constexpr = BN // 2 if PAIR_N else BN
     layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -116,16 +114,7 @@ def _mc_consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty_pair, block
             prev = (count + STAGES - 1) % STAGES
             mbarrier.arrive(empty.index(prev))
             mbarrier.arrive(empty_pair.index(prev))
-            out = acc.to(dtype)
-            for j in gl.static_range(EPI_SPLIT):
-                if EPI_SPLIT == 1:
-                    piece = out
-                else:
-                    piece = _column_piece(out, j, EPI_SPLIT)
-                tma.store_wait(pendings=0)
-                c_smem.store(piece)
-                fence_async_shared()
-                tma.async_store(desc_c, [m_blk * BM2, n_blk * BN + j * EPI_N], c_smem)
+            _store_tile(desc_c, c_smem, acc.to(dtype), m_blk * BM2, n_blk * BN, EPI_SPLIT)
     tma.store_wait(pendings=0)
 
 

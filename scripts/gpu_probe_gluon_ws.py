@@ -113,7 +113,6 @@ def _consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, block_expert_ptr, nu
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    EPI_N: gl.constexpr = BN // EPI_SPLIT
     dtype: gl.constexpr = a_bufs.dtype
     layout: gl.constexpr = _mma_layout(BM, BN, num_warps)
     num_n = gl.cdiv(N, BN)
@@ -135,17 +134,23 @@ def _consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, block_expert_ptr, nu
                 count += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-            out = acc.to(dtype)
-            for j in gl.static_range(EPI_SPLIT):
-                if EPI_SPLIT == 1:
-                    piece = out
-                else:
-                    piece = _column_piece(out, j, EPI_SPLIT)
-                tma.store_wait(pendings=0)  # the previous piece has left c_smem
-                c_smem.store(piece)
-                fence_async_shared()
-                tma.async_store(desc_c, [m_blk * BM, n_blk * BN + j * EPI_N], c_smem)
+            _store_tile(desc_c, c_smem, acc.to(dtype), m_blk * BM, n_blk * BN, EPI_SPLIT)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_tile(desc_c, c_smem, out, row0, col0, EPI_SPLIT: gl.constexpr):
+    """out [BM, BN] to C at (row0, col0) through c_smem and TMA, in EPI_SPLIT column pieces."""
+    EPI_N: gl.constexpr = out.shape[1] // EPI_SPLIT
+    for j in gl.static_range(EPI_SPLIT):
+        if EPI_SPLIT == 1:
+            piece = out
+        else:
+            piece = _column_piece(out, j, EPI_SPLIT)
+        tma.store_wait(pendings=0)  # the previous piece has left c_smem
+        c_smem.store(piece)
+        fence_async_shared()
+        tma.async_store(desc_c, [row0, col0 + j * EPI_N], c_smem)
 
 
 @gluon.jit
