@@ -40,9 +40,10 @@ def option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0):
+def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0,
+                        backend: str = "triton"):  # fmt: skip
     """For each job (preset, tp, ep, weight format) and batch size T: (label, T, module, sets), the
-    layer of `moekit bench`'s sweep on the `triton` runner and its input sets for T (routings
+    layer of `moekit bench`'s sweep on the runner `backend` and its input sets for T (routings
     drawn from `seed`, batch sizes in order, as the bench draws them); label
     'preset tpN epM format T=T'. A job's layer is released before the next one is built."""
     from moekit.config import RunnerConfig
@@ -52,9 +53,9 @@ def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0
 
     for model, tp, ep, fmt in jobs:
         spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
-                          batch_sizes=tuple(batches), backends=("triton",))  # fmt: skip
+                          batch_sizes=tuple(batches), backends=(backend,))  # fmt: skip
         module = build_layer(spec)
-        module.runners = RunnerCache(RunnerConfig("triton"))
+        module.runners = RunnerCache(RunnerConfig(backend))
         gen = torch.Generator().manual_seed(seed)
         for T in batches:
             sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))

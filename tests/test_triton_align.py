@@ -3,7 +3,7 @@ checked directly (each valid pair once, padding only at segment ends, masked ids
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -48,6 +48,11 @@ CASES = [
     # 10 chunks, scanned 8 at a time (E = 600: [8, 1024] tiles)
     Case("chunked-many-experts", 100, 3, 600, 16, masked=0.1,
          tuning=AlignTuning(single_max=32, min_chunk=16, max_chunks=16)),  # fmt: skip
+    # the same two, the chunk histograms summed by the scattering programs (no scan kernel)
+    Case("chunked-summed", 23, 3, 6, 16, masked=0.15, tuning=replace(SMALL_CHUNKS,
+                                                                   fused_max_chunks=64)),
+    Case("chunked-many-experts-summed", 100, 3, 600, 16, masked=0.1,
+         tuning=AlignTuning(single_max=32, min_chunk=16, max_chunks=16, fused_max_chunks=64)),
 ]
 
 
@@ -150,9 +155,11 @@ def test_bad_arguments():
 def test_align_gpu_large(T, K, E, BM):
     ids = torch.rand(T, E, device="cuda").topk(K, dim=1).indices.to(torch.int32)
     ids[torch.rand(T, K, device="cuda") < 0.05] = -1
-    out = align_block_size(ids, E, BM)
-    ref = align_block_size_torch(ids, E, BM)
+    ref = align_block_size_torch(ids, E, BM, groups=True)
     n = int(ref.num_rows.item())
-    assert int(out.num_rows.item()) == n
-    assert torch.equal(out.sorted_ids[:n], ref.sorted_ids[:n])
-    assert torch.equal(out.block_expert, ref.block_expert)
+    for fused in (0, 64):  # the scan kernel, and the sums in the scatter kernel
+        out = align_block_size(ids, E, BM, AlignTuning(fused_max_chunks=fused), groups=True)
+        assert int(out.num_rows.item()) == n
+        assert torch.equal(out.sorted_ids[:n], ref.sorted_ids[:n])
+        assert torch.equal(out.block_expert, ref.block_expert)
+        assert torch.equal(out.counts, ref.counts) and torch.equal(out.ends, ref.ends)

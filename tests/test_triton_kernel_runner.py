@@ -47,6 +47,7 @@ ROUTE_CASES = [  # (T, K, E, block_m, masked, one_expert, chunk)
     (37, 2, 6, 16, 0.0, True, 16),  # one expert takes every pair
     (25, 4, 130, 32, 0.2, False, 32),  # E not a power of two, EP = 256
     (20, 2, 3, 16, 1.0, False, 16),  # every id masked
+    (100, 3, 600, 16, 0.1, False, 16),  # 19 chunks summed 4 at a time ([4, 1024] tiles)
 ]
 
 
@@ -80,11 +81,14 @@ def check_invariants(r: routing.Routing, ids_TK: torch.Tensor, E: int) -> None:
     assert (te[nt:] == -1).all() and (tr[nt:] == 0).all()
 
 
+@pytest.mark.parametrize("scan", ["scan kernel", "summed in scatter"])
 @pytest.mark.parametrize("fold", [0, 4])
 @pytest.mark.parametrize("T,K,E,bm,masked,one_expert,chunk", ROUTE_CASES)
 def test_routing_matches_twin_and_invariants(monkeypatch, T, K, E, bm, masked, one_expert, chunk,
-                                             fold):  # fmt: skip
-    monkeypatch.setattr(routing, "ROUTING", replace(routing.ROUTING, chunk=chunk))
+                                             fold, scan):  # fmt: skip
+    fused = 0 if scan == "scan kernel" else 1 << 20
+    monkeypatch.setattr(routing, "ROUTING", replace(routing.ROUTING, min_chunk=chunk,
+                                                    fused_max_chunks=fused))  # fmt: skip
     ids = make_topk(T, K, E, masked, one_expert).ids
     got, want = routing.route(ids, E, bm, fold), routing.route_torch(ids, E, bm, fold)
     for name in ("sorted_pairs", "counts", "offsets", "tile_expert", "tile_row0", "tile_rows",
@@ -405,12 +409,20 @@ def test_presets_bf16_gpu(model, tp, ep):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [True, False])
-def test_routing_matches_twin_gpu(tma):
-    for T, K, E, bm in ((4096, 8, 128, 128), (3000, 2, 8, 64), (5, 4, 32, 16)):
+def test_routing_matches_twin_gpu(monkeypatch, tma):
+    tuning = routing.ROUTING
+    for T, K, E, bm in ((16384, 8, 128, 128), (4096, 8, 128, 128), (3000, 2, 8, 64),
+                        (5, 4, 32, 16)):  # fmt: skip
         ids = make_topk(T, K, E, masked=0.05).ids
-        got, want = routing.route(ids, E, bm), routing.route_torch(ids, E, bm)
-        for name in ("sorted_pairs", "offsets", "tile_expert", "tile_row0", "tile_rows", "num_tiles"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), (T, name)
+        want = routing.route_torch(ids, E, bm)
+        for fused in (0, 1 << 20):  # the scan kernel, and the sums in the scatter kernel
+            monkeypatch.setattr(routing, "ROUTING",
+                                replace(tuning, fused_max_chunks=fused))  # fmt: skip
+            got = routing.route(ids, E, bm)
+            for name in ("sorted_pairs", "counts", "offsets", "tile_expert", "tile_row0",
+                         "tile_rows", "num_tiles"):  # fmt: skip
+                assert torch.equal(getattr(got, name), getattr(want, name)), (T, fused, name)
+    monkeypatch.undo()
     # both load paths on odd shapes
     cfg = KernelConfig(64, Tile(64, 64, 4, 3), Tile(64, 64, 4, 3), tma=tma)
     w = make_weights(6, 328, 200, torch.bfloat16, True)

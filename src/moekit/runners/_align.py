@@ -20,11 +20,14 @@ import torch
 @dataclass(frozen=True)
 class AlignTuning:
     """single_max: largest P done by one program; above it, P is cut into at most max_chunks
-    chunks of at least min_chunk pairs (powers of two), sorted by one program each."""
+    chunks of at least min_chunk pairs (powers of two), sorted by one program each; up to
+    fused_max_chunks chunks the programs that scatter them sum the chunk histograms themselves
+    (two kernels), above it a one-program scan runs between (three)."""
 
     single_max: int = 256
     min_chunk: int = 256
     max_chunks: int = 64
+    fused_max_chunks: int = 0
 
     def chunk(self, num_pairs: int) -> int:
         return max(self.min_chunk, _next_pow2(-(-num_pairs // self.max_chunks)))
@@ -150,15 +153,18 @@ def align_block_size(
     k._align_chunk_kernel[(C,)](
         ids, expert, pair, rank, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps
     )
-    k._align_scan_kernel[(1,)](
-        hist, base, pad_end, out.sorted_ids, out.num_rows, counts, ends, C, P, E,
-        BLOCK_M=block_m, EP=EP, PAD_STEP=pad_step, CB=max(1, min(64, 8192 // EP)),
-        GROUPS=groups, num_warps=8,
-    )  # fmt: skip
+    scan_here = C <= tuning.fused_max_chunks
+    cb = max(1, min(64, 8192 // EP))
+    if not scan_here:
+        k._align_scan_kernel[(1,)](
+            hist, base, pad_end, out.sorted_ids, out.num_rows, counts, ends, C, P, E,
+            BLOCK_M=block_m, EP=EP, PAD_STEP=pad_step, CB=cb, GROUPS=groups, num_warps=8,
+        )  # fmt: skip
     k._align_scatter_kernel[(C,)](
-        expert, pair, rank, base, pad_end, out.sorted_ids, out.block_expert, E,
-        out.max_blocks, triton.cdiv(out.max_blocks, C),
-        BLOCK_M=block_m, CHUNK=chunk, EP=EP, BLOCKS_STEP=blocks_step, num_warps=warps,
+        expert, pair, rank, hist, base, pad_end, out.sorted_ids, out.block_expert, out.num_rows,
+        counts, ends, C, P, E, out.max_blocks, triton.cdiv(out.max_blocks, C),
+        BLOCK_M=block_m, CHUNK=chunk, EP=EP, BLOCKS_STEP=blocks_step, PAD_STEP=pad_step,
+        CB=cb, GROUPS=groups, SCAN=scan_here, num_warps=warps,
     )  # fmt: skip
     return out
 

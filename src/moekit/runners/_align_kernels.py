@@ -104,7 +104,8 @@ def _align_chunk_kernel(
     ids_ptr, expert_ptr, pair_ptr, rank_ptr, hist_ptr, P, E,
     CHUNK: tl.constexpr, EP: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1 of 3 (P > CHUNK): sort each chunk; store its sorted pairs and histogram [EP]."""
+    """Pass 1 of 3 (or 2; P > CHUNK): sort each chunk; store its sorted pairs and histogram
+    [EP]."""
     c = tl.program_id(0)
     sorted_e, sorted_pair, rank, hist = sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -160,20 +161,46 @@ def _align_scan_kernel(
 
 @triton.jit
 def _align_scatter_kernel(
-    expert_ptr, pair_ptr, rank_ptr, base_ptr, pad_end_ptr, sorted_ids_ptr, block_expert_ptr,
-    E, max_blocks, blocks_per_program,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EP: tl.constexpr, BLOCKS_STEP: tl.constexpr,
+    expert_ptr, pair_ptr, rank_ptr, hist_ptr, base_ptr, pad_end_ptr, sorted_ids_ptr,
+    block_expert_ptr, num_rows_ptr, counts_ptr, ends_ptr, num_chunks, P, E, max_blocks,
+    blocks_per_program, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EP: tl.constexpr,
+    BLOCKS_STEP: tl.constexpr, PAD_STEP: tl.constexpr, CB: tl.constexpr,
+    GROUPS: tl.constexpr, SCAN: tl.constexpr,
 ):  # fmt: skip
     """Pass 3 of 3: each sorted pair goes to base[c, expert] + rank; program c also writes the
-    expert of its share of the blocks."""
+    expert of its share of the blocks. SCAN (pass 2 of 2): base and pad_end are not read but
+    summed here from hist [num_chunks, EP] (CB chunks at a time), and program 0 writes what
+    the scan kernel would (`_write_layout`)."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(expert_ptr + offs)
     ok = e < E
-    base = tl.load(base_ptr + c * EP + e, mask=ok, other=0)
+    if SCAN:
+        ee = tl.arange(0, EP)
+        cc = tl.arange(0, CB)
+        cnt = tl.zeros([EP], dtype=tl.int32)
+        before = tl.zeros([EP], dtype=tl.int32)
+        for c0 in range(0, num_chunks, CB):
+            m = (c0 + cc)[:, None] < num_chunks
+            tile = tl.load(hist_ptr + (c0 + cc)[:, None] * EP + ee[None, :], mask=m, other=0)
+            cnt += tl.sum(tile, 0)
+            before += tl.sum(tl.where((c0 + cc)[:, None] < c, tile, 0), 0)
+        cnt = tl.where(ee < E, cnt, 0)
+        if c == 0:
+            pad_start, pad_end = _write_layout(
+                cnt, sorted_ids_ptr, num_rows_ptr, counts_ptr, ends_ptr, P, E, BLOCK_M, EP,
+                PAD_STEP, GROUPS,
+            )  # fmt: skip
+        else:
+            padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            pad_end = tl.cumsum(padded, 0)
+            pad_start = pad_end - padded
+        base = tl.gather(pad_start + before, e, 0)  # e <= E < EP
+    else:
+        base = tl.load(base_ptr + c * EP + e, mask=ok, other=0)
+        pad_end = tl.load(pad_end_ptr + tl.arange(0, EP))
     rank = tl.load(rank_ptr + offs)
     tl.store(sorted_ids_ptr + base + rank, tl.load(pair_ptr + offs), mask=ok)
-    pad_end = tl.load(pad_end_ptr + tl.arange(0, EP))
     b_begin = c * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
     _write_block_experts(block_expert_ptr, pad_end, E, b_begin, b_end, BLOCK_M, BLOCKS_STEP)

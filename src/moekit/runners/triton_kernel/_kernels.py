@@ -9,7 +9,8 @@ Routing (a stable counting sort of the pairs by expert, no padding):
   _scan_tiles_kernel   one program: per-chunk bases (prefix over chunks), per-expert counts and
                        offsets, the number of work tiles
   _scatter_kernel      one program per chunk: sorted_pairs[offsets[e] + base[c, e] + rank] = p,
-                       and a slice of the work tile list (expert, first row, rows) of BM rows
+                       and a slice of the work tile list (expert, first row, rows) of BM rows;
+                       with SCAN it sums the chunk histograms itself (no scan kernel before it)
 Grouped GEMMs over (tile, column block) work items whose number is read on device (a fixed
 persistent grid loops over them, or one program per possible item):
   _gate_up_kernel      h[row] = act(x[token(row)] @ w13[e].T + b13[e]); the token gather is the
@@ -99,15 +100,14 @@ def _expert_tiles(counts, BLOCK_M: tl.constexpr, FOLD: tl.constexpr):
 
 @triton.jit
 def _write_tiles(
-    counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo, t_hi, E,
+    counts, offsets, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo, t_hi, E,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK_T: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
-    """Work tiles t in [t_lo, t_hi): expert e owns `_expert_tiles` tiles, in expert order;
-    tile j of e covers sorted rows [offsets[e] + j*BM, + rows): BM rows, or what is left of
-    the expert where that fits in BM + FOLD rows. Past the last tile: expert -1, 0 rows."""
+    """Work tiles t in [t_lo, t_hi) from counts and offsets [EP] (0 past E): expert e owns
+    `_expert_tiles` tiles, in expert order; tile j of e covers sorted rows [offsets[e] + j*BM,
+    + rows): BM rows, or what is left of the expert where that fits in BM + FOLD rows. Past the
+    last tile: expert -1, 0 rows."""
     cols = tl.arange(0, EP)
-    counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
-    offsets = tl.load(offsets_ptr + cols, mask=cols < E, other=0)
     tiles = _expert_tiles(counts, BLOCK_M, FOLD)
     tile_end = tl.cumsum(tiles, 0)
     tile_start = tile_end - tiles
@@ -130,23 +130,47 @@ def _write_tiles(
         tl.store(tile_rows_ptr + t, tl.where(live, rows, 0), mask=in_range)
 
 
-@triton.jit(do_not_specialize=["P", "tiles_per_program", "max_tiles"])
+@triton.jit(do_not_specialize=["P", "num_chunks", "tiles_per_program", "max_tiles"])
 def _scatter_kernel(
-    ids_ptr, base_ptr, counts_ptr, offsets_ptr, sorted_pairs_ptr, tile_expert_ptr, tile_row0_ptr,
-    tile_rows_ptr, P, E, tiles_per_program, max_tiles, CHUNK: tl.constexpr, EP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, FOLD: tl.constexpr = 0,
+    ids_ptr, hist_ptr, base_ptr, counts_ptr, offsets_ptr, num_tiles_ptr, sorted_pairs_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, P, E, num_chunks, tiles_per_program,
+    max_tiles, CHUNK: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr = 0,
+    SCAN: tl.constexpr = False,
 ):  # fmt: skip
     """sorted_pairs[offsets[e] + base[c, e] + rank] = pair, for the pairs of chunk c (rank:
     position among the chunk's pairs of expert e, in pair order: a stable sort). Masked pairs
     (bucket E) land after the valid ones, so sorted_pairs is a permutation of [0, P). Program
-    c also writes work tiles [c, c + 1) * tiles_per_program (`_write_tiles`)."""
+    c also writes work tiles [c, c + 1) * tiles_per_program (`_write_tiles`).
+    SCAN: base, counts and offsets are not read but summed here from hist [num_chunks, EP]
+    (BLOCK_C chunks at a time), and program 0 stores counts, offsets and num_tiles."""
     c = tl.program_id(0)
+    cols = tl.arange(0, EP)
+    if SCAN:
+        total = tl.zeros([EP], dtype=tl.int32)
+        base = tl.zeros([EP], dtype=tl.int32)
+        for c0 in range(0, num_chunks, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            h = tl.load(hist_ptr + cc[:, None] * EP + cols[None, :],
+                        mask=(cc < num_chunks)[:, None], other=0)  # fmt: skip
+            total += tl.sum(h, 0)
+            base += tl.sum(tl.where((cc < c)[:, None], h, 0), 0)
+        counts = tl.where(cols < E, total, 0)
+        offsets = tl.cumsum(counts, 0) - counts  # offsets[E] = valid pairs
+        if c == 0:
+            tl.store(counts_ptr + cols, counts, mask=cols < E)
+            tl.store(offsets_ptr + cols, offsets, mask=cols <= E)
+            tl.store(num_tiles_ptr, tl.sum(_expert_tiles(counts, BLOCK_M, FOLD), 0))
+    else:
+        counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
+        offsets = tl.load(offsets_ptr + cols, mask=cols <= E, other=0)
+        base = tl.load(base_ptr + c * EP + cols)
     t_lo = c * tiles_per_program
-    _write_tiles(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_rows_ptr, t_lo,
-                 tl.minimum(t_lo + tiles_per_program, max_tiles), E, BLOCK_M, EP, BLOCK_T,
-                 FOLD)  # fmt: skip
+    _write_tiles(counts, tl.where(cols < E, offsets, 0), tile_expert_ptr, tile_row0_ptr,
+                 tile_rows_ptr, t_lo, tl.minimum(t_lo + tiles_per_program, max_tiles), E,
+                 BLOCK_M, EP, BLOCK_T, FOLD)  # fmt: skip
     sorted_e, sorted_pair, rank, _ = sort_chunk(ids_ptr, c * CHUNK, P, E, CHUNK, EP)
-    dest = tl.load(offsets_ptr + sorted_e) + tl.load(base_ptr + c * EP + sorted_e) + rank
+    dest = tl.gather(offsets + base, sorted_e, 0) + rank
     tl.store(sorted_pairs_ptr + dest, sorted_pair, mask=sorted_pair < P)
 
 

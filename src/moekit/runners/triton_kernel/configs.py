@@ -125,14 +125,26 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class RoutingTuning:
-    """chunk: pairs per program of the counting sort (power of two); scan_elems: elements of
-    one [rows, EP] tile in the single-program scan; cpu_programs: persistent programs in the
+    """Pairs per program of the counting sort: the power of two that cuts P into at most
+    max_chunks chunks, at least min_chunk (and at most P's own power of two);
+    fused_max_chunks: up to this many chunks the scatter programs sum the chunk histograms
+    themselves (two kernels), above it a one-program scan runs between (three); scan_elems:
+    elements of one [rows, EP] tile of those sums; cpu_programs: persistent programs in the
     CPU interpreter (more than one, so the work loop is exercised)."""
 
-    chunk: int = 1024
+    min_chunk: int = 1024
+    max_chunks: int = 1 << 20
+    fused_max_chunks: int = 0
     scan_elems: int = 4096
     num_warps: int = 4
     cpu_programs: int = 3
+
+    def chunk(self, num_pairs: int) -> int:
+        def pow2(n: int) -> int:
+            return 1 << max(0, (n - 1).bit_length())
+
+        want = max(self.min_chunk, pow2(-(-num_pairs // self.max_chunks)))
+        return max(16, min(want, pow2(num_pairs)))
 
 
 ROUTING = RoutingTuning()

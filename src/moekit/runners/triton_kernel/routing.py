@@ -17,9 +17,10 @@ For ids [T, K] (P = T*K pairs, pair p = t*K + k) and E local experts:
   num_tiles [1] int32     on device: never read on the host, so the whole thing is CUDA-graph
                           safe; every shape depends on (P, E, BM) only.
 max_tiles = P // BM + min(E, P) bounds the tiles of any routing (each expert adds at most one
-partial tile). `route` runs three Triton kernels (histogram per chunk, one-program scan, scatter + tile
-list per chunk); `route_torch` is the reference twin and gives
-identical tensors.
+partial tile). `route` runs Triton kernels: a histogram per chunk, then a scatter + tile list per
+chunk, whose programs sum the chunk histograms they need (`ROUTING.fused_max_chunks` chunks at
+most; above it a one-program scan runs between the two); `route_torch` is the reference twin and
+gives identical tensors.
 """
 
 from __future__ import annotations
@@ -101,23 +102,26 @@ def route(ids_TK: torch.Tensor, num_experts: int, block_m: int, fold: int = 0) -
     from moekit.runners.triton_kernel import _kernels as k
 
     EP = triton.next_power_of_2(E + 1)
-    chunk = max(16, min(ROUTING.chunk, triton.next_power_of_2(P)))
+    chunk = ROUTING.chunk(P)
     nc = triton.cdiv(P, chunk)
     hist = torch.empty(nc, EP, dtype=torch.int32, device=ids.device)
-    base = torch.empty_like(hist)
     warps = ROUTING.num_warps
     k._chunk_hist_kernel[(nc,)](ids, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps)
     block_c = max(1, min(triton.next_power_of_2(nc), ROUTING.scan_elems // EP))
-    k._scan_tiles_kernel[(1,)](
-        hist, base, r.counts, r.offsets, r.num_tiles, P, E, nc,
-        BLOCK_M=block_m, EP=EP, BLOCK_C=block_c, FOLD=fold, num_warps=warps,
-    )  # fmt: skip
+    scan_here = nc <= ROUTING.fused_max_chunks
+    base = hist if scan_here else torch.empty_like(hist)
+    if not scan_here:
+        k._scan_tiles_kernel[(1,)](
+            hist, base, r.counts, r.offsets, r.num_tiles, P, E, nc,
+            BLOCK_M=block_m, EP=EP, BLOCK_C=block_c, FOLD=fold, num_warps=warps,
+        )  # fmt: skip
     per_program = triton.cdiv(r.max_tiles, nc)
     block_t = max(16, min(triton.next_power_of_2(per_program), ROUTING.scan_elems // EP))
     k._scatter_kernel[(nc,)](
-        ids, base, r.counts, r.offsets, r.sorted_pairs, r.tile_expert, r.tile_row0, r.tile_rows,
-        P, E, per_program, r.max_tiles,
-        CHUNK=chunk, EP=EP, BLOCK_M=block_m, BLOCK_T=block_t, FOLD=fold, num_warps=warps,
+        ids, hist, base, r.counts, r.offsets, r.num_tiles, r.sorted_pairs, r.tile_expert,
+        r.tile_row0, r.tile_rows, P, E, nc, per_program, r.max_tiles,
+        CHUNK=chunk, EP=EP, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_C=block_c, FOLD=fold,
+        SCAN=scan_here, num_warps=warps,
     )  # fmt: skip
     return r
 
