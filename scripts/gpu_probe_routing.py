@@ -33,10 +33,9 @@ from moekit.runners import _align
 from moekit.runners.triton_kernel import routing
 from moekit.sweep import layer_over_sets
 
-VARIANTS = ("shipped:-|-;"
-            "summed:fused_max_chunks=64|fused_max_chunks=64;"
-            "summed_small:fused_max_chunks=64,single_max=512|"
-            "fused_max_chunks=64,min_chunk=256,max_chunks=64")  # fmt: skip
+# the tunings before session 48 (one-program scan between the chunk kernels), then as shipped
+VARIANTS = ("before:fused_max_chunks=0,single_max=256|min_chunk=1024,max_chunk=1024,"
+            "max_chunks=1048576,fused_max_chunks=0;shipped:-|-")  # fmt: skip
 CALLS = 20
 
 

@@ -18,8 +18,9 @@ from moekit.runners._align import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Small chunks so that the 3-kernel path (P > single_max) runs in the interpreter quickly.
-SMALL_CHUNKS = AlignTuning(single_max=32, min_chunk=16, max_chunks=4)
+# Small chunks so that the chunked paths (P > single_max) run in the interpreter quickly; with
+# the one-program scan between the chunk kernels (fused_max_chunks 0) unless a case says so.
+SMALL_CHUNKS = AlignTuning(single_max=32, min_chunk=16, max_chunks=4, fused_max_chunks=0)
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,12 @@ CASES = [
     Case("many-experts", 40, 3, 600, 4, one_expert=True),
     # 10 chunks, scanned 8 at a time (E = 600: [8, 1024] tiles)
     Case("chunked-many-experts", 100, 3, 600, 16, masked=0.1,
-         tuning=AlignTuning(single_max=32, min_chunk=16, max_chunks=16)),  # fmt: skip
+         tuning=replace(SMALL_CHUNKS, max_chunks=16)),  # fmt: skip
     # the same two, the chunk histograms summed by the scattering programs (no scan kernel)
-    Case("chunked-summed", 23, 3, 6, 16, masked=0.15, tuning=replace(SMALL_CHUNKS,
-                                                                   fused_max_chunks=64)),
+    Case("chunked-summed", 23, 3, 6, 16, masked=0.15,
+         tuning=replace(SMALL_CHUNKS, fused_max_chunks=64)),
     Case("chunked-many-experts-summed", 100, 3, 600, 16, masked=0.1,
-         tuning=AlignTuning(single_max=32, min_chunk=16, max_chunks=16, fused_max_chunks=64)),
+         tuning=replace(SMALL_CHUNKS, max_chunks=16, fused_max_chunks=64)),
 ]
 
 

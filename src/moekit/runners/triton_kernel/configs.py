@@ -126,15 +126,21 @@ class KernelConfig:
 @dataclass(frozen=True)
 class RoutingTuning:
     """Pairs per program of the counting sort: the power of two that cuts P into at most
-    max_chunks chunks, at least min_chunk (and at most P's own power of two);
-    fused_max_chunks: up to this many chunks the scatter programs sum the chunk histograms
-    themselves (two kernels), above it a one-program scan runs between (three); scan_elems:
-    elements of one [rows, EP] tile of those sums; cpu_programs: persistent programs in the
-    CPU interpreter (more than one, so the work loop is exercised)."""
+    max_chunks chunks, clamped to [min_chunk, max_chunk] (and at most P's own power of two);
+    fused_max_chunks: from 2 up to this many chunks the scatter programs sum the chunk
+    histograms themselves (two kernels), else a one-program scan runs between (three);
+    scan_elems: elements of one [rows, EP] tile of those sums; cpu_programs: persistent
+    programs in the CPU interpreter (more than one, so the work loop is exercised).
 
-    min_chunk: int = 1024
-    max_chunks: int = 1 << 20
-    fused_max_chunks: int = 0
+    Timed alone on the H100 (scripts/gpu_probe_routing.py, benchmarks/triton_kernel_notes.md,
+    session 48), us a call, E = 128, K = 8, T = 256 / 1024 / 4096 / 16384: 14.6 / 11.6 / 11.6 /
+    16.7 with 1024-pair chunks and the scan kernel, 7.9 / 7.1 / 9.2 / 13.8 with these; one
+    chunk (P <= min_chunk) keeps the scan kernel: summed there, E = 128 read 18.0 against 15.7."""
+
+    min_chunk: int = 256
+    max_chunk: int = 1024
+    max_chunks: int = 64
+    fused_max_chunks: int = 128
     scan_elems: int = 4096
     num_warps: int = 4
     cpu_programs: int = 3
@@ -143,8 +149,11 @@ class RoutingTuning:
         def pow2(n: int) -> int:
             return 1 << max(0, (n - 1).bit_length())
 
-        want = max(self.min_chunk, pow2(-(-num_pairs // self.max_chunks)))
+        want = min(self.max_chunk, max(self.min_chunk, pow2(-(-num_pairs // self.max_chunks))))
         return max(16, min(want, pow2(num_pairs)))
+
+    def sums_in_scatter(self, num_chunks: int) -> bool:
+        return 1 < num_chunks <= self.fused_max_chunks
 
 
 ROUTING = RoutingTuning()

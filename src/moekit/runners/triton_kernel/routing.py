@@ -18,8 +18,8 @@ For ids [T, K] (P = T*K pairs, pair p = t*K + k) and E local experts:
                           safe; every shape depends on (P, E, BM) only.
 max_tiles = P // BM + min(E, P) bounds the tiles of any routing (each expert adds at most one
 partial tile). `route` runs Triton kernels: a histogram per chunk, then a scatter + tile list per
-chunk, whose programs sum the chunk histograms they need (`ROUTING.fused_max_chunks` chunks at
-most; above it a one-program scan runs between the two); `route_torch` is the reference twin and
+chunk, whose programs sum the chunk histograms they need (`RoutingTuning.sums_in_scatter`; else
+a one-program scan runs between the two); `route_torch` is the reference twin and
 gives identical tensors.
 """
 
@@ -108,7 +108,7 @@ def route(ids_TK: torch.Tensor, num_experts: int, block_m: int, fold: int = 0) -
     warps = ROUTING.num_warps
     k._chunk_hist_kernel[(nc,)](ids, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps)
     block_c = max(1, min(triton.next_power_of_2(nc), ROUTING.scan_elems // EP))
-    scan_here = nc <= ROUTING.fused_max_chunks
+    scan_here = ROUTING.sums_in_scatter(nc)
     base = hist if scan_here else torch.empty_like(hist)
     if not scan_here:
         k._scan_tiles_kernel[(1,)](
