@@ -64,7 +64,7 @@ def patched(tunings: tuple):
     return ctx
 
 
-def alone(variants: dict, shapes: list[tuple[int, int]], batches: list[int]) -> dict:
+def alone(variants: dict, shapes: list[tuple[int, int]], batches: list[int], save) -> dict:
     points = {}
     for E, K in shapes:
         for T in batches:
@@ -86,10 +86,11 @@ def alone(variants: dict, shapes: list[tuple[int, int]], batches: list[int]) -> 
             us = {n: round(v * 1e3 / CALLS, 2) for n, v in ms.items()}
             points[f"E={E} K={K} T={T} P={T * K}"] = us
             print(f"E={E} K={K} T={T}", us, flush=True)
+            save(points)
     return points
 
 
-def layer(variants: dict, jobs: list[list[str]], batches: list[int]) -> dict:
+def layer(variants: dict, jobs: list[list[str]], batches: list[int], save) -> dict:
     points = {}
     first = next(iter(variants))
     by_backend: dict[str, list] = {}
@@ -103,6 +104,7 @@ def layer(variants: dict, jobs: list[list[str]], batches: list[int]) -> dict:
             gain = {n: round(us[first] / v, 4) for n, v in us.items()}
             points[f"{point} {backend}"] = {"us": us, "gain_over_first": gain}
             print(point, backend, us, gain, flush=True)
+            save(points)
     return points
 
 
@@ -111,16 +113,20 @@ def main() -> None:
     variants = parse(option("--variants", VARIANTS))
     res: dict = {"command": " ".join(["python", *sys.argv]),
                  "variants": {n: [str(t) for t in v] for n, v in variants.items()}}  # fmt: skip
+    name = option("--out", f"routing_{mode}") + ".json"
+
+    def save(points: dict) -> None:  # after every point, so that a timeout keeps what was timed
+        write_probe(name, {**res, "points": points})
+
     if mode == "alone":
         shapes = [tuple(int(v) for v in s.split(","))
                   for s in option("--shapes", "128,8;8,2;32,8;128,4").split(";")]  # fmt: skip
         batches = [int(b) for b in option("--batches", "16,64,256,1024,4096,16384").split(",")]
-        res["points"] = alone(variants, shapes, batches)
+        alone(variants, shapes, batches, save)
     else:
         jobs = [j.split() for j in option("--jobs", "qwen3-30b-a3b 1 1 unquantized auto").split(";")]
         batches = [int(b) for b in option("--batches", "64,256,1024,4096,16384").split(",")]
-        res["points"] = layer(variants, jobs, batches)
-    write_probe(option("--out", f"routing_{mode}") + ".json", res)
+        layer(variants, jobs, batches, save)
 
 
 if __name__ == "__main__":
