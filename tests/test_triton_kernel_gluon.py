@@ -86,6 +86,20 @@ def test_config_fold_rows_and_where_folding_applies():
     assert gluon_ops.config_for(_fp8_weights(), lo) == gluon_ops.FP8
 
 
+def test_config_small_tiles_up_to_their_rows():
+    """Narrow six-stage tiles where an expert has at most SMALL_TILES_MAX_ROWS mean rows (and
+    the fold rule still applies on its own); DEFAULT's tiles above, and where rows are unknown."""
+    w = make_weights(2, 64, 32, torch.float32, False, device="cpu")
+    top = gluon_ops.SMALL_TILES_MAX_ROWS
+    for rows, small in ((None, False), (1, True), (top, True), (top + 1, False)):
+        cfg = gluon_ops.config_for(w, rows)
+        tiles = {k: getattr(cfg, k) for k in gluon_ops.SMALL_TILES}
+        default = {k: getattr(gluon_ops.DEFAULT, k) for k in gluon_ops.SMALL_TILES}
+        assert tiles == (gluon_ops.SMALL_TILES if small else default), rows
+    assert gluon_ops.config_for(w, top).fold_rows == gluon_ops.FOLD_AUTO  # top is in the fold window
+    assert gluon_ops.config_for(_fp8_weights(), 1) == gluon_ops.FP8
+
+
 def test_runner_gives_the_engine_its_local_share(monkeypatch):
     """The fold rule counts an EP rank's local rows: the runner passes its share on."""
     seen = {}

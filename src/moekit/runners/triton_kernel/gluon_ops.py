@@ -159,16 +159,26 @@ GATHER_MAX_INTERMEDIATE = 4096
 # and the folding kernels cost gpt-oss 5-8% on tiles that do not fold.
 FOLD_MIN_ROWS, FOLD_MAX_ROWS = 128, 256
 FOLD_AUTO = 16
+# Narrower tiles in six stages (SMALL_TILES) up to SMALL_TILES_MAX_ROWS mean rows per expert,
+# where each expert's weights stream once through one or two row tiles and memory, not the MMA,
+# binds. Timed on the H100 (Triton 3.9, scripts/gpu_gluon_fold_ab.py, the layer in turns,
+# benchmarks/triton_kernel_notes.md, session 48), over DEFAULT's tiles: qwen3 T = 1024 (64 rows)
+# 1.009, T = 2048 (128) 1.028, gpt-oss T = 1024 (32) 1.048; at 256 rows (mixtral TP2 T = 1024)
+# gate_up's 64-column tiles lost 19%.
+SMALL_TILES_MAX_ROWS = 128
+SMALL_TILES = dict(gate_up_block_n=64, gate_up_stages=6, down_block_n=128, down_stages=6)
 
 
 def config_for(w: ExpertWeights, rows_per_expert: float | None = None) -> GluonConfig:
     """The engine's config for a layer: FP8 for fp8 weights, else DEFAULT with the gather rule
-    and (given the call's mean rows per local expert) the fold rule above."""
+    and (given the call's mean rows per local expert) the fold and small-tile rules above."""
     if w.format == "fp8_w8a8":
         return FP8
     fold = rows_per_expert is not None and FOLD_MIN_ROWS <= rows_per_expert <= FOLD_MAX_ROWS
+    small = rows_per_expert is not None and rows_per_expert <= SMALL_TILES_MAX_ROWS
     return replace(DEFAULT, gather=w.intermediate_size < GATHER_MAX_INTERMEDIATE,
-                   fold_rows=FOLD_AUTO if fold else DEFAULT.fold_rows)  # fmt: skip
+                   fold_rows=FOLD_AUTO if fold else DEFAULT.fold_rows,
+                   **(SMALL_TILES if small else {}))  # fmt: skip
 
 
 def fp8_problem(spec) -> str | None:
