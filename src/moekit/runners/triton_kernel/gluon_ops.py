@@ -162,9 +162,10 @@ FOLD_AUTO = 16
 # Narrower tiles in six stages (SMALL_TILES) up to SMALL_TILES_MAX_ROWS mean rows per expert,
 # where each expert's weights stream once through one or two row tiles and memory, not the MMA,
 # binds. Timed on the H100 (Triton 3.9, scripts/gpu_gluon_fold_ab.py, the layer in turns,
-# benchmarks/triton_kernel_notes.md, session 48), over DEFAULT's tiles: qwen3 T = 1024 (64 rows)
-# 1.009, T = 2048 (128) 1.028, gpt-oss T = 1024 (32) 1.048; at 256 rows (mixtral TP2 T = 1024)
-# gate_up's 64-column tiles lost 19%.
+# benchmarks/triton_kernel_notes.md, session 48), over DEFAULT's tiles, two runs: qwen3 T = 1024
+# (64 rows) 1.009 / 1.015, T = 2048 (128) 1.028, gpt-oss T = 1024 (32) 1.048 / 1.049, T = 4096
+# (128) 1.064, deepseek-v3 EP8 T = 1024 (32) 1.012, T = 4096 (128) 1.001; at 256 rows (mixtral
+# TP2 T = 1024) gate_up's 64-column tiles lost 19%.
 SMALL_TILES_MAX_ROWS = 128
 SMALL_TILES = dict(gate_up_block_n=64, gate_up_stages=6, down_block_n=128, down_stages=6)
 
