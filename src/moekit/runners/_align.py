@@ -25,9 +25,9 @@ class AlignTuning:
     (two kernels), above it a one-program scan runs between (three).
 
     Timed alone on the H100 (scripts/gpu_probe_routing.py, benchmarks/triton_kernel_notes.md,
-    session 48), us a call at block_m 64: E = 128, K = 8, T = 64 / 256 / 1024 / 16384: 9.4 / 8.5 / 8.7 /
-    17.2 with single_max 256 and the scan kernel, 7.3 / 6.4 / 5.9 / 13.1 with these; E = 8,
-    K = 2, T = 256 (P = 512): 6.2 against 3.0 (one program)."""
+    session 48), us a call at block_m 64, E = 128, K = 8, T = 64 / 256 / 1024 / 16384: 9.5 /
+    8.5 / 8.7 / 17.3 with single_max 256 and the scan kernel, 7.3 / 6.2 / 5.9 / 13.2 with
+    these; E = 8, K = 2, T = 256 (P = 512): 6.3 against 3.1 (one program)."""
 
     single_max: int = 512
     min_chunk: int = 256

@@ -7,7 +7,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.runners._triton_common import sort_chunk
+from moekit.runners._triton_common import chunk_sums, sort_chunk
+
+
+@triton.jit
+def _padded_layout(cnt, BLOCK_M: tl.constexpr):
+    """Per-expert counts cnt [EP] -> first and end row [EP] of each expert's segment, padded
+    to a multiple of BLOCK_M."""
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    return pad_end - padded, pad_end
 
 
 @triton.jit
@@ -28,17 +37,15 @@ def _write_layout(
     padding sentinels (value P) at the end of each expert's segment; with GROUPS also the
     counts [E] and padded end rows [E]. Returns the first and the end padded row of each
     expert ([EP] each)."""
-    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    tl.store(num_rows_ptr, tl.sum(padded, 0))
+    pad_start, pad_end = _padded_layout(cnt, BLOCK_M)
+    tl.store(num_rows_ptr, tl.sum(pad_end - pad_start, 0))
     if GROUPS:
         ee = tl.arange(0, EP)
         tl.store(counts_ptr + ee, cnt, mask=ee < E)
         tl.store(ends_ptr + ee, pad_end, mask=ee < E)
     # padding sentinels: rows [pad_start + cnt, pad_end) of each expert
     fill_from = pad_start + cnt
-    fill_len = padded - cnt
+    fill_len = pad_end - fill_from
     sentinel = tl.zeros([EP, PAD_STEP], dtype=tl.int32) + P
     for j in tl.static_range(0, BLOCK_M, PAD_STEP):
         col = j + tl.arange(0, PAD_STEP)
@@ -176,25 +183,15 @@ def _align_scatter_kernel(
     e = tl.load(expert_ptr + offs)
     ok = e < E
     if SCAN:
-        ee = tl.arange(0, EP)
-        cc = tl.arange(0, CB)
-        cnt = tl.zeros([EP], dtype=tl.int32)
-        before = tl.zeros([EP], dtype=tl.int32)
-        for c0 in range(0, num_chunks, CB):
-            m = (c0 + cc)[:, None] < num_chunks
-            tile = tl.load(hist_ptr + (c0 + cc)[:, None] * EP + ee[None, :], mask=m, other=0)
-            cnt += tl.sum(tile, 0)
-            before += tl.sum(tl.where((c0 + cc)[:, None] < c, tile, 0), 0)
-        cnt = tl.where(ee < E, cnt, 0)
+        cnt, before = chunk_sums(hist_ptr, num_chunks, c, EP, CB)
+        cnt = tl.where(tl.arange(0, EP) < E, cnt, 0)
         if c == 0:
             pad_start, pad_end = _write_layout(
                 cnt, sorted_ids_ptr, num_rows_ptr, counts_ptr, ends_ptr, P, E, BLOCK_M, EP,
                 PAD_STEP, GROUPS,
             )  # fmt: skip
         else:
-            padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-            pad_end = tl.cumsum(padded, 0)
-            pad_start = pad_end - padded
+            pad_start, pad_end = _padded_layout(cnt, BLOCK_M)
         base = tl.gather(pad_start + before, e, 0)  # e <= E < EP
     else:
         base = tl.load(base_ptr + c * EP + e, mask=ok, other=0)

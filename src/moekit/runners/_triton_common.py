@@ -1,5 +1,6 @@
 """Triton device helpers shared by the Triton runners (`triton` and `triton_kernel`): the
-activation codes and epilogue, the per-chunk sort of (token, k) pairs by expert, the grouped
+activation codes and epilogue, the per-chunk sort of (token, k) pairs by expert and the sums of
+the chunk histograms, the grouped
 program order, tile loads and the grid-stride zeroing. Private: `@triton.jit` functions only
 (inlined into the runners' kernels), no launches.
 
@@ -51,6 +52,22 @@ def sort_chunk(ids_ptr, start, P, E, CHUNK: tl.constexpr, EP: tl.constexpr):
     local_start = tl.cumsum(hist, 0) - hist
     rank = offs - tl.gather(local_start, sorted_e, 0)
     return sorted_e, sorted_pair, rank, hist
+
+
+@triton.jit
+def chunk_sums(hist_ptr, num_chunks, c, EP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """From the chunk histograms hist [num_chunks, EP] (read BLOCK_C rows at a time): the
+    totals [EP] and the sums over the chunks before chunk c [EP]."""
+    cols = tl.arange(0, EP)
+    total = tl.zeros([EP], dtype=tl.int32)
+    before = tl.zeros([EP], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        h = tl.load(hist_ptr + cc[:, None] * EP + cols[None, :],
+                    mask=(cc < num_chunks)[:, None], other=0)  # fmt: skip
+        total += tl.sum(h, 0)
+        before += tl.sum(tl.where((cc < c)[:, None], h, 0), 0)
+    return total, before
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from moekit.runners._triton_common import (
     activate,
+    chunk_sums,
     desc_w_tile,
     load_a_tile,
     load_w_tile,
@@ -147,14 +148,7 @@ def _scatter_kernel(
     c = tl.program_id(0)
     cols = tl.arange(0, EP)
     if SCAN:
-        total = tl.zeros([EP], dtype=tl.int32)
-        base = tl.zeros([EP], dtype=tl.int32)
-        for c0 in range(0, num_chunks, BLOCK_C):
-            cc = c0 + tl.arange(0, BLOCK_C)
-            h = tl.load(hist_ptr + cc[:, None] * EP + cols[None, :],
-                        mask=(cc < num_chunks)[:, None], other=0)  # fmt: skip
-            total += tl.sum(h, 0)
-            base += tl.sum(tl.where((cc < c)[:, None], h, 0), 0)
+        total, base = chunk_sums(hist_ptr, num_chunks, c, EP, BLOCK_C)
         counts = tl.where(cols < E, total, 0)
         offsets = tl.cumsum(counts, 0) - counts  # offsets[E] = valid pairs
         if c == 0:

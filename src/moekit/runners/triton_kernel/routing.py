@@ -109,7 +109,7 @@ def route(ids_TK: torch.Tensor, num_experts: int, block_m: int, fold: int = 0) -
     k._chunk_hist_kernel[(nc,)](ids, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps)
     block_c = max(1, min(triton.next_power_of_2(nc), ROUTING.scan_elems // EP))
     scan_here = ROUTING.sums_in_scatter(nc)
-    base = hist if scan_here else torch.empty_like(hist)
+    base = hist if scan_here else torch.empty_like(hist)  # (not read when summed in scatter)
     if not scan_here:
         k._scan_tiles_kernel[(1,)](
             hist, base, r.counts, r.offsets, r.num_tiles, P, E, nc,
