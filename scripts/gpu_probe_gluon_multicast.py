@@ -33,14 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_probe_gluon_ws import SHAPES as WS_SHAPES
-from gpu_probe_gluon_ws import _check, _store_tile, _tile_coords, run_shapes, time_in_turns
+from gpu_probe_gluon_ws import _check, _consumer, _tile_coords, run_shapes, time_in_turns
 from gpu_probe_gluon_ws import _descs as ws_descs
 from gpu_probe_gluon_ws import ws_grouped_gemm_kernel
 
@@ -79,46 +77,6 @@ def _mc_producer(desc_a, desc_b, a_bufs, b_bufs, ready, empty, empty_pair, block
 
 
 @gluon.jit
-def _mc_consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty_pair, block_expert_ptr,
-                 num_m_blocks, N, K, EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                 PAIR_N: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """num_warps warps a CTA: the wgmma of every K step and the epilogue of every tile."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BM2: gl.constexpr = a_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = b_bufs.type.shape[1]
-    dtype: gl.constexpr = a_bufs.dtype
-    CTA_BN: gl.constexpr = BN // 2 if PAIR_N else BN
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, CTA_BN, 16],
-        cga_layout=[[0, 1]] if PAIR_N else [[1, 0]])  # fmt: skip
-    num_n = gl.cdiv(N, BN)
-    num_k = gl.cdiv(K, BK)
-    count = 0
-    for tile in range(gl.program_id(0), num_m_blocks * num_n, gl.num_programs(0)):
-        m_blk, n_blk = _tile_coords(tile, num_m_blocks, num_n, GROUP_M)
-        e = gl.load(block_expert_ptr + m_blk)
-        if e >= 0:
-            acc = gl.zeros((BM2, BN), dtype=gl.float32, layout=layout)
-            for ki in range(num_k):
-                s = count % STAGES
-                mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                prev = (count + STAGES - 1) % STAGES
-                mbarrier.arrive(empty.index(prev), pred=ki > 0)
-                mbarrier.arrive(empty_pair.index(prev), pred=ki > 0)
-                count += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            prev = (count + STAGES - 1) % STAGES
-            mbarrier.arrive(empty.index(prev))
-            mbarrier.arrive(empty_pair.index(prev))
-            _store_tile(desc_c, c_smem, acc.to(dtype), m_blk * BM2, n_blk * BN, EPI_SPLIT)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def mc_grouped_gemm_kernel(desc_a, desc_b, desc_c, block_expert_ptr, num_m_blocks, N, K,
                            STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
                            GROUP_M: gl.constexpr, PAIR_N: gl.constexpr,
@@ -138,11 +96,17 @@ def mc_grouped_gemm_kernel(desc_a, desc_b, desc_c, block_expert_ptr, num_m_block
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
         mbarrier.init(empty_pair.index(i), count=1)
+    # each CTA's accumulators hold its half of the cluster tile (its rows, or its columns)
+    BN: gl.constexpr = desc_b.block_type.shape[0]
+    CTA_BN: gl.constexpr = BN // 2 if PAIR_N else BN
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, CTA_BN, 16],
+        cga_layout=[[0, 1]] if PAIR_N else [[1, 0]])  # fmt: skip
     gl.warp_specialize(
         [
-            (_mc_consumer, (desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty_pair,
-                            block_expert_ptr, num_m_blocks, N, K, EPI_SPLIT, GROUP_M,
-                            PAIR_N, num_warps)),  # fmt: skip
+            (_consumer, (desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty_pair,
+                         block_expert_ptr, num_m_blocks, N, K, layout, EPI_SPLIT, GROUP_M,
+                         True)),  # fmt: skip
             (_mc_producer, (desc_a, desc_b, a_bufs, b_bufs, ready, empty, empty_pair,
                             block_expert_ptr, num_m_blocks, N, K, GROUP_M, PAIR_N)),  # fmt: skip
         ],

@@ -105,16 +105,17 @@ def _producer(desc_a, desc_b, a_bufs, b_bufs, ready, empty, block_expert_ptr, nu
 
 
 @gluon.jit
-def _consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, block_expert_ptr, num_m_blocks, N,
-              K, EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-              num_warps: gl.constexpr):  # fmt: skip
-    """num_warps warps: the wgmma of every K step and the epilogue of every tile."""
+def _consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty_pair, block_expert_ptr,
+              num_m_blocks, N, K, layout: gl.constexpr, EPI_SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr, PAIRED: gl.constexpr):  # fmt: skip
+    """The wgmma of every K step into accumulators of `layout`, and the epilogue of every tile.
+    PAIRED (a 2-CTA cluster, gpu_probe_gluon_multicast): a freed stage is also signalled on
+    empty_pair, the lead CTA's barrier; else empty_pair is not used."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     dtype: gl.constexpr = a_bufs.dtype
-    layout: gl.constexpr = _mma_layout(BM, BN, num_warps)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     count = 0
@@ -130,10 +131,16 @@ def _consumer(desc_c, a_bufs, b_bufs, c_smem, ready, empty, block_expert_ptr, nu
                                     is_async=True)  # fmt: skip
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # the previous step's wgmma has retired: its stage is free for the producer
-                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+                prev = (count + STAGES - 1) % STAGES
+                mbarrier.arrive(empty.index(prev), pred=ki > 0)
+                if PAIRED:
+                    mbarrier.arrive(empty_pair.index(prev), pred=ki > 0)
                 count += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+            prev = (count + STAGES - 1) % STAGES
+            mbarrier.arrive(empty.index(prev))
+            if PAIRED:
+                mbarrier.arrive(empty_pair.index(prev))
             _store_tile(desc_c, c_smem, acc.to(dtype), m_blk * BM, n_blk * BN, EPI_SPLIT)
     tma.store_wait(pendings=0)
 
@@ -186,10 +193,12 @@ def ws_grouped_gemm_kernel(desc_a, desc_b, desc_c, block_expert_ptr, num_m_block
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    layout: gl.constexpr = _mma_layout(desc_a.block_type.shape[0], desc_b.block_type.shape[0],
+                                       num_warps)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (desc_c, a_bufs, b_bufs, c_smem, ready, empty, block_expert_ptr,
-                         num_m_blocks, N, K, EPI_SPLIT, GROUP_M, num_warps)),  # fmt: skip
+            (_consumer, (desc_c, a_bufs, b_bufs, c_smem, ready, empty, empty, block_expert_ptr,
+                         num_m_blocks, N, K, layout, EPI_SPLIT, GROUP_M, False)),  # fmt: skip
             (_producer, (desc_a, desc_b, a_bufs, b_bufs, ready, empty, block_expert_ptr,
                          num_m_blocks, N, K, GROUP_M)),  # fmt: skip
         ],
