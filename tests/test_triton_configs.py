@@ -330,6 +330,62 @@ def test_ep_tune_routes_over_all_experts_and_keys_by_local_tokens(tmp_path):
         TuneShape(4, 2, 32, 24, local_share=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
+@pytest.mark.parametrize("faster", ["incumbent", "tuned"])
+def test_tune_keeps_the_faster_of_the_tuned_pair_and_the_incumbent(tmp_path, monkeypatch, faster):
+    """A re-tune replaces the pair the runner ran before only if the layer, timed in turns with
+    both, is faster with the tuned one; the table's meta says which was kept."""
+    pytest.importorskip("triton")
+    import moekit.tune as tune_mod
+    from moekit.bench import Ceilings
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))  # the runner's user tables
+    shape = tune_mod.TuneShape(4, 2, 32, 24, "float32", ActivationSpec("silu"), False, "tiny")
+    incumbent = GemmConfig(16, 16, 16, 1, 4, 2)  # not what the search tries first
+    keys = tune_mod.table_keys(shape, "cpu")
+    for key in keys.values():
+        tc.write_table(tmp_path / "triton" / key.filename(), key, {3: incumbent}, {})
+    timed = []
+
+    def in_turns(fns, device, R):
+        timed.append(sorted(fns))
+        return {"tuned": 2.0, "incumbent": 1.0} if faster == "incumbent" else {
+            "tuned": 1.0, "incumbent": 2.0}  # fmt: skip
+
+    monkeypatch.setattr(tune_mod, "_layers_in_turns", in_turns)
+    report = tune_mod.tune(shape, [3], out_dir=tmp_path / "triton", device="cpu", progress=False,
+                           limit=1, force=True, ceilings=Ceilings(1e10, 1e11, "float32"))  # fmt: skip
+    r = report.results[0]
+    assert timed == [["incumbent", "tuned"]]
+    assert r.confirm["kept"] == faster and r.confirm["incumbent"] == [incumbent.code()] * 2
+    tuned = [GemmConfig.from_code(c) for c in r.confirm["tuned"]]
+    assert tuned != [incumbent, incumbent]
+    stored = {g: tc.read_table(Path(p)).configs[3] for g, p in report.paths.items()}
+    assert [stored["gate_up"], stored["down"]] == ([incumbent] * 2 if faster == "incumbent"
+                                                   else tuned)  # fmt: skip
+    meta = json.loads(Path(report.paths["down"]).read_text())["meta"]["points"]["3"]
+    assert meta["confirm"]["kept"] == faster and meta["rel_err"] < 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
+def test_tune_skips_the_turns_when_the_search_finds_the_incumbent(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    import moekit.tune as tune_mod
+    from moekit.bench import Ceilings
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    shape = tune_mod.TuneShape(4, 2, 32, 24, "float32", ActivationSpec("silu"), False, "tiny")
+    keys = tune_mod.table_keys(shape, "cpu")
+    first = {"gate_up": tune_mod.tile_candidates("gate_up", 1.5, 48, 32)[0],
+             "down": tune_mod.tile_candidates("down", 1.5, 32, 24)[0]}  # fmt: skip
+    for gemm, key in keys.items():  # the incumbent is the pair the one-candidate search picks
+        tc.write_table(tmp_path / "triton" / key.filename(), key, {3: first[gemm]}, {})
+    monkeypatch.setattr(tune_mod, "_layers_in_turns", lambda *a: pytest.fail("timed in turns"))
+    report = tune_mod.tune(shape, [3], out_dir=tmp_path / "triton", device="cpu", progress=False,
+                           limit=1, force=True, ceilings=Ceilings(1e10, 1e11, "float32"))  # fmt: skip
+    assert report.results[0].confirm is None
+
+
 def test_config_code_round_trips():
     """`GemmConfig.code` (how `moekit tune` logs configs and probes take them) and its parse."""
     for c in (GemmConfig(), GemmConfig(1, 16, 256), GemmConfig(16, 64, 128, 1, 4, 5, True, "atomic",

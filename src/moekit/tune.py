@@ -4,8 +4,10 @@ the runner looks up (`moekit.runners.triton.configs`).
 For each batch size T: draw uniform random top-k routing over this rank's experts, time every
 candidate config of the gate_up GEMM (CUDA-graph replay, `moekit.bench.time_ms`), then every
 candidate of the down GEMM (+ its reduction over K) on the best gate_up output, check the chosen
-pair against the torch reference, time the whole layer and its roofline floor, and save both
-tables. Results are written after each batch size, so an interrupted run resumes where it
+pair against the torch reference, time the whole layer against the pair the runner ran before
+the tune (its `incumbent`: the existing table's entry, another Triton version's, the nearest
+tuned shape's or the heuristic) in turns and keep the faster of the two, time the layer's
+roofline floor, and save both tables. Results are written after each batch size, so an interrupted run resumes where it
 stopped (batch sizes already in the output files are skipped unless `force`).
 
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
@@ -391,12 +393,13 @@ class PointResult:
     num_tokens: int
     gate_up: GemmConfig
     down: GemmConfig
-    gate_up_us: float
-    down_us: float
+    gate_up_us: float | None  # the chosen GEMM alone (None: an incumbent the search did not run)
+    down_us: float | None
     layer_us: float
     floor_us: float
     rel_err: float
     tried: dict = field(default_factory=dict)
+    confirm: dict | None = None  # the layer timed in turns against the incumbent (`_confirm`)
 
     @property
     def ratio(self) -> float:
@@ -404,13 +407,14 @@ class PointResult:
 
     def meta(self) -> dict:
         return {
-            "gate_up_us": round(self.gate_up_us, 2),
-            "down_us": round(self.down_us, 2),
+            "gate_up_us": None if self.gate_up_us is None else round(self.gate_up_us, 2),
+            "down_us": None if self.down_us is None else round(self.down_us, 2),
             "layer_us": round(self.layer_us, 2),
             "floor_us": round(self.floor_us, 2),
             "time_over_floor": round(self.ratio, 3),
             "rel_err": float(f"{self.rel_err:.3g}"),
             "tried": self.tried,
+            **({"confirm": self.confirm} if self.confirm else {}),
         }
 
 
@@ -636,10 +640,12 @@ def best_shapes(ranked: list[tuple[float, GemmConfig]], n: int = 2) -> list[Gemm
 
 
 def tune_point(
-    shape, w, T, device, ceilings, advance=lambda n: None, seed=0, limit=None
+    shape, w, T, device, ceilings, advance=lambda n: None, seed=0, limit=None, incumbent=None
 ) -> PointResult:
     """Tune both GEMMs for batch size T; returns the result (configs + timings). `w` may be
-    quantized (`tune(..., quantization=...)`): the floor then counts its packed bytes."""
+    quantized (`tune(..., quantization=...)`): the floor then counts its packed bytes.
+    `incumbent`: the (gate_up, down) pair the runner ran before; the tuned pair replaces it
+    only if the layer runs faster with it (`_confirm`)."""
     from moekit.bench import moe_cost
     from moekit.runners.torch import TorchRunner
     from moekit.runners.triton import ops
@@ -676,18 +682,25 @@ def tune_point(
         split_ks,
     )  # fmt: skip
 
-    cfgs = (best1, best2)
     ref = TorchRunner().run(StandardDispatchOutput(p.x, p.topks[0]), w, shape.act).out.double()
-    got = ops.fused_moe(p.x, p.topks[0], w, shape.act, configs=cfgs).double()
-    err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    if not err < 3e-2:
-        raise RuntimeError(f"T={T}: tuned configs {cfgs} give relative error {err:.3g}")
 
-    def layer():
-        for t in p.topks:
-            ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
+    def checked(pair):  # relative error of the layer with `pair` (raises above 3e-2)
+        got = ops.fused_moe(p.x, p.topks[0], w, shape.act, configs=pair).double()
+        e = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if not e < 3e-2:
+            raise RuntimeError(f"T={T}: configs {pair} give relative error {e:.3g}")
+        return e
 
-    layer_us = _time_us(layer, device, p.R)
+    cfgs = (best1, best2)
+    err = checked(cfgs)
+    confirm = None
+    if incumbent is not None and tuple(incumbent) != cfgs:
+        cfgs, confirm = _confirm(p, w, cfgs, tuple(incumbent))
+        if confirm["kept"] == "incumbent":  # its GEMMs' times alone, where the search ran them
+            err = checked(cfgs)
+            t1, t2 = (tried.get(c.code()) for tried, c in zip((tried1, tried2), cfgs))
+            t1, t2 = (v if isinstance(v, float) else None for v in (t1, t2))
+    layer_us = _time_us(_layer_fn(p, w, cfgs), device, p.R)
     per_expert = _weight_bytes_per_expert(w)
     floors = [
         moe_cost(t.ids, E, H, I, act_bytes=elem, weight_bytes_per_expert=per_expert).floor_s(
@@ -696,9 +709,45 @@ def tune_point(
         for t in p.topks
     ]
     return PointResult(
-        T, best1, best2, t1, t2, layer_us, sum(floors) / len(floors), err,
-        {"gate_up": tried1, "down": tried2},
+        T, cfgs[0], cfgs[1], t1, t2, layer_us, sum(floors) / len(floors), err,
+        {"gate_up": tried1, "down": tried2}, confirm,
     )  # fmt: skip
+
+
+def _layer_fn(p: _Point, w: ExpertWeights, cfgs) -> Callable[[], None]:
+    """The runner's call over the point's routings with the (gate_up, down) configs `cfgs`."""
+    from moekit.runners.triton import ops
+
+    def layer():
+        for t in p.topks:
+            ops.fused_moe(p.x, t, w, p.shape.act, configs=cfgs, local_share=p.shape.local_share)
+
+    return layer
+
+
+def _layers_in_turns(fns: dict, device, R: int) -> dict[str, float]:
+    """us per routing of each layer in `fns`, timed in alternating rounds."""
+    from moekit.bench import time_ms_interleaved
+
+    on_gpu = torch.device(device).type == "cuda"
+    timing = dict(warmup=2, samples=10) if on_gpu else dict(warmup=1, samples=1, rounds=1)
+    ms = time_ms_interleaved(fns, device, cuda_graph=on_gpu, **timing)
+    return {name: v * 1e3 / R for name, v in ms.items()}
+
+
+def _confirm(p: _Point, w: ExpertWeights, tuned, incumbent) -> tuple[tuple, dict]:
+    """The faster through the layer, timed in turns, of the tuned pair and the incumbent (the
+    pair the runner ran before). Each GEMM is tuned alone, and a pair of winners alone can lose
+    to a pair chosen on the layer: under Triton 3.9, the fp8 decode entries re-tuned this way
+    made deepseek-v3 EP8 T = 1 8% slower than the shipped Triton 3.6 entries
+    (benchmarks/triton_notes.md, session 49). Returns (pair, what was timed)."""
+    layers = {"tuned": _layer_fn(p, w, tuned), "incumbent": _layer_fn(p, w, incumbent)}
+    us = _layers_in_turns(layers, p.device, p.R)
+    kept = "incumbent" if us["incumbent"] < us["tuned"] else "tuned"
+    info = {"kept": kept, "tuned": [c.code() for c in tuned],
+            "incumbent": [c.code() for c in incumbent],
+            "tuned_us": round(us["tuned"], 2), "incumbent_us": round(us["incumbent"], 2)}  # fmt: skip
+    return (incumbent if kept == "incumbent" else tuned), info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,6 +761,15 @@ def _weight_bytes_per_expert(w: ExpertWeights) -> float:
              "w2_global_scale")  # fmt: skip
     ts = [getattr(w, n) for n in names if getattr(w, n, None) is not None]
     return sum(t.numel() * t.element_size() for t in ts) / w.num_experts
+
+
+def _incumbent(shape: TuneShape, w: ExpertWeights, T: int, device) -> tuple[GemmConfig, GemmConfig]:
+    """The (gate_up, down) pair the runner looks up for T tokens now (`ops.configs_for`)."""
+    from moekit.runners.triton import ops
+
+    tcfg.clear_cache()
+    return ops.configs_for(T * shape.local_share, shape.top_k, w, DTYPES[shape.dtype],
+                           torch.device(device))  # fmt: skip
 
 
 def table_keys(shape: TuneShape, device, spec=None) -> dict[str, TableKey]:
@@ -798,6 +856,7 @@ def tune(
     if spec is not None:
         w = quantize_experts(w, spec)
     tables = {g: _existing(p) for g, p in paths.items()}
+    incumbents = {T: _incumbent(shape, w, T, device) for T in todo}  # before anything is written
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -809,7 +868,8 @@ def tune(
             bar.update(task, description=f"{shape.describe()}  T={T}")
             t0 = time.perf_counter()
             r = tune_point(
-                shape, w, T, device, ceilings, lambda n: bar.advance(task, n), T, limit
+                shape, w, T, device, ceilings, lambda n: bar.advance(task, n), T, limit,
+                incumbents[T],
             )
             results.append(r)
             key = table_key(T, shape.local_share)
@@ -831,10 +891,15 @@ def tune(
                 )
                 tcfg.write_table(path, keys[gemm], configs, meta)
                 tables[gemm] = (configs, meta)
+            kept = r.confirm and r.confirm["kept"] == "incumbent"
+            picked = (f"kept the runner's gate_up {r.gate_up.code()}, down {r.down.code()} "
+                      f"(layer {r.confirm['incumbent_us']:.1f}us against the tuned pair's "
+                      f"{r.confirm['tuned_us']:.1f}us)" if kept else
+                      f"gate_up {r.gate_up.code()} {r.gate_up_us:.1f}us, down "
+                      f"{r.down.code()} {r.down_us:.1f}us")  # fmt: skip
             bar.console.log(
-                f"T={T}: gate_up {r.gate_up.code()} {r.gate_up_us:.1f}us, down "
-                f"{r.down.code()} {r.down_us:.1f}us, layer {r.layer_us:.1f}us = "
-                f"{r.ratio:.2f}x floor ({time.perf_counter() - t0:.0f}s)"
+                f"T={T}: {picked}, layer {r.layer_us:.1f}us = {r.ratio:.2f}x floor "
+                f"({time.perf_counter() - t0:.0f}s)"
             )
     tcfg.clear_cache()
     return TuneReport(shape, paths, results, skipped)
@@ -869,7 +934,7 @@ def measure(
 
         def layer():
             for t in p.topks:
-                ops.fused_moe(p.x, t, w, shape.act, configs=cfgs)
+                ops.fused_moe(p.x, t, w, shape.act, configs=cfgs, local_share=shape.local_share)
 
         row = {"T": T, "routing": routing, "gate_up": cfgs[0].code(), "down": cfgs[1].code()}
         row["layer_us"] = _time_us(layer, device, p.R, warmup=10, samples=15)
