@@ -207,9 +207,7 @@ def tune_tables(plan: str) -> None:
                            quantization=ALL_FORMATS[fmt], force=os.environ.get("MOEKIT_TUNE_FORCE") == "1",
                            note=f"scripts/gpu_triton_quant.py --tune ({model} {fmt})")  # fmt: skip
                 for r in rep.results:
-                    print(f"tune {model} {fmt} T={r.num_tokens}: gate_up {r.gate_up} "
-                          f"{r.gate_up_us:.1f}us down {r.down} {r.down_us:.1f}us layer "
-                          f"{r.layer_us:.1f}us {r.ratio:.2f}x floor", flush=True)  # fmt: skip
+                    print(f"tune {model} {fmt} T={r.num_tokens}: {r.summary()}", flush=True)
             except Exception as err:  # noqa: BLE001
                 print(f"tune {model} {fmt} FAILED: {type(err).__name__}: {err}", flush=True)
             print(f"tune {model} {fmt}: {time.perf_counter() - t1:.0f}s", flush=True)

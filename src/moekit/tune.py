@@ -4,11 +4,11 @@ the runner looks up (`moekit.runners.triton.configs`).
 For each batch size T: draw uniform random top-k routing over this rank's experts, time every
 candidate config of the gate_up GEMM (CUDA-graph replay, `moekit.bench.time_ms`), then every
 candidate of the down GEMM (+ its reduction over K) on the best gate_up output, check the chosen
-pair against the torch reference, time the whole layer against the pair the runner ran before
-the tune (its `incumbent`: the existing table's entry, another Triton version's, the nearest
-tuned shape's or the heuristic) in turns and keep the faster of the two, time the layer's
-roofline floor, and save both tables. Results are written after each batch size, so an interrupted run resumes where it
-stopped (batch sizes already in the output files are skipped unless `force`).
+pair against the torch reference, time the whole layer in turns with it and with the pair the
+runner ran before the tune (its incumbent: the existing entry, another Triton version's table,
+the nearest tuned shape's or the heuristic) and keep the faster, time the layer's roofline
+floor, and save both tables. Results are written after each batch size, so an interrupted run
+resumes where it stopped (batch sizes already in the output files are skipped unless `force`).
 
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
 a schedule typical of the regime (tiles sized by the weight format's bytes: `tile_bytes`), then
@@ -404,6 +404,19 @@ class PointResult:
     @property
     def ratio(self) -> float:
         return self.layer_us / self.floor_us
+
+    def summary(self) -> str:
+        """The configs kept, with their times alone or the layer comparison that kept the
+        runner's own, and the layer against its floor."""
+        c = self.confirm
+        if c and c["kept"] == "incumbent":
+            picked = (f"kept the runner's gate_up {self.gate_up.code()}, down {self.down.code()} "
+                      f"(layer {c['incumbent_us']:.1f}us against the tuned pair's "
+                      f"{c['tuned_us']:.1f}us)")  # fmt: skip
+        else:
+            picked = (f"gate_up {self.gate_up.code()} {self.gate_up_us:.1f}us, down "
+                      f"{self.down.code()} {self.down_us:.1f}us")  # fmt: skip
+        return f"{picked}, layer {self.layer_us:.1f}us = {self.ratio:.2f}x floor"
 
     def meta(self) -> dict:
         return {
@@ -891,16 +904,7 @@ def tune(
                 )
                 tcfg.write_table(path, keys[gemm], configs, meta)
                 tables[gemm] = (configs, meta)
-            kept = r.confirm and r.confirm["kept"] == "incumbent"
-            picked = (f"kept the runner's gate_up {r.gate_up.code()}, down {r.down.code()} "
-                      f"(layer {r.confirm['incumbent_us']:.1f}us against the tuned pair's "
-                      f"{r.confirm['tuned_us']:.1f}us)" if kept else
-                      f"gate_up {r.gate_up.code()} {r.gate_up_us:.1f}us, down "
-                      f"{r.down.code()} {r.down_us:.1f}us")  # fmt: skip
-            bar.console.log(
-                f"T={T}: {picked}, layer {r.layer_us:.1f}us = {r.ratio:.2f}x floor "
-                f"({time.perf_counter() - t0:.0f}s)"
-            )
+            bar.console.log(f"T={T}: {r.summary()} ({time.perf_counter() - t0:.0f}s)")
     tcfg.clear_cache()
     return TuneReport(shape, paths, results, skipped)
 
