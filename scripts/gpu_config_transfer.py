@@ -63,10 +63,11 @@ def resolvers(w, device_name: str, other: str) -> dict:
             stack.enter_context(mock.patch.object(tcfg, "transferred", lambda *a: None))
         return stack
 
-    def hide_own(key):  # this format's own tables on this device; the unquantized ones stay
-        return None if is_own(key) and key.device == device_name else real_find(key)
+    def hide_own(key, num_tokens=None):  # this format's own tables on this device; the
+        # unquantized ones stay
+        return None if is_own(key) and key.device == device_name else real_find(key, num_tokens)
 
-    def only_other(key):
+    def only_other(key, num_tokens=None):
         return None
 
     return {

@@ -96,6 +96,32 @@ def test_user_dir_overrides_shipped_and_exact_version_first(dirs):
 
 
 
+def test_a_table_of_a_few_batch_sizes_gives_way_beyond_their_reach(dirs, monkeypatch):
+    """`moekit tune --batch-sizes 1,4,16` under a new Triton version writes a table of those
+    sizes only: near them it is used; far from them, the next table in lookup order (here the
+    shipped one of another version) that has an entry within TABLE_REACH is."""
+    user, shipped = dirs
+    monkeypatch.setattr(tc, "triton_version", lambda: "9.9.9")
+    new = TableKey("gate_up", 8, 2 * 40, 48, "float32", "cpu", "9.9.9")
+    old = TableKey(**{**new.to_dict(), "triton": "3.6.0"})
+    tc.write_table(user / new.filename(), new, {1: GemmConfig(16), 16: GemmConfig(32)}, {})
+    tc.write_table(shipped / old.filename(), old, {16: GemmConfig(64), 1024: GemmConfig(128)},
+                   {})  # fmt: skip
+    tc.clear_cache()
+
+    def block_m(T):
+        return tc.get_config("gate_up", T, 2, 8, 48, 40, "float32", "cpu").block_m
+
+    assert [block_m(T) for T in (1, 16, 32)] == [16, 32, 32]  # within 2x of the new table's
+    assert [block_m(T) for T in (512, 1024, 2048)] == [128] * 3  # beyond: the full table's
+    assert block_m(64) == 32  # neither within 2x, both 4x off: the earlier table
+    assert block_m(5000) == 128  # neither within 2x: the nearer entry (1024 against 16)
+    assert tc.find_table(new).source == str(user / new.filename())  # without T: the first
+    (shipped / old.filename()).unlink()
+    tc.clear_cache()
+    assert block_m(1024) == 32  # the only table: its nearest entry, however far
+
+
 def test_get_config_uses_table_else_heuristic(dirs):
     user, _ = dirs
     key = TableKey("gate_up", 8, 2 * 40, 48, "float32", "cpu", tc.triton_version())

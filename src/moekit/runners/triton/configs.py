@@ -10,7 +10,8 @@ names and shapes:
   down:    h [*, I] @ w2[e].T  -> N = H,  K = I
 Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
 `moekit/configs/triton`, a table tuned with this Triton version before one tuned with
-another; without a table of its own, the config of the nearest tuned shape (`transferred`:
+another, passing over a table with no entry within `TABLE_REACH` of the call's batch size when
+a later one has one; without a table of its own, the config of the nearest tuned shape (`transferred`:
 same GEMM, dtype and weight format, tuned on this device or one of the same compute
 capability, at the entry whose rows per used expert, output width and K are nearest the
 call's), then the heuristic `default_config`. A quantized format without a table of its own
@@ -314,14 +315,31 @@ def _candidates(key: TableKey) -> list[Path]:
     return version_candidates((user_dir(), shipped_dir()), key.filename(), key.triton)
 
 
+# A table's entry stands for batch sizes within this factor of its own (the tuned sweep's sizes
+# are 4x apart). A table with none that near (`moekit tune --batch-sizes` on a few sizes) gives
+# way to the next one in lookup order that has one, e.g. a full table of another Triton version.
+TABLE_REACH = 2.0
+
+
 @functools.cache
-def find_table(key: TableKey) -> Table | None:
-    """The first readable table for `key` (see module docstring), else None. Cached: call
-    `clear_cache()` after writing new files."""
+def find_table(key: TableKey, num_tokens: float | None = None) -> Table | None:
+    """The first readable table for `key` (see module docstring); with `num_tokens`, the first
+    with an entry within TABLE_REACH of it, else the one whose nearest entry is nearest (the
+    earlier on ties); None without a table. Tables are read in order until one serves.
+    Cached: call `clear_cache()` after writing new files."""
+    best = None  # (log2 distance of its nearest entry, table)
     for path in _candidates(key):
         if path.is_file():
-            return read_table(path)
-    return None
+            table = read_table(path)
+            if num_tokens is None:
+                return table
+            t = math.log2(max(num_tokens, MIN_KEY))
+            gap = abs(math.log2(nearest_batch(table.configs, num_tokens)) - t)
+            if gap <= math.log2(TABLE_REACH):
+                return table
+            if best is None or gap < best[0]:
+                best = (gap, table)
+    return None if best is None else best[1]
 
 
 def clear_cache() -> None:
@@ -520,7 +538,7 @@ def get_config(
     Cached per arguments; `clear_cache()` after writing new files."""
     n, k = gemm_shape(gemm, hidden, intermediate)
     key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
-    table = find_table(key)
+    table = find_table(key, num_tokens)
     what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
     if table is not None and (
         quant == "unquantized" or num_tokens <= QUANT_TABLE_REACH * max(table.configs)
