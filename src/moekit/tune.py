@@ -698,7 +698,8 @@ def tune_point(
     ref = TorchRunner().run(StandardDispatchOutput(p.x, p.topks[0]), w, shape.act).out.double()
 
     def checked(pair):  # relative error of the layer with `pair` (raises above 3e-2)
-        got = ops.fused_moe(p.x, p.topks[0], w, shape.act, configs=pair).double()
+        got = ops.fused_moe(p.x, p.topks[0], w, shape.act, configs=pair,
+                            local_share=shape.local_share).double()
         e = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         if not e < 3e-2:
             raise RuntimeError(f"T={T}: configs {pair} give relative error {e:.3g}")
@@ -935,13 +936,8 @@ def measure(
     for T in batch_sizes:
         p = _Point(shape, w, T, device, seed=T, routing=routing)
         cfgs = ops.configs_for(T * shape.local_share, shape.top_k, w, dt, device)
-
-        def layer():
-            for t in p.topks:
-                ops.fused_moe(p.x, t, w, shape.act, configs=cfgs, local_share=shape.local_share)
-
         row = {"T": T, "routing": routing, "gate_up": cfgs[0].code(), "down": cfgs[1].code()}
-        row["layer_us"] = _time_us(layer, device, p.R, warmup=10, samples=15)
+        row["layer_us"] = _time_us(_layer_fn(p, w, cfgs), device, p.R, warmup=10, samples=15)
         E, H, I = shape.num_experts, shape.hidden, shape.intermediate
         floors = [
             moe_cost(t.ids, E, H, I, act_bytes=dt.itemsize).floor_s(ceilings) * 1e6

@@ -35,7 +35,7 @@ class AlignTuning:
     fused_max_chunks: int = 64
 
     def chunk(self, num_pairs: int) -> int:
-        return max(self.min_chunk, _next_pow2(-(-num_pairs // self.max_chunks)))
+        return pairs_per_chunk(num_pairs, self.min_chunk, self.max_chunks)
 
 
 ALIGN_TUNING = AlignTuning()
@@ -75,6 +75,15 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def pairs_per_chunk(num_pairs: int, min_chunk: int, max_chunks: int,
+                    max_chunk: int | None = None) -> int:  # fmt: skip
+    """Pairs per program of a chunked sort of `num_pairs` pairs (both Triton runners'): the
+    power of two that cuts them into at most `max_chunks` chunks, at least `min_chunk` (and at
+    most `max_chunk`, where given)."""
+    chunk = max(min_chunk, _next_pow2(-(-num_pairs // max_chunks)))
+    return chunk if max_chunk is None else min(max_chunk, chunk)
 
 
 def _check(ids_TK: torch.Tensor, num_experts: int, block_m: int) -> None:

@@ -1108,10 +1108,9 @@ def _gate_up_kernel(
             counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
             stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr,
             alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT,
-            HAS_BIAS,
-            INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-            HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m,
-            pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,
+            HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO,
+            PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K,
+            pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,
         )  # fmt: skip
 
 

@@ -11,10 +11,10 @@ names and shapes:
 Lookup order: the user directory (`MOEKIT_CONFIG_DIR`/triton) before the files shipped in
 `moekit/configs/triton`, a table tuned with this Triton version before one tuned with
 another, passing over a table with no entry within `TABLE_REACH` of the call's batch size when
-a later one has one; without a table of its own, the config of the nearest tuned shape (`transferred`:
-same GEMM, dtype and weight format, tuned on this device or one of the same compute
-capability, at the entry whose rows per used expert, output width and K are nearest the
-call's), then the heuristic `default_config`. A quantized format without a table of its own
+a later one has one; without a table of its own, the config of the nearest tuned shape
+(`transferred`: same GEMM, dtype and weight format, tuned on this device or one of the same
+compute capability, at the entry whose rows per used expert, output width and K are nearest
+the call's), then the heuristic `default_config`. A quantized format without a table of its own
 or a near one takes the unquantized config of the same shape (tuned, transferred or default)
 through `adapt_config` (also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its
 table was tuned for). Which one is used is logged once per shape.
@@ -328,12 +328,12 @@ def find_table(key: TableKey, num_tokens: float | None = None) -> Table | None:
     earlier on ties); None without a table. Tables are read in order until one serves.
     Cached: call `clear_cache()` after writing new files."""
     best = None  # (log2 distance of its nearest entry, table)
+    t = None if num_tokens is None else math.log2(max(num_tokens, MIN_KEY))
     for path in _candidates(key):
         if path.is_file():
             table = read_table(path)
-            if num_tokens is None:
+            if t is None:
                 return table
-            t = math.log2(max(num_tokens, MIN_KEY))
             gap = abs(math.log2(nearest_batch(table.configs, num_tokens)) - t)
             if gap <= math.log2(TABLE_REACH):
                 return table

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from moekit.log import log_once
+from moekit.runners._align import pairs_per_chunk
 from moekit.runners._tables import (
     device_slug,
     nearest_batch,
@@ -146,11 +147,8 @@ class RoutingTuning:
     cpu_programs: int = 3
 
     def chunk(self, num_pairs: int) -> int:
-        def pow2(n: int) -> int:
-            return 1 << max(0, (n - 1).bit_length())
-
-        want = min(self.max_chunk, max(self.min_chunk, pow2(-(-num_pairs // self.max_chunks))))
-        return max(16, min(want, pow2(num_pairs)))
+        want = pairs_per_chunk(num_pairs, self.min_chunk, self.max_chunks, self.max_chunk)
+        return max(16, min(want, pairs_per_chunk(num_pairs, 1, 1)))  # at most P's power of two
 
     def sums_in_scatter(self, num_chunks: int) -> bool:
         return 1 < num_chunks <= self.fused_max_chunks
