@@ -15,6 +15,7 @@ from moekit.presets import PRESETS
 from moekit.runners import registry
 from moekit.runners.base import Runner, RunnerCaps
 from moekit.router import TopKOutput
+from moekit import sweep
 from moekit.sweep import (
     SweepSpec,
     cpu_scaled,
@@ -372,3 +373,24 @@ def test_layer_over_sets_runs_every_set_inside_the_context_without_autograd():
     fn()
     fn()
     assert seen == [(3, False, 1), (5, False, 1), (3, False, 2), (5, False, 2)]
+
+
+def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t():
+    """Timing a device: at least MIN_ROUTINGS distinct routings up to MULTI_ROUTING_MAX_T
+    tokens, else as many as L2 asks; never more than MAX_INPUT_SETS; one set on the CPU."""
+    module = MoE(tiny(), ParallelConfig())
+    s = spec()
+
+    def sets(T, l2):
+        got, cost, ids = sweep._input_sets(s, module, T, torch.Generator().manual_seed(0), l2)
+        assert len(ids) == len(got) and cost.bytes > 0
+        return got
+
+    one_set = sweep._input_sets(s, module, 1, torch.Generator().manual_seed(0), 0)[1].bytes
+    assert len(sets(1, 0)) == len(sets(sweep.MULTI_ROUTING_MAX_T, 0)) == 1  # CPU
+    small = sets(4, 1)  # L2 of 1 byte: the bytes alone would ask for one set
+    assert len(small) == sweep.MIN_ROUTINGS
+    assert len({tuple(t.ids.flatten().tolist()) for _, t in small}) > 1  # distinct routings
+    assert len(sets(sweep.MULTI_ROUTING_MAX_T + 1, 1)) == 1
+    assert len(sets(1, int(one_set))) == sweep.MIN_ROUTINGS  # 4 L2s: 4 sets, raised to 8
+    assert len(sets(1, int(10 * one_set))) == sweep.MAX_INPUT_SETS  # 40 sets asked, capped

@@ -47,6 +47,12 @@ CPU_TIMING = dict(warmup=2, samples=7, rounds=1)
 # Rotate over enough input sets that the bytes one replay touches exceed this many L2 caches.
 L2_ROTATION_FACTOR = 4
 MAX_INPUT_SETS = 16
+# On a GPU, points of at most MULTI_ROUTING_MAX_T tokens rotate over at least MIN_ROUTINGS input
+# sets (routings) whatever their bytes: there a routing gives an expert few pairs, and which
+# experts one draw touches and how full their blocks are moves the time by up to 10%
+# (deepseek-v3 EP8 T = 16, bf16 / fp8: 1.83 on one draw, 1.66 on another; H100, session 49).
+MULTI_ROUTING_MAX_T = 256
+MIN_ROUTINGS = 8
 # rel error vs the torch runner above which a point is flagged as suspicious, per dtype.
 SUSPICIOUS_REL_ERR = {"float32": 1e-2, "float16": 5e-2, "bfloat16": 5e-2}
 
@@ -295,7 +301,9 @@ def build_layer(spec: SweepSpec) -> MoE:
 
 
 def _input_sets(spec, module, T, gen, l2_bytes):
-    """[(x_TH, topk), ...] and their mean cost. Several sets when one set's bytes fit in L2."""
+    """[(x_TH, topk), ...] and their mean cost. Timing a device (l2_bytes > 0): enough sets that
+    a replay's bytes exceed L2_ROTATION_FACTOR L2 caches, and at least MIN_ROUTINGS at small T;
+    at most MAX_INPUT_SETS. One set where l2_bytes is 0 (CPU)."""
     H, dtype, dev = spec.moe.hidden_size, spec.moe.torch_dtype, spec.device
 
     def one():
@@ -315,8 +323,11 @@ def _input_sets(spec, module, T, gen, l2_bytes):
     sets = [one()]
     cost, local_ids = point_cost(module, *sets[0])
     costs, ids = [cost], [local_ids]
-    if l2_bytes and cost.bytes > 0:
-        n = min(MAX_INPUT_SETS, math.ceil(L2_ROTATION_FACTOR * l2_bytes / cost.bytes))
+    if l2_bytes:
+        n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / cost.bytes) if cost.bytes > 0 else 1
+        if T <= MULTI_ROUTING_MAX_T:
+            n = max(n, MIN_ROUTINGS)
+        n = min(MAX_INPUT_SETS, n)
         for _ in range(n - 1):
             sets.append(one())
             c, i = point_cost(module, *sets[-1])
