@@ -375,9 +375,12 @@ def test_layer_over_sets_runs_every_set_inside_the_context_without_autograd():
     assert seen == [(3, False, 1), (5, False, 1), (3, False, 2), (5, False, 2)]
 
 
-def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t():
+def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t(monkeypatch):
     """Timing a device: at least MIN_ROUTINGS distinct routings up to MULTI_ROUTING_MAX_T
     tokens, else as many as L2 asks; never more than MAX_INPUT_SETS; one set on the CPU."""
+    assert 1 < sweep.MIN_ROUTINGS <= sweep.MAX_INPUT_SETS
+    monkeypatch.setattr(sweep, "MIN_ROUTINGS", 3)
+    monkeypatch.setattr(sweep, "MAX_INPUT_SETS", 6)
     module = MoE(tiny(), ParallelConfig())
     s = spec()
 
@@ -389,8 +392,8 @@ def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t():
     one_set = sweep._input_sets(s, module, 1, torch.Generator().manual_seed(0), 0)[1].bytes
     assert len(sets(1, 0)) == len(sets(sweep.MULTI_ROUTING_MAX_T, 0)) == 1  # CPU
     small = sets(4, 1)  # L2 of 1 byte: the bytes alone would ask for one set
-    assert len(small) == sweep.MIN_ROUTINGS
+    assert len(small) == 3
     assert len({tuple(t.ids.flatten().tolist()) for _, t in small}) > 1  # distinct routings
     assert len(sets(sweep.MULTI_ROUTING_MAX_T + 1, 1)) == 1
-    assert len(sets(1, int(one_set))) == sweep.MIN_ROUTINGS  # 4 L2s: 4 sets, raised to 8
-    assert len(sets(1, int(10 * one_set))) == sweep.MAX_INPUT_SETS  # 40 sets asked, capped
+    assert len(sets(1, int(one_set) // 2)) == 3  # 2 sets asked, raised to 3
+    assert len(sets(1, int(10 * one_set))) == 6  # 40 sets asked, capped

@@ -300,7 +300,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
         "FLOPs = 2 x local (token, expert) pairs x 3 x H x I_local. CUDA-graph replay where the "
         "runner is graph safe. A call runs over every input set (x and routing) of its point and "
         "counts as its mean: on a GPU as many sets as it takes for a replay to touch 4 L2 caches' "
-        "worth of bytes, and at least 8 routings up to T = 256 (older results: one set "
+        "worth of bytes, and at least 16 routings up to T = 256 (older results: one set "
         "wherever one set exceeded that); at most 16; each point's JSON records its input_sets. "
         "⚠ = output differs from the `torch` reference runner by more than the dtype's bound.",
         "",

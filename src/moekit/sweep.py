@@ -49,10 +49,12 @@ L2_ROTATION_FACTOR = 4
 MAX_INPUT_SETS = 16
 # On a GPU, points of at most MULTI_ROUTING_MAX_T tokens rotate over at least MIN_ROUTINGS input
 # sets (routings) whatever their bytes: there a routing gives an expert few pairs, and which
-# experts one draw touches and how full their blocks are moves the time by up to 10%
-# (deepseek-v3 EP8 T = 16, bf16 / fp8: 1.83 on one draw, 1.66 on another; H100, session 49).
+# experts one draw touches and how full their blocks are moves the time a lot (deepseek-v3 EP8
+# on the H100, one routing at a time: 46-121 us at T = 4 in fp8; bf16 / fp8 at T = 16 1.83 on
+# one draw, 1.66 on another, and at T = 4 over 8 draws 1.75 on one set of them, 1.63 on another;
+# benchmarks/select_notes.md, session 50).
 MULTI_ROUTING_MAX_T = 256
-MIN_ROUTINGS = 8
+MIN_ROUTINGS = 16
 # rel error vs the torch runner above which a point is flagged as suspicious, per dtype.
 SUSPICIOUS_REL_ERR = {"float32": 1e-2, "float16": 5e-2, "bfloat16": 5e-2}
 
