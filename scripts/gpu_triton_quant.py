@@ -182,8 +182,8 @@ def profile(out_dir: Path) -> None:
             rows_out.append(row)
             print("profile", {k: (round(v, 1) if isinstance(v, float) else v)
                               for k, v in row.items()}, flush=True)  # fmt: skip
-            del wq
-        del w_bf16
+            wq = None  # release before the next format (rebound, not deleted: the lambdas above name it)
+        w_bf16 = None
         torch.cuda.empty_cache()
     (out_dir / "triton_quant_profile.json").write_text(json.dumps(rows_out, indent=1) + "\n")
 
@@ -411,7 +411,7 @@ def main() -> int:
                 result["checks"].append({"model": model, "format": fmt, "T": 16, "rel_err": err})
                 print(f"{model:14} {fmt:11} rel_err vs torch runner (T=16): {err:.2e}", flush=True)
             save()
-            del wq
+            wq = None  # release before the next format
             torch.cuda.empty_cache()
 
     # the targets
