@@ -397,3 +397,5 @@ def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t(monkeypa
     assert len(sets(sweep.MULTI_ROUTING_MAX_T + 1, 1)) == 1
     assert len(sets(1, int(one_set) // 2)) == 3  # 2 sets asked, raised to 3
     assert len(sets(1, int(10 * one_set))) == 6  # 40 sets asked, capped
+    empty = sweep._input_sets(s, module, 0, torch.Generator().manual_seed(0), 1)[0]
+    assert len(empty) == 1  # T = 0: nothing to vary

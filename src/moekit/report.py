@@ -21,7 +21,15 @@ import torch
 
 from moekit import envs, hardware
 from moekit.presets import model_label
-from moekit.sweep import TIMED, SweepResult, winners
+from moekit.sweep import (
+    L2_ROTATION_FACTOR,
+    MAX_INPUT_SETS,
+    MIN_ROUTINGS,
+    MULTI_ROUTING_MAX_T,
+    TIMED,
+    SweepResult,
+    winners,
+)
 
 SCHEMA = 1
 BENCHMARKS_MD = "BENCHMARKS.md"
@@ -298,11 +306,12 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
         "max(bytes / copy bandwidth, FLOPs / matmul rate), both ceilings measured in the same "
         "run; bytes = weights of the local experts the routing touches + activations in and out; "
         "FLOPs = 2 x local (token, expert) pairs x 3 x H x I_local. CUDA-graph replay where the "
-        "runner is graph safe. A call runs over every input set (x and routing) of its point and "
-        "counts as its mean: on a GPU as many sets as it takes for a replay to touch 4 L2 caches' "
-        "worth of bytes, and at least 16 routings up to T = 256 (older results: one set "
-        "wherever one set exceeded that); at most 16; each point's JSON records its input_sets. "
-        "⚠ = output differs from the `torch` reference runner by more than the dtype's bound.",
+        "runner is graph safe. Each time is the mean over its point's input sets (x and "
+        f"routing; on a GPU at least {MIN_ROUTINGS} routings up to T = {MULTI_ROUTING_MAX_T}, "
+        f"and enough sets for a replay to touch {L2_ROTATION_FACTOR} L2 caches' worth of bytes, "
+        f"at most {MAX_INPUT_SETS}; older results took one set wherever one was that large; each "
+        "point's JSON records its input_sets). ⚠ = output differs from the `torch` reference "
+        "runner by more than the dtype's bound.",
         "",
     ]
     if not results:

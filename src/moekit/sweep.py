@@ -327,7 +327,7 @@ def _input_sets(spec, module, T, gen, l2_bytes):
     costs, ids = [cost], [local_ids]
     if l2_bytes:
         n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / cost.bytes) if cost.bytes > 0 else 1
-        if T <= MULTI_ROUTING_MAX_T:
+        if 0 < T <= MULTI_ROUTING_MAX_T:
             n = max(n, MIN_ROUTINGS)
         n = min(MAX_INPUT_SETS, n)
         for _ in range(n - 1):
