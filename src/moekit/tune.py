@@ -777,11 +777,11 @@ def _weight_bytes_per_expert(w: ExpertWeights) -> float:
     return sum(t.numel() * t.element_size() for t in ts) / w.num_experts
 
 
-def _incumbent(shape: TuneShape, w: ExpertWeights, T: int, device) -> tuple[GemmConfig, GemmConfig]:
-    """The (gate_up, down) pair the runner looks up for T tokens now (`ops.configs_for`)."""
+def _runner_configs(shape: TuneShape, w: ExpertWeights, T: int, device) -> tuple[GemmConfig, GemmConfig]:
+    """The (gate_up, down) pair the runner looks up for T tokens (`ops.configs_for`, from the
+    tables as cached: `tcfg.clear_cache()` first to see files written since)."""
     from moekit.runners.triton import ops
 
-    tcfg.clear_cache()
     return ops.configs_for(T * shape.local_share, shape.top_k, w, DTYPES[shape.dtype],
                            torch.device(device))  # fmt: skip
 
@@ -870,7 +870,8 @@ def tune(
     if spec is not None:
         w = quantize_experts(w, spec)
     tables = {g: _existing(p) for g, p in paths.items()}
-    incumbents = {T: _incumbent(shape, w, T, device) for T in todo}  # before anything is written
+    tcfg.clear_cache()  # the incumbents: what the runner ran before anything is written
+    incumbents = {T: _runner_configs(shape, w, T, device) for T in todo}
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -926,7 +927,6 @@ def measure(
     """Time the whole runner call (CUDA-graph replay) with the configs it looks up, against the
     roofline floor, per batch size. With `breakdown`, also time its stages one by one."""
     from moekit.bench import measure_ceilings, moe_cost
-    from moekit.runners.triton import ops
 
     device = torch.device(device)
     dt = DTYPES[shape.dtype]
@@ -935,7 +935,7 @@ def measure(
     rows = []
     for T in batch_sizes:
         p = _Point(shape, w, T, device, seed=T, routing=routing)
-        cfgs = ops.configs_for(T * shape.local_share, shape.top_k, w, dt, device)
+        cfgs = _runner_configs(shape, w, T, device)
         row = {"T": T, "routing": routing, "gate_up": cfgs[0].code(), "down": cfgs[1].code()}
         row["layer_us"] = _time_us(_layer_fn(p, w, cfgs), device, p.R, warmup=10, samples=15)
         E, H, I = shape.num_experts, shape.hidden, shape.intermediate

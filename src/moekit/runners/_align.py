@@ -73,7 +73,7 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return n + (num_pairs - n) // block_m
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -82,7 +82,7 @@ def pairs_per_chunk(num_pairs: int, min_chunk: int, max_chunks: int,
     """Pairs per program of a chunked sort of `num_pairs` pairs (both Triton runners'): the
     power of two that cuts them into at most `max_chunks` chunks, at least `min_chunk` (and at
     most `max_chunk`, where given)."""
-    chunk = max(min_chunk, _next_pow2(-(-num_pairs // max_chunks)))
+    chunk = max(min_chunk, next_pow2(-(-num_pairs // max_chunks)))
     return chunk if max_chunk is None else min(max_chunk, chunk)
 
 
@@ -142,11 +142,11 @@ def align_block_size(
         return out
     counts = out.counts if groups else out.num_rows  # (not written without groups)
     ends = out.ends if groups else out.num_rows
-    EP = _next_pow2(E + 1)
+    EP = next_pow2(E + 1)
     pad_step = min(block_m, 16)
     blocks_step = max(16, min(128, 4096 // EP))
     if P <= tuning.single_max:
-        chunk = _next_pow2(max(P, 16))
+        chunk = next_pow2(max(P, 16))
         k._align_small_kernel[(1,)](
             ids, out.sorted_ids, out.block_expert, out.num_rows, counts, ends, P, E,
             out.max_blocks, BLOCK_M=block_m, CHUNK=chunk, EP=EP, PAD_STEP=pad_step,

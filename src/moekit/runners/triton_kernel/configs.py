@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from moekit.log import log_once
-from moekit.runners._align import pairs_per_chunk
+from moekit.runners._align import next_pow2, pairs_per_chunk
 from moekit.runners._tables import (
     device_slug,
     nearest_batch,
@@ -148,7 +148,7 @@ class RoutingTuning:
 
     def chunk(self, num_pairs: int) -> int:
         want = pairs_per_chunk(num_pairs, self.min_chunk, self.max_chunks, self.max_chunk)
-        return max(16, min(want, pairs_per_chunk(num_pairs, 1, 1)))  # at most P's power of two
+        return max(16, min(want, next_pow2(num_pairs)))  # at most P's power of two
 
     def sums_in_scatter(self, num_chunks: int) -> bool:
         return 1 < num_chunks <= self.fused_max_chunks
