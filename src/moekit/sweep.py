@@ -302,10 +302,22 @@ def build_layer(spec: SweepSpec) -> MoE:
     return module
 
 
+def routings_for(T: int, set_bytes: float, l2_bytes: int) -> int:
+    """How many input sets (routings) to time a point of T tokens on, each touching about
+    `set_bytes`: enough that one replay's bytes exceed L2_ROTATION_FACTOR L2 caches, at least
+    MIN_ROUTINGS for 0 < T <= MULTI_ROUTING_MAX_T, at most MAX_INPUT_SETS; one where
+    `l2_bytes` is 0 (CPU: nothing to rotate past). The bench and `moekit tune` both count so."""
+    if not l2_bytes:
+        return 1
+    n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes) if set_bytes > 0 else 1
+    if 0 < T <= MULTI_ROUTING_MAX_T:
+        n = max(n, MIN_ROUTINGS)
+    return min(MAX_INPUT_SETS, n)
+
+
 def _input_sets(spec, module, T, gen, l2_bytes):
-    """[(x_TH, topk), ...] and their mean cost. Timing a device (l2_bytes > 0): enough sets that
-    a replay's bytes exceed L2_ROTATION_FACTOR L2 caches, and at least MIN_ROUTINGS at small T;
-    at most MAX_INPUT_SETS. One set where l2_bytes is 0 (CPU)."""
+    """[(x_TH, topk), ...], their mean cost and local ids: as many sets as `routings_for` says
+    (one where l2_bytes is 0: CPU)."""
     H, dtype, dev = spec.moe.hidden_size, spec.moe.torch_dtype, spec.device
 
     def one():
@@ -325,16 +337,11 @@ def _input_sets(spec, module, T, gen, l2_bytes):
     sets = [one()]
     cost, local_ids = point_cost(module, *sets[0])
     costs, ids = [cost], [local_ids]
-    if l2_bytes:
-        n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / cost.bytes) if cost.bytes > 0 else 1
-        if 0 < T <= MULTI_ROUTING_MAX_T:
-            n = max(n, MIN_ROUTINGS)
-        n = min(MAX_INPUT_SETS, n)
-        for _ in range(n - 1):
-            sets.append(one())
-            c, i = point_cost(module, *sets[-1])
-            costs.append(c)
-            ids.append(i)
+    for _ in range(routings_for(T, cost.bytes, l2_bytes) - 1):
+        sets.append(one())
+        c, i = point_cost(module, *sets[-1])
+        costs.append(c)
+        ids.append(i)
     mean = Cost(
         flops=sum(c.flops for c in costs) / len(costs),
         bytes=sum(c.bytes for c in costs) / len(costs),

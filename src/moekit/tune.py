@@ -1,7 +1,8 @@
 """`moekit tune`: sweep the `triton` runner's kernel configs on this device and write the tables
 the runner looks up (`moekit.runners.triton.configs`).
 
-For each batch size T: draw uniform random top-k routing over this rank's experts, time every
+For each batch size T: draw uniform random top-k routings over this rank's experts (as many as
+the bench times the point on, `rotations`), time every
 candidate config of the gate_up GEMM (CUDA-graph replay, `moekit.bench.time_ms`), then every
 candidate of the down GEMM (+ its reduction over K) on the best gate_up output, check the chosen
 pair against the torch reference, time the whole layer in turns with it and with the pair the
@@ -39,10 +40,10 @@ from moekit.runners.triton.configs import GemmConfig, TableKey
 
 BATCH_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 SMEM_LIMIT = 220 * 1024  # bytes; configs estimated above it are not tried (H100: 227 KB)
-L2_ROTATE_BYTES = 200e6  # rotate routings until the timed weights exceed about 4 x L2
-# ... and over at least this many: an expert's rows differ from draw to draw, and a config that
-# wins by 2% on one routing can lose on others (mixtral TP2 T = 256: benchmarks/triton_notes.md,
-# session 32)
+# A point is timed over as many routings as `moekit bench` times it on (`sweep.routings_for`),
+# and over at least this many: an expert's rows differ from draw to draw, and a config that wins
+# by 2% on one routing can lose on others (mixtral TP2 T = 256: benchmarks/triton_notes.md,
+# session 32; deepseek-v3 EP8 T = 4, session 51)
 MIN_ROUTINGS = 4
 
 
@@ -374,16 +375,19 @@ def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) ->
     return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
-def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None = None) -> int:
-    """How many routings to time a point on: at least MIN_ROUTINGS, and enough that the timed
-    weights do not sit in L2 (`bytes_per_expert`: of quantized weights; default: the shape's
-    dtype); at most 8."""
+def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None = None,
+              l2_bytes: int = 50 << 20) -> int:  # fmt: skip
+    """How many routings to time a point on a GPU with `l2_bytes` of L2: as many as the bench
+    times it on (`sweep.routings_for`, for the weights a routing is expected to touch;
+    `bytes_per_expert`: of quantized weights, default: the shape's dtype), at least
+    MIN_ROUTINGS."""
+    from moekit.sweep import routings_for
+
     elem = DTYPES[shape.dtype].itemsize
     touched = max(1, min(shape.num_experts, round(T * shape.top_k * shape.local_share)))
     if bytes_per_expert is None:
         bytes_per_expert = 3 * shape.hidden * shape.intermediate * elem
-    weight_bytes = touched * bytes_per_expert
-    return max(MIN_ROUTINGS, min(8, math.ceil(L2_ROTATE_BYTES / weight_bytes)))
+    return max(MIN_ROUTINGS, routings_for(T, touched * bytes_per_expert, l2_bytes))
 
 
 @dataclass
@@ -464,7 +468,10 @@ class _Point:
         dt = DTYPES[shape.dtype]
         self.shape, self.w, self.T, self.device = shape, w, T, torch.device(device)
         per_expert = _weight_bytes_per_expert(w) if w.is_quantized else None
-        self.R = rotations(shape, T, per_expert) if self.device.type == "cuda" else 1
+        self.R = 1
+        if self.device.type == "cuda":
+            l2 = torch.cuda.get_device_properties(self.device).L2_cache_size
+            self.R = rotations(shape, T, per_expert, l2)
         self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
         E, K, G = shape.num_experts, shape.top_k, shape.routed_experts
         if routing == "uniform":
