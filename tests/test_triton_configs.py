@@ -383,8 +383,8 @@ def test_tune_keeps_the_faster_of_the_tuned_pair_and_the_incumbent(tmp_path, mon
                            limit=1, force=True, ceilings=Ceilings(1e10, 1e11, "float32"))  # fmt: skip
     r = report.results[0]
     assert timed == [["incumbent", "tuned"]]
-    assert r.confirm["kept"] == faster and r.confirm["incumbent"] == [incumbent.code()] * 2
-    tuned = [GemmConfig.from_code(c) for c in r.confirm["tuned"]]
+    assert r.confirm["kept"] == faster and r.confirm["pairs"]["incumbent"] == [incumbent.code()] * 2
+    tuned = [GemmConfig.from_code(c) for c in r.confirm["pairs"]["tuned"]]
     assert tuned != [incumbent, incumbent]
     stored = {g: tc.read_table(Path(p)).configs[3] for g, p in report.paths.items()}
     assert [stored["gate_up"], stored["down"]] == ([incumbent] * 2 if faster == "incumbent"
@@ -410,6 +410,40 @@ def test_tune_skips_the_turns_when_the_search_finds_the_incumbent(tmp_path, monk
     report = tune_mod.tune(shape, [3], out_dir=tmp_path / "triton", device="cpu", progress=False,
                            limit=1, force=True, ceilings=Ceilings(1e10, 1e11, "float32"))  # fmt: skip
     assert report.results[0].confirm is None
+
+
+def test_near_ties_are_the_configs_within_near_tie_of_the_fastest():
+    from moekit.tune import NEAR_TIE, NEAR_TIE_MAX, near_ties
+
+    a, b, c, d = (GemmConfig(16, n) for n in (16, 32, 64, 128))
+    tried = {a.code(): 10.0, b.code(): 10.0 * NEAR_TIE, c.code(): 10.0 * NEAR_TIE + 0.01,
+             d.code(): "OutOfResources: shared memory"}  # fmt: skip
+    assert near_ties(tried) == [a, b]
+    assert near_ties({**tried, b.code(): 9.9}) == [b, a][:NEAR_TIE_MAX]
+    assert near_ties({**tried, b.code(): 10.0, c.code(): 10.0}) == [a, b, c][:NEAR_TIE_MAX]
+    assert near_ties({d.code(): "error"}) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
+@pytest.mark.parametrize("layer_prefers", ["tuned", "tie 1", "incumbent"])
+def test_confirm_keeps_the_fastest_layer_of_tuned_ties_and_incumbent(monkeypatch, layer_prefers):
+    """The GEMMs are timed alone; among the tuned pair, pairs of configs that tie with it alone
+    and the incumbent, the layer timed in turns decides (a tie first by name: the tuned pair)."""
+    import moekit.tune as tune_mod
+
+    shape = tune_mod.TuneShape(4, 2, 32, 24, "float32", ActivationSpec("silu"), False, "tiny")
+    w = tune_mod.random_weights(shape, "cpu")
+    p = tune_mod._Point(shape, w, 3, "cpu", seed=0)
+    g, d, d2, old = (GemmConfig(16, n) for n in (16, 32, 64, 128))
+    us = {"tuned": 2.0, "tie 1": 2.0, "incumbent": 2.0}
+    us[layer_prefers] = 1.0
+    monkeypatch.setattr(tune_mod, "_layers_in_turns", lambda fns, device, R: {n: us[n] for n in fns})
+    pairs = {"tuned": (g, d), "tie 1": (g, d2), "incumbent": (old, old)}
+    kept, info = tune_mod._confirm(p, w, (g, d), [(g, d2), (g, d)], (old, old))
+    assert kept == pairs[layer_prefers] and info["kept"] == layer_prefers
+    assert info["pairs"] == {n: [c.code() for c in pair] for n, pair in pairs.items()}
+    monkeypatch.setattr(tune_mod, "_layers_in_turns", lambda *a: pytest.fail("timed in turns"))
+    assert tune_mod._confirm(p, w, (g, d), [], (g, d)) == ((g, d), None)
 
 
 def test_config_code_round_trips():

@@ -464,6 +464,30 @@ def test_presets_bf16_gpu(model, tp, ep):
     assert rel_err(out[valid], ref[valid]) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_ep_rank_decode_entries_gpu(T):
+    """An EP8 rank of deepseek-v3 sees every token and holds 32 of 256 experts: the runner looks
+    its tables up for T / 8 tokens (the shipped decode entries 0.125, 0.5 and 2), on routings
+    with none to several local pairs."""
+    from moekit.tune import random_weights, shape_for
+
+    shape = shape_for("deepseek-v3", 8, 8)
+    w = random_weights(shape, "cuda")
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        topk = make_topk(T, shape.top_k, shape.routed_experts)
+        local = TopKOutput(topk.weights, torch.where(topk.ids < shape.num_experts, topk.ids, -1))
+        d = StandardDispatchOutput(x, local, local_share=shape.local_share)
+        out = TritonRunner().run(d, w, shape.act).out
+        if (local.ids < 0).all():  # no local pair: this rank adds nothing
+            assert not out.any()
+            continue
+        err = rel_err(out, reference_fp32_sparse(x, local, w, shape.act))
+        assert err < TOLERANCE[torch.bfloat16], (T, seed, err)
+
+
 VARIANTS = {"swap": SWAP, "atomic": ATOMIC, "mixed": MIXED_BM, "tma": TMA, "tma-swap": TMA_SWAP,
             "split-k": SPLIT_K, "split-k8-tma": SPLIT_K8_TMA, "lookup": None}  # fmt: skip
 

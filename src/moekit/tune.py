@@ -2,13 +2,13 @@
 the runner looks up (`moekit.runners.triton.configs`).
 
 For each batch size T: draw uniform random top-k routings over this rank's experts (as many as
-the bench times the point on, `rotations`), time every
-candidate config of the gate_up GEMM (CUDA-graph replay, `moekit.bench.time_ms`), then every
-candidate of the down GEMM (+ its reduction over K) on the best gate_up output, check the chosen
-pair against the torch reference, time the whole layer in turns with it and with the pair the
-runner ran before the tune (its incumbent: the existing entry, another Triton version's table,
-the nearest tuned shape's or the heuristic) and keep the faster, time the layer's roofline
-floor, and save both tables. Results are written after each batch size, so an interrupted run
+the bench times the point on, `rotations`), time every candidate config of the gate_up GEMM
+(CUDA-graph replay, `moekit.bench.time_ms`), then every candidate of the down GEMM (+ its
+reduction over K) on the best gate_up output, check the chosen pair against the torch
+reference, time the whole layer in turns with it, with the pairs of configs that tie with it
+alone (`near_ties`) and with the pair the runner ran before the tune (its incumbent: the
+existing entry, another Triton version's table, the nearest tuned shape's or the heuristic)
+and keep the fastest, time the layer's roofline floor, and save both tables. Results are written after each batch size, so an interrupted run
 resumes where it stopped (batch sizes already in the output files are skipped unless `force`).
 
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
@@ -297,6 +297,12 @@ TWO_WARPS_MAX_TILE = 16 * 64
 # by one (an EP rank at T = 1 touches one expert: 32-64 gate_up tiles).
 SPLIT_K_TRIES = (2, 4)
 SPLIT_K_MAX_ROWS = 16
+# GEMM configs timed alone within NEAR_TIE of the fastest tie with it, and the layer decides
+# between them (`_confirm`): deepseek-v3 EP8 bf16 T = 1 timed down split over K in 2 and unsplit
+# at 15.04 / 15.08 us alone; through the layer unsplit is 2.8-5.0% faster (session 51,
+# benchmarks/triton_notes.md). At most NEAR_TIE_MAX configs of each GEMM go into that timing.
+NEAR_TIE = 1.02
+NEAR_TIE_MAX = 2
 
 # Round 2 also tries folding this many rows of a short last block into the block before (the
 # pipeline folds 16): at mixtral-8x7b TP2 T = 1024 on the H100, 32 took the layer 8% further
@@ -403,7 +409,8 @@ class PointResult:
     floor_us: float
     rel_err: float
     tried: dict = field(default_factory=dict)
-    confirm: dict | None = None  # the layer timed in turns against the incumbent (`_confirm`)
+    confirm: dict | None = None  # the layer timed in turns: ties, incumbent (`_confirm`)
+    routings: int = 1  # the routings every timing ran over (`rotations`)
 
     @property
     def ratio(self) -> float:
@@ -413,10 +420,11 @@ class PointResult:
         """The configs kept, with their times alone or the layer comparison that kept the
         runner's own, and the layer against its floor."""
         c = self.confirm
-        if c and c["kept"] == "incumbent":
-            picked = (f"kept the runner's gate_up {self.gate_up.code()}, down {self.down.code()} "
-                      f"(layer {c['incumbent_us']:.1f}us against the tuned pair's "
-                      f"{c['tuned_us']:.1f}us)")  # fmt: skip
+        if c and c["kept"] != "tuned":
+            whose = "the runner's" if c["kept"] == "incumbent" else "a near tie's"
+            picked = (f"kept {whose} gate_up {self.gate_up.code()}, down {self.down.code()} "
+                      f"(layer {c['us'][c['kept']]:.1f}us against the tuned pair's "
+                      f"{c['us']['tuned']:.1f}us)")  # fmt: skip
         else:
             picked = (f"gate_up {self.gate_up.code()} {self.gate_up_us:.1f}us, down "
                       f"{self.down.code()} {self.down_us:.1f}us")  # fmt: skip
@@ -430,6 +438,7 @@ class PointResult:
             "floor_us": round(self.floor_us, 2),
             "time_over_floor": round(self.ratio, 3),
             "rel_err": float(f"{self.rel_err:.3g}"),
+            "routings": self.routings,
             "tried": self.tried,
             **({"confirm": self.confirm} if self.confirm else {}),
         }
@@ -664,8 +673,8 @@ def tune_point(
 ) -> PointResult:
     """Tune both GEMMs for batch size T; returns the result (configs + timings). `w` may be
     quantized (`tune(..., quantization=...)`): the floor then counts its packed bytes.
-    `incumbent`: the (gate_up, down) pair the runner ran before; the tuned pair replaces it
-    only if the layer runs faster with it (`_confirm`)."""
+    `incumbent`: the (gate_up, down) pair the runner ran before; the tuned pair, or a pair of
+    configs that tie with it alone, replaces it only if the layer runs faster (`_confirm`)."""
     from moekit.bench import moe_cost
     from moekit.runners.torch import TorchRunner
     from moekit.runners.triton import ops
@@ -714,13 +723,12 @@ def tune_point(
 
     cfgs = (best1, best2)
     err = checked(cfgs)
-    confirm = None
-    if incumbent is not None and tuple(incumbent) != cfgs:
-        cfgs, confirm = _confirm(p, w, cfgs, tuple(incumbent))
-        if confirm["kept"] == "incumbent":  # its GEMMs' times alone, where the search ran them
-            err = checked(cfgs)
-            t1, t2 = (tried.get(c.code()) for tried, c in zip((tried1, tried2), cfgs))
-            t1, t2 = (v if isinstance(v, float) else None for v in (t1, t2))
+    ties = [(g, d) for g in near_ties(tried1) for d in near_ties(tried2)][1:]
+    cfgs, confirm = _confirm(p, w, cfgs, ties, incumbent)
+    if confirm is not None and confirm["kept"] != "tuned":  # its GEMMs' times alone, if run
+        err = checked(cfgs)
+        t1, t2 = (tried.get(c.code()) for tried, c in zip((tried1, tried2), cfgs))
+        t1, t2 = (v if isinstance(v, float) else None for v in (t1, t2))
     layer_us = _time_us(_layer_fn(p, w, cfgs), device, p.R)
     per_expert = _weight_bytes_per_expert(w)
     floors = [
@@ -731,7 +739,7 @@ def tune_point(
     ]
     return PointResult(
         T, cfgs[0], cfgs[1], t1, t2, layer_us, sum(floors) / len(floors), err,
-        {"gate_up": tried1, "down": tried2}, confirm,
+        {"gate_up": tried1, "down": tried2}, confirm, p.R,
     )  # fmt: skip
 
 
@@ -756,19 +764,34 @@ def _layers_in_turns(fns: dict, device, R: int) -> dict[str, float]:
     return {name: v * 1e3 / R for name, v in ms.items()}
 
 
-def _confirm(p: _Point, w: ExpertWeights, tuned, incumbent) -> tuple[tuple, dict]:
-    """The faster through the layer, timed in turns, of the tuned pair and the incumbent (the
-    pair the runner ran before). Each GEMM is tuned alone, and a pair of winners alone can lose
-    to a pair chosen on the layer: under Triton 3.9, the fp8 decode entries re-tuned this way
-    made deepseek-v3 EP8 T = 1 8% slower than the shipped Triton 3.6 entries
-    (benchmarks/triton_notes.md, session 49). Returns (pair, what was timed)."""
-    layers = {"tuned": _layer_fn(p, w, tuned), "incumbent": _layer_fn(p, w, incumbent)}
-    us = _layers_in_turns(layers, p.device, p.R)
-    kept = "incumbent" if us["incumbent"] < us["tuned"] else "tuned"
-    info = {"kept": kept, "tuned": [c.code() for c in tuned],
-            "incumbent": [c.code() for c in incumbent],
-            "tuned_us": round(us["tuned"], 2), "incumbent_us": round(us["incumbent"], 2)}  # fmt: skip
-    return (incumbent if kept == "incumbent" else tuned), info
+def near_ties(tried: dict) -> list[GemmConfig]:
+    """The configs of a search's `tried` ({code: us or error}) timed within NEAR_TIE of the
+    fastest, fastest first, at most NEAR_TIE_MAX."""
+    ok = sorted(((t, GemmConfig.from_code(c)) for c, t in tried.items() if isinstance(t, float)),
+                key=lambda tc: tc[0])  # fmt: skip
+    return [c for t, c in ok if t <= ok[0][0] * NEAR_TIE][:NEAR_TIE_MAX] if ok else []
+
+
+def _confirm(p: _Point, w: ExpertWeights, tuned, ties=(), incumbent=None) -> tuple[tuple, dict | None]:
+    """The fastest through the layer, timed in turns, of the tuned pair, the pairs of GEMM
+    configs that tie with it alone (`near_ties`) and the incumbent (the pair the runner ran
+    before). Each GEMM is tuned alone, and a pair of winners alone can lose to a pair chosen
+    on the layer: under Triton 3.9, the fp8 decode entries re-tuned this way made deepseek-v3
+    EP8 T = 1 8% slower than the shipped Triton 3.6 entries (benchmarks/triton_notes.md,
+    session 49). Returns (pair, what was timed), or (tuned, None) with nothing to compare."""
+    pairs = {"tuned": tuple(tuned)}
+    if incumbent is not None and tuple(incumbent) != pairs["tuned"]:
+        pairs["incumbent"] = tuple(incumbent)
+    for i, pair in enumerate(ties, 1):
+        if tuple(pair) not in pairs.values():
+            pairs[f"tie {i}"] = tuple(pair)
+    if len(pairs) == 1:
+        return pairs["tuned"], None
+    us = _layers_in_turns({n: _layer_fn(p, w, c) for n, c in pairs.items()}, p.device, p.R)
+    kept = min(pairs, key=lambda n: (us[n], n != "tuned"))
+    info = {"kept": kept, "pairs": {n: [c.code() for c in pair] for n, pair in pairs.items()},
+            "us": {n: round(v, 2) for n, v in us.items()}}  # fmt: skip
+    return pairs[kept], info
 
 
 # ---------------------------------------------------------------------------------------------
