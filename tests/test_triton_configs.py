@@ -383,7 +383,8 @@ def test_tune_keeps_the_faster_of_the_tuned_pair_and_the_incumbent(tmp_path, mon
                            limit=1, force=True, ceilings=Ceilings(1e10, 1e11, "float32"))  # fmt: skip
     r = report.results[0]
     assert timed == [["incumbent", "tuned"]]
-    assert r.confirm["kept"] == faster and r.confirm["pairs"]["incumbent"] == [incumbent.code()] * 2
+    assert r.confirm["kept"] == faster
+    assert r.confirm["pairs"]["incumbent"] == [incumbent.code()] * 2
     tuned = [GemmConfig.from_code(c) for c in r.confirm["pairs"]["tuned"]]
     assert tuned != [incumbent, incumbent]
     stored = {g: tc.read_table(Path(p)).configs[3] for g, p in report.paths.items()}
@@ -437,7 +438,8 @@ def test_confirm_keeps_the_fastest_layer_of_tuned_ties_and_incumbent(monkeypatch
     g, d, d2, old = (GemmConfig(16, n) for n in (16, 32, 64, 128))
     us = {"tuned": 2.0, "tie 1": 2.0, "incumbent": 2.0}
     us[layer_prefers] = 1.0
-    monkeypatch.setattr(tune_mod, "_layers_in_turns", lambda fns, device, R: {n: us[n] for n in fns})
+    monkeypatch.setattr(tune_mod, "_layers_in_turns",
+                        lambda fns, device, R: {n: us[n] for n in fns})  # fmt: skip
     pairs = {"tuned": (g, d), "tie 1": (g, d2), "incumbent": (old, old)}
     kept, info = tune_mod._confirm(p, w, (g, d), [(g, d2), (g, d)], (old, old))
     assert kept == pairs[layer_prefers] and info["kept"] == layer_prefers

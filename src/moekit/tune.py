@@ -8,8 +8,9 @@ reduction over K) on the best gate_up output, check the chosen pair against the 
 reference, time the whole layer in turns with it, with the pairs of configs that tie with it
 alone (`near_ties`) and with the pair the runner ran before the tune (its incumbent: the
 existing entry, another Triton version's table, the nearest tuned shape's or the heuristic)
-and keep the fastest, time the layer's roofline floor, and save both tables. Results are written after each batch size, so an interrupted run
-resumes where it stopped (batch sizes already in the output files are skipped unless `force`).
+and keep the fastest, time the layer's roofline floor, and save both tables. Results are
+written after each batch size, so an interrupted run resumes where it stopped (batch sizes
+already in the output files are skipped unless `force`).
 
 The search is two rounds per GEMM: tile shapes (block_m/n/k, swap_ab, TMA or pointer loads) at
 a schedule typical of the regime (tiles sized by the weight format's bytes: `tile_bytes`), then
@@ -772,7 +773,8 @@ def near_ties(tried: dict) -> list[GemmConfig]:
     return [c for t, c in ok if t <= ok[0][0] * NEAR_TIE][:NEAR_TIE_MAX] if ok else []
 
 
-def _confirm(p: _Point, w: ExpertWeights, tuned, ties=(), incumbent=None) -> tuple[tuple, dict | None]:
+def _confirm(p: _Point, w: ExpertWeights, tuned, ties=(),
+             incumbent=None) -> tuple[tuple, dict | None]:  # fmt: skip
     """The fastest through the layer, timed in turns, of the tuned pair, the pairs of GEMM
     configs that tie with it alone (`near_ties`) and the incumbent (the pair the runner ran
     before). Each GEMM is tuned alone, and a pair of winners alone can lose to a pair chosen
