@@ -63,8 +63,8 @@ def resolvers(w, device_name: str, other: str) -> dict:
             stack.enter_context(mock.patch.object(tcfg, "transferred", lambda *a: None))
         return stack
 
-    def hide_own(key, num_tokens=None):  # this format's own tables on this device; the
-        # unquantized ones stay
+    # this format's own tables on this device are hidden; the unquantized ones stay
+    def hide_own(key, num_tokens=None):
         return None if is_own(key) and key.device == device_name else real_find(key, num_tokens)
 
     def only_other(key, num_tokens=None):

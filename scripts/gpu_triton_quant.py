@@ -182,7 +182,8 @@ def profile(out_dir: Path) -> None:
             rows_out.append(row)
             print("profile", {k: (round(v, 1) if isinstance(v, float) else v)
                               for k, v in row.items()}, flush=True)  # fmt: skip
-            wq = None  # release before the next format (rebound, not deleted: the lambdas above name it)
+            # release before the next format (rebound, not deleted: the lambdas above name it)
+            wq = None
         w_bf16 = None
         torch.cuda.empty_cache()
     (out_dir / "triton_quant_profile.json").write_text(json.dumps(rows_out, indent=1) + "\n")

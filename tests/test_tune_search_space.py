@@ -229,9 +229,9 @@ def test_points_are_timed_on_as_many_routings_as_the_bench_times():
     big = tune.TuneShape(8, 2, 4096, 7168)  # 176 MB an expert
     small = tune.TuneShape(128, 8, 256, 64)
     l2 = 50 << 20
-    assert tune.rotations(big, 4, l2_bytes=l2) == sweep.MIN_ROUTINGS > tune.MIN_ROUTINGS >= 4
-    assert tune.rotations(big, 1024, l2_bytes=l2) == tune.MIN_ROUTINGS
-    assert tune.rotations(small, 4096, l2_bytes=l2) == sweep.MAX_INPUT_SETS  # 13 MB a routing
+    assert tune.rotations(big, 4, None, l2) == sweep.MIN_ROUTINGS > tune.MIN_ROUTINGS >= 4
+    assert tune.rotations(big, 1024, None, l2) == tune.MIN_ROUTINGS
+    assert tune.rotations(small, 4096, None, l2) == sweep.MAX_INPUT_SETS  # 13 MB a routing
     for T in (1, 16, 256, 1024):  # T = 1 touches 2 experts, T >= 4 all 8
         n = sweep.routings_for(T, min(8, 2 * T) * 3 * 4096 * 7168 * 2, l2)
-        assert tune.rotations(big, T, l2_bytes=l2) == max(tune.MIN_ROUTINGS, n)
+        assert tune.rotations(big, T, None, l2) == max(tune.MIN_ROUTINGS, n)

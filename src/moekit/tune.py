@@ -382,8 +382,8 @@ def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) ->
     return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
 
 
-def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None = None,
-              l2_bytes: int = 50 << 20) -> int:  # fmt: skip
+def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None,
+              l2_bytes: int) -> int:  # fmt: skip
     """How many routings to time a point on a GPU with `l2_bytes` of L2: as many as the bench
     times it on (`sweep.routings_for`, for the weights a routing is expected to touch;
     `bytes_per_expert`: of quantized weights, default: the shape's dtype), at least
@@ -472,16 +472,15 @@ class _Point:
 
     def __init__(self, shape, w, T, device, seed: int, routing: str = "uniform"):
         from moekit.runners._align import align_block_size
+        from moekit.sweep import _l2_bytes
 
         self._align = align_block_size
         gen = torch.Generator(device=device).manual_seed(seed)
         dt = DTYPES[shape.dtype]
         self.shape, self.w, self.T, self.device = shape, w, T, torch.device(device)
         per_expert = _weight_bytes_per_expert(w) if w.is_quantized else None
-        self.R = 1
-        if self.device.type == "cuda":
-            l2 = torch.cuda.get_device_properties(self.device).L2_cache_size
-            self.R = rotations(shape, T, per_expert, l2)
+        l2 = _l2_bytes(self.device.type)  # 0 on the CPU: one routing
+        self.R = rotations(shape, T, per_expert, l2) if l2 else 1
         self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
         E, K, G = shape.num_experts, shape.top_k, shape.routed_experts
         if routing == "uniform":
@@ -768,8 +767,7 @@ def _layers_in_turns(fns: dict, device, R: int) -> dict[str, float]:
 def near_ties(tried: dict) -> list[GemmConfig]:
     """The configs of a search's `tried` ({code: us or error}) timed within NEAR_TIE of the
     fastest, fastest first, at most NEAR_TIE_MAX."""
-    ok = sorted(((t, GemmConfig.from_code(c)) for c, t in tried.items() if isinstance(t, float)),
-                key=lambda tc: tc[0])  # fmt: skip
+    ok = _ranked({GemmConfig.from_code(c): t for c, t in tried.items()})
     return [c for t, c in ok if t <= ok[0][0] * NEAR_TIE][:NEAR_TIE_MAX] if ok else []
 
 
