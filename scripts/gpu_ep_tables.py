@@ -31,13 +31,13 @@ OUT = Path(os.environ.get("OUT", "."))
 CFG = OUT / "cfg"
 os.environ["MOEKIT_CONFIG_DIR"] = str(CFG)  # before moekit reads it
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.report import metadata
 from moekit.runners.triton import configs as tcfg
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import _input_sets, build_layer, layer_over_sets
 from moekit.tune import BATCH_SIZES, shape_for, tune
 
 
@@ -70,7 +70,7 @@ def main() -> None:
         share = disp._share
         gen = torch.Generator().manual_seed(0)
         for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
 
             def run(s, sets=sets, disp=disp, module=module):
                 return layer_over_sets(module, sets, lambda: mock.patch.object(disp, "_share", s))

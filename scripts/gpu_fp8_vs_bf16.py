@@ -20,11 +20,11 @@ import sys
 
 import torch
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from probe_out import option, write_probe  # noqa: E402
@@ -49,7 +49,7 @@ def main() -> None:
         for T in batches:
             spec, bf16 = _layer(model, tp, ep, "unquantized", T)
             gen = torch.Generator().manual_seed(0)
-            sets, _, _ = _input_sets(spec, bf16, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, bf16, T, gen, l2_cache_bytes("cuda"))
             bf16.runners = RunnerCache(RunnerConfig("triton"))
             fns = {"bf16 triton": layer_over_sets(bf16, sets)}
             fp8_layers = {}

@@ -34,14 +34,14 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import config_edits, option, write_probe
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 import moekit.runners.triton_kernel as tk_pkg
 from moekit.runners.triton_kernel import _gluon_kernels, gluon_ops, routing
 from moekit.runners.triton_kernel.routing import route
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets, rel_err
+from moekit.sweep import _input_sets, build_layer, layer_over_sets, rel_err
 
 JOBS = "qwen3-30b-a3b 1 1;mixtral-8x7b 2 1;deepseek-v3 8 8;gpt-oss-120b 1 1"
 
@@ -108,7 +108,7 @@ def main() -> None:
         E_local = module.expert_weights.num_experts
         gen = torch.Generator().manual_seed(0)
         for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
 
             variants = {"triton": lambda m=module, c=caches["triton"]: _variant(m, c, "0")}
             variants |= {f"tk fold{f}": lambda m=module, c=caches["tk"], f=f: _variant(m, c, f)

@@ -20,12 +20,12 @@ import sys
 
 import torch
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.quant import act_quant
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option, write_probe  # noqa: E402
@@ -86,7 +86,7 @@ def layer_part(tiles) -> list:
         module.runners = RunnerCache(RunnerConfig(backend))
         gen = torch.Generator().manual_seed(spec.seed)
         for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
             layer = layer_over_sets(module, sets)
             fns = {str(t.max_elems): with_tile(layer, t) for t in tiles}
             for fn in fns.values():

@@ -22,12 +22,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option, write_probe
 
-from moekit.bench import measure_ceilings, time_ms_interleaved
+from moekit.bench import l2_cache_bytes, measure_ceilings, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.router import TopKOutput
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 JOBS = "qwen3-30b-a3b 1 1;mixtral-8x7b 2 1;deepseek-v3 8 8;gpt-oss-120b 1 1"
 
@@ -67,7 +67,7 @@ def main() -> None:
             balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
                          TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip
 
-            sets, cost, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, cost, _ = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
             fns = {"triton layer": layer_over_sets(module, sets),
                    "triton balanced": layer_over_sets(module, balanced), "bmm+act": bmm_moe,
                    "bmm": bmm_only}  # fmt: skip

@@ -26,13 +26,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache, run_experts
 from moekit.report import metadata
 from moekit.runners.triton import ops
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 JOBS = (
     ("qwen3-30b-a3b", 1, 1, "unquantized"),
@@ -65,7 +65,7 @@ def _kernels(fn) -> list[tuple[str, int, float]]:
 
 
 def _point(module, spec, T, gen):
-    sets, cost, _ = _input_sets(spec, module, T, gen, _l2_bytes(spec.device))
+    sets, cost, _ = _input_sets(spec, module, T, gen, l2_cache_bytes(spec.device))
     n = len(sets)
     dispatched = [module.dispatcher.dispatch(x, t) for x, t in sets]
 

@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option, write_probe
 
-from moekit.bench import capture_graph, time_ms_interleaved
+from moekit.bench import capture_graph, l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache, run_experts
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets
+from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 JOBS = ("qwen3-30b-a3b 1 1 unquantized triton;qwen3-30b-a3b 1 1 mxfp4 w4a16;"
         "deepseek-v3 8 8 unquantized triton;deepseek-v3 8 8 mxfp4 w4a16;"
@@ -106,7 +106,7 @@ def main() -> None:
         module.runners = RunnerCache(RunnerConfig(backend))
         gen = torch.Generator().manual_seed(spec.seed)
         for T in batches:
-            sets, cost, ids = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, cost, ids = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
             local = [sorted({int(e) for e in i.reshape(-1).tolist() if 0 <= e < spec.e_local})
                      for i in ids]
             layer = layer_over_sets(module, sets)

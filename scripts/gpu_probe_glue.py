@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.experts import ActivationSpec
 from moekit.runners import _cutlass_kernels as kern
 from moekit.runners._grouped import group_rows
@@ -117,7 +117,7 @@ def layer_ab(batches) -> dict:
     from moekit.config import RunnerConfig
     from moekit.layer import RunnerCache, run_experts
     from moekit.select_tune import sweep_spec
-    from moekit.sweep import _input_sets, _l2_bytes, build_layer
+    from moekit.sweep import _input_sets, build_layer
 
     spec = sweep_spec("deepseek-v3", tp_size=8, ep_size=8, quantization="fp8_w8a8",
                       batch_sizes=tuple(batches), backends=("deep_gemm",))  # fmt: skip
@@ -126,7 +126,7 @@ def layer_ab(batches) -> dict:
     gen = torch.Generator().manual_seed(spec.seed)
     out = {}
     for T in batches:
-        sets = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))[0]
+        sets = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))[0]
         with torch.no_grad():
             shares = [module.dispatcher.dispatch(x, topk) for x, topk in sets]
         forced = [dataclasses.replace(d, local_share=1.0) for d in shares]

@@ -26,13 +26,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option, write_probe
 
-from moekit.bench import time_ms_interleaved
+from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
 from moekit.router import TopKOutput
 from moekit.runners.triton import ops
 from moekit.select_tune import sweep_spec
-from moekit.sweep import _input_sets, _l2_bytes, build_layer, layer_over_sets, rel_err
+from moekit.sweep import _input_sets, build_layer, layer_over_sets, rel_err
 
 JOBS = ("qwen3-30b-a3b 1 1 unquantized;mixtral-8x7b 2 1 unquantized;"
         "deepseek-v3 8 8 unquantized;gpt-oss-120b 1 1 unquantized")  # fmt: skip
@@ -71,7 +71,7 @@ def main() -> None:
         K, E_all, H = spec.moe.top_k, spec.moe.num_experts, spec.moe.hidden_size
         gen = torch.Generator().manual_seed(0)
         for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
             ids = (torch.arange(T * K, device="cuda", dtype=torch.int32) % E_all).view(T, K)
             balanced = [(torch.randn(T, H, device="cuda", dtype=torch.bfloat16),
                          TopKOutput(torch.rand(T, K, device="cuda"), ids))]  # fmt: skip

@@ -49,7 +49,8 @@ def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0
     from moekit.config import RunnerConfig
     from moekit.layer import RunnerCache
     from moekit.select_tune import sweep_spec
-    from moekit.sweep import _input_sets, _l2_bytes, build_layer
+    from moekit.bench import l2_cache_bytes
+    from moekit.sweep import _input_sets, build_layer
 
     for model, tp, ep, fmt in jobs:
         spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), quantization=fmt,
@@ -58,7 +59,7 @@ def triton_layer_points(jobs: list[list[str]], batches: list[int], seed: int = 0
         module.runners = RunnerCache(RunnerConfig(backend))
         gen = torch.Generator().manual_seed(seed)
         for T in batches:
-            sets, _, _ = _input_sets(spec, module, T, gen, _l2_bytes("cuda"))
+            sets, _, _ = _input_sets(spec, module, T, gen, l2_cache_bytes("cuda"))
             yield f"{model} tp{tp} ep{ep} {fmt} T={T}", T, module, sets
         del module
         torch.cuda.empty_cache()

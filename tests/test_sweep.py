@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekit import report
+from moekit import bench, report
 from moekit.bench import Ceilings
 from moekit.config import ConfigError, MoEConfig, ParallelConfig, validate
 from moekit.hardware import Availability
@@ -378,9 +378,9 @@ def test_layer_over_sets_runs_every_set_inside_the_context_without_autograd():
 def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t(monkeypatch):
     """Timing a device: at least MIN_ROUTINGS distinct routings up to MULTI_ROUTING_MAX_T
     tokens, else as many as L2 asks; never more than MAX_INPUT_SETS; one set on the CPU."""
-    assert 1 < sweep.MIN_ROUTINGS <= sweep.MAX_INPUT_SETS
-    monkeypatch.setattr(sweep, "MIN_ROUTINGS", 3)
-    monkeypatch.setattr(sweep, "MAX_INPUT_SETS", 6)
+    assert 1 < bench.MIN_ROUTINGS <= bench.MAX_INPUT_SETS
+    monkeypatch.setattr(bench, "MIN_ROUTINGS", 3)
+    monkeypatch.setattr(bench, "MAX_INPUT_SETS", 6)
     module = MoE(tiny(), ParallelConfig())
     s = spec()
 
@@ -390,11 +390,12 @@ def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t(monkeypa
         return got
 
     one_set = sweep._input_sets(s, module, 1, torch.Generator().manual_seed(0), 0)[1].bytes
-    assert len(sets(1, 0)) == len(sets(sweep.MULTI_ROUTING_MAX_T, 0)) == 1  # CPU
+    assert len(sets(1, 0)) == len(sets(bench.MULTI_ROUTING_MAX_T, 0)) == 1  # CPU
+    assert bench.l2_cache_bytes("cpu") == bench.l2_cache_bytes(torch.device("cpu")) == 0
     small = sets(4, 1)  # L2 of 1 byte: the bytes alone would ask for one set
     assert len(small) == 3
     assert len({tuple(t.ids.flatten().tolist()) for _, t in small}) > 1  # distinct routings
-    assert len(sets(sweep.MULTI_ROUTING_MAX_T + 1, 1)) == 1
+    assert len(sets(bench.MULTI_ROUTING_MAX_T + 1, 1)) == 1
     assert len(sets(1, int(one_set) // 2)) == 3  # 2 sets asked, raised to 3
     assert len(sets(1, int(10 * one_set))) == 6  # 40 sets asked, capped
     empty = sweep._input_sets(s, module, 0, torch.Generator().manual_seed(0), 1)[0]

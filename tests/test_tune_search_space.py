@@ -221,17 +221,17 @@ def test_round_two_seeds_are_distinct_tile_shapes():
 
 
 def test_points_are_timed_on_as_many_routings_as_the_bench_times():
-    """A point is tuned on the routings the bench would time it on (`sweep.routings_for`: at
-    least sweep.MIN_ROUTINGS up to sweep.MULTI_ROUTING_MAX_T tokens, more while the timed
-    weights would sit in L2, at most sweep.MAX_INPUT_SETS), and on at least tune.MIN_ROUTINGS."""
-    from moekit import sweep, tune
+    """A point is tuned on the routings the bench would time it on (`bench.routings_for`: at
+    least bench.MIN_ROUTINGS up to bench.MULTI_ROUTING_MAX_T tokens, more while the timed
+    weights would sit in L2, at most bench.MAX_INPUT_SETS), and on at least tune.MIN_ROUTINGS."""
+    from moekit import bench, tune
 
     big = tune.TuneShape(8, 2, 4096, 7168)  # 176 MB an expert
     small = tune.TuneShape(128, 8, 256, 64)
     l2 = 50 << 20
-    assert tune.rotations(big, 4, None, l2) == sweep.MIN_ROUTINGS > tune.MIN_ROUTINGS >= 4
+    assert tune.rotations(big, 4, None, l2) == bench.MIN_ROUTINGS > tune.MIN_ROUTINGS >= 4
     assert tune.rotations(big, 1024, None, l2) == tune.MIN_ROUTINGS
-    assert tune.rotations(small, 4096, None, l2) == sweep.MAX_INPUT_SETS  # 13 MB a routing
+    assert tune.rotations(small, 4096, None, l2) == bench.MAX_INPUT_SETS  # 13 MB a routing
     for T in (1, 16, 256, 1024):  # T = 1 touches 2 experts, T >= 4 all 8
-        n = sweep.routings_for(T, min(8, 2 * T) * 3 * 4096 * 7168 * 2, l2)
+        n = bench.routings_for(T, min(8, 2 * T) * 3 * 4096 * 7168 * 2, l2)
         assert tune.rotations(big, T, None, l2) == max(tune.MIN_ROUTINGS, n)

@@ -7,12 +7,27 @@ touched + activations in and out; FLOPs = 2 * (routed pairs) * 3 * H * I.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
+
+
+# How many input sets (x, routing) one timed point rotates over (`routings_for`): enough that
+# the bytes one replay touches exceed L2_ROTATION_FACTOR L2 caches, at most MAX_INPUT_SETS.
+L2_ROTATION_FACTOR = 4
+MAX_INPUT_SETS = 16
+# On a GPU, points of at most MULTI_ROUTING_MAX_T tokens rotate over at least MIN_ROUTINGS input
+# sets (routings) whatever their bytes: there a routing gives an expert few pairs, and which
+# experts one draw touches and how full their blocks are moves the time a lot (deepseek-v3 EP8
+# on the H100, one routing at a time: 46-121 us at T = 4 in fp8; bf16 / fp8 at T = 16 1.83 on
+# one draw, 1.66 on another, and at T = 4 over 8 draws 1.75 on one set of them, 1.63 on another;
+# benchmarks/select_notes.md, session 50).
+MULTI_ROUTING_MAX_T = 256
+MIN_ROUTINGS = 16
 
 
 @dataclass(frozen=True)
@@ -138,6 +153,29 @@ def best_ms(fn: Callable[[], object], device: torch.device | str) -> float:
         return time_ms(fn, device, cuda_graph=False, samples=10)
     return min(time_ms(fn, device, cuda_graph=False, warmup=10, samples=10, min_sample_ms=2.0)
                for _ in range(3))  # fmt: skip
+
+
+def routings_for(T: int, set_bytes: float, l2_bytes: int) -> int:
+    """How many input sets (routings) to time a point of T tokens on, each touching about
+    `set_bytes`: enough that one replay's bytes exceed L2_ROTATION_FACTOR L2 caches, at least
+    MIN_ROUTINGS for 0 < T <= MULTI_ROUTING_MAX_T, at most MAX_INPUT_SETS; one where
+    `l2_bytes` is 0 (CPU: nothing to rotate past). `moekit bench` and `moekit tune` both
+    count so."""
+    if not l2_bytes:
+        return 1
+    n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes) if set_bytes > 0 else 1
+    if 0 < T <= MULTI_ROUTING_MAX_T:
+        n = max(n, MIN_ROUTINGS)
+    return min(MAX_INPUT_SETS, n)
+
+
+def l2_cache_bytes(device: torch.device | str) -> int:
+    """The L2 cache size of the current CUDA device; 0 for any other device (nothing to rotate
+    past)."""
+    if torch.device(device).type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 << 20))
 
 
 def measure_ceilings(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Ceilings:

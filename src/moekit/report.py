@@ -21,15 +21,8 @@ import torch
 
 from moekit import envs, hardware
 from moekit.presets import model_label
-from moekit.sweep import (
-    L2_ROTATION_FACTOR,
-    MAX_INPUT_SETS,
-    MIN_ROUTINGS,
-    MULTI_ROUTING_MAX_T,
-    TIMED,
-    SweepResult,
-    winners,
-)
+from moekit.bench import L2_ROTATION_FACTOR, MAX_INPUT_SETS, MIN_ROUTINGS, MULTI_ROUTING_MAX_T
+from moekit.sweep import TIMED, SweepResult, winners
 
 SCHEMA = 1
 BENCHMARKS_MD = "BENCHMARKS.md"

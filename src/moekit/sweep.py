@@ -25,7 +25,15 @@ from typing import Callable
 import torch
 
 from moekit import hardware
-from moekit.bench import Ceilings, Cost, ceilings_for_format, moe_cost, time_ms_interleaved
+from moekit.bench import (
+    Ceilings,
+    Cost,
+    ceilings_for_format,
+    l2_cache_bytes,
+    moe_cost,
+    routings_for,
+    time_ms_interleaved,
+)
 from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.experts import ExpertWeights
 from moekit.layer import MoE, RunnerCache
@@ -44,17 +52,6 @@ CPU_SHAPE = dict(hidden_size=256, intermediate_size=128, max_experts=16)
 # CPU timing is wall clock with few samples, in one round; CUDA uses time_ms_interleaved's
 # defaults.
 CPU_TIMING = dict(warmup=2, samples=7, rounds=1)
-# Rotate over enough input sets that the bytes one replay touches exceed this many L2 caches.
-L2_ROTATION_FACTOR = 4
-MAX_INPUT_SETS = 16
-# On a GPU, points of at most MULTI_ROUTING_MAX_T tokens rotate over at least MIN_ROUTINGS input
-# sets (routings) whatever their bytes: there a routing gives an expert few pairs, and which
-# experts one draw touches and how full their blocks are moves the time a lot (deepseek-v3 EP8
-# on the H100, one routing at a time: 46-121 us at T = 4 in fp8; bf16 / fp8 at T = 16 1.83 on
-# one draw, 1.66 on another, and at T = 4 over 8 draws 1.75 on one set of them, 1.63 on another;
-# benchmarks/select_notes.md, session 50).
-MULTI_ROUTING_MAX_T = 256
-MIN_ROUTINGS = 16
 # rel error vs the torch runner above which a point is flagged as suspicious, per dtype.
 SUSPICIOUS_REL_ERR = {"float32": 1e-2, "float16": 5e-2, "bfloat16": 5e-2}
 
@@ -302,19 +299,6 @@ def build_layer(spec: SweepSpec) -> MoE:
     return module
 
 
-def routings_for(T: int, set_bytes: float, l2_bytes: int) -> int:
-    """How many input sets (routings) to time a point of T tokens on, each touching about
-    `set_bytes`: enough that one replay's bytes exceed L2_ROTATION_FACTOR L2 caches, at least
-    MIN_ROUTINGS for 0 < T <= MULTI_ROUTING_MAX_T, at most MAX_INPUT_SETS; one where
-    `l2_bytes` is 0 (CPU: nothing to rotate past). The bench and `moekit tune` both count so."""
-    if not l2_bytes:
-        return 1
-    n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes) if set_bytes > 0 else 1
-    if 0 < T <= MULTI_ROUTING_MAX_T:
-        n = max(n, MIN_ROUTINGS)
-    return min(MAX_INPUT_SETS, n)
-
-
 def _input_sets(spec, module, T, gen, l2_bytes):
     """[(x_TH, topk), ...], their mean cost and local ids: as many sets as `routings_for` says
     (one where l2_bytes is 0: CPU)."""
@@ -374,13 +358,6 @@ def _load_stats(ids: list[torch.Tensor], e_local: int) -> tuple[int, int, int]:
     return int(flat.numel()), int((counts > 0).sum()), int(counts.max())
 
 
-def _l2_bytes(device: str) -> int:
-    if device != "cuda":
-        return 0
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 50 << 20))
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -428,7 +405,7 @@ def run_sweep(
     on_cuda = spec.device == "cuda"
     timing = {} if on_cuda else CPU_TIMING
     calls_per_point = 1 + timing.get("warmup", 5) + timing.get("samples", 25)
-    l2 = _l2_bytes(spec.device)
+    l2 = l2_cache_bytes(spec.device)
     reference = RunnerCache(RunnerConfig("torch"))
     auto = RunnerCache(RunnerConfig("auto"))
     records: list[Record] = []

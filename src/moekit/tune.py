@@ -41,7 +41,7 @@ from moekit.runners.triton.configs import GemmConfig, TableKey
 
 BATCH_SIZES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 SMEM_LIMIT = 220 * 1024  # bytes; configs estimated above it are not tried (H100: 227 KB)
-# A point is timed over as many routings as `moekit bench` times it on (`sweep.routings_for`),
+# A point is timed over as many routings as `moekit bench` times it on (`bench.routings_for`),
 # and over at least this many: an expert's rows differ from draw to draw, and a config that wins
 # by 2% on one routing can lose on others (mixtral TP2 T = 256: benchmarks/triton_notes.md,
 # session 32; deepseek-v3 EP8 T = 4, session 51)
@@ -385,10 +385,10 @@ def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) ->
 def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None,
               l2_bytes: int) -> int:  # fmt: skip
     """How many routings to time a point on a GPU with `l2_bytes` of L2: as many as the bench
-    times it on (`sweep.routings_for`, for the weights a routing is expected to touch;
+    times it on (`bench.routings_for`, for the weights a routing is expected to touch;
     `bytes_per_expert`: of quantized weights, default: the shape's dtype), at least
     MIN_ROUTINGS."""
-    from moekit.sweep import routings_for
+    from moekit.bench import routings_for
 
     elem = DTYPES[shape.dtype].itemsize
     touched = max(1, min(shape.num_experts, round(T * shape.top_k * shape.local_share)))
@@ -472,14 +472,14 @@ class _Point:
 
     def __init__(self, shape, w, T, device, seed: int, routing: str = "uniform"):
         from moekit.runners._align import align_block_size
-        from moekit.sweep import _l2_bytes
+        from moekit.bench import l2_cache_bytes
 
         self._align = align_block_size
         gen = torch.Generator(device=device).manual_seed(seed)
         dt = DTYPES[shape.dtype]
         self.shape, self.w, self.T, self.device = shape, w, T, torch.device(device)
         per_expert = _weight_bytes_per_expert(w) if w.is_quantized else None
-        l2 = _l2_bytes(self.device.type)  # 0 on the CPU: one routing
+        l2 = l2_cache_bytes(self.device)  # 0 on the CPU: one routing
         self.R = rotations(shape, T, per_expert, l2) if l2 else 1
         self.x = torch.randn(T, shape.hidden, device=device, dtype=dt, generator=gen)
         E, K, G = shape.num_experts, shape.top_k, shape.routed_experts
