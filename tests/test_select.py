@@ -447,6 +447,58 @@ def test_table_validation_and_crossovers():
         table({1: {"triton": 0.0}})
 
 
+def skewed(points: dict[int, tuple[dict[str, float], dict[str, float]]], **kw) -> SelectionTable:
+    """A table whose points carry (uniform ms, skewed ms)."""
+    t = table({T: u for T, (u, _) in points.items()}, **kw)
+    return replace(t, points=tuple(replace(p, skewed_ms=points[p.num_tokens][1])
+                                   for p in t.points))  # fmt: skip
+
+
+def test_skewed_times_decide_only_among_near_ties():
+    """Within SKEW_SLACK of the fastest on uniform routing, the backend whose worse loss over
+    the two routings is least goes first; a backend slower than that on uniform routing never
+    does, however fast it is on skewed routing; one without a skewed time ranks after those
+    with one; without skewed times the order is the uniform one."""
+    assert 1.0 < select_table.SKEW_SLACK <= 1.05  # issue 5: auto within 5% of the fastest
+    tie = 1 + (select_table.SKEW_SLACK - 1) / 2
+    p = Point(1024, {"triton": 1.0, "triton_kernel": tie, "deep_gemm": 1.2},
+              {"triton": 1.3, "triton_kernel": 1.1, "deep_gemm": 0.5})
+    assert p.ranking == ("triton_kernel", "triton", "deep_gemm")
+    assert p.ranked(["triton", "deep_gemm"]) == ("triton", "deep_gemm")
+    assert p.ranked(["deep_gemm", "cutlass"]) == ("deep_gemm",)
+    assert p.ranked([]) == ()
+    # a near tie that is also slower on skewed routing stays behind
+    q = replace(p, skewed_ms={"triton": 1.0, "triton_kernel": 1.1})
+    assert q.ranking == ("triton", "triton_kernel", "deep_gemm")
+    # no skewed time: ranks after the near backends that have one
+    r = replace(p, skewed_ms={"triton_kernel": 1.1, "deep_gemm": 0.5})
+    assert r.ranking == ("triton_kernel", "triton", "deep_gemm")
+    assert replace(p, skewed_ms={}).ranking == ("triton", "triton_kernel", "deep_gemm")
+    far = replace(p, ms={"triton": 1.0, "triton_kernel": select_table.SKEW_SLACK * 1.01})
+    assert far.ranking == ("triton", "triton_kernel")
+    assert "behind triton (1 ms) on uniform routing" in p.skew_note("triton_kernel", p.ms)
+    assert "18.2% ahead of it on skewed routing" in p.skew_note("triton_kernel", p.ms)
+    assert p.skew_note("triton", p.ms) == ""
+    assert "triton has no skewed-routing time" in r.skew_note("triton_kernel", r.ms)
+    t = skewed({1024: (p.ms, p.skewed_ms)})
+    assert t.crossovers() == [(1024, "triton_kernel")]
+    with pytest.raises(ValueError, match="non-positive"):
+        skewed({1: ({"triton": 1.0}, {"triton": -1.0})})
+
+
+def test_auto_explains_a_pick_made_by_skewed_times(fakes):
+    near = 1 + (select_table.SKEW_SLACK - 1) / 2
+    t = skewed({1024: ({"triton": 1.0, "cutlass": near, "deep_gemm": 0.5},
+                       {"triton": 2.0, "cutlass": 1.0, "deep_gemm": 0.4})})
+    d = select_runner(shaped(1024), RunnerConfig("auto"), H100_NO_DG, tables=[t])
+    assert d.backend == "cutlass", d.reason
+    assert "ranked first of the usable" in d.reason
+    assert "behind triton (1 ms) on uniform routing, 100.0% ahead of it" in d.reason
+    assert "deep_gemm 0.5 ms is not usable" in d.reason
+    d = select_runner(shaped(1024), RunnerConfig("auto"), H100, tables=[t])
+    assert d.backend == "deep_gemm" and "the fastest usable" in d.reason, d.reason
+
+
 def test_table_files_roundtrip_and_bad_files(tmp_path):
     t = table(SWEEP)
     path = select_table.save(t, tmp_path)
@@ -457,6 +509,11 @@ def test_table_files_roundtrip_and_bad_files(tmp_path):
     assert len(loaded) == 1
     got = loaded[0]
     assert got.key == t.key and got.points == t.points and got.libraries == t.libraries
+    sk = skewed({16: ({"triton": 1.0, "cutlass": 1.01}, {"triton": 2.0, "cutlass": 1.0})},
+                work=shaped(16))
+    back = SelectionTable.from_json(json.loads(json.dumps(sk.to_json())))
+    assert back.points == sk.points and back.points[0].skewed_ms == {"triton": 2.0, "cutlass": 1.0}
+    assert "skewed_ms" not in t.to_json()["points"][0]
     assert json.loads(path.read_text())["crossovers"][0] == {"from_num_tokens": 1,
                                                               "backend": "triton"}
     assert select_table.load_dir(tmp_path / "missing") == []
@@ -664,6 +721,30 @@ def test_tune_cli_select_flag(tmp_path, monkeypatch, capsys):
     assert code == 0, out
     assert "wrote " in out and "fastest: T>=2: " in out
     assert len(list((tmp_path / "x").glob("*.json"))) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="on a GPU this times full-size shapes: scripts/gpu_backends.sh does")
+def test_tune_cli_select_skewed(tmp_path, monkeypatch, capsys):
+    """--skewed: a second sweep on Zipf routing; its times sit beside the uniform ones."""
+    from moekit.cli.main import main
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    try:
+        code = main(["tune", "--select", "--skewed", "--zipf-s", "1.5", "--model", "mixtral-8x7b",
+                     "--dtype", "float32", "--batch-sizes", "2,8", "--out-dir", str(tmp_path)])
+    finally:
+        select_table.reload()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "uniform routing: " in out and "zipf s=1.5 routing: " in out
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["meta"]["skewed_routing"] == "zipf s=1.5"
+    assert doc["meta"]["command"] == "moekit tune --select --skewed"
+    for p in doc["points"]:
+        assert set(p["skewed_ms"]) == set(p["ms"]) and all(v > 0 for v in p["skewed_ms"].values())
+    assert main(["tune", "--skewed", "--model", "mixtral-8x7b"]) == 2
+    assert "--skewed: only with --select" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- shipped tables

@@ -246,23 +246,27 @@ def _auto(work, config, platform, tables) -> Decision:
     match = select_table.lookup(tables, work, platform, usable)
     if match.table is not None:
         point = match.point
-        for backend in point.ranking:
-            if backend in usable:
-                ms = point.ms[backend]
-                best = point.ranking[0]
-                if match.transferred:
-                    reason = (f"auto: no selection table of this shape; {match.note}; from "
-                              f"{match.table.source}: there {backend} is the fastest usable "
-                              f"({ms:.4g} ms")  # fmt: skip
-                else:
-                    reason = (
-                        f"auto: selection table {match.table.source} ({match.note}): at the "
-                        f"nearest measured T={point.num_tokens}, {backend} is the fastest usable "
-                        f"({ms:.4g} ms"
-                    )
-                if best != backend:
-                    reason += f"; {best} {point.ms[best]:.4g} ms is not usable: {problems[best]}"
-                return Decision(backend, reason + ")")
+        ranked = point.ranked(usable)
+        if ranked:
+            backend = ranked[0]
+            ms = point.ms[backend]
+            skew = point.skew_note(backend, usable)
+            what = "ranked first of the usable" if skew else "the fastest usable"
+            if match.transferred:
+                reason = (f"auto: no selection table of this shape; {match.note}; from "
+                          f"{match.table.source}: there {backend} is {what} ({ms:.4g} ms")
+            else:
+                reason = (
+                    f"auto: selection table {match.table.source} ({match.note}): at the "
+                    f"nearest measured T={point.num_tokens}, {backend} is {what} ({ms:.4g} ms"
+                )
+            if skew:
+                reason += f"; {skew}"
+            unusable = [b for b in point.ranking if b not in usable]
+            if unusable and point.ms[unusable[0]] < ms:
+                best = unusable[0]
+                reason += f"; {best} {point.ms[best]:.4g} ms is not usable: {problems[best]}"
+            return Decision(backend, reason + ")")
         unmeasured = f"none of the measured {', '.join(point.ranking)} is usable here"
     else:
         unmeasured = match.note

@@ -9,8 +9,16 @@ One JSON file per key, written by `moekit tune --select` (moekit.select_tune):
              "activation": "silu", "has_bias": false,
              "num_experts": 128, "hidden_size": 2048, "intermediate_size": 768, "top_k": 8},
      "libraries": {"torch": "2.11.0+cu130", "triton": "3.6.0", "sgl-deep-gemm": "0.2.2", ...},
-     "points": [{"num_tokens": 1, "ms": {"triton": 0.031, "cutlass": 0.048, ...}}, ...],
-     "meta": {"preset": "qwen3-30b-a3b", "commit": "...", "created": "..."}}
+     "points": [{"num_tokens": 1, "ms": {"triton": 0.031, "cutlass": 0.048, ...},
+                 "skewed_ms": {"triton": 0.034, ...}}, ...],
+     "meta": {"preset": "qwen3-30b-a3b", "commit": "...", "created": "...",
+              "skewed_routing": "zipf s=1.2"}}
+
+`ms` is measured on uniform routing. `skewed_ms` (optional, `moekit tune --select --skewed`) is
+the same backends' time on a skewed routing: real routers are skewed, and where two backends
+tie on uniform routing one of them can lose much more under skew. So among the backends within
+SKEW_SLACK of the fastest uniform time, `auto` ranks first the one whose worse loss to the
+fastest, over the two routings, is least (`Point.ranking`).
 
 Shape fields are per rank (E_local, I_local; K = routing columns incl. fused shared experts).
 Lookup: the key must match exactly (device name compared case-insensitively); among matching
@@ -56,6 +64,9 @@ if TYPE_CHECKING:
 SCHEMA = "moekit-select-table/1"
 # Library versions that change which backend is fastest; recorded with every table.
 LIBRARIES = ("torch", "triton", "sgl-deep-gemm", "flashinfer-python")
+# With skewed times, a backend up to this factor slower than the fastest on uniform routing may
+# rank first (below issue 5's 5%, leaving room for the run-to-run spread).
+SKEW_SLACK = 1.03
 
 
 @dataclass(frozen=True)
@@ -91,15 +102,52 @@ class TableKey:
 
 @dataclass(frozen=True)
 class Point:
-    """One measured batch size: median ms per backend (backends that failed are absent)."""
+    """One measured batch size: median ms per backend on uniform routing, and optionally on a
+    skewed routing (`skewed_ms`); backends that failed are absent."""
 
     num_tokens: int
     ms: dict[str, float]
+    skewed_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def ranking(self) -> tuple[str, ...]:
-        """Backends fastest first."""
-        return tuple(sorted(self.ms, key=lambda b: (self.ms[b], b)))
+        """Every measured backend, best first (`ranked`)."""
+        return self.ranked(self.ms)
+
+    def ranked(self, among: Collection[str]) -> tuple[str, ...]:
+        """The measured backends of `among`, best first: the fastest on uniform routing first;
+        with skewed times, those within SKEW_SLACK of it come first, the one whose worse loss
+        to the fastest of `among` over the two routings is least first (a backend without a
+        skewed time loses infinitely there)."""
+        order = sorted((b for b in among if b in self.ms), key=lambda b: (self.ms[b], b))
+        if not self.skewed_ms or not order:
+            return tuple(order)
+        fast = self.ms[order[0]]
+        skewed = [self.skewed_ms[b] for b in order if b in self.skewed_ms]
+        fast_skewed = min(skewed) if skewed else math.inf
+
+        def worse_loss(b: str) -> float:
+            t = self.skewed_ms.get(b)
+            return max(self.ms[b] / fast, math.inf if t is None else t / fast_skewed)
+
+        near = [b for b in order if self.ms[b] <= SKEW_SLACK * fast]
+        near.sort(key=lambda b: (worse_loss(b), self.ms[b], b))
+        return tuple(near + [b for b in order if b not in near])
+
+    def skew_note(self, backend: str, among: Collection[str]) -> str:
+        """Why `backend` ranks above the fastest of `among` on uniform routing ('' where
+        `backend` is that one)."""
+        faster = [b for b in among if b in self.ms and self.ms[b] < self.ms[backend]]
+        if not faster:
+            return ""
+        best = min(faster, key=lambda b: (self.ms[b], b))
+        note = (f"{(self.ms[backend] / self.ms[best] - 1) * 100:.1f}% behind {best} "
+                f"({self.ms[best]:.4g} ms) on uniform routing")  # fmt: skip
+        if best not in self.skewed_ms:
+            return f"{note}; {best} has no skewed-routing time"
+        return (f"{note}, {(self.skewed_ms[best] / self.skewed_ms[backend] - 1) * 100:.1f}% "
+                f"ahead of it on skewed routing ({self.skewed_ms[backend]:.4g} against "
+                f"{self.skewed_ms[best]:.4g} ms)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -123,7 +171,8 @@ class SelectionTable:
                     f"selection table {self.source}: a point needs num_tokens >= 0 and at least "
                     f"one backend, got {p}"
                 )
-            bad = {b: v for b, v in p.ms.items() if not (isinstance(v, (int, float)) and v > 0)}
+            times = list(p.ms.items()) + list(p.skewed_ms.items())
+            bad = {b: v for b, v in times if not (isinstance(v, (int, float)) and v > 0)}
             if bad:
                 raise ValueError(f"selection table {self.source}: non-positive times {bad}")
         object.__setattr__(self, "points", pts)
@@ -137,8 +186,8 @@ class SelectionTable:
         return min(self.points, key=distance)
 
     def crossovers(self) -> list[tuple[int, str]]:
-        """[(T, winner)] at each measured T where the fastest backend changes (the first point
-        included)."""
+        """[(T, first)] at each measured T where the first-ranked backend changes (the first
+        point included)."""
         out: list[tuple[int, str]] = []
         for p in self.points:
             w = p.ranking[0]
@@ -151,7 +200,9 @@ class SelectionTable:
             "schema": SCHEMA,
             "key": asdict(self.key),
             "libraries": dict(self.libraries),
-            "points": [{"num_tokens": p.num_tokens, "ms": dict(p.ms)} for p in self.points],
+            "points": [{"num_tokens": p.num_tokens, "ms": dict(p.ms),
+                        **({"skewed_ms": dict(p.skewed_ms)} if p.skewed_ms else {})}
+                       for p in self.points],  # fmt: skip
             "crossovers": [{"from_num_tokens": t, "backend": b} for t, b in self.crossovers()],
             "meta": dict(self.meta),
         }
@@ -163,9 +214,10 @@ class SelectionTable:
         try:
             key = TableKey(**doc["key"])
             points = tuple(
-                Point(int(p["num_tokens"]), {str(b): float(v) for b, v in p["ms"].items()})
+                Point(int(p["num_tokens"]), {str(b): float(v) for b, v in p["ms"].items()},
+                      {str(b): float(v) for b, v in p.get("skewed_ms", {}).items()})
                 for p in doc["points"]
-            )
+            )  # fmt: skip
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{source}: malformed selection table: {err}") from err
         return cls(key, dict(doc.get("libraries", {})), points, source, dict(doc.get("meta", {})))

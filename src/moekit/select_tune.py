@@ -1,5 +1,7 @@
 """`moekit tune --select`: time every runner backend over the batch-size sweep on this device and
-write the selection table that `auto` ranks backends by (`moekit.select_table`).
+write the selection table that `auto` ranks backends by (`moekit.select_table`). With
+`--skewed`, the sweep runs a second time on Zipf-skewed routing, whose times go into the table
+beside the uniform ones (`Point.skewed_ms`).
 
 The measurement is the bench sweep (`moekit.sweep.run_sweep`: `MoE.forward_topk` with CUDA-graph
 replay where the runner is graph safe, inputs rotated past L2, each backend's output checked
@@ -35,12 +37,14 @@ from moekit.sweep import (
 @dataclass
 class SelectTuneReport:
     """table: what was written (None when nothing could be measured); path: its file;
-    excluded: backend -> why it is missing from some or all points."""
+    excluded: backend -> why it is missing from some or all points; result: the uniform sweep,
+    skewed_result: the skewed one (None without it)."""
 
     table: SelectionTable | None
     path: Path | None
     excluded: dict[str, str]
     result: SweepResult
+    skewed_result: SweepResult | None = None
 
 
 def sweep_spec(
@@ -113,14 +117,27 @@ def tune_select(
     platform: hardware.Platform | None = None,
     on_start: Callable[[list[str], dict[str, str]], None] | None = None,
     on_point: Callable[[str, int, Record | None], None] | None = None,
+    skewed_zipf_s: float | None = None,
 ) -> SelectTuneReport:
-    """Run the sweep of `spec` and write its selection table into `out_dir` (default: the user
-    config dir, $MOEKIT_CONFIG_DIR/select)."""
+    """Run the sweep of `spec` (on uniform routing) and write its selection table into `out_dir`
+    (default: the user config dir, $MOEKIT_CONFIG_DIR/select). `skewed_zipf_s`: also run it on
+    Zipf routing of that exponent and record those times as the points' `skewed_ms`."""
     platform = platform or hardware.detect()
-    spec = replace(spec, backends=tuple(b for b in spec.backends if b != "auto"))
+    spec = replace(spec, backends=tuple(b for b in spec.backends if b != "auto"),
+                   routing="uniform")  # fmt: skip
     result = run_sweep(spec, platform=platform, on_start=on_start, on_point=on_point)
     points, excluded = points_from_records(result.records)
     excluded.update(result.skipped)
+    skewed = None
+    if skewed_zipf_s is not None and points:
+        skewed = run_sweep(replace(spec, routing="zipf", zipf_s=skewed_zipf_s),
+                           platform=platform, ceilings=result.ceilings, on_start=on_start,
+                           on_point=on_point)  # fmt: skip
+        skewed_points, skewed_excluded = points_from_records(skewed.records)
+        for b, why in {**skewed_excluded, **skewed.skipped}.items():
+            excluded.setdefault(b, f"on skewed routing: {why}")
+        by_t = {p.num_tokens: p.ms for p in skewed_points}
+        points = [replace(p, skewed_ms=by_t.get(p.num_tokens, {})) for p in points]
     if not points:
         return SelectTuneReport(None, None, excluded, result)
     from moekit.report import git_commit
@@ -137,20 +154,22 @@ def tune_select(
             "local_share": 1.0 / spec.parallel.ep_size,
             "capability": list(platform.capability) if platform.capability else None,
             "routing": spec.routing,
+            **({"skewed_routing": f"zipf s={skewed_zipf_s:g}"} if skewed else {}),
             "scaled_down": spec.scaled_down,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit,
             "dirty": dirty,
             "excluded": excluded,
-            "command": "moekit tune --select",
+            "command": "moekit tune --select" + (" --skewed" if skewed else ""),
         },
     )
-    return SelectTuneReport(table, select_table.save(table, out_dir), excluded, result)
+    return SelectTuneReport(table, select_table.save(table, out_dir), excluded, result, skewed)
 
 
 def run_cli(args, sizes: tuple[int, ...]) -> int:
     """`moekit tune --select` (called by moekit.cli.tune): args model, tp_size, ep_size, dtype,
-    out_dir, no_progress, and optionally quantization, routing; sizes: the batch sizes."""
+    out_dir, no_progress, skewed, zipf_s, and optionally quantization; sizes: the batch
+    sizes."""
     spec = sweep_spec(
         args.model,
         tp_size=args.tp_size,
@@ -158,15 +177,22 @@ def run_cli(args, sizes: tuple[int, ...]) -> int:
         dtype=args.dtype,
         quantization=getattr(args, "quantization", "unquantized"),
         batch_sizes=sizes,
-        routing=getattr(args, "routing", "uniform"),
     )
+
+    skewed_zipf_s = args.zipf_s if args.skewed else None
+    phases = iter(["uniform routing", f"zipf s={args.zipf_s:g} routing"])
+
+    def on_start(backends: list[str], skipped: dict[str, str]) -> None:
+        if not args.no_progress:
+            print(f"{next(phases, '')}: {', '.join(backends)}", flush=True)
 
     def on_point(backend: str, T: int, rec: Record | None) -> None:
         if rec is not None and not args.no_progress:
             what = f"{rec.ms:.4f} ms" if rec.ms is not None else f"- ({rec.error})"
             print(f"  T={T:>6} {backend:<20} {what}", flush=True)
 
-    report = tune_select(spec, out_dir=args.out_dir, on_point=on_point)
+    report = tune_select(spec, out_dir=args.out_dir, on_start=on_start, on_point=on_point,
+                         skewed_zipf_s=skewed_zipf_s)  # fmt: skip
     for backend, why in sorted(report.excluded.items()):
         print(f"not in the table: {backend}: {why}")
     if report.table is None:

@@ -14,6 +14,7 @@ from moekit.presets import PRESETS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from moekit.select_table import SKEW_SLACK
     from moekit.tune import BATCH_SIZES
 
     p = subparsers.add_parser(
@@ -43,6 +44,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--select", action="store_true", help="instead: time every runner backend "
                    "and write the selection table `auto` uses (moekit.select_tune; --out-dir "
                    "default $MOEKIT_CONFIG_DIR/select)")
+    p.add_argument("--skewed", action="store_true", help="with --select: also time every "
+                   f"backend on Zipf-skewed routing; among the backends within "
+                   f"{(SKEW_SLACK - 1) * 100:.0f}%% of the fastest on uniform routing, auto then "
+                   "prefers the one that loses least on either")
+    p.add_argument("--zipf-s", type=float, default=1.2,
+                   help="Zipf exponent of --skewed (default: %(default)s)")
     p.add_argument("--quantization", default="unquantized",
                    help="weight format of the experts (default parameters of the format)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -53,6 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     from moekit.cli.bench import parse_batch_sizes
 
+    if args.skewed and not args.select:
+        raise ConfigError("--skewed: only with --select (it times the backends for auto)")
     if args.select:
         from moekit.select_tune import run_cli
 
