@@ -392,6 +392,11 @@ def test_input_sets_rotate_past_l2_and_over_several_routings_at_small_t(monkeypa
     one_set = sweep._input_sets(s, module, 1, torch.Generator().manual_seed(0), 0)[1].bytes
     assert len(sets(1, 0)) == len(sets(bench.MULTI_ROUTING_MAX_T, 0)) == 1  # CPU
     assert bench.l2_cache_bytes("cpu") == bench.l2_cache_bytes(torch.device("cpu")) == 0
+    big, l2 = 1e12, 50 << 20  # one set's bytes far above L2
+    assert bench.routings_for(4096, big, l2) == 1
+    assert bench.routings_for(4096, big, l2, skewed=True) == bench.MIN_SKEWED_ROUTINGS > 1
+    assert bench.routings_for(0, big, l2, skewed=True) == 1
+    assert bench.routings_for(4096, big, 0, skewed=True) == 1  # CPU
     small = sets(4, 1)  # L2 of 1 byte: the bytes alone would ask for one set
     assert len(small) == 3
     assert len({tuple(t.ids.flatten().tolist()) for _, t in small}) > 1  # distinct routings

@@ -28,6 +28,11 @@ MAX_INPUT_SETS = 16
 # benchmarks/select_notes.md, session 50).
 MULTI_ROUTING_MAX_T = 256
 MIN_ROUTINGS = 16
+# A skewed (Zipf) routing rotates over at least MIN_SKEWED_ROUTINGS draws at every T: which
+# experts a draw makes hot, and on an EP rank whether they are local, moves the time at large T
+# too (deepseek-v3 EP8 T = 1024 on the H100, one draw each: `triton` 1.245 and 1.009 ms;
+# benchmarks/select_notes.md, session 52).
+MIN_SKEWED_ROUTINGS = 4
 
 
 @dataclass(frozen=True)
@@ -155,17 +160,19 @@ def best_ms(fn: Callable[[], object], device: torch.device | str) -> float:
                for _ in range(3))  # fmt: skip
 
 
-def routings_for(T: int, set_bytes: float, l2_bytes: int) -> int:
+def routings_for(T: int, set_bytes: float, l2_bytes: int, skewed: bool = False) -> int:
     """How many input sets (routings) to time a point of T tokens on, each touching about
     `set_bytes`: enough that one replay's bytes exceed L2_ROTATION_FACTOR L2 caches, at least
-    MIN_ROUTINGS for 0 < T <= MULTI_ROUTING_MAX_T, at most MAX_INPUT_SETS; one where
-    `l2_bytes` is 0 (CPU: nothing to rotate past). `moekit bench` and `moekit tune` both
-    count so."""
+    MIN_ROUTINGS for 0 < T <= MULTI_ROUTING_MAX_T, at least MIN_SKEWED_ROUTINGS for a `skewed`
+    routing with T > 0, at most MAX_INPUT_SETS; one where `l2_bytes` is 0 (CPU: nothing to
+    rotate past). `moekit bench` and `moekit tune` both count so."""
     if not l2_bytes:
         return 1
     n = math.ceil(L2_ROTATION_FACTOR * l2_bytes / set_bytes) if set_bytes > 0 else 1
     if 0 < T <= MULTI_ROUTING_MAX_T:
         n = max(n, MIN_ROUTINGS)
+    if skewed and T > 0:
+        n = max(n, MIN_SKEWED_ROUTINGS)
     return min(MAX_INPUT_SETS, n)
 
 

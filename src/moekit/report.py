@@ -21,7 +21,13 @@ import torch
 
 from moekit import envs, hardware
 from moekit.presets import model_label
-from moekit.bench import L2_ROTATION_FACTOR, MAX_INPUT_SETS, MIN_ROUTINGS, MULTI_ROUTING_MAX_T
+from moekit.bench import (
+    L2_ROTATION_FACTOR,
+    MAX_INPUT_SETS,
+    MIN_ROUTINGS,
+    MIN_SKEWED_ROUTINGS,
+    MULTI_ROUTING_MAX_T,
+)
 from moekit.sweep import TIMED, SweepResult, winners
 
 SCHEMA = 1
@@ -301,6 +307,7 @@ def render_benchmarks_md(results: list[tuple[Path, dict]], root: Path) -> str:
         "FLOPs = 2 x local (token, expert) pairs x 3 x H x I_local. CUDA-graph replay where the "
         "runner is graph safe. Each time is the mean over its point's input sets (x and "
         f"routing; on a GPU at least {MIN_ROUTINGS} routings up to T = {MULTI_ROUTING_MAX_T}, "
+        f"at least {MIN_SKEWED_ROUTINGS} draws of a Zipf routing at every T, "
         f"and enough sets for a replay to touch {L2_ROTATION_FACTOR} L2 caches' worth of bytes, "
         f"at most {MAX_INPUT_SETS}; older results took one set wherever one was that large; each "
         "point's JSON records its input_sets). ⚠ = output differs from the `torch` reference "

@@ -321,7 +321,8 @@ def _input_sets(spec, module, T, gen, l2_bytes):
     sets = [one()]
     cost, local_ids = point_cost(module, *sets[0])
     costs, ids = [cost], [local_ids]
-    for _ in range(routings_for(T, cost.bytes, l2_bytes) - 1):
+    skewed = spec.routing != "uniform"
+    for _ in range(routings_for(T, cost.bytes, l2_bytes, skewed) - 1):
         sets.append(one())
         c, i = point_cost(module, *sets[-1])
         costs.append(c)
