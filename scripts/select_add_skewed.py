@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(table.source).write_text(json.dumps(new.to_json(), indent=1) + "\n")  # its own file
         print(f"{Path(table.source).name}: skewed times at "
               f"{sorted(set(times) & {pt.num_tokens for pt in points})}; "
-              f"first: {new.crossovers()} (uniform alone: {table.crossovers()})")
+              f"first: {new.crossovers()} (before: {table.crossovers()})")
     return 0
 
 
