@@ -685,6 +685,8 @@ def test_tune_select_writes_a_table_the_layer_uses(tmp_path, monkeypatch):
     spec = sweep_spec("qwen3-30b-a3b", dtype="float32", batch_sizes=(1, 16), device="cpu",
                       backends=("torch", "cutlass", "auto"))
     assert "auto" not in spec.backends
+    with pytest.raises(ConfigError, match="uniform routing, got routing 'zipf'"):
+        tune_select(replace(spec, routing="zipf"))
     report = tune_select(spec)
     try:
         assert report.path is not None and report.path.parent == tmp_path / "select"

@@ -262,9 +262,9 @@ def _auto(work, config, platform, tables) -> Decision:
                 )
             if skew:
                 reason += f"; {skew}"
-            unusable = [b for b in point.ranking if b not in usable]
-            if unusable and point.ms[unusable[0]] < ms:
-                best = unusable[0]
+            faster = [b for b in point.ms if b not in usable and point.ms[b] < ms]
+            if faster:
+                best = min(faster, key=lambda b: (point.ms[b], b))
                 reason += f"; {best} {point.ms[best]:.4g} ms is not usable: {problems[best]}"
             return Decision(backend, reason + ")")
         unmeasured = f"none of the measured {', '.join(point.ranking)} is usable here"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from moekit import hardware, select_table
-from moekit.config import ParallelConfig, validate
+from moekit.config import ConfigError, ParallelConfig, validate
 from moekit.presets import model_config
 from moekit.select import workload_for
 from moekit.select_table import Point, SelectionTable, TableKey
@@ -122,9 +122,11 @@ def tune_select(
     """Run the sweep of `spec` (on uniform routing) and write its selection table into `out_dir`
     (default: the user config dir, $MOEKIT_CONFIG_DIR/select). `skewed_zipf_s`: also run it on
     Zipf routing of that exponent and record those times as the points' `skewed_ms`."""
+    if spec.routing != "uniform":
+        raise ConfigError(f"moekit tune --select: the table's times are on uniform routing, got "
+                          f"routing {spec.routing!r}; skewed times: --skewed")  # fmt: skip
     platform = platform or hardware.detect()
-    spec = replace(spec, backends=tuple(b for b in spec.backends if b != "auto"),
-                   routing="uniform")  # fmt: skip
+    spec = replace(spec, backends=tuple(b for b in spec.backends if b != "auto"))
     result = run_sweep(spec, platform=platform, on_start=on_start, on_point=on_point)
     points, excluded = points_from_records(result.records)
     excluded.update(result.skipped)
