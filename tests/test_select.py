@@ -721,7 +721,7 @@ def test_tune_cli_select_flag(tmp_path, monkeypatch, capsys):
         select_table.reload()
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "wrote " in out and "fastest: T>=2: " in out
+    assert "wrote " in out and "auto picks: T>=2: " in out
     assert len(list((tmp_path / "x").glob("*.json"))) == 1
 
 

@@ -201,6 +201,6 @@ def run_cli(args, sizes: tuple[int, ...]) -> int:
         print("moekit tune --select: no backend could be measured", file=sys.stderr)
         return 1
     crossings = ", ".join(f"T>={t}: {b}" for t, b in report.table.crossovers())
-    print(f"fastest: {crossings}")
+    print(f"auto picks: {crossings}")
     print(f"wrote {report.path}")
     return 0
