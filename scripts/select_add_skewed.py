@@ -21,15 +21,8 @@ from pathlib import Path
 
 from moekit import select_table
 from moekit.select_table import LIBRARIES, SelectionTable
-
-
-def skewed_times(result: dict) -> dict[int, dict[str, float]]:
-    """{T: {backend: ms}} of a bench result's correct, timed records (auto excluded)."""
-    out: dict[int, dict[str, float]] = {}
-    for r in result["records"]:
-        if r["backend"] != "auto" and r["ms"] and not r["error"] and not r["suspicious"]:
-            out.setdefault(int(r["T"]), {})[r["backend"]] = float(r["ms"])
-    return out
+from moekit.select_tune import points_from_records
+from moekit.sweep import Record
 
 
 def matches(table: SelectionTable, result: dict) -> bool:
@@ -61,12 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         if len(found) != 1:
             print(f"{path}: {len(found)} matching tables in {args.tables}", file=sys.stderr)
             return 1
-        table, times = found[0], skewed_times(result)
+        measured, _ = points_from_records([Record(**r) for r in result["records"]])
+        table, times = found[0], {pt.num_tokens: pt.ms for pt in measured}
         points = tuple(replace(pt, skewed_ms=times.get(pt.num_tokens, {})) for pt in table.points)
         meta = dict(table.meta, skewed_routing=f"zipf s={routing['zipf_s']:g}",
                     skewed_source=f"{path.name} (commit {result.get('commit')})")
         new = replace(table, points=points, meta=meta)
-        Path(table.source).write_text(json.dumps(new.to_json(), indent=1) + "\n")  # its own file
+        select_table.write(new, table.source)  # its own file (one per library set)
         print(f"{Path(table.source).name}: skewed times at "
               f"{sorted(set(times) & {pt.num_tokens for pt in points})}; "
               f"first: {new.crossovers()} (before: {table.crossovers()})")

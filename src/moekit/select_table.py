@@ -435,7 +435,12 @@ def save(table: SelectionTable, directory: Path | str | None = None) -> Path:
     """Write `table` as JSON into `directory` (default: the user dir); returns the path."""
     directory = Path(directory) if directory is not None else user_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / table.key.file_name()
+    return write(table, directory / table.key.file_name())
+
+
+def write(table: SelectionTable, path: Path | str) -> Path:
+    """Write `table` as JSON to `path` (e.g. its own `source` file); returns the path."""
+    path = Path(path)
     path.write_text(json.dumps(table.to_json(), indent=1, sort_keys=False) + "\n")
     reload()
     return path
