@@ -356,6 +356,25 @@ def test_ep_tune_routes_over_all_experts_and_keys_by_local_tokens(tmp_path):
         TuneShape(4, 2, 32, 24, local_share=0)
 
 
+def test_tune_points_draw_the_bench_zipf_routing_and_reject_unknown_ones():
+    from moekit.sweep import make_routing
+    from moekit.tune import TuneShape, _Point, random_weights
+
+    shape = TuneShape(8, 2, 32, 24, "float32", ActivationSpec("silu"), False, "tiny ep2",
+                      local_share=0.5)  # fmt: skip
+    w = random_weights(shape, "cpu")
+    p = _Point(shape, w, 256, "cpu", seed=3, routing="zipf")
+    drawn = make_routing(256, 16, 2, routing="zipf", generator=torch.Generator().manual_seed(3))
+    ids = p.topks[0].ids
+    # the bench's draw over all 16 experts; the other rank's 8 are masked on this one
+    assert torch.equal(ids, torch.where(drawn.ids < 8, drawn.ids, -1))
+    assert torch.equal(p.topks[0].weights, drawn.weights)
+    counts = torch.bincount(drawn.ids.flatten().long(), minlength=16)
+    assert int(counts.max()) > 4 * int(counts.median())  # skewed, not uniform
+    with pytest.raises(ConfigError, match="--routing.*allowed: uniform, zipf"):
+        _Point(shape, w, 4, "cpu", seed=0, routing="hot")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
 @pytest.mark.parametrize("faster", ["incumbent", "tuned"])
 def test_tune_keeps_the_faster_of_the_tuned_pair_and_the_incumbent(tmp_path, monkeypatch, faster):

@@ -372,16 +372,6 @@ def seeded_batch(shape: TuneShape, T: int, device,
     return x, topk
 
 
-def zipf_topk(T: int, E: int, K: int, device, s: float = 1.2, generator=None) -> TopKOutput:
-    """K distinct experts per token drawn with probability ~ 1 / rank^s over a random ranking of
-    the experts (skewed, like real routing)."""
-    ranks = torch.randperm(E, device=device, generator=generator).float() + 1
-    probs = (ranks ** -s).expand(T, E)
-    ids = torch.multinomial(probs, K, replacement=False, generator=generator).to(torch.int32)
-    weights = torch.rand(T, K, device=device, generator=generator) + 0.1
-    return TopKOutput((weights / weights.sum(1, keepdim=True)).contiguous(), ids.contiguous())
-
-
 def rotations(shape: TuneShape, T: int, bytes_per_expert: float | None,
               l2_bytes: int) -> int:  # fmt: skip
     """How many routings to time a point on a GPU with `l2_bytes` of L2: as many as the bench
@@ -485,10 +475,12 @@ class _Point:
         E, K, G = shape.num_experts, shape.top_k, shape.routed_experts
         if routing == "uniform":
             self.topks = [uniform_topk(T, G, K, device, gen) for _ in range(self.R)]
-        elif routing == "zipf":
-            self.topks = [zipf_topk(T, G, K, device, generator=gen) for _ in range(self.R)]
-        else:
-            raise ConfigError(f"--routing: unknown {routing!r}; allowed: uniform, zipf")
+        else:  # the bench's draw (sweep.make_routing), which also rejects unknown routings
+            from moekit.sweep import make_routing
+
+            cpu_gen = torch.Generator().manual_seed(seed)
+            self.topks = [make_routing(T, G, K, routing=routing, generator=cpu_gen, device=device)
+                          for _ in range(self.R)]  # fmt: skip
         if G > E:  # this rank holds experts 0 .. E-1; the other ranks' pairs are masked
             self.topks = [TopKOutput(t.weights, torch.where(t.ids < E, t.ids, -1))
                           for t in self.topks]  # fmt: skip
