@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moekit import select_table
 from moekit.select_table import LIBRARIES, SelectionTable
-from moekit.select_tune import points_from_records
+from moekit.select_tune import points_from_records, with_skewed
 from moekit.sweep import Record
 
 
@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: {len(found)} matching tables in {args.tables}", file=sys.stderr)
             return 1
         measured, _ = points_from_records([Record(**r) for r in result["records"]])
-        table, times = found[0], {pt.num_tokens: pt.ms for pt in measured}
-        points = tuple(replace(pt, skewed_ms=times.get(pt.num_tokens, {})) for pt in table.points)
+        table, sizes = found[0], {pt.num_tokens for pt in measured}
+        points = with_skewed(table.points, measured)
         meta = dict(table.meta, skewed_routing=f"zipf s={routing['zipf_s']:g}",
                     skewed_source=f"{path.name} (commit {result.get('commit')})")
         new = replace(table, points=points, meta=meta)
         select_table.write(new, table.source)  # its own file (one per library set)
         print(f"{Path(table.source).name}: skewed times at "
-              f"{sorted(set(times) & {pt.num_tokens for pt in points})}; "
+              f"{sorted(sizes & {pt.num_tokens for pt in points})}; "
               f"first: {new.crossovers()} (before: {table.crossovers()})")
     return 0
 

@@ -18,7 +18,7 @@ One JSON file per key, written by `moekit tune --select` (moekit.select_tune):
 the same backends' time on a skewed routing: real routers are skewed, and where two backends
 tie on uniform routing one of them can lose much more under skew. So among the backends within
 SKEW_SLACK of the fastest uniform time, `auto` ranks first the one whose worse loss to the
-fastest, over the two routings, is least (`Point.ranking`).
+fastest, over the two routings, is least (`Point.ranked`).
 
 Shape fields are per rank (E_local, I_local; K = routing columns incl. fused shared experts).
 Lookup: the key must match exactly (device name compared case-insensitively); among matching

@@ -15,7 +15,7 @@ import datetime
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from moekit import hardware, select_table
 from moekit.config import ConfigError, ParallelConfig, validate
@@ -110,6 +110,13 @@ def points_from_records(records: list[Record]) -> tuple[list[Point], dict[str, s
     return points, excluded
 
 
+def with_skewed(points: Sequence[Point], skewed: Sequence[Point]) -> tuple[Point, ...]:
+    """`points` (uniform routing) with the times of `skewed` at the same batch sizes as their
+    `skewed_ms` (none where `skewed` has no point of that size)."""
+    by_t = {p.num_tokens: p.ms for p in skewed}
+    return tuple(replace(p, skewed_ms=by_t.get(p.num_tokens, {})) for p in points)
+
+
 def tune_select(
     spec: SweepSpec,
     *,
@@ -138,8 +145,7 @@ def tune_select(
         skewed_points, skewed_excluded = points_from_records(skewed.records)
         for b, why in {**skewed_excluded, **skewed.skipped}.items():
             excluded.setdefault(b, f"on skewed routing: {why}")
-        by_t = {p.num_tokens: p.ms for p in skewed_points}
-        points = [replace(p, skewed_ms=by_t.get(p.num_tokens, {})) for p in points]
+        points = list(with_skewed(points, skewed_points))
     if not points:
         return SelectTuneReport(None, None, excluded, result)
     from moekit.report import git_commit
