@@ -15,7 +15,7 @@ from moekit.config import ConfigError
 from moekit.parallel import group_layout, init_parallel, single_rank_state
 from moekit.runners.torch import moe_reference_fp64
 from tests.dist_utils import get_pool
-from tests.helpers import rel_err
+from tests.helpers import TOLERANCE, rel_err
 
 # ---- single process ------------------------------------------------------------------------
 
@@ -125,6 +125,7 @@ class LayerCase:
     dense_tp: int | None = None
     compiled: bool = False  # through torch.compile (dynamo + aot_eager)
     fullgraph: bool = False  # ... as one graph
+    dtype: str = "float32"
 
 
 def run_layer_case(case: LayerCase):
@@ -137,7 +138,7 @@ def run_layer_case(case: LayerCase):
     state = init_parallel(parallel)
     cfg = MoEConfig(num_experts=case.E, top_k=case.K, hidden_size=case.H,
                     intermediate_size=case.I, activation=case.activation, has_bias=case.bias,
-                    dtype="float32")
+                    dtype=case.dtype)
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     E, H, I = case.E, case.H, case.I
     sd = {"experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
@@ -159,9 +160,11 @@ def run_layer_case(case: LayerCase):
     call = layer
     if case.compiled:
         call = torch.compile(layer, backend="aot_eager", fullgraph=case.fullgraph)
+    dtype = getattr(torch, case.dtype)
+    x = x.to(dtype)
     out = call(x.to(state.device), logits.to(state.device))
-    ref = moe_reference_fp64(x, full.route(logits), full.expert_weights, full.act)
-    assert rel_err(out, ref) < 1e-5
+    ref = moe_reference_fp64(x.float(), full.route(logits), full.expert_weights, full.act)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
     return T
 
 
@@ -184,6 +187,9 @@ def _layer_cases_2():
                   tokens=(5, 20), compiled=True),
         LayerCase("compiled-alltoall-tp2-ll", 2, 2, backend="alltoall", mode="low_latency",
                   tokens=(3, 7), compiled=True, fullgraph=True),
+        # bf16 rows packed into the byte send buffer through a bf16 view of it
+        LayerCase("compiled-alltoall-tp2-normal-bf16", 2, 2, backend="alltoall", mode="normal",
+                  tokens=(5, 20), compiled=True, dtype="bfloat16"),
     ]
 
 
@@ -213,7 +219,78 @@ def test_layer_4_ranks(case):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("case", [c for c in _layer_cases_2() if not c.compiled],
-                         ids=lambda c: c.name)  # (compiled: CPU only; not run on GPUs yet)
+@pytest.mark.parametrize("case", _layer_cases_2(), ids=lambda c: c.name)
 def test_layer_nccl_2_gpus(case):
     get_pool(2, "nccl").run(run_layer_case, case)
+
+
+@dataclass(frozen=True)
+class GraphCase:
+    """The bf16 layer on 2 GPUs (TP 2, EP 2) under torch.compile(mode='reduce-overhead'):
+    Inductor, and CUDA graphs recorded per batch size with the collectives inside them.
+    tokens: the calls' batch sizes, per rank for alltoall (TP ranks share tokens with none)."""
+
+    name: str
+    backend: str = "none"
+    mode: str = "auto"
+    tokens: tuple[tuple[int, int], ...] = ((1, 1), (16, 16), (64, 64), (1, 1))
+    fullgraph: bool = True
+
+
+def run_graph_layer_case(case: GraphCase) -> dict:
+    """Each batch size three times (warm-up, record, replay) on fresh inputs: the compiled
+    output against the eager layer's, and the eager one against the float64 reference of the
+    whole layer. Returns the worst errors and Inductor's count of skipped CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank = dist.get_rank()
+    parallel = ParallelConfig(tp_size=2, ep_size=2, moe_a2a_backend=case.backend,
+                              deepep_mode=case.mode, max_dispatch_tokens_per_rank=64)
+    state = init_parallel(parallel)
+    E, K, H, I = 16, 4, 512, 256
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                    dtype="bfloat16")
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    sd = {"experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
+          "experts.down_proj": torch.randn(E, H, I, generator=g) * I**-0.5}
+    layer = MoE(cfg, runner=RunnerConfig("auto"), state=state, device=state.device).eval()
+    layer.load_hf_state_dict(sd)
+    full = MoE(cfg, runner=RunnerConfig("torch"))
+    full.load_hf_state_dict(sd)
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=case.fullgraph,
+                             dynamic=False)
+    who = rank if case.backend != "none" else 0  # TP ranks share their tokens
+    worst = {"compiled": 0.0, "eager": 0.0}
+    for call, Ts in enumerate(case.tokens):
+        for step in range(3):
+            gi = torch.Generator().manual_seed(1000 * call + 10 * step + who)
+            x = torch.randn(Ts[who], H, generator=gi).to(torch.bfloat16)
+            logits = torch.randn(Ts[who], E, generator=gi)
+            xd, ld = x.to(state.device), logits.to(state.device)
+            with torch.no_grad():
+                out = compiled(xd, ld).clone()
+                eager = layer(xd, ld)
+            ref = moe_reference_fp64(x.float(), full.route(logits), full.expert_weights, full.act)
+            worst["compiled"] = max(worst["compiled"], rel_err(out, eager))
+            worst["eager"] = max(worst["eager"], rel_err(eager, ref))
+    worst["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
+    return worst
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", [
+    GraphCase("graphs-none-tp2-ep2"),
+    GraphCase("graphs-alltoall-ll", "alltoall", "low_latency", ((3, 7), (64, 1), (0, 16))),
+    # normal mode's asynchronous collectives break the graph: the pieces around them are graphs
+    GraphCase("graphs-alltoall-normal", "alltoall", "normal", ((5, 20), (64, 0)),
+              fullgraph=False),
+], ids=lambda c: c.name)
+def test_layer_under_cuda_graphs_nccl_2_gpus(case):
+    results = get_pool(2, "nccl").run(run_graph_layer_case, case)
+    for r in results:
+        assert r["eager"] < TOLERANCE[torch.bfloat16], results
+        assert r["compiled"] < TOLERANCE[torch.bfloat16], results
+        if case.fullgraph:
+            assert r["cudagraph_skips"] == 0, results

@@ -441,6 +441,10 @@ class AllToAllDispatcher(Dispatcher):
             return self.normal_chunks
         return max(1, min(MAX_CHUNKS, -(-num_tokens * row_bytes // self.chunk_bytes)))
 
+    # Normal mode reads the counts back to the host and juggles byte buffers through views of
+    # other dtypes; under torch.compile both halves run eagerly, as graph breaks (dynamo cannot
+    # trace the host synchronisation, and AOTAutograd refuses in-place writes into such views).
+    @torch.compiler.disable
     def dispatch_normal(self, x_TH: torch.Tensor, topk: TopKOutput) -> StandardDispatchOutput:
         """One send buffer of packed rows (RowLayout: the payload, then K local ids and K
         weights), one row per (token, destination rank), laid out in chunks of tokens. The
@@ -558,6 +562,7 @@ class AllToAllDispatcher(Dispatcher):
             return 1.0
         return min(1.0, s / (1.0 - (1.0 - s) ** K))
 
+    @torch.compiler.disable  # as dispatch_normal
     def combine_normal(self, out_NH: torch.Tensor, handle: NormalHandle) -> torch.Tensor:
         """out_NH [N received, H] weighted partial sums -> [T, H] for this rank's tokens. Chunk
         by chunk: all the return calls are queued at once, and chunk c's tokens are summed as
