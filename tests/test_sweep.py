@@ -298,8 +298,8 @@ def test_fp8_matmul_rate_beats_bf16_on_hopper():
     assert fp8 is not None and fp8 > 1.3 * bf16
 
 
-def test_interleaved_timing_rotates_the_order_and_keeps_each_median():
-    """Samples of several functions are taken in rounds whose order rotates (so no function
+def test_interleaved_timing_alternates_the_order_and_keeps_each_median():
+    """Samples of several functions are taken in rounds whose order changes (so no function
     always runs right after the same one), and each function gets its own median."""
     import time as _time
 
@@ -317,8 +317,24 @@ def test_interleaved_timing_rotates_the_order_and_keeps_each_median():
     fns = {"slow": make("slow", 0.004), "fast": make("fast", 0.001)}
     ms = time_ms_interleaved(fns, "cpu", rounds=3, warmup=1, samples=3)
     assert calls[:2] == ["slow", "fast"]  # warm-up
-    assert calls[2:] == ["slow", "fast", "fast", "slow", "slow", "fast"]
+    assert calls[2:] == ["slow", "fast", "fast", "slow"] * 2  # rounds 3 -> two designs of 2
     assert ms["fast"] >= 1.0 and ms["slow"] >= 4.0 and ms["slow"] > ms["fast"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_round_orders_put_every_function_after_every_other_equally_often(n):
+    """A rotation would not: with three functions, c would follow b in every round but one."""
+    from collections import Counter
+
+    from moekit.bench import round_orders
+
+    rows = round_orders(n, 5)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    assert len(rows) % (n if n % 2 == 0 else 2 * n) == 0  # whole designs
+    after = Counter((row[i], row[i + 1]) for row in rows for i in range(n - 1))
+    assert set(after) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(after.values())) <= 1
+    assert round_orders(n, 1) == rows[:1]
 
 
 def test_a_backend_whose_timing_fails_does_not_lose_the_others():

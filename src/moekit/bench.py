@@ -93,6 +93,22 @@ def time_ms(
                                min_sample_ms=min_sample_ms)["fn"]  # fmt: skip
 
 
+def round_orders(n: int, rounds: int) -> list[list[int]]:
+    """The order of n functions in each round of `time_ms_interleaved`: rows of a Williams
+    design (a Latin square, with its mirror for odd n), in which every function runs right
+    after every other one equally often. A plain rotation would not do that: in [a, b, c] then
+    [b, c, a] then [c, a, b], c follows b in every round but the one it opens. `rounds` is
+    rounded to whole designs (n rows for even n, 2n for odd n) where it exceeds 1; with
+    rounds 1, the first row."""
+    base = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    if rounds <= 1:
+        return rows[:1]
+    return rows * max(1, round(rounds / len(rows)))
+
+
 def time_ms_interleaved(
     fns: Mapping[str, Callable[[], object]],
     device: torch.device | str,
@@ -104,10 +120,10 @@ def time_ms_interleaved(
     min_sample_ms: float = 1.0,
 ) -> dict[str, float]:
     """Median time of one call of each `fns[name]` in milliseconds, as `time_ms`, with the
-    samples taken in turns: `rounds` rounds, each a share of every function's samples, the
-    order rotated from round to round. What ran just before a kernel (the GPU's clocks and power
-    state, the caches) then weighs on every function alike: on the H100 the same deep_gemm call
-    timed 9% faster right after a `triton` call than after itself
+    samples taken in turns: about `rounds` rounds, each a share of every function's samples, in
+    the orders of `round_orders`, so that what ran just before a kernel (the GPU's clocks and
+    power state, the caches) weighs on every function alike: on the H100 the same deep_gemm
+    call timed 9% faster right after a `triton` call than after itself
     (benchmarks/deep_gemm_notes.md). `cuda_graph`: one flag, or one per name."""
     device = torch.device(device)
     names = list(fns)
@@ -116,11 +132,12 @@ def time_ms_interleaved(
         for _ in range(warmup):
             fns[name]()
     _sync(device)
-    per_round = max(1, -(-samples // max(1, rounds)))
+    orders = [[names[i] for i in row] for row in round_orders(len(names), rounds)]
+    per_round = max(1, -(-samples // len(orders)))
     times: dict[str, list[float]] = {name: [] for name in names}
     if device.type != "cuda":
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+        for order in orders:
+            for name in order:
                 for _ in range(per_round):
                     t0 = time.perf_counter()
                     fns[name]()
@@ -136,8 +153,8 @@ def time_ms_interleaved(
         end.record()
         end.synchronize()
         reps[name] = max(1, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)))
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+    for order in orders:
+        for name in order:
             run = runs[name]
             for _ in range(per_round):
                 start.record()
