@@ -1,15 +1,16 @@
-"""Does the order of the rounds bias `moekit.bench.time_ms_interleaved`? (session 54)
+"""Does the order of the rounds bias `moekit.bench.time_ms_interleaved`? (sessions 54-55)
 
     PYTHONPATH=src python3 scripts/gpu_probe_round_order.py [--jobs "MODEL TP EP FMT T B1,B2,...;..."]
-        [--repeats 3] [--out NAME]       # writes $OUT/NAME (round_order.json)
+        [--variants "rotation:5,balanced:5"] [--repeats 3] [--out NAME]   # writes $OUT/NAME
 
 For each job: the layer on each listed backend over the same input sets (`moekit bench`'s), all
 timed together by `time_ms_interleaved`. A backend listed twice gets a second RunnerCache, so
-a second CUDA graph of the same kernels. The timing runs `--repeats` times with the plain
-rotation of rounds that the function used before session 54 ([a, b, c], [b, c, a], ...: the
-twin always runs right after its original) and as often with `round_orders` (every function
-after every other equally often), in turns. Prints each name's time over the first-listed
-copy of its backend: identical kernels should read 1.00.
+a second CUDA graph of the same kernels. Each variant ORDER:ROUNDS is timed `--repeats` times,
+the variants in turns: ORDER `rotation` is the order of rounds the function used before session
+54 ([a, b, c], [b, c, a], ...: a twin always runs right after its original), `balanced` is
+`round_orders` (every function after every other equally often); ROUNDS is the function's
+`rounds` (5, its default; as many as the samples: one sample a function per round). Prints
+each name's time over the first-listed copy of its backend: identical kernels should read 1.00.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ ORDERS = {"rotation": rotation, "balanced": bench.round_orders}
 
 def main() -> None:
     repeats = int(option("--repeats", "3"))
+    variants = option("--variants", "rotation:5,balanced:5").split(",")
     points = []
     for job in option("--jobs", JOBS).split(";"):
         model, tp, ep, fmt, T, backends = job.split()
@@ -57,14 +59,15 @@ def main() -> None:
             fns[name] = layer_over_sets(module, sets, lambda c=cache, m=module: _runners(m, c))
             first.setdefault(b, name)
             fns[name]()  # first call: compile, select
-        runs = {o: [] for o in ORDERS}
+        runs = {v: [] for v in variants}
         for _ in range(repeats):
-            for order, fn in ORDERS.items():
-                bench.round_orders = fn
-                ms = bench.time_ms_interleaved(fns, "cuda")
-                runs[order].append(ms)
+            for variant in variants:
+                order, rounds = variant.split(":")
+                bench.round_orders = ORDERS[order]
+                ms = bench.time_ms_interleaved(fns, "cuda", rounds=int(rounds))
+                runs[variant].append(ms)
                 rel = {n: ms[n] / ms[first[n.split("#")[0]]] for n in fns}
-                print(f"{job:70s} {order:9s} " + "  ".join(
+                print(f"{job:70s} {variant:12s} " + "  ".join(
                     f"{n} {ms[n]:.4f} ms ({rel[n]:.3f})" for n in fns), flush=True)  # fmt: skip
         bench.round_orders = ORDERS["balanced"]
         points.append({"job": job, "input_sets": len(sets), "ms": runs})

@@ -114,16 +114,17 @@ def time_ms_interleaved(
     device: torch.device | str,
     *,
     cuda_graph: bool | Mapping[str, bool] = True,
-    rounds: int = 5,
+    rounds: int | None = None,
     warmup: int = 5,
     samples: int = 25,
     min_sample_ms: float = 1.0,
 ) -> dict[str, float]:
     """Median time of one call of each `fns[name]` in milliseconds, as `time_ms`, with the
-    samples taken in turns: about `rounds` rounds, each a share of every function's samples, in
-    the orders of `round_orders`, so that what ran just before a kernel (the GPU's clocks and
-    power state, the caches) weighs on every function alike: on the H100 the same deep_gemm
-    call timed 9% faster right after a `triton` call than after itself
+    samples taken in turns: about `rounds` rounds (default: as many as `samples`, one sample of
+    each function a round), each a share of every function's samples, in the orders of
+    `round_orders`, so that what ran just before a kernel (the GPU's clocks and power state, the
+    caches) and when in the timing it ran weigh on every function alike: on the H100 the same
+    deep_gemm call timed 9% faster right after a `triton` call than after itself
     (benchmarks/deep_gemm_notes.md). `cuda_graph`: one flag, or one per name."""
     device = torch.device(device)
     names = list(fns)
@@ -132,8 +133,9 @@ def time_ms_interleaved(
         for _ in range(warmup):
             fns[name]()
     _sync(device)
+    rounds = samples if rounds is None else rounds
     orders = [[names[i] for i in row] for row in round_orders(len(names), rounds)]
-    per_round = max(1, -(-samples // len(orders)))
+    per_round = max(1, round(samples / len(orders)))
     times: dict[str, list[float]] = {name: [] for name in names}
     if device.type != "cuda":
         for order in orders:
