@@ -320,6 +320,13 @@ def test_interleaved_timing_alternates_the_order_and_keeps_each_median():
     assert calls[2:] == ["slow", "fast", "fast", "slow"] * 2  # rounds 3 -> two designs of 2
     assert ms["fast"] >= 1.0 and ms["slow"] >= 4.0 and ms["slow"] > ms["fast"]
 
+    # by default, one sample of each function a round: every block of len(fns) calls has each once
+    calls.clear()
+    fns["mid"] = make("mid", 0.002)
+    time_ms_interleaved(fns, "cpu", warmup=0, samples=12)
+    assert len(calls) == 36
+    assert all(sorted(calls[i : i + 3]) == ["fast", "mid", "slow"] for i in range(0, 36, 3))
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
 def test_round_orders_put_every_function_after_every_other_equally_often(n):
