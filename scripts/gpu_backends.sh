@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU run of the runner backends (cutlass, deep_gemm, flashinfer_*) and of `auto` selection, in
-# one call on the device machine. Carry `.whl` (sgl-deep-gemm 0.2.2 + apache-tvm-ffi 0.1.11).
+# one call on the device machine. Carry `.whl` (sgl-deep-gemm 0.2.2 + apache-tvm-ffi 0.1.11;
+# `bash scripts/make_carry.sh` builds it).
 #
 # Steps (GPU_BACKENDS_STEPS, default all, in this order):
 #   env      nvidia-smi, torch/CUDA, `moekit env` (every backend with its availability reason)

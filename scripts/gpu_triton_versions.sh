@@ -3,12 +3,10 @@
 #
 #   bash scripts/gpu_triton_versions.sh [STEPS]     # carry [".whl_t39"]
 #
-# .whl_t39/triton39.tar.xz: a Triton wheel's package (and its dist-info) unpacked, with
-# libtriton.so stripped of its symbols and the AMD backend, CUPTI, Proton and both ptxas left
-# out (Triton >= 3.7 runs only `ptxas-blackwell`, pointed below at the machine's own ptxas), then
-# `tar cf - triton triton-3.9.0.dist-info | xz -9`: 39 MB, so that it and the deep_gemm wheels
-# (.whl, 8 MB) fit the device tool's 64 MiB carry together (the wheel is 285 MB). STEPS
-# (default "versions"):
+# .whl_t39/triton39.tar.xz: Triton 3.9 stripped to fit the device tool's 64 MiB carry beside
+# the deep_gemm wheels (.whl); `bash scripts/make_carry.sh` builds both and says what is left
+# out (Triton >= 3.7 runs only `ptxas-blackwell`, pointed below at the machine's own ptxas).
+# STEPS (default "versions"):
 #   versions  scripts/gpu_triton_versions.py under each version in turn, VERSIONS_PASSES times
 #   ws        scripts/gpu_probe_fp8_ws.py under the carried version (warp specialization)
 #   tests     the GPU tests under the carried version (TESTS, default the triton runner's)

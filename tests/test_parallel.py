@@ -128,6 +128,18 @@ class LayerCase:
     dtype: str = "float32"
 
 
+def hf_experts(name: str, E: int, H: int, I: int, bias: bool = False) -> dict:
+    """A transformers-style experts state dict, drawn from a seed of `name`: gate_up [E, 2I, H],
+    down [E, H, I] (and their biases)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    sd = {"experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
+          "experts.down_proj": torch.randn(E, H, I, generator=g) * I**-0.5}
+    if bias:
+        sd["experts.gate_up_proj_bias"] = torch.randn(E, 2 * I, generator=g) * 0.1
+        sd["experts.down_proj_bias"] = torch.randn(E, H, generator=g) * 0.1
+    return sd
+
+
 def run_layer_case(case: LayerCase):
     rank = dist.get_rank()
     parallel = ParallelConfig(
@@ -139,13 +151,8 @@ def run_layer_case(case: LayerCase):
     cfg = MoEConfig(num_experts=case.E, top_k=case.K, hidden_size=case.H,
                     intermediate_size=case.I, activation=case.activation, has_bias=case.bias,
                     dtype=case.dtype)
-    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     E, H, I = case.E, case.H, case.I
-    sd = {"experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
-          "experts.down_proj": torch.randn(E, H, I, generator=g) * I**-0.5}
-    if case.bias:
-        sd["experts.gate_up_proj_bias"] = torch.randn(E, 2 * I, generator=g) * 0.1
-        sd["experts.down_proj_bias"] = torch.randn(E, H, generator=g) * 0.1
+    sd = hf_experts(case.name, E, H, I, case.bias)
     layer = MoE(cfg, runner=RunnerConfig(moe_runner_backend="torch"), state=state,
                 device=state.device)
     layer.load_hf_state_dict(sd)
@@ -252,9 +259,7 @@ def run_graph_layer_case(case: GraphCase) -> dict:
     E, K, H, I = 16, 4, 512, 256
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
                     dtype="bfloat16")
-    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
-    sd = {"experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
-          "experts.down_proj": torch.randn(E, H, I, generator=g) * I**-0.5}
+    sd = hf_experts(case.name, E, H, I)
     layer = MoE(cfg, runner=RunnerConfig("auto"), state=state, device=state.device).eval()
     layer.load_hf_state_dict(sd)
     full = MoE(cfg, runner=RunnerConfig("torch"))
