@@ -4,6 +4,7 @@ layer in turns.
     PYTHONPATH=src python3 scripts/gpu_probe_decode_pdl.py [--variants pdl|direct]
         [--jobs 'J1;J2'] [--batches 1,4,16,64] [--out NAME]
     ... --variants FIELD=V1,V2,...   (an int or bool field of PipelineConfig, set to each value)
+    ... --set F1=V,F2=V   (int or bool fields set in every variant first)
 
 A job is `preset tp ep format` (e.g. 'deepseek-v3 8 8 fp8_w8a8'). Per job and batch size T the
 layer (MoE.forward_topk, `triton` runner, the shipped tables, CUDA-graph replay, the input sets
@@ -39,13 +40,16 @@ JOBS = ("qwen3-30b-a3b 1 1 unquantized;qwen3-30b-a3b 1 1 fp8_w8a8;"
 
 
 
-def variants(kind: str, batches: list[int]) -> dict:
+def _field(base, field: str, value: str):
+    return replace(base, **{field: type(getattr(base, field))(int(value))})
+
+
+def variants(kind: str, batches: list[int], base=None) -> dict:
     """name -> PipelineConfig; the first is the baseline."""
-    if "=" in kind:  # FIELD=V1,V2,...: PIPELINE with FIELD set to each value
+    base = base or ops.PIPELINE
+    if "=" in kind:  # FIELD=V1,V2,...: `base` with FIELD set to each value
         field, values = kind.split("=")
-        kind_of = type(getattr(ops.PIPELINE, field))
-        return {f"{field}={v}": replace(ops.PIPELINE, **{field: kind_of(int(v))})
-                for v in values.split(",")}  # fmt: skip
+        return {f"{field}={v}": _field(base, field, v) for v in values.split(",")}
     if kind == "direct":
         return {"align": replace(ops.PIPELINE, direct_max_tokens=1),
                 "direct": replace(ops.PIPELINE, direct_max_tokens=max(batches))}  # fmt: skip
@@ -58,15 +62,19 @@ def main() -> None:
     batches = [int(b) for b in option("--batches", "1,4,16,64").split(",")]
     kind = option("--variants", "pdl")
     name = option("--out", f"decode_{kind.split('=')[0]}") + ".json"
-    pipes = variants(kind, batches)
+    base = ops.PIPELINE
+    for item in filter(None, option("--set", "").split(",")):
+        base = _field(base, *item.split("="))
+    pipes = variants(kind, batches, base)
     first = next(iter(pipes))
-    res: dict = {"command": " ".join(["python", *sys.argv]), "points": {}}
+    res: dict = {"command": " ".join(["python", *sys.argv]), "points": {},
+                 "base": {f: getattr(base, f) for f in vars(base)}}
     for point, _, module, sets in triton_layer_points(jobs, batches):
         fns = {
             n: layer_over_sets(module, sets, lambda p=p: mock.patch.object(ops, "PIPELINE", p))
             for n, p in pipes.items()
         }
-        ms = time_ms_interleaved(fns, "cuda", rounds=6, samples=36)
+        ms = time_ms_interleaved(fns, "cuda", samples=36)
         us = {n: round(v * 1e3 / len(sets), 2) for n, v in ms.items()}
         best = min(us, key=us.get)
         res["points"][point] = {"us": us, "best": best,
