@@ -160,20 +160,25 @@ SLICED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("case", SLICED_CASES, ids=lambda c: c.name)
-def test_sliced_matches_reference(case: Case, monkeypatch):
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, **SLICED_PIPE))
+def test_sliced_matches_reference(case: Case, tma: bool, monkeypatch):
+    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, sliced_tma=tma, **SLICED_PIPE))
     x = torch.empty(case.T, case.H, dtype=case.dtype)
     assert ops.sliced_applies(x, make_weights(case.E, case.H, case.I, case.dtype, case.bias))
     test_standard_matches_reference(case)
 
 
-def test_sliced_wide_blocks_match_reference(monkeypatch):
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_sliced_wide_blocks_match_reference(tma: bool, interleaved: bool, monkeypatch):
     """Blocks wider than I and H (one slice, one K step, one output chunk, all masked at the
-    edges)."""
-    pipe = dict(SLICED_PIPE, sliced_block_i=64, sliced_block_k=64, sliced_block_h=64)
+    edges; with TMA the tiles run into the next expert's rows)."""
+    pipe = dict(SLICED_PIPE, sliced_block_i=64, sliced_block_k=64, sliced_block_h=64,
+                sliced_tma=tma)  # fmt: skip
     monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, **pipe))
-    test_standard_matches_reference(Case("wide", T=3, K=2, H=48, I=40, bias=True))
+    test_standard_matches_reference(Case("wide", T=3, K=2, H=48, I=40, bias=True, E=3,
+                                         act="swiglu_oai", interleaved=interleaved))
 
 
 def test_sliced_stays_off_for_quantized_and_larger_batches(monkeypatch):
@@ -603,15 +608,16 @@ def test_whole_layer_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,tp,ep", PRESET_SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("block_i", [16, 32, 64])
-def test_sliced_presets_bf16_gpu(model, tp, ep, block_i):
+@pytest.mark.parametrize("block_i,tma", [(16, True), (32, True), (64, False)])
+def test_sliced_presets_bf16_gpu(model, tp, ep, block_i, tma):
     """The sliced decode kernel on the preset shapes, T = 1 and 4, against float32; for the
     EP8 rank of deepseek-v3 with most ids not local (-1)."""
     from moekit.tune import random_weights, shape_for
 
     shape = shape_for(model, tp, ep)
     w = random_weights(shape, "cuda")
-    pipe = replace(ops.PIPELINE, sliced_max_tokens=4, sliced_block_i=block_i)
+    pipe = replace(ops.PIPELINE, sliced_max_tokens=4, sliced_block_i=block_i, sliced_tma=tma,
+                   sliced_stages=2)  # fmt: skip
     for T in (1, 4):
         x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
         topk = make_topk(T, shape.top_k, shape.routed_experts)

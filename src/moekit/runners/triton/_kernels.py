@@ -1472,7 +1472,9 @@ def _sliced_kernel(
     ids_ptr,
     tw_ptr,
     w13_ptr,
+    w13_desc,
     w2_ptr,
+    w2_desc,
     b13_ptr,
     b2_ptr,
     acc_ptr,
@@ -1493,6 +1495,7 @@ def _sliced_kernel(
     HAS_B13: tl.constexpr,
     HAS_B2: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -1503,7 +1506,10 @@ def _sliced_kernel(
     (+ b2[e] in slice 0)) with float32 atomics. acc [T, H] float32, zeroed by the caller; ids of
     -1 (or >= E) add nothing. No program waits on another: every weight byte of the call streams
     at once. The products run on the tensor cores with the token as the one non-zero column of a
-    16-column operand (weights in the MMA's M slot)."""
+    16-column operand (weights in the MMA's M slot). USE_TMA: weight tiles through descriptors
+    of w13 as [E * 2I, H] (blocks [BLOCK_I, BLOCK_K], or [2 * BLOCK_I, BLOCK_K] interleaved) and
+    w2 as [E * H, I] (blocks [BLOCK_H, BLOCK_I]); rows past the slice's end belong to other
+    slices or experts and are masked out of h and of the sums."""
     pair = tl.program_id(0)
     s = tl.program_id(1)
     expert = tl.load(ids_ptr + pair)
@@ -1511,7 +1517,8 @@ def _sliced_kernel(
         return
     token = pair // top_k
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    offs_i = s * BLOCK_I + tl.arange(0, BLOCK_I)
+    i0 = s * BLOCK_I
+    offs_i = i0 + tl.arange(0, BLOCK_I)
     i_ok = offs_i < I
     if INTERLEAVED:
         g_rows = 2 * offs_i
@@ -1525,20 +1532,36 @@ def _sliced_kernel(
     g_ptrs = w13 + g_rows.to(tl.int64)[:, None] * stride_w13n + offs_k[None, :]
     u_ptrs = w13 + u_rows.to(tl.int64)[:, None] * stride_w13n + offs_k[None, :]
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_k
-    acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+    row13 = expert * (2 * I)
+    if INTERLEAVED and USE_TMA:
+        acc_gu = tl.zeros([2 * BLOCK_I, 16], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
         xt = tl.where(col0, xv[:, None], 0.0).to(DTYPE)  # [BLOCK_K, 16]
-        w_ok = i_ok[:, None] & k_ok[None, :]
-        acc_g = tl.dot(tl.load(g_ptrs, mask=w_ok, other=0.0), xt, acc_g,
-                       input_precision=DOT_PRECISION)  # fmt: skip
-        acc_u = tl.dot(tl.load(u_ptrs, mask=w_ok, other=0.0), xt, acc_u,
-                       input_precision=DOT_PRECISION)  # fmt: skip
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        if USE_TMA:
+            if INTERLEAVED:
+                acc_gu = tl.dot(w13_desc.load([row13 + 2 * i0, k0]), xt, acc_gu,
+                                input_precision=DOT_PRECISION)  # fmt: skip
+            else:
+                acc_g = tl.dot(w13_desc.load([row13 + i0, k0]), xt, acc_g,
+                               input_precision=DOT_PRECISION)  # fmt: skip
+                acc_u = tl.dot(w13_desc.load([row13 + I + i0, k0]), xt, acc_u,
+                               input_precision=DOT_PRECISION)  # fmt: skip
+        else:
+            w_ok = i_ok[:, None] & k_ok[None, :]
+            acc_g = tl.dot(tl.load(g_ptrs, mask=w_ok, other=0.0), xt, acc_g,
+                           input_precision=DOT_PRECISION)  # fmt: skip
+            acc_u = tl.dot(tl.load(u_ptrs, mask=w_ok, other=0.0), xt, acc_u,
+                           input_precision=DOT_PRECISION)  # fmt: skip
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if INTERLEAVED and USE_TMA:  # rows alternate gate / up
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, [BLOCK_I, 2, 16]), [0, 2, 1]))
     g = tl.sum(acc_g, axis=1)  # [BLOCK_I]: only column 0 is non-zero
     u = tl.sum(acc_u, axis=1)
     if HAS_B13:
@@ -1555,11 +1578,14 @@ def _sliced_kernel(
     b2_ptrs = b2_ptr + expert.to(tl.int64) * stride_b2e + offs_h
     for n0 in range(0, H, BLOCK_H):
         h_ok = offs_h < H - n0
-        w2 = tl.load(w2_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0)
+        if USE_TMA:
+            w2 = w2_desc.load([expert * H + n0, i0])
+        else:
+            w2 = tl.load(w2_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0)
+            w2_ptrs += BLOCK_H * stride_w2n
         y = tl.sum(tl.dot(w2, ht, input_precision=DOT_PRECISION), axis=1)  # [BLOCK_H]
         if HAS_B2:
             y += tl.load(b2_ptrs, mask=h_ok & (s == 0), other=0.0).to(tl.float32)
         tl.atomic_add(acc_row, y * weight, mask=h_ok, sem="relaxed")
-        w2_ptrs += BLOCK_H * stride_w2n
         acc_row += BLOCK_H
         b2_ptrs += BLOCK_H

@@ -208,7 +208,7 @@ class PipelineConfig:
     benchmarks/triton_notes.md, session 46). sliced_max_tokens: unquantized calls of at most this
     many tokens run `ops.fused_moe_sliced` (one kernel: each program takes one pair through both
     GEMMs on sliced_block_i columns of I and adds its share of the output with float32
-    atomics; 0: off), with the sliced_* block sizes, warps and pipeline stages."""
+    atomics; 0: off), with the sliced_* block sizes, warps, pipeline stages and TMA weight loads."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
@@ -227,10 +227,11 @@ class PipelineConfig:
     quant_h_in_gate_up: bool = True
     sliced_max_tokens: int = 0
     sliced_block_i: int = 32
-    sliced_block_k: int = 128
+    sliced_block_k: int = 256
     sliced_block_h: int = 128
     sliced_warps: int = 4
-    sliced_stages: int = 4
+    sliced_stages: int = 3
+    sliced_tma: bool = True
 
 
 PIPELINE = PipelineConfig()

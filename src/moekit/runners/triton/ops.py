@@ -780,12 +780,20 @@ def fused_moe_sliced(
     b13 = w.b13 if w.b13 is not None else w.w13
     b2 = w.b2 if w.b2 is not None else w.w2
     grid = (T * K, triton.cdiv(I, p.sliced_block_i))
+    E, bi = w.num_experts, p.sliced_block_i
+    use_tma = p.sliced_tma and tma_ok(w.w13, w.w2) and w.w13.is_contiguous() \
+        and w.w2.is_contiguous()
+    w13_desc = w2_desc = None
+    if use_tma:
+        rows = 2 * bi if act.interleaved else bi
+        w13_desc = _desc(w.w13.view(E * 2 * I, H), [rows, p.sliced_block_k])
+        w2_desc = _desc(w.w2.view(E * H, I), [p.sliced_block_h, bi])
     k._sliced_kernel[grid](
-        x_TH, ids_TK, weights_TK, w.w13, w.w2, b13, b2, acc, w.num_experts, K, H, I,
+        x_TH, ids_TK, weights_TK, w.w13, w13_desc, w.w2, w2_desc, b13, b2, acc, E, K, H, I,
         x_TH.stride(0), w.w13.stride(0), w.w13.stride(1), w.w2.stride(0), w.w2.stride(1),
         b13.stride(0), b2.stride(0), float(act.alpha), float(act.limit),
         ACT=ACT_CODES[act.name], HAS_B13=w.b13 is not None, HAS_B2=w.b2 is not None,
-        INTERLEAVED=act.interleaved, DOT_PRECISION=_precision(x_TH.dtype),
+        INTERLEAVED=act.interleaved, USE_TMA=use_tma, DOT_PRECISION=_precision(x_TH.dtype),
         BLOCK_I=p.sliced_block_i, BLOCK_K=p.sliced_block_k, BLOCK_H=p.sliced_block_h,
         num_warps=p.sliced_warps, num_stages=p.sliced_stages,
     )  # fmt: skip
