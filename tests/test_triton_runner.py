@@ -144,53 +144,6 @@ def test_direct_rows_match_reference(case: Case, monkeypatch):
     test_standard_matches_reference(case)
 
 
-# the sliced decode kernel (`ops.fused_moe_sliced`): slices of 16 columns of I (I = 40: a last
-# slice of 8), K steps and output chunks of 16 over H = 48, masked ids, experts picked twice
-SLICED_PIPE = dict(sliced_max_tokens=8, sliced_block_i=16, sliced_block_k=16, sliced_block_h=16)
-SLICED_CASES = [
-    Case("sliced-T0", T=0),
-    Case("sliced-T1", T=1, K=3),
-    Case("sliced-T1-masked-fp16", T=1, K=3, masked=0.5, dtype=torch.float16),
-    Case("sliced-T4-oai-interleaved-bias", T=4, K=3, E=7, act="swiglu_oai", interleaved=True,
-         bias=True),  # fmt: skip
-    Case("sliced-T8-gelu-bias-repeats", T=8, K=2, E=3, act="gelu", bias=True, masked=0.2,
-         dtype=torch.float16),  # fmt: skip
-    Case("sliced-one-expert", T=5, K=1, one_expert=True, bias=True),
-    Case("sliced-E512-K10", E=512, K=10, T=2, H=32, I=32),
-]
-
-
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("case", SLICED_CASES, ids=lambda c: c.name)
-def test_sliced_matches_reference(case: Case, tma: bool, monkeypatch):
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, sliced_tma=tma, **SLICED_PIPE))
-    x = torch.empty(case.T, case.H, dtype=case.dtype)
-    assert ops.sliced_applies(x, make_weights(case.E, case.H, case.I, case.dtype, case.bias))
-    test_standard_matches_reference(case)
-
-
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_sliced_wide_blocks_match_reference(tma: bool, interleaved: bool, monkeypatch):
-    """Blocks wider than I and H (one slice, one K step, one output chunk, all masked at the
-    edges; with TMA the tiles run into the next expert's rows)."""
-    pipe = dict(SLICED_PIPE, sliced_block_i=64, sliced_block_k=64, sliced_block_h=64,
-                sliced_tma=tma)  # fmt: skip
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, **pipe))
-    test_standard_matches_reference(Case("wide", T=3, K=2, H=48, I=40, bias=True, E=3,
-                                         act="swiglu_oai", interleaved=interleaved))
-
-
-def test_sliced_stays_off_for_quantized_and_larger_batches(monkeypatch):
-    from moekit.quant import quantize_experts
-
-    monkeypatch.setattr(ops, "PIPELINE", replace(ops.PIPELINE, **SLICED_PIPE))
-    w = make_weights(4, 64, 64, torch.float32, False)
-    assert ops.sliced_applies(torch.empty(8, 64), w)
-    assert not ops.sliced_applies(torch.empty(9, 64), w)
-    assert not ops.sliced_applies(torch.empty(1, 64), quantize_experts(w, "int8_w8a16"))
-
-
 def masked_reference(x_ECH, counts, w: ExpertWeights, act):
     to64 = {n: (None if t is None else t.double()) for n, t in vars(w).items()
             if isinstance(t, torch.Tensor) or t is None}  # fmt: skip
@@ -604,52 +557,6 @@ def test_whole_layer_cuda_graph():
     graph.replay()
     assert torch.equal(out, layer(x, logits))
     assert not torch.equal(out, eager)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model,tp,ep", PRESET_SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("block_i,tma", [(16, True), (32, True), (64, False)])
-def test_sliced_presets_bf16_gpu(model, tp, ep, block_i, tma):
-    """The sliced decode kernel on the preset shapes, T = 1 and 4, against float32; for the
-    EP8 rank of deepseek-v3 with most ids not local (-1)."""
-    from moekit.tune import random_weights, shape_for
-
-    shape = shape_for(model, tp, ep)
-    w = random_weights(shape, "cuda")
-    pipe = replace(ops.PIPELINE, sliced_max_tokens=4, sliced_block_i=block_i, sliced_tma=tma,
-                   sliced_stages=2)  # fmt: skip
-    for T in (1, 4):
-        x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
-        topk = make_topk(T, shape.top_k, shape.routed_experts)
-        topk = TopKOutput(topk.weights, torch.where(topk.ids < shape.num_experts, topk.ids, -1))
-        if (topk.ids < 0).all():
-            topk.ids[0, 0] = 0
-        with mock.patch.object(ops, "PIPELINE", pipe):
-            out = TritonRunner().run(StandardDispatchOutput(x, topk), w, shape.act).out
-        err = rel_err(out, reference_fp32_sparse(x, topk, w, shape.act))
-        assert err < TOLERANCE[torch.bfloat16], (model, T, err)
-
-
-@pytest.mark.gpu
-def test_sliced_cuda_graph_replay():
-    """Replays of the sliced kernel with new inputs and routings match eager calls."""
-    E, K, H, I, T = 16, 4, 512, 384, 2
-    w = make_weights(E, H, I, torch.bfloat16, True)
-    act = ActivationSpec("swiglu_oai", interleaved=True)
-    pipe = replace(ops.PIPELINE, sliced_max_tokens=4)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    topk = make_topk(T, K, E, masked=0.1)
-    static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-    with mock.patch.object(ops, "PIPELINE", pipe):
-        graph, out = capture_graph(
-            lambda: ops.fused_moe(static_x, TopKOutput(static_w, static_ids), w, act))
-        for _ in range(3):
-            x2 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            topk2 = make_topk(T, K, E, masked=0.1)
-            static_x.copy_(x2), static_w.copy_(topk2.weights), static_ids.copy_(topk2.ids)
-            graph.replay()
-            assert rel_err(out, ops.fused_moe(x2, topk2, w, act)) < 1e-2  # atomics: any order
-            assert rel_err(out, moe_reference_fp64(x2, topk2, w, act)) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -3,13 +3,11 @@
 Vocabulary: T tokens, K top-k, P = T*K (token, k) pairs with pair index p = t*K + k, E local
 experts, H hidden, I intermediate, BM the block of rows that shares one expert.
 
-Three groups of kernels (the alignment that sorts the pairs by expert first is shared with the
+Two groups of kernels (the alignment that sorts the pairs by expert first is shared with the
 other runners: `moekit.runners._align`):
   * grouped GEMMs: gate_up (x @ w13[e].T with the activation fused) and down (h @ w2[e].T with
     the routing weight, then either a store per pair or an atomic add per token);
-  * sum over the K experts of each token (`_sum_topk_kernel`), when the down GEMM stored pairs;
-  * the sliced decode kernel (`_sliced_kernel`): both GEMMs of one pair on one slice of I in a
-    single program, adding into a float32 output with atomics (tiny batches, no alignment).
+  * sum over the K experts of each token (`_sum_topk_kernel`), when the down GEMM stored pairs.
 
 The GEMM main loops read quantized weights in two places (constexpr QUANT): `_w_tile` for the
 unpacked formats and `_packed_mma` for the packed ones (int4_w4a16, mxfp4, nvfp4), which
@@ -1459,133 +1457,3 @@ def _sum_topk_kernel(
         ).to(tl.float32)
     out_ptrs = out_ptr + t.to(tl.int64)[:, None] * H + h[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & h_ok[None, :])
-
-
-# ----------------------------------------------------------------------------------------------
-# Sliced decode: both GEMMs of a pair in one program, on a slice of I
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _sliced_kernel(
-    x_ptr,
-    ids_ptr,
-    tw_ptr,
-    w13_ptr,
-    w13_desc,
-    w2_ptr,
-    w2_desc,
-    b13_ptr,
-    b2_ptr,
-    acc_ptr,
-    num_experts,
-    top_k,
-    H,
-    I,
-    stride_xm,
-    stride_w13e,
-    stride_w13n,
-    stride_w2e,
-    stride_w2n,
-    stride_b13e,
-    stride_b2e,
-    alpha,
-    limit,
-    ACT: tl.constexpr,
-    HAS_B13: tl.constexpr,
-    HAS_B2: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Program (pair p, slice s): h_s = act(x[t] @ w13[e, rows of slice s].T + b13) for the
-    BLOCK_I columns of I in slice s, then acc[t] += weight_p * (h_s @ w2[e][:, slice s].T
-    (+ b2[e] in slice 0)) with float32 atomics. acc [T, H] float32, zeroed by the caller; ids of
-    -1 (or >= E) add nothing. No program waits on another: every weight byte of the call streams
-    at once. The products run on the tensor cores with the token as the one non-zero column of a
-    16-column operand (weights in the MMA's M slot). USE_TMA: weight tiles through descriptors
-    of w13 as [E * 2I, H] (blocks [BLOCK_I, BLOCK_K], or [2 * BLOCK_I, BLOCK_K] interleaved) and
-    w2 as [E * H, I] (blocks [BLOCK_H, BLOCK_I]); rows past the slice's end belong to other
-    slices or experts and are masked out of h and of the sums."""
-    pair = tl.program_id(0)
-    s = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair)
-    if (expert < 0) | (expert >= num_experts):
-        return
-    token = pair // top_k
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    i0 = s * BLOCK_I
-    offs_i = i0 + tl.arange(0, BLOCK_I)
-    i_ok = offs_i < I
-    if INTERLEAVED:
-        g_rows = 2 * offs_i
-        u_rows = 2 * offs_i + 1
-    else:
-        g_rows = offs_i
-        u_rows = I + offs_i
-    col0 = (tl.arange(0, 16) == 0)[None, :]  # [1, 16]: the token's column
-    w13 = w13_ptr + expert.to(tl.int64) * stride_w13e
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w13 + g_rows.to(tl.int64)[:, None] * stride_w13n + offs_k[None, :]
-    u_ptrs = w13 + u_rows.to(tl.int64)[:, None] * stride_w13n + offs_k[None, :]
-    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_k
-    row13 = expert * (2 * I)
-    if INTERLEAVED and USE_TMA:
-        acc_gu = tl.zeros([2 * BLOCK_I, 16], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = offs_k < H - k0
-        xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        xt = tl.where(col0, xv[:, None], 0.0).to(DTYPE)  # [BLOCK_K, 16]
-        if USE_TMA:
-            if INTERLEAVED:
-                acc_gu = tl.dot(w13_desc.load([row13 + 2 * i0, k0]), xt, acc_gu,
-                                input_precision=DOT_PRECISION)  # fmt: skip
-            else:
-                acc_g = tl.dot(w13_desc.load([row13 + i0, k0]), xt, acc_g,
-                               input_precision=DOT_PRECISION)  # fmt: skip
-                acc_u = tl.dot(w13_desc.load([row13 + I + i0, k0]), xt, acc_u,
-                               input_precision=DOT_PRECISION)  # fmt: skip
-        else:
-            w_ok = i_ok[:, None] & k_ok[None, :]
-            acc_g = tl.dot(tl.load(g_ptrs, mask=w_ok, other=0.0), xt, acc_g,
-                           input_precision=DOT_PRECISION)  # fmt: skip
-            acc_u = tl.dot(tl.load(u_ptrs, mask=w_ok, other=0.0), xt, acc_u,
-                           input_precision=DOT_PRECISION)  # fmt: skip
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if INTERLEAVED and USE_TMA:  # rows alternate gate / up
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, [BLOCK_I, 2, 16]), [0, 2, 1]))
-    g = tl.sum(acc_g, axis=1)  # [BLOCK_I]: only column 0 is non-zero
-    u = tl.sum(acc_u, axis=1)
-    if HAS_B13:
-        b13 = b13_ptr + expert.to(tl.int64) * stride_b13e
-        g += tl.load(b13 + g_rows, mask=i_ok, other=0.0).to(tl.float32)
-        u += tl.load(b13 + u_rows, mask=i_ok, other=0.0).to(tl.float32)
-    h = tl.where(i_ok, activate(g, u, alpha, limit, ACT), 0.0).to(DTYPE)
-    ht = tl.where(col0, h[:, None], 0.0).to(DTYPE)  # [BLOCK_I, 16]
-    weight = tl.load(tw_ptr + pair)
-    offs_h = tl.arange(0, BLOCK_H)
-    w2_ptrs = (w2_ptr + expert.to(tl.int64) * stride_w2e + offs_h.to(tl.int64)[:, None] * stride_w2n
-               + offs_i[None, :])  # fmt: skip
-    acc_row = acc_ptr + token.to(tl.int64) * H + offs_h
-    b2_ptrs = b2_ptr + expert.to(tl.int64) * stride_b2e + offs_h
-    for n0 in range(0, H, BLOCK_H):
-        h_ok = offs_h < H - n0
-        if USE_TMA:
-            w2 = w2_desc.load([expert * H + n0, i0])
-        else:
-            w2 = tl.load(w2_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0)
-            w2_ptrs += BLOCK_H * stride_w2n
-        y = tl.sum(tl.dot(w2, ht, input_precision=DOT_PRECISION), axis=1)  # [BLOCK_H]
-        if HAS_B2:
-            y += tl.load(b2_ptrs, mask=h_ok & (s == 0), other=0.0).to(tl.float32)
-        tl.atomic_add(acc_row, y * weight, mask=h_ok, sem="relaxed")
-        acc_row += BLOCK_H
-        b2_ptrs += BLOCK_H

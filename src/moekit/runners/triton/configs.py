@@ -205,10 +205,7 @@ class PipelineConfig:
     (`ops.h_quant_dtype`), instead of in a kernel of their own between the GEMMs: on the H100
     1.4-7% off the layer at T = 1024 / 4096 (qwen3, deepseek-v3, gpt-oss; narrower tiles, as
     the decode tables have, meeting through arrival counts lost 1-17% at T <= 256:
-    benchmarks/triton_notes.md, session 46). sliced_max_tokens: unquantized calls of at most this
-    many tokens run `ops.fused_moe_sliced` (one kernel: each program takes one pair through both
-    GEMMs on sliced_block_i columns of I and adds its share of the output with float32
-    atomics; 0: off), with the sliced_* block sizes, warps, pipeline stages and TMA weight loads."""
+    benchmarks/triton_notes.md, session 46)."""
 
     direct_max_tokens: int = 4
     fuse_act_quant: bool = False
@@ -225,13 +222,6 @@ class PipelineConfig:
     fold_levels: int = 1
     fold_gemms: tuple[str, ...] = ("gate_up", "down")
     quant_h_in_gate_up: bool = True
-    sliced_max_tokens: int = 0
-    sliced_block_i: int = 32
-    sliced_block_k: int = 256
-    sliced_block_h: int = 128
-    sliced_warps: int = 4
-    sliced_stages: int = 3
-    sliced_tma: bool = True
 
 
 PIPELINE = PipelineConfig()

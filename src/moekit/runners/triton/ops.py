@@ -725,8 +725,6 @@ def fused_moe(
     if T == 0 or K == 0:
         return x_TH.new_zeros(T, H)
     x_TH, ids, weights = kernel_inputs(x_TH, topk)
-    if configs is None and sliced_applies(x_TH, w):
-        return fused_moe_sliced(x_TH, ids, weights, w, act)
     cfg1, cfg2 = configs or configs_for(T * local_share, K, w, x_TH.dtype, x_TH.device)
     pdl = decode_pdl(x_TH, T * K)
     if T <= PIPELINE.direct_max_tokens:  # no alignment; an expert's pairs share a block
@@ -746,58 +744,6 @@ def fused_moe(
     y = torch.empty(T * K, H, dtype=x_TH.dtype, device=x_TH.device)
     down(h, rows, w, cfg2, y, weights, K, pdl=pdl, h_scales=hs)
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
-
-
-def sliced_applies(x_TH: torch.Tensor, w: ExpertWeights) -> bool:
-    """Whether a standard call runs `fused_moe_sliced`: unquantized weights with unit last
-    strides and at most `PipelineConfig.sliced_max_tokens` tokens."""
-    return (
-        x_TH.shape[0] <= PIPELINE.sliced_max_tokens
-        and not w.is_quantized
-        and w.w13.stride(-1) == 1
-        and w.w2.stride(-1) == 1
-    )
-
-
-def fused_moe_sliced(
-    x_TH: torch.Tensor,
-    ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    w: ExpertWeights,
-    act: ActivationSpec,
-) -> torch.Tensor:
-    """`fused_moe` for tiny batches of unquantized weights in one GEMM kernel
-    (`_kernels._sliced_kernel`): a program per (pair, slice of sliced_block_i columns of I)
-    runs both GEMMs of its slice and adds weight * its share of the expert's output into a
-    float32 [T, H] sum, which is then cast to x's dtype. x [T, H] (unit last stride), ids
-    [T, K] int32, weights [T, K] float32, as `kernel_inputs` gives them."""
-    T, H = x_TH.shape
-    I, K = w.intermediate_size, ids_TK.shape[1]
-    if act.name not in ACT_CODES:
-        raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
-    p = PIPELINE
-    acc = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
-    b13 = w.b13 if w.b13 is not None else w.w13
-    b2 = w.b2 if w.b2 is not None else w.w2
-    grid = (T * K, triton.cdiv(I, p.sliced_block_i))
-    E, bi = w.num_experts, p.sliced_block_i
-    use_tma = p.sliced_tma and tma_ok(w.w13, w.w2) and w.w13.is_contiguous() \
-        and w.w2.is_contiguous()
-    w13_desc = w2_desc = None
-    if use_tma:
-        rows = 2 * bi if act.interleaved else bi
-        w13_desc = _desc(w.w13.view(E * 2 * I, H), [rows, p.sliced_block_k])
-        w2_desc = _desc(w.w2.view(E * H, I), [p.sliced_block_h, bi])
-    k._sliced_kernel[grid](
-        x_TH, ids_TK, weights_TK, w.w13, w13_desc, w.w2, w2_desc, b13, b2, acc, E, K, H, I,
-        x_TH.stride(0), w.w13.stride(0), w.w13.stride(1), w.w2.stride(0), w.w2.stride(1),
-        b13.stride(0), b2.stride(0), float(act.alpha), float(act.limit),
-        ACT=ACT_CODES[act.name], HAS_B13=w.b13 is not None, HAS_B2=w.b2 is not None,
-        INTERLEAVED=act.interleaved, USE_TMA=use_tma, DOT_PRECISION=_precision(x_TH.dtype),
-        BLOCK_I=p.sliced_block_i, BLOCK_K=p.sliced_block_k, BLOCK_H=p.sliced_block_h,
-        num_warps=p.sliced_warps, num_stages=p.sliced_stages,
-    )  # fmt: skip
-    return acc.to(x_TH.dtype)
 
 
 def masked_configs(capacity: int, w: ExpertWeights) -> tuple[GemmConfig, GemmConfig]:
