@@ -51,10 +51,10 @@ def variants(kind: str, batches: list[int], base=None) -> dict:
         field, values = kind.split("=")
         return {f"{field}={v}": _field(base, field, v) for v in values.split(",")}
     if kind == "direct":
-        return {"align": replace(ops.PIPELINE, direct_max_tokens=1),
-                "direct": replace(ops.PIPELINE, direct_max_tokens=max(batches))}  # fmt: skip
-    base = replace(ops.PIPELINE, decode_max_pairs=1 << 30, pdl=False)
-    return {"plain": base, "pdl": replace(base, pdl=True)}
+        return {"align": replace(base, direct_max_tokens=1),
+                "direct": replace(base, direct_max_tokens=max(batches))}  # fmt: skip
+    plain = replace(base, decode_max_pairs=1 << 30, pdl=False)
+    return {"plain": plain, "pdl": replace(plain, pdl=True)}
 
 
 def main() -> None:
