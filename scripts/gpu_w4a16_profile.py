@@ -14,6 +14,8 @@
     PYTHONPATH=src python3 scripts/gpu_w4a16_profile.py variants --targets T1,T2 \
         --variants "base=;st2=-DMK_STAGES=2;always=OVERLAP=1;new=TABLES=/tmp/tables"
     (OVERLAP=0 / 1: down never / always overlaps gate_up; TABLES=DIR: plan tables from DIR;
+    DUPSCALES=1: int4 groups of 128 packed as groups of 64 with each scale twice, the scale
+    traffic of the layout before session 57;
     @FILE first: another .cu source, e.g. an older kernel; where the time goes, with the
     kernel's probe flags: "full=;fixed=-DMK_PROBE_NO_CHUNKS=1;loads=-DMK_PROBE_NO_MATH=1")
 
@@ -24,6 +26,7 @@ routing is uniform over all E experts, pairs on other ranks are masked).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -36,7 +39,7 @@ import torch
 from moekit.bench import time_ms_interleaved
 from moekit.presets import preset
 from moekit.quant import make_spec, quantize_experts
-from moekit.runners.w4a16 import W4A16Runner, jit, plans
+from moekit.runners.w4a16 import W4A16Runner, jit, pack, plans
 from moekit.tune import random_weights, shape_for, uniform_topk
 
 DEV = torch.device("cuda")
@@ -120,6 +123,8 @@ def _variants_of(target: str, specs: dict[str, tuple[str, ...]]) -> dict:
                                    _nvcc_defines(defines))  # fmt: skip
         overlaps = (lambda *a, v=force[0]: v) if force else DOWN_OVERLAPS
         r = W4A16Runner()
+        if "DUPSCALES=1" in defines:  # the runner answers every call with this copy
+            r._packed = _Fixed(pack.pack_experts(_with_dup_scales(w), shape.act.interleaved))
         r.packed(w, shape.act.interleaved)
 
         def layer(r=r, lib_fn=lib_fn, overlaps=overlaps, table_dir=table_dir):
@@ -137,9 +142,31 @@ def _variants_of(target: str, specs: dict[str, tuple[str, ...]]) -> dict:
     return {k: round(v * 1e3 / len(sets), 2) for k, v in ms.items()}
 
 
+def _with_dup_scales(w):
+    """int4 weights with groups of 128 as groups of 64, each scale (and zero) twice."""
+    def dup(t):
+        return None if t is None else t.repeat_interleave(2, dim=-1)
+
+    assert w.spec.name == "int4_w4a16" and w.spec.group_size == 128, w.spec.describe()
+    return dataclasses.replace(
+        w, spec=dataclasses.replace(w.spec, group_size=64), w13_scale=dup(w.w13_scale),
+        w2_scale=dup(w.w2_scale), w13_zero=dup(w.w13_zero), w2_zero=dup(w.w2_zero))  # fmt: skip
+
+
+class _Fixed:
+    """A runner's packed-weights cache that always answers with one copy."""
+
+    def __init__(self, packed):
+        self.packed = packed
+
+    def get(self, tensors, tag, build):
+        return self.packed
+
+
 def _nvcc_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
-    """A variant's -D flags for nvcc, without the probe's own tokens (OVERLAP=, TABLES=)."""
-    return tuple(d for d in defines if not d.startswith(("OVERLAP=", "TABLES=")))
+    """A variant's -D flags for nvcc, without the probe's own tokens (OVERLAP=, TABLES=,
+    DUPSCALES=)."""
+    return tuple(d for d in defines if not d.startswith(("OVERLAP=", "TABLES=", "DUPSCALES=")))
 
 
 @functools.cache

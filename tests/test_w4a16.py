@@ -60,6 +60,9 @@ def test_scales_round_trip(group, dtype):
     if dtype == torch.bfloat16:
         s = torch.randn(2, 32, 256 // group).to(dtype)
     packed = pk.pack_scales(s, group)
+    # one block per K chunk of 64, or per group where a group spans chunks: each scale once
+    per_block = max(1, 64 // group) * 16 * s.element_size()
+    assert packed.shape == (2, 2, 256 // max(group, 64), per_block)
     assert torch.equal(pk.unpack_scales(packed, dtype, group, 256), s)
 
 

@@ -88,7 +88,7 @@ struct Args {
   const int* ids;             // [P] local expert of each pair; < 0 or >= E: none
   const float* topk_w;        // [P] routing weights (down)
   const uint4* wq;            // [E, rows / 16, K / 64, 32] packed tiles
-  const uint8_t* ws;          // scales, per tile and K chunk (pack.py)
+  const uint8_t* ws;          // scales, per tile and block of max(group, 64) columns (pack.py)
   const uint8_t* wz;          // int4 zero offsets, same layout as ws (MK_ZERO)
   const float* gscale;        // nvfp4: [E]
   const __nv_bfloat16* bias;  // gate_up: [E, 2N] (gate rows, then up); down: [E, N]
@@ -177,8 +177,9 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Bytes of scales per tile and K chunk, and this lane's offset in them: entries
-// [groups in the chunk][g 0..7][row g, row g + 8], of 2 bytes (int4: bf16) or 1 (fp4 codes).
+// Bytes of scales per tile and block (one K chunk, or the 2^cshift chunks of one group of
+// 128 or more), and this lane's offset in them: entries [groups in the block][g 0..7]
+// [row g, row g + 8], of 2 bytes (int4: bf16) or 1 (fp4 codes).
 constexpr int SCALE_ELEM = MK_FMT == MK_INT4 ? 2 : 1;
 
 // A fragment register j (0..3) of one 32-bit word of 8 codes, as bf16x2; m: the row's scale
@@ -334,6 +335,8 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   const int R = (row_blocks + wn_n - 1) / wn_n, KB = a.k_blocks;
   const int gsz = a.group < 64 ? a.group : 64;
   const int SB = (64 / gsz) * 16 * SCALE_ELEM;
+  const int cshift = a.group > 64 ? __ffs(a.group / 64) - 1 : 0;  // chunks of a scale block
+  const int KS = KC >> cshift;                                      // scale blocks per row
   const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
   const int soff4 = soff & ~3, sshift = (soff & 2) * 8;  // the aligned word holding them
   const int row_div = KIND == GATE_UP ? a.topk : 1;
@@ -404,10 +407,10 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       Slot<MT, NT>& sl = ring[st];
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        const long long tk = tile[t] * KC + kc;
+        const long long tk = tile[t] * KC + kc, ts = (tile[t] * KS + (kc >> cshift)) * SB;
         copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
-        if (!MK_PROBE_NO_SCALES) copy4(&sl.s[t][lane], a.ws + tk * SB + soff4);
-        if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + tk * SB + soff4);
+        if (!MK_PROBE_NO_SCALES) copy4(&sl.s[t][lane], a.ws + ts + soff4);
+        if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + ts + soff4);
       }
     };
     auto issue_x = [&](int st, int kc) {
@@ -431,11 +434,12 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
     auto load_w = [&](Chunk<MT, NT>& ch, int kc) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        const long long tk = tile[t] * KC + kc;
+        const long long tk = tile[t] * KC + kc, ts = (tile[t] * KS + (kc >> cshift)) * SB;
         ch.a[t] = ld_stream(a.wq + tk * 32 + lane);
-        ch.s[t] = __ldg(reinterpret_cast<const uint32_t*>(a.ws + tk * SB + soff4)) >> sshift;
-        if constexpr (MK_ZERO)
-          ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + tk * SB + soff4));
+        ch.s[t] = MK_PROBE_NO_SCALES
+                      ? 0x3F803F80u
+                      : __ldg(reinterpret_cast<const uint32_t*>(a.ws + ts + soff4)) >> sshift;
+        if constexpr (MK_ZERO) ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + ts + soff4));
       }
     };
     auto load_x = [&](Chunk<MT, NT>& ch, int kc) {
@@ -459,7 +463,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         ch.a[t] = sl.a[t][lane];
-        ch.s[t] = sl.s[t][lane] >> sshift;
+        ch.s[t] = MK_PROBE_NO_SCALES ? 0x3F803F80u : sl.s[t][lane] >> sshift;
         if constexpr (MK_ZERO) ch.z[t] = sl.z[t][lane];
       }
 #pragma unroll

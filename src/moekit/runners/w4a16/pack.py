@@ -8,9 +8,9 @@ m16n8k16 MMA: register j (0..3) is row g + 8 (j & 1), columns 16c + 4s + 2 (j >>
 Where the bits of its two codes sit in the word (`bit_positions`) is what the kernel's bit
 operations expect: few operations per register.
 
-Scales become bytes [E, N/16, K/64, groups in the chunk, 8, 2]: per K chunk of 64, for each
-scale group that starts in it (one group when the group is 64 or more), the entries of rows
-(g, g + 8), g = 0..7. int4: bf16 scales and zero offsets 128 + z in bf16 (the kernel
+Scales become bytes [E, N/16, K/B, groups in the block, 8, 2], in blocks of B = max(group, 64)
+columns (one K chunk, or the chunks of one group: each scale is stored once): for each scale
+group that starts in the block, the entries of rows (g, g + 8), g = 0..7. int4: bf16 scales and zero offsets 128 + z in bf16 (the kernel
 subtracts them from 128 + q); mxfp4: the e8m0 codes; nvfp4: the e4m3 codes (and the float32
 global scale per expert, unchanged).
 
@@ -40,7 +40,7 @@ class PackedMatrix:
     fmt: FMT_CODES value; two_mul: fp4 scales too large for one bf16 multiplier."""
 
     codes: torch.Tensor  # int32 [E, N/16, K/64, 32, 4]
-    scales: torch.Tensor  # uint8 [E, N/16, K/64, scale bytes per chunk]
+    scales: torch.Tensor  # uint8 [E, N/16, K/max(group, 64), scale bytes per block]
     zeros: torch.Tensor | None  # int4 with zero points: like scales
     global_scale: torch.Tensor | None  # nvfp4: float32 [E]
     fmt: int
@@ -127,19 +127,20 @@ def unpack_codes(packed: torch.Tensor, fmt: int) -> torch.Tensor:
     return tile.reshape(E, NT * TILE_ROWS, KC * CHUNK)
 
 
-def _chunk_groups(K: int, group: int, device) -> torch.Tensor:
-    """long [K/64, groups per chunk]: the scale group of each group start in each chunk."""
-    gsz = min(group, CHUNK)
-    starts = torch.arange(0, K, CHUNK).view(-1, 1) + gsz * torch.arange(CHUNK // gsz)
+def _block_groups(K: int, group: int, device) -> torch.Tensor:
+    """long [K/B, groups per block]: the scale groups of each block of B = max(group, 64)
+    columns (64 / group of them below 64, else one)."""
+    per = max(1, CHUNK // group)
+    starts = torch.arange(0, K, max(group, CHUNK)).view(-1, 1) + group * torch.arange(per)
     return (starts // group).to(device)
 
 
 def pack_scales(scale: torch.Tensor, group: int) -> torch.Tensor:
-    """[E, N, K/group] per-group values (any dtype) -> uint8 [E, N/16, K/64, bytes per chunk]
-    in the kernels' order (bytes of the dtype, little-endian)."""
+    """[E, N, K/group] per-group values (any dtype) -> uint8 [E, N/16, K/max(group, 64), bytes
+    per block] in the kernels' order (bytes of the dtype, little-endian)."""
     E, N, _ = scale.shape
     K = scale.shape[2] * group
-    idx = _chunk_groups(K, group, scale.device)
+    idx = _block_groups(K, group, scale.device)
     s = scale[:, :, idx]  # [E, N, KC, GC]
     s = s.view(E, N // TILE_ROWS, 2, 8, *idx.shape).permute(0, 1, 4, 5, 3, 2).contiguous()
     return s.view(torch.uint8).reshape(E, N // TILE_ROWS, idx.shape[0], -1)
@@ -147,14 +148,10 @@ def pack_scales(scale: torch.Tensor, group: int) -> torch.Tensor:
 
 def unpack_scales(packed: torch.Tensor, dtype: torch.dtype, group: int, K: int) -> torch.Tensor:
     """The inverse of pack_scales: -> [E, N, K/group] of `dtype`."""
-    E, NT, KC = packed.shape[:3]
-    GC = CHUNK // min(group, CHUNK)
-    s = packed.contiguous().view(dtype).view(E, NT, KC, GC, 8, 2).permute(0, 1, 5, 4, 2, 3)
-    s = s.reshape(E, NT * TILE_ROWS, KC * GC)
-    starts = _chunk_groups(K, group, packed.device).reshape(-1)
-    out = torch.empty(E, NT * TILE_ROWS, K // group, dtype=dtype, device=packed.device)
-    out[:, :, starts] = s  # a group spanning several chunks is written once per chunk
-    return out
+    E, NT, KB = packed.shape[:3]
+    GB = max(1, CHUNK // group)
+    s = packed.contiguous().view(dtype).view(E, NT, KB, GB, 8, 2).permute(0, 1, 5, 4, 2, 3)
+    return s.reshape(E, NT * TILE_ROWS, KB * GB)  # blocks hold consecutive groups
 
 
 def pack_matrix(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
