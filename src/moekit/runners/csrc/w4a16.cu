@@ -64,6 +64,9 @@
 #ifndef MK_PROBE_NO_SCALES
 #define MK_PROBE_NO_SCALES 0
 #endif
+#ifndef MK_INT4_POST  // probe: int4 with groups of 64 or more, the scale applied after the MMAs
+#define MK_INT4_POST 0
+#endif
 #ifndef MK_STAGES  // chunks in a warp's ring (fewer where they would not fit STAGE_BUDGET)
 #define MK_STAGES 4
 #endif
@@ -185,11 +188,16 @@ constexpr int SCALE_ELEM = MK_FMT == MK_INT4 ? 2 : 1;
 // A fragment register j (0..3) of one 32-bit word of 8 codes, as bf16x2; m: the row's scale
 // multiplier (bf16x2), z: int4 zero offset (bf16x2 of 128 + z).
 template <int J>
+__device__ __forceinline__ uint32_t int4_less_zero(uint32_t q, uint32_t z) {
+  // codes j and j + 4 -> the mantissas of bf16 128 + q, less 128 + z: q - z, exact
+  const uint32_t t = ((q >> (4 * J)) & 0x000F000Fu) | 0x43004300u;
+  return as_u32(__hsub2(as_bf2(t), as_bf2(z)));
+}
+
+template <int J>
 __device__ __forceinline__ uint32_t dequant(uint32_t q, uint32_t m, uint32_t z) {
 #if MK_FMT == MK_INT4
-  // codes j and j + 4 -> the mantissas of bf16 128 + q
-  const uint32_t t = ((q >> (4 * J)) & 0x000F000Fu) | 0x43004300u;
-  return as_u32(__hmul2(__hsub2(as_bf2(t), as_bf2(z)), as_bf2(m)));
+  return as_u32(__hmul2(as_bf2(int4_less_zero<J>(q, z)), as_bf2(m)));
 #else
   // sign to bit 15 / 31, exponent and mantissa to bits 8..6 / 24..22 (pack.bit_positions):
   // bf16 2^-126 times the e2m1 value (subnormal for codes 0, 1)
@@ -500,15 +508,38 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
           m1 = b1 | (b1 << 16);
         }
         const uint32_t w[4] = {ch.a[t].x, ch.a[t].y, ch.a[t].z, ch.a[t].w};
+        // POST: the chunk lies in one scale group; its products of q - z, scaled in float32
+        constexpr bool POST = MK_FMT == MK_INT4 && MK_INT4_POST;
+        float part[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) part[nt][v] = 0.f;
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          const uint32_t a0 = dequant<0>(w[s], m0, z0), a1 = dequant<1>(w[s], m1, z1);
-          const uint32_t a2 = dequant<2>(w[s], m0, z0), a3 = dequant<3>(w[s], m1, z1);
+          uint32_t a0, a1, a2, a3;
+          if (POST) {
+            a0 = int4_less_zero<0>(w[s], z0), a1 = int4_less_zero<1>(w[s], z1);
+            a2 = int4_less_zero<2>(w[s], z0), a3 = int4_less_zero<3>(w[s], z1);
+          } else {
+            a0 = dequant<0>(w[s], m0, z0), a1 = dequant<1>(w[s], m1, z1);
+            a2 = dequant<2>(w[s], m0, z0), a3 = dequant<3>(w[s], m1, z1);
+          }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const uint4 bv = ch.b[nt][s >> 1];
             const uint32_t b0 = (s & 1) ? bv.z : bv.x, b1 = (s & 1) ? bv.w : bv.y;
-            mma(acc[t][nt], a0, a1, a2, a3, b0, b1);
+            mma(POST ? part[nt] : acc[t][nt], a0, a1, a2, a3, b0, b1);
+          }
+        }
+        if (POST) {  // bf16 scales of rows g (low half) and g + 8 (high half)
+          const float s0 = __uint_as_float(ch.s[t] << 16), s1 = __uint_as_float(ch.s[t] & 0xFFFF0000u);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            acc[t][nt][0] = fmaf(part[nt][0], s0, acc[t][nt][0]);
+            acc[t][nt][1] = fmaf(part[nt][1], s0, acc[t][nt][1]);
+            acc[t][nt][2] = fmaf(part[nt][2], s1, acc[t][nt][2]);
+            acc[t][nt][3] = fmaf(part[nt][3], s1, acc[t][nt][3]);
           }
         }
       }
