@@ -93,11 +93,12 @@ def prebuild(specs: dict[str, tuple[str, ...]]) -> None:
 
     base = BASE_LIBRARY
     arch = jit.arch_of(DEV)
-    formats = ((0, False, False), (0, True, False), (1, False, False), (1, False, True),
-               (2, False, False), (2, False, True))  # fmt: skip
-    jobs = [(_nvcc_defines(d), *f) for d in specs.values() for f in formats]
+    builds = ((0, False, False, False), (0, True, False, False), (0, False, False, True),
+              (0, True, False, True), (1, False, False, False), (1, False, True, False),
+              (2, False, False, False), (2, False, True, False))  # fmt: skip
+    jobs = [(_nvcc_defines(d), b) for d in specs.values() for b in builds]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        list(pool.map(lambda j: _with_defines(base, j[0], *j[1:], arch), jobs))
+        list(pool.map(lambda j: _with_defines(base, j[0], j[1], arch), jobs))
 
 
 def variants(targets: list[str], specs: dict[str, tuple[str, ...]]) -> dict:
@@ -170,21 +171,19 @@ def _nvcc_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @functools.cache
-def _with_defines(base, defines: tuple[str, ...], fmt, zero, two_mul, arch):
+def _with_defines(base, defines: tuple[str, ...], build, arch):
     from moekit.runners import _nvcc
     from moekit.runners.w4a16.jit import SOURCE
 
     source = SOURCE
     if defines and defines[0].startswith("@"):  # another source file (e.g. an older kernel)
         source, defines = Path(defines[0][1:]).resolve(), defines[1:]
-    args = [str(source), "-shared", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
-            f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-DMK_FMT={fmt}",
-            f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}", *defines]  # fmt: skip
+    args = [*jit.nvcc_args(build, arch, source), *defines]  # later -D flags win
     import ctypes
 
     path = _nvcc.build(_nvcc.nvcc(), args, "w4a16", [source.read_bytes()], "w4a16 variant")
     lib = ctypes.CDLL(str(path))
-    real = base(fmt, zero, two_mul, arch)  # for the ctypes signatures
+    real = base(build, arch)  # for the ctypes signatures
     for name in ("mk_w4_max_pairs", "mk_w4_last_error", "mk_w4_launch", "mk_w4_occupancy",
                  "mk_w4_items"):  # fmt: skip
         getattr(lib, name).restype = getattr(real, name).restype

@@ -3,7 +3,7 @@
 CPU: the permuted weight layout (`runners/w4a16/pack.py`) round trips, and an emulation of the
 kernels' dequantization (the same bit operations and bf16 products, on the packed layout)
 reproduces `moekit.quant.dequantize` exactly (nvfp4: with its scale rounded to bf16, as the
-kernel does); availability and workload rules. GPU (marked): every format, activation, bias,
+kernel does; int4 with groups of 64 or more: q - z, the scale applied in float32); availability and workload rules. GPU (marked): every format, activation, bias,
 masked ids and batch size against the torch reference runner, the preset shapes, CUDA graphs.
 """
 
@@ -90,8 +90,9 @@ def _multipliers(m: pk.PackedMatrix, scales: torch.Tensor, e: torch.Tensor):
 
 
 def emulate_dequant(m: pk.PackedMatrix, N: int, K: int) -> torch.Tensor:
-    """bf16 [E, N, K]: what the kernels feed the MMAs, computed from the packed tensors with the
-    kernels' bit operations (csrc/w4a16.cu `dequant`, `fp4_multiplier`)."""
+    """[E, N, K]: the weights the kernels multiply by, computed from the packed tensors with the
+    kernels' bit operations (csrc/w4a16.cu `dequant`, `fp4_multiplier`): bf16, or float32 where
+    the MMAs take q - z and the scale multiplies their sums (`post_scale`)."""
     E = m.codes.shape[0]
     q = m.codes.to(torch.int64) & 0xFFFFFFFF  # [E, NT, KC, 32, 4]
     dt = torch.bfloat16 if m.fmt == pk.FMT_CODES["int4_w4a16"] else torch.uint8
@@ -120,19 +121,22 @@ def emulate_dequant(m: pk.PackedMatrix, N: int, K: int) -> torch.Tensor:
     raw = tile.view(E, NT, KC, 16, 64).permute(0, 1, 3, 2, 4).reshape(E, N, K)
     if m.fmt == pk.FMT_CODES["int4_w4a16"]:
         z = zero if zero is not None else torch.full_like(raw, 136.0)
+        if m.post_scale:
+            return (raw - z).float() * mult
         return ((raw - z) * mult.to(torch.bfloat16)).to(torch.bfloat16)
     if m.two_mul:
         raw = raw * torch.tensor(2.0**126, dtype=torch.bfloat16)
     return raw * mult.to(torch.bfloat16)
 
 
-def reference_bf16(q: QuantizedTensor) -> torch.Tensor:
-    """The weights as the kernels must see them: `dequantize` rounded to bf16, with the scale
-    first rounded to bf16 where the kernel does (int4 float32 / float16 scales, nvfp4)."""
+def reference_weights(q: QuantizedTensor, post_scale: bool) -> torch.Tensor:
+    """The weights as the kernels must see them: `dequantize` rounded to bf16 (in float32 where
+    the kernels scale after the MMAs), with the scale first rounded to bf16 where the kernel
+    does (int4 float32 / float16 scales, nvfp4)."""
     spec = q.spec
     if spec.name == "int4_w4a16":
         s = q.scale.to(torch.bfloat16).to(spec.scale_dtype)
-        return dequantize(replace(q, scale=s), torch.bfloat16)
+        return dequantize(replace(q, scale=s), torch.float32 if post_scale else torch.bfloat16)
     if spec.name == "nvfp4":
         v = e2m1_decode(unpack_uint4(q.data))
         s = (q.scale.float() * q.global_scale[:, None, None]).to(torch.bfloat16).float()
@@ -153,8 +157,9 @@ def test_emulated_dequant_matches_reference(fmt, scale_up):
     m = pk.pack_matrix(q.data, q.scale, q.zero, q.global_scale, spec)
     if spec.name in ("mxfp4", "nvfp4"):
         assert m.two_mul == (scale_up > 1)
+    assert m.post_scale == (spec.name == "int4_w4a16" and spec.group_size >= 64)
     got = emulate_dequant(m, 32, 256)
-    assert torch.equal(got, reference_bf16(q)), fmt
+    assert torch.equal(got, reference_weights(q, m.post_scale)), fmt
 
 
 def test_pack_experts_deinterleaves_gate_and_up():

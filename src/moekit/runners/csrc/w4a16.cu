@@ -29,7 +29,9 @@
 // Compile-time format (-D): MK_FMT 0 int4 (w = (q - z) * s; bf16 scales, zero offsets
 // 128 + z in bf16 when MK_ZERO), 1 mxfp4 (e8m0 scale per 32), 2 nvfp4 (e4m3 scale per 16
 // times a float32 global scale per expert). MK_TWO_MUL (fp4): the exact e2m1 value first,
-// then the scale, for scales too large to fold 2^126 into (see pack.py).
+// then the scale, for scales too large to fold 2^126 into (see pack.py). MK_INT4_POST (int4
+// with groups of 64 or more, where a K chunk lies in one group): the MMAs take q - z exactly
+// and the scale multiplies each chunk's float32 sums (one bf16 product fewer per weight pair).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -64,7 +66,7 @@
 #ifndef MK_PROBE_NO_SCALES
 #define MK_PROBE_NO_SCALES 0
 #endif
-#ifndef MK_INT4_POST  // probe: int4 with groups of 64 or more, the scale applied after the MMAs
+#ifndef MK_INT4_POST
 #define MK_INT4_POST 0
 #endif
 #ifndef MK_STAGES  // chunks in a warp's ring (fewer where they would not fit STAGE_BUDGET)
@@ -508,7 +510,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
           m1 = b1 | (b1 << 16);
         }
         const uint32_t w[4] = {ch.a[t].x, ch.a[t].y, ch.a[t].z, ch.a[t].w};
-        // POST: the chunk lies in one scale group; its products of q - z, scaled in float32
+        // POST: the chunk's products of q - z, then scaled in float32
         constexpr bool POST = MK_FMT == MK_INT4 && MK_INT4_POST;
         float part[NT][4];
 #pragma unroll
@@ -786,11 +788,12 @@ int mk_w4_launch(int kind, int act, int has_bias, int nt, int mt, int ring, cons
   const Variant v{kind, act, has_bias, nt, mt, ring};
   if (bad_variant(v) || P < 0 || P > MAX_P || topk < 1 || K % 64 || zero_n % 8 ||
       (split_k != 1 && split_k != 2 && split_k != 4) || N % (kind == DOWN ? 16 * mt : 16) ||
-      (k_blocks != 1 && k_blocks != 2 && k_blocks != 4) || (kind != DOWN && k_blocks != 1)) {
+      (k_blocks != 1 && k_blocks != 2 && k_blocks != 4) || (kind != DOWN && k_blocks != 1) ||
+      (MK_INT4_POST && group < 64)) {
     snprintf(last_error, sizeof last_error,
              "bad arguments: kind=%d P=%d (max %d) topk=%d N=%d K=%d nt=%d mt=%d ring=%d "
-             "zero_n=%lld split_k=%d k_blocks=%d", kind, P, MAX_P, topk, N, K, nt, mt, ring,
-             zero_n, split_k, k_blocks);
+             "zero_n=%lld split_k=%d k_blocks=%d group=%d (post-scaled build: >= 64)", kind, P,
+             MAX_P, topk, N, K, nt, mt, ring, zero_n, split_k, k_blocks, group);
     return -1;
   }
   Args a{static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(ids),

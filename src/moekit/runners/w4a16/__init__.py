@@ -5,7 +5,8 @@ At decode an expert sees a handful of tokens, so a layer call is a stream of 4-b
 `triton` runner's kernels spend several instructions per weight turning codes into products on
 the CUDA cores (benchmarks/triton_notes.md, session 21). These kernels (csrc/w4a16.cu) load each
 lane's MMA fragments of a weight layout permuted once (`pack.py`), turn the codes into bf16 with
-a few bit operations and one or two bf16 products, and multiply on the tensor cores. Two
+a few bit operations and one or two bf16 products (int4 with groups of 64 or more: q - z, and
+the scale multiplies the float32 sums), and multiply on the tensor cores. Two
 launches per call, no alignment kernel:
   gate_up: groups the pairs by expert in shared memory, h [P, I] = act(x @ w13[e].T + b13[e]),
            and zeroes the output;

@@ -1,6 +1,7 @@
 """Build and launch the `w4a16` kernels (csrc/w4a16.cu): nvcc, one shared library per weight
-format variant (format, zero points, one or two scale products) and GPU architecture, cached on
-disk (`moekit.runners._nvcc`); ctypes calls it on torch's current stream (CUDA-graph safe)."""
+format variant (`PackedMatrix.build`: format, zero points, one or two scale products, int4
+scales after the MMAs) and GPU architecture, cached on disk (`moekit.runners._nvcc`); ctypes
+calls it on torch's current stream (CUDA-graph safe)."""
 
 from __future__ import annotations
 
@@ -58,18 +59,15 @@ def problem() -> str | None:
 
 
 @functools.cache
-def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
-    """The compiled kernels of one format variant for `arch` ('90' for sm_90)."""
+def library(build: tuple[int, bool, bool, bool], arch: str) -> ctypes.CDLL:
+    """The compiled kernels of one format variant (`PackedMatrix.build`) for `arch` ('90' for
+    sm_90)."""
     why = problem()
     if why:
         raise RuntimeError(why)
-    args = [
-        str(SOURCE), "-shared", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
-        f"-gencode=arch=compute_{arch},code=sm_{arch}",
-        f"-DMK_FMT={fmt}", f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}",
-    ]  # fmt: skip
-    path = _nvcc.build(_nvcc.nvcc(), args, "w4a16", [SOURCE.read_bytes()],
-                       f"w4a16 kernels (format {fmt}, zero {zero}, two_mul {two_mul})")  # fmt: skip
+    path = _nvcc.build(_nvcc.nvcc(), nvcc_args(build, arch), "w4a16", [SOURCE.read_bytes()],
+                       "w4a16 kernels (format {}, zero {}, two_mul {}, post_scale {})".format(
+                           *build))  # fmt: skip
     lib = ctypes.CDLL(str(path))
     lib.mk_w4_max_pairs.restype = ctypes.c_int
     if lib.mk_w4_max_pairs() != MAX_PAIRS:
@@ -86,6 +84,16 @@ def library(fmt: int, zero: bool, two_mul: bool, arch: str) -> ctypes.CDLL:
         + [ctypes.c_int] * 8 + [ctypes.c_float] * 2 + [ctypes.c_int, ctypes.c_void_p]
     )  # fmt: skip
     return lib
+
+
+def nvcc_args(build: tuple[int, bool, bool, bool], arch: str, source: Path = SOURCE) -> list[str]:
+    """nvcc's arguments for one format variant (`PackedMatrix.build`)."""
+    fmt, zero, two_mul, post_scale = build
+    return [
+        str(source), "-shared", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-DMK_FMT={fmt}",
+        f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}", f"-DMK_INT4_POST={int(post_scale)}",
+    ]  # fmt: skip
 
 
 def arch_of(device: torch.device) -> str:
@@ -152,13 +160,12 @@ def occupancy(w: PackedMatrix, kind: int, act: str, has_bias: bool,
     """Blocks per multiprocessor of the ring kernels (nt, mt) = (1, 1), (1, 2), (2, 1), (2, 2)
     for these weights (`plan`'s occupancy: its plans take the ring); 0 where a variant does not
     exist."""
-    return _occupancy(w.fmt, w.has_zero, w.two_mul, arch_of(device), kind, ACT_CODES[act],
-                      has_bias, device.index)  # fmt: skip
+    return _occupancy(w.build, arch_of(device), kind, ACT_CODES[act], has_bias, device.index)
 
 
 @functools.cache
-def _occupancy(fmt, zero, two_mul, arch, kind, act, has_bias, device_index):
-    lib = library(fmt, zero, two_mul, arch)
+def _occupancy(build, arch, kind, act, has_bias, device_index):
+    lib = library(build, arch)
     with torch.cuda.device(device_index):
         return tuple(lib.mk_w4_occupancy(kind, act, int(has_bias), nt, mt, 1)
                      for nt in (1, 2) for mt in (1, 2))  # fmt: skip
@@ -176,7 +183,7 @@ def launch(kind: int, w: PackedMatrix, x: torch.Tensor, ids: torch.Tensor,
     P = ids.numel()
     E = w.codes.shape[0]
     K = w.codes.shape[2] * 64
-    lib = library(w.fmt, w.has_zero, w.two_mul, arch_of(x.device))
+    lib = library(w.build, arch_of(x.device))
     zero_n = zero_out.numel() if zero_out is not None else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = lib.mk_w4_launch(
@@ -196,18 +203,17 @@ def down_overlaps(w13: PackedMatrix, w2: PackedMatrix, act: str, has_bias: bool,
     """Whether down should start as a programmatic dependent launch of gate_up (sm_90+): its
     blocks are then placed while gate_up finishes, group the pairs and start streaming their
     first weights (`overlap_pays` says where that pays)."""
-    return _down_overlaps(w13.fmt, w13.has_zero, w13.two_mul, arch_of(device), ACT_CODES[act],
-                          has_bias, gate_up, down, num_pairs, top_k, w13.codes.shape[0],
-                          w13.codes.shape[1] * 8, w2.codes.shape[1] * 16, device.index,
-                          sm_count(device))  # fmt: skip
+    return _down_overlaps(w13.build, arch_of(device), ACT_CODES[act], has_bias, gate_up, down,
+                          num_pairs, top_k, w13.codes.shape[0], w13.codes.shape[1] * 8,
+                          w2.codes.shape[1] * 16, device.index, sm_count(device))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def _down_overlaps(fmt, zero, two_mul, arch, act, has_bias, gate_up, down, P, top_k, E, inter,
-                   hidden, device_index, sms) -> bool:  # fmt: skip
+def _down_overlaps(build, arch, act, has_bias, gate_up, down, P, top_k, E, inter, hidden,
+                   device_index, sms) -> bool:  # fmt: skip
     if int(arch) < 90:
         return False
-    lib = library(fmt, zero, two_mul, arch)
+    lib = library(build, arch)
 
     def grid_and_wave(kind: int, how: Plan, n: int) -> tuple[int, int]:
         with torch.cuda.device(device_index):

@@ -51,6 +51,18 @@ class PackedMatrix:
     def has_zero(self) -> bool:
         return self.zeros is not None
 
+    @property
+    def post_scale(self) -> bool:
+        """int4 with groups of 64 or more: a K chunk lies in one group, so the kernels multiply
+        q - z on the tensor cores and scale each chunk's float32 sums."""
+        return self.fmt == FMT_CODES["int4_w4a16"] and self.group >= CHUNK
+
+    @property
+    def build(self) -> tuple[int, bool, bool, bool]:
+        """The compiled kernel variant these weights take: (fmt, has_zero, two_mul,
+        post_scale)."""
+        return (self.fmt, self.has_zero, self.two_mul, self.post_scale)
+
 
 @dataclass(frozen=True)
 class PackedExperts:
