@@ -345,8 +345,10 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   const int R = (row_blocks + wn_n - 1) / wn_n, KB = a.k_blocks;
   const int gsz = a.group < 64 ? a.group : 64;
   const int SB = (64 / gsz) * 16 * SCALE_ELEM;
-  const int cshift = a.group > 64 ? __ffs(a.group / 64) - 1 : 0;  // chunks of a scale block
-  const int KS = KC >> cshift;                                      // scale blocks per row
+  // chunks of a scale block: 2^cshift, more than one only for int4 groups of 128 or more (a
+  // compile-time 0 elsewhere, which keeps the other builds' address arithmetic as it was)
+  const int cshift = MK_FMT == MK_INT4 && MK_INT4_POST && a.group > 64 ? __ffs(a.group / 64) - 1 : 0;
+  const int KS = KC >> cshift;  // scale blocks per row
   const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
   const int soff4 = soff & ~3, sshift = (soff & 2) * 8;  // the aligned word holding them
   const int row_div = KIND == GATE_UP ? a.topk : 1;
@@ -417,10 +419,11 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       Slot<MT, NT>& sl = ring[st];
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        const long long tk = tile[t] * KC + kc, ts = (tile[t] * KS + (kc >> cshift)) * SB;
+        const long long tk = tile[t] * KC + kc;
         copy16_stream(&sl.a[t][lane], a.wq + tk * 32 + lane);
-        if (!MK_PROBE_NO_SCALES) copy4(&sl.s[t][lane], a.ws + ts + soff4);
-        if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + ts + soff4);
+        const long long ts = (tile[t] * KS + (kc >> cshift)) * SB + soff4;
+        if (!MK_PROBE_NO_SCALES) copy4(&sl.s[t][lane], a.ws + ts);
+        if constexpr (MK_ZERO) copy4(&sl.z[t][lane], a.wz + ts);
       }
     };
     auto issue_x = [&](int st, int kc) {
@@ -444,12 +447,12 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
     auto load_w = [&](Chunk<MT, NT>& ch, int kc) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        const long long tk = tile[t] * KC + kc, ts = (tile[t] * KS + (kc >> cshift)) * SB;
+        const long long tk = tile[t] * KC + kc;
         ch.a[t] = ld_stream(a.wq + tk * 32 + lane);
-        ch.s[t] = MK_PROBE_NO_SCALES
-                      ? 0x3F803F80u
-                      : __ldg(reinterpret_cast<const uint32_t*>(a.ws + ts + soff4)) >> sshift;
-        if constexpr (MK_ZERO) ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + ts + soff4));
+        const long long ts = (tile[t] * KS + (kc >> cshift)) * SB + soff4;
+        ch.s[t] = MK_PROBE_NO_SCALES ? 0x3F803F80u
+                                     : __ldg(reinterpret_cast<const uint32_t*>(a.ws + ts)) >> sshift;
+        if constexpr (MK_ZERO) ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + ts));
       }
     };
     auto load_x = [&](Chunk<MT, NT>& ch, int kc) {
