@@ -347,7 +347,8 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
   const int SB = (64 / gsz) * 16 * SCALE_ELEM;
   // chunks of a scale block: 2^cshift, more than one only for int4 groups of 128 or more (a
   // compile-time 0 elsewhere, which keeps the other builds' address arithmetic as it was)
-  const int cshift = MK_FMT == MK_INT4 && MK_INT4_POST && a.group > 64 ? __ffs(a.group / 64) - 1 : 0;
+  const int cshift =
+      MK_FMT == MK_INT4 && MK_INT4_POST && a.group > 64 ? __ffs(a.group / 64) - 1 : 0;
   const int KS = KC >> cshift;  // scale blocks per row
   const int soff = ((16 * c) / gsz * 8 + g) * 2 * SCALE_ELEM;
   const int soff4 = soff & ~3, sshift = (soff & 2) * 8;  // the aligned word holding them
@@ -450,8 +451,8 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
         const long long tk = tile[t] * KC + kc;
         ch.a[t] = ld_stream(a.wq + tk * 32 + lane);
         const long long ts = (tile[t] * KS + (kc >> cshift)) * SB + soff4;
-        ch.s[t] = MK_PROBE_NO_SCALES ? 0x3F803F80u
-                                     : __ldg(reinterpret_cast<const uint32_t*>(a.ws + ts)) >> sshift;
+        const uint32_t* sp = reinterpret_cast<const uint32_t*>(a.ws + ts);
+        ch.s[t] = MK_PROBE_NO_SCALES ? 0x3F803F80u : __ldg(sp) >> sshift;
         if constexpr (MK_ZERO) ch.z[t] = __ldg(reinterpret_cast<const uint32_t*>(a.wz + ts));
       }
     };
@@ -538,7 +539,8 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
           }
         }
         if (POST) {  // bf16 scales of rows g (low half) and g + 8 (high half)
-          const float s0 = __uint_as_float(ch.s[t] << 16), s1 = __uint_as_float(ch.s[t] & 0xFFFF0000u);
+          const float s0 = __uint_as_float(ch.s[t] << 16);
+          const float s1 = __uint_as_float(ch.s[t] & 0xFFFF0000u);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             acc[t][nt][0] = fmaf(part[nt][0], s0, acc[t][nt][0]);

@@ -92,7 +92,8 @@ def nvcc_args(build: tuple[int, bool, bool, bool], arch: str, source: Path = SOU
     return [
         str(source), "-shared", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
         f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-DMK_FMT={fmt}",
-        f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}", f"-DMK_INT4_POST={int(post_scale)}",
+        f"-DMK_ZERO={int(zero)}", f"-DMK_TWO_MUL={int(two_mul)}",
+        f"-DMK_INT4_POST={int(post_scale)}",
     ]  # fmt: skip
 
 

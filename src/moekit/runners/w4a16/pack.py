@@ -10,9 +10,9 @@ operations expect: few operations per register.
 
 Scales become bytes [E, N/16, K/B, groups in the block, 8, 2], in blocks of B = max(group, 64)
 columns (one K chunk, or the chunks of one group: each scale is stored once): for each scale
-group that starts in the block, the entries of rows (g, g + 8), g = 0..7. int4: bf16 scales and zero offsets 128 + z in bf16 (the kernel
-subtracts them from 128 + q); mxfp4: the e8m0 codes; nvfp4: the e4m3 codes (and the float32
-global scale per expert, unchanged).
+group that starts in the block, the entries of rows (g, g + 8), g = 0..7. int4: bf16 scales and
+zero offsets 128 + z in bf16 (the kernel subtracts them from 128 + q); mxfp4: the e8m0 codes;
+nvfp4: the e4m3 codes (and the float32 global scale per expert, unchanged).
 
 `unpack_codes` / `unpack_scales` invert the permutation: the reference twins the tests use.
 """
