@@ -136,36 +136,46 @@ def time_ms_interleaved(
     rounds = samples if rounds is None else rounds
     orders = [[names[i] for i in row] for row in round_orders(len(names), rounds)]
     per_round = max(1, round(samples / len(orders)))
+    sample = _cpu_sampler(fns) if device.type != "cuda" else _cuda_sampler(
+        fns, device, graph, min_sample_ms)  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in names}
-    if device.type != "cuda":
-        for order in orders:
-            for name in order:
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    fns[name]()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-        return {name: statistics.median(t) for name, t in times.items()}
-    runs = {name: capture_graph(fns[name], device).replay if graph[name] else fns[name]
-            for name in names}  # fmt: skip
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = {}
-    for name, run in runs.items():
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        reps[name] = max(1, int(min_sample_ms / max(start.elapsed_time(end), 1e-3)))
     for order in orders:
         for name in order:
-            run = runs[name]
             for _ in range(per_round):
-                start.record()
-                for _ in range(reps[name]):
-                    run()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / reps[name])
+                times[name].append(sample(name))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _cpu_sampler(fns: Mapping[str, Callable[[], object]]) -> Callable[[str], float]:
+    """name -> milliseconds of one call, by the host clock."""
+
+    def sample(name: str) -> float:
+        t0 = time.perf_counter()
+        fns[name]()
+        return (time.perf_counter() - t0) * 1e3
+
+    return sample
+
+
+def _cuda_sampler(fns: Mapping[str, Callable[[], object]], device: torch.device,
+                  graph: Mapping[str, bool], min_sample_ms: float) -> Callable[[str], float]:
+    """name -> milliseconds of one call, by CUDA events around enough back-to-back calls
+    (CUDA-graph replays where `graph[name]`) to take about `min_sample_ms`."""
+    runs = {name: capture_graph(fn, device).replay if graph[name] else fn
+            for name, fn in fns.items()}  # fmt: skip
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(run: Callable[[], object], reps: int) -> float:
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    reps = {name: max(1, int(min_sample_ms / max(timed(run, 1), 1e-3)))
+            for name, run in runs.items()}  # fmt: skip
+    return lambda name: timed(runs[name], reps[name])
 
 
 def best_ms(fn: Callable[[], object], device: torch.device | str) -> float:
