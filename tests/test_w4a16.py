@@ -3,8 +3,9 @@
 CPU: the permuted weight layout (`runners/w4a16/pack.py`) round trips, and an emulation of the
 kernels' dequantization (the same bit operations and bf16 products, on the packed layout)
 reproduces `moekit.quant.dequantize` exactly (nvfp4: with its scale rounded to bf16, as the
-kernel does; int4 with groups of 64 or more: q - z, the scale applied in float32); availability and workload rules. GPU (marked): every format, activation, bias,
-masked ids and batch size against the torch reference runner, the preset shapes, CUDA graphs.
+kernel does; int4 with groups of 64 or more: q - z, the scale applied in float32); availability
+and workload rules. GPU (marked): every format, activation, bias, masked ids and batch size
+against the torch reference runner, the preset shapes, CUDA graphs.
 """
 
 from __future__ import annotations

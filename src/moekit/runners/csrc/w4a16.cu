@@ -499,10 +499,15 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
       }
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
-        uint32_t m0, m1, z0 = 0x43084308u, z1 = 0x43084308u;  // int4 symmetric: 128 + 8
+        // POST: the MMAs take q - z, and the scales multiply the chunk's float32 sums after
+        // them (no bf16 multipliers)
+        constexpr bool POST = MK_FMT == MK_INT4 && MK_INT4_POST;
+        uint32_t m0 = 0, m1 = 0, z0 = 0x43084308u, z1 = 0x43084308u;  // int4 sym.: 128 + 8
         if (MK_FMT == MK_INT4) {
-          m0 = __byte_perm(ch.s[t], 0, 0x1010);  // row g, both halves
-          m1 = __byte_perm(ch.s[t], 0, 0x3232);  // row g + 8
+          if (!POST) {
+            m0 = __byte_perm(ch.s[t], 0, 0x1010);  // row g, both halves
+            m1 = __byte_perm(ch.s[t], 0, 0x3232);  // row g + 8
+          }
           if (MK_ZERO) {
             z0 = __byte_perm(ch.z[t], 0, 0x1010);
             z1 = __byte_perm(ch.z[t], 0, 0x3232);
@@ -514,9 +519,7 @@ __global__ void MK_BOUNDS moe_w4(const Args a) {
           m1 = b1 | (b1 << 16);
         }
         const uint32_t w[4] = {ch.a[t].x, ch.a[t].y, ch.a[t].z, ch.a[t].w};
-        // POST: the chunk's products of q - z, then scaled in float32
-        constexpr bool POST = MK_FMT == MK_INT4 && MK_INT4_POST;
-        float part[NT][4];
+        float part[NT][4];  // POST: the chunk's sums of q - z times x
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
