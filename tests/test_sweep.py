@@ -261,6 +261,37 @@ def test_json_roundtrip_and_benchmarks_md(tmp_path):
     assert "Do not edit by hand" in report.update_benchmarks_md(root).read_text()
 
 
+def test_script_sections_show_the_newest_run_per_kind_and_device(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+
+    def quant(device, value):
+        return {"device": device, "commit": "c0ffee", "targets": {},
+                "summary": [{"what": "mxfp4 T=1 speed-up", "value": value, "target": ">= 2.5",
+                             "met": value >= 2.5}]}  # fmt: skip
+
+    def kernel(speedup):
+        return {"device": "H100", "triton": "3.9.0", "commit": "c0ffee",
+                "points": [{"model": "qwen3", "T": 4096, "triton_kernel_ms": 1.0,
+                            "triton_over_floor": 1.5, "triton_kernel_over_floor": 1.4,
+                            "speedup": speedup}]}  # fmt: skip
+
+    runs = {"20260101T0000Z_quant_old.json": quant("H100", 1.11),
+            "20260201T0000Z_quant_new.json": quant("H100", 2.22),
+            "20250101T0000Z_quant_h200.json": quant("H200", 3.33),
+            "20260101T0000Z_kernel_old.json": kernel(0.91),
+            "20260201T0000Z_kernel_new.json": kernel(1.07)}  # fmt: skip
+    for name, doc in runs.items():
+        (results / name).write_text(json.dumps(doc))
+    md = report.render_script_md(results, tmp_path)
+    for name in ("quant_new", "quant_h200", "kernel_new"):
+        assert f"{name}.json" in md
+    assert "_old.json" not in md and "| 1.11 |" not in md and "| 0.91 |" not in md
+    assert "| mxfp4 T=1 speed-up | 2.22 | >= 2.5 | no |" in md
+    assert "| mxfp4 T=1 speed-up | 3.33 | >= 2.5 | yes |" in md
+    assert "| qwen3 | 4096 | 1.50x | 1.40x | 1.07 |" in md
+
+
 def test_plot_written(tmp_path):
     doc = _doc("2026-01-01T00:00:00Z")
     json_path, png = report.save(doc, tmp_path, plot=True)

@@ -1,7 +1,8 @@
 """Bench results on disk: the JSON record of a sweep, its PNG plot, and BENCHMARKS.md.
 
 BENCHMARKS.md is generated from the newest result JSON per (device, preset, parallel layout,
-dtype, weight format, routing) in benchmarks/results/; never edit it by hand.
+dtype, weight format, routing) in benchmarks/results/, then the newest run of each GPU script
+per device, then every expert-parallel run; never edit it by hand.
 """
 
 from __future__ import annotations
@@ -400,29 +401,36 @@ def render_ep_md(results_dir: Path, root: Path) -> str:
 
 
 def render_script_md(results_dir: Path, root: Path) -> str:
-    """Sections for the GPU scripts' JSON (scripts/gpu_triton_kernel.py: `triton_kernel` against
-    `triton`; scripts/gpu_triton_quant.py: quantized against bf16, with the issue's targets)."""
-    lines = []
+    """Sections for the GPU scripts' JSON, the newest run of each kind per device (older runs
+    stay in results_dir): scripts/gpu_triton_kernel.py, `triton_kernel` against `triton` (per
+    Triton version too); scripts/gpu_triton_quant.py, quantized against bf16, with the issue's
+    targets."""
+    newest: dict[tuple, tuple[str, dict]] = {}
     for path, doc in _newest_first(results_dir):
         rel = (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
         link = f"[{rel}]({rel}) · {_commit_of(doc)}"
         points = doc.get("points")  # a list of dicts here; other probes store other shapes
         if isinstance(points, list) and points and "triton_kernel_ms" in points[0]:
-            lines += [f"## `triton_kernel` against `triton` ({doc.get('device')}, Triton "
-                      f"{doc.get('triton')}, scripts/gpu_triton_kernel.py)", "",
-                      f"{link} · time / floor", "",
+            newest.setdefault(("kernel", doc.get("device"), doc.get("triton")), (link, doc))
+        elif isinstance(doc.get("summary"), list) and "targets" in doc:
+            newest.setdefault(("quant", doc.get("device")), (link, doc))
+    lines = []
+    for (kind, device, *triton), (link, doc) in newest.items():
+        if kind == "kernel":
+            lines += [f"## `triton_kernel` against `triton` ({device}, Triton {triton[0]}, "
+                      "scripts/gpu_triton_kernel.py)", "", f"{link} · time / floor", "",
                       "| shape | T | triton | triton_kernel | speed-up of triton_kernel |",
                       "|---|---:|---|---|---|"]
             lines += [f"| {p['model']} | {p['T']} | {p['triton_over_floor']:.2f}x | "
-                      f"{p['triton_kernel_over_floor']:.2f}x | {p['speedup']:.2f} |" for p in points]
-            lines.append("")
-        elif isinstance(doc.get("summary"), list) and "targets" in doc:
-            lines += [f"## Quantized `triton` against bf16 `triton` ({doc.get('device')}, "
+                      f"{p['triton_kernel_over_floor']:.2f}x | {p['speedup']:.2f} |"
+                      for p in doc["points"]]
+        else:
+            lines += [f"## Quantized `triton` against bf16 `triton` ({device}, "
                       "scripts/gpu_triton_quant.py)", "", link, "",
                       "| what | measured | target | met |", "|---|---:|---|---|"]
             lines += [f"| {r['what']} | {r['value']} | {r['target']} | "
                       f"{'yes' if r['met'] else 'no'} |" for r in doc["summary"]]
-            lines.append("")
+        lines.append("")
     return "\n".join(lines)
 
 
