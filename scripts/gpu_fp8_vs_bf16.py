@@ -27,7 +27,7 @@ from moekit.select_tune import sweep_spec
 from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from probe_out import option, write_probe  # noqa: E402
+from probe_out import option, target_row, write_probe  # noqa: E402
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip  model: (tp, ep)
@@ -73,7 +73,28 @@ def main() -> None:
                   flush=True)  # fmt: skip
             del bf16, fp8_layers, fns, sets
             torch.cuda.empty_cache()
-    write_probe(option("--out", "fp8_vs_bf16") + ".json", {"points": points, "argv": sys.argv[1:]})
+    write_probe(option("--out", "fp8_vs_bf16") + ".json", {
+        "script": "scripts/gpu_fp8_vs_bf16.py",
+        "title": "fp8 block-wise against bf16 `triton`, timed in turns (issue 4)",
+        "targets": TARGETS, "summary": target_rows(points), "points": points,
+        "argv": sys.argv[1:]})  # fmt: skip
+
+
+TARGETS = {"fp8_small": 1.7, "fp8_large": 1.5}  # bf16 / fp8 at T <= 64, at T >= 4096
+
+
+def target_rows(points: list[dict]) -> list[dict]:
+    """Issue 4's fp8 targets for the measured points (T <= 64 and T >= 4096)."""
+    rows = []
+    for p in points:
+        bound = TARGETS["fp8_small"] if p["T"] <= 64 else TARGETS["fp8_large"]
+        if 64 < p["T"] < 4096:
+            continue
+        label = p["model"] + "".join(f" {k}{n}" for k, n in (("TP", p["tp"]), ("EP", p["ep"]))
+                                     if n > 1)  # fmt: skip
+        rows += [target_row(f"{label} T={p['T']} bf16 triton / fp8 {b}", ratio, ">=", bound)
+                 for b, ratio in p["bf16_over_fp8"].items()]  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,15 +8,16 @@ Per job: one `moekit.sweep.run_sweep` in bf16 (`triton`) and one per 4-bit forma
 default triton, w4a16 and auto), with the ceilings measured once, each saved like a `moekit
 bench` result under $OUT/results. Prints, per format and T: bf16 triton / w4a16 (target >= 2.5),
 w4a16 time / its own floor (packed weights + scales; target <= 1.3) and triton / w4a16; the
-ratios go to $OUT/w4a16_summary.json.
+ratios go to $OUT/w4a16_summary.json, with the two targets as a table for BENCHMARKS.md
+(`moekit.report.render_script_md`, once the file is in benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from moekit.config import ParallelConfig
 from moekit.presets import preset
 from moekit.report import metadata, result_dict, save
 from moekit.sweep import SweepSpec, run_sweep
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from probe_out import target_row, write_probe  # noqa: E402
 
 JOBS = "qwen3-30b-a3b;gpt-oss-120b;deepseek-v3 --tp-size 8 --ep-size 8;mixtral-8x7b --tp-size 2"
 
@@ -52,9 +56,11 @@ def main() -> int:
     plat = hardware.detect()
     batches = tuple(int(b) for b in args.batches.split(","))
     ceilings = ceilings_for_format("cuda", torch.bfloat16, "unquantized")
-    summary = []
+    summary, targets = [], []
     for job in args.jobs.split(";"):
         model, parallel = parse_job(job)
+        label = model + "".join(f" {k}{n}" for k, n in (("TP", parallel.tp_size),
+                                                       ("EP", parallel.ep_size)) if n > 1)
         times: dict[tuple[str, str, int], tuple[float | None, float | None]] = {}
         for fmt in ("unquantized", *args.formats.split(",")):
             t0 = time.perf_counter()
@@ -89,9 +95,17 @@ def main() -> int:
                        "bf16_over_w4a16": bf16 / w4 if bf16 and w4 else None,
                        "triton_over_w4a16": tri / w4 if tri and w4 else None}  # fmt: skip
                 summary.append(row)
+                targets += [target_row(f"{fmt} {label} T={T} bf16 triton / w4a16",
+                                       row["bf16_over_w4a16"], ">=", 2.5),
+                            target_row(f"{fmt} {label} T={T} w4a16 time / own floor", w4_floor,
+                                       "<=", 1.3)]  # fmt: skip
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in row.items()), flush=True)  # fmt: skip
-    (out / "w4a16_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_probe("w4a16_summary.json", {
+        "script": "scripts/gpu_w4a16.py",
+        "title": "4-bit `w4a16` against bf16 `triton` and its own floor (issue 4, T <= 16)",
+        "targets": {"w4_small": 2.5, "w4_floor": 1.3}, "summary": targets, "points": summary,
+        "argv": sys.argv[1:]})  # fmt: skip
     return 0
 
 

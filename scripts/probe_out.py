@@ -32,6 +32,14 @@ def write_probe(name: str, payload: dict) -> Path:
     return path
 
 
+def target_row(what: str, value: float | None, op: str, bound: float) -> dict:
+    """One row of an issue-target table as BENCHMARKS.md shows it (`moekit.report`): what was
+    measured, its value (None: not measured), the target ('>= 2.5') and whether it is met."""
+    met = value is not None and (value >= bound if op == ">=" else value <= bound)
+    return {"what": what, "value": None if value is None else round(value, 3),
+            "target": f"{op} {bound}", "met": met}  # fmt: skip
+
+
 def option(name: str, default: str) -> str:
     """The value after `name` on the command line, else `default` (the probes' flags)."""
     import sys

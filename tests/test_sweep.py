@@ -292,6 +292,43 @@ def test_script_sections_show_the_newest_run_per_kind_and_device(tmp_path):
     assert "| qwen3 | 4096 | 1.50x | 1.40x | 1.07 |" in md
 
 
+def test_target_tables_of_the_scripts(tmp_path, monkeypatch):
+    """scripts/gpu_fp8_vs_bf16.py's rows of issue 4's fp8 targets, rendered beside
+    scripts/gpu_triton_quant.py's table of the same device (one table per script)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    probe_out = importlib.import_module("probe_out")
+    fp8 = importlib.import_module("gpu_fp8_vs_bf16")
+    assert probe_out.target_row("a", 1.29, "<=", 1.3)["met"]
+    assert not probe_out.target_row("a", 1.31, "<=", 1.3)["met"]
+    assert probe_out.target_row("a", None, ">=", 2.5) == {
+        "what": "a", "value": None, "target": ">= 2.5", "met": False}
+    points = [{"model": "deepseek-v3", "tp": 8, "ep": 8, "T": T,
+               "bf16_over_fp8": {"auto": ratio}}
+              for T, ratio in ((1, 1.81234), (1024, 1.2), (4096, 1.4))]  # fmt: skip
+    rows = fp8.target_rows(points)
+    assert rows == [
+        {"what": "deepseek-v3 TP8 EP8 T=1 bf16 triton / fp8 auto", "value": 1.812,
+         "target": ">= 1.7", "met": True},
+        {"what": "deepseek-v3 TP8 EP8 T=4096 bf16 triton / fp8 auto", "value": 1.4,
+         "target": ">= 1.5", "met": False},
+    ]  # fmt: skip
+    results = tmp_path / "results"
+    results.mkdir()
+    doc = {"device": "H100", "commit": "abc1234", "script": "scripts/gpu_fp8_vs_bf16.py",
+           "title": "fp8 against bf16", "targets": fp8.TARGETS, "summary": rows}  # fmt: skip
+    (results / "20260102T0000Z_fp8.json").write_text(json.dumps(doc))
+    quant = {"device": "H100", "commit": "def5678", "targets": {},
+             "summary": [probe_out.target_row("mxfp4 T=1", 2.6, ">=", 2.5)]}  # fmt: skip
+    (results / "20260101T0000Z_quant.json").write_text(json.dumps(quant))
+    md = report.render_script_md(results, tmp_path)
+    assert "## fp8 against bf16 (H100, scripts/gpu_fp8_vs_bf16.py)" in md
+    assert "| deepseek-v3 TP8 EP8 T=4096 bf16 triton / fp8 auto | 1.4 | >= 1.5 | no |" in md
+    assert "## Quantized `triton` against bf16 `triton` (H100, scripts/gpu_triton_quant.py)" in md
+    assert "| mxfp4 T=1 | 2.6 | >= 2.5 | yes |" in md
+
+
 def test_plot_written(tmp_path):
     doc = _doc("2026-01-01T00:00:00Z")
     json_path, png = report.save(doc, tmp_path, plot=True)

@@ -403,8 +403,9 @@ def render_ep_md(results_dir: Path, root: Path) -> str:
 def render_script_md(results_dir: Path, root: Path) -> str:
     """Sections for the GPU scripts' JSON, the newest run of each kind per device (older runs
     stay in results_dir): scripts/gpu_triton_kernel.py, `triton_kernel` against `triton` (per
-    Triton version too); scripts/gpu_triton_quant.py, quantized against bf16, with the issue's
-    targets."""
+    Triton version too); target tables ({"summary": [{what, value, target, met}], "targets"},
+    per script: "script" and "title" name them, else scripts/gpu_triton_quant.py's quantized
+    `triton` against bf16)."""
     newest: dict[tuple, tuple[str, dict]] = {}
     for path, doc in _newest_first(results_dir):
         rel = (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
@@ -413,11 +414,12 @@ def render_script_md(results_dir: Path, root: Path) -> str:
         if isinstance(points, list) and points and "triton_kernel_ms" in points[0]:
             newest.setdefault(("kernel", doc.get("device"), doc.get("triton")), (link, doc))
         elif isinstance(doc.get("summary"), list) and "targets" in doc:
-            newest.setdefault(("quant", doc.get("device")), (link, doc))
+            script = doc.get("script", "scripts/gpu_triton_quant.py")
+            newest.setdefault(("targets", doc.get("device"), script), (link, doc))
     lines = []
-    for (kind, device, *triton), (link, doc) in newest.items():
+    for (kind, device, detail), (link, doc) in newest.items():
         if kind == "kernel":
-            lines += [f"## `triton_kernel` against `triton` ({device}, Triton {triton[0]}, "
+            lines += [f"## `triton_kernel` against `triton` ({device}, Triton {detail}, "
                       "scripts/gpu_triton_kernel.py)", "", f"{link} · time / floor", "",
                       "| shape | T | triton | triton_kernel | speed-up of triton_kernel |",
                       "|---|---:|---|---|---|"]
@@ -425,8 +427,8 @@ def render_script_md(results_dir: Path, root: Path) -> str:
                       f"{p['triton_kernel_over_floor']:.2f}x | {p['speedup']:.2f} |"
                       for p in doc["points"]]
         else:
-            lines += [f"## Quantized `triton` against bf16 `triton` ({device}, "
-                      "scripts/gpu_triton_quant.py)", "", link, "",
+            title = doc.get("title", "Quantized `triton` against bf16 `triton`")
+            lines += [f"## {title} ({device}, {detail})", "", link, "",
                       "| what | measured | target | met |", "|---|---:|---|---|"]
             lines += [f"| {r['what']} | {r['value']} | {r['target']} | "
                       f"{'yes' if r['met'] else 'no'} |" for r in doc["summary"]]
