@@ -27,7 +27,7 @@ from moekit.select_tune import sweep_spec
 from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from probe_out import option, target_row, write_probe  # noqa: E402
+from probe_out import layout_label, option, target_row, write_probe  # noqa: E402
 
 PRESETS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8),
            "gpt-oss-120b": (1, 1)}  # fmt: skip  model: (tp, ep)
@@ -90,8 +90,7 @@ def target_rows(points: list[dict]) -> list[dict]:
         bound = TARGETS["fp8_small"] if p["T"] <= 64 else TARGETS["fp8_large"]
         if 64 < p["T"] < 4096:
             continue
-        label = p["model"] + "".join(f" {k}{n}" for k, n in (("TP", p["tp"]), ("EP", p["ep"]))
-                                     if n > 1)  # fmt: skip
+        label = layout_label(p["model"], p["tp"], p["ep"])
         rows += [target_row(f"{label} T={p['T']} bf16 triton / fp8 {b}", ratio, ">=", bound)
                  for b, ratio in p["bf16_over_fp8"].items()]  # fmt: skip
     return rows

@@ -40,6 +40,11 @@ def target_row(what: str, value: float | None, op: str, bound: float) -> dict:
             "target": f"{op} {bound}", "met": met}  # fmt: skip
 
 
+def layout_label(model: str, tp: int, ep: int) -> str:
+    """'deepseek-v3 TP8 EP8', 'qwen3-30b-a3b': a preset and its parallel layout, in rows."""
+    return model + "".join(f" {k}{n}" for k, n in (("TP", tp), ("EP", ep)) if n > 1)
+
+
 def option(name: str, default: str) -> str:
     """The value after `name` on the command line, else `default` (the probes' flags)."""
     import sys

@@ -293,8 +293,8 @@ def test_script_sections_show_the_newest_run_per_kind_and_device(tmp_path):
 
 
 def test_target_tables_of_the_scripts(tmp_path, monkeypatch):
-    """scripts/gpu_fp8_vs_bf16.py's rows of issue 4's fp8 targets, rendered beside
-    scripts/gpu_triton_quant.py's table of the same device (one table per script)."""
+    """The rows of issue 4's targets that scripts/gpu_fp8_vs_bf16.py and gpu_w4a16.py write, and
+    a table rendered beside scripts/gpu_triton_quant.py's of the same device."""
     import importlib
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -314,6 +314,17 @@ def test_target_tables_of_the_scripts(tmp_path, monkeypatch):
         {"what": "deepseek-v3 TP8 EP8 T=4096 bf16 triton / fp8 auto", "value": 1.4,
          "target": ">= 1.5", "met": False},
     ]  # fmt: skip
+    w4a16 = importlib.import_module("gpu_w4a16")
+    point = {"job": "mixtral-8x7b --tp-size 2", "format": "mxfp4", "T": 1, "triton_ms": 0.07,
+             "w4a16_ms": 0.04, "auto_ms": 0.04, "bf16_over_w4a16": 2.9,
+             "w4a16_over_floor": 1.31}  # fmt: skip
+    never_ran = {**point, "job": "gpt-oss-120b", "format": "int4_w4a16", "triton_ms": None,
+                 "w4a16_ms": None, "auto_ms": None, "bf16_over_w4a16": None,
+                 "w4a16_over_floor": None}  # fmt: skip
+    assert [(r["what"], r["met"]) for r in w4a16.target_rows([point, never_ran])] == [
+        ("mxfp4 mixtral-8x7b TP2 T=1 bf16 triton / w4a16", True),
+        ("mxfp4 mixtral-8x7b TP2 T=1 w4a16 time / own floor", False),
+    ]
     results = tmp_path / "results"
     results.mkdir()
     doc = {"device": "H100", "commit": "abc1234", "script": "scripts/gpu_fp8_vs_bf16.py",
