@@ -64,7 +64,7 @@ def test_scales_round_trip(group, dtype):
     # one block per K chunk of 64, or per group where a group spans chunks: each scale once
     per_block = max(1, 64 // group) * 16 * s.element_size()
     assert packed.shape == (2, 2, 256 // max(group, 64), per_block)
-    assert torch.equal(pk.unpack_scales(packed, dtype, group, 256), s)
+    assert torch.equal(pk.unpack_scales(packed, dtype, group), s)
 
 
 def _bf16(bits: torch.Tensor) -> torch.Tensor:
@@ -97,12 +97,12 @@ def emulate_dequant(m: pk.PackedMatrix, N: int, K: int) -> torch.Tensor:
     E = m.codes.shape[0]
     q = m.codes.to(torch.int64) & 0xFFFFFFFF  # [E, NT, KC, 32, 4]
     dt = torch.bfloat16 if m.fmt == pk.FMT_CODES["int4_w4a16"] else torch.uint8
-    scales = pk.unpack_scales(m.scales, dt, m.group, K)  # [E, N, K / group]
+    scales = pk.unpack_scales(m.scales, dt, m.group)  # [E, N, K / group]
     e = torch.arange(E).view(E, 1, 1)
     mult = _multipliers(m, scales, e).repeat_interleave(m.group, dim=2)  # [E, N, K]
     zero = None
     if m.zeros is not None:
-        zero = pk.unpack_scales(m.zeros, torch.bfloat16, m.group, K)
+        zero = pk.unpack_scales(m.zeros, torch.bfloat16, m.group)
         zero = zero.repeat_interleave(m.group, dim=2)
     row, col = pk._lane_map(q.device)  # [32, 4, 4, 2]
     vals = torch.empty(*q.shape, 4, 2, dtype=torch.bfloat16)

@@ -187,8 +187,8 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 // [row g, row g + 8], of 2 bytes (int4: bf16) or 1 (fp4 codes).
 constexpr int SCALE_ELEM = MK_FMT == MK_INT4 ? 2 : 1;
 
-// A fragment register j (0..3) of one 32-bit word of 8 codes, as bf16x2; m: the row's scale
-// multiplier (bf16x2), z: int4 zero offset (bf16x2 of 128 + z).
+// int4 A fragment register j (0..3) of one 32-bit word of 8 codes: q - z in bf16x2, exact
+// (z: the zero offset as bf16x2 of 128 + z).
 template <int J>
 __device__ __forceinline__ uint32_t int4_less_zero(uint32_t q, uint32_t z) {
   // codes j and j + 4 -> the mantissas of bf16 128 + q, less 128 + z: q - z, exact
@@ -196,6 +196,8 @@ __device__ __forceinline__ uint32_t int4_less_zero(uint32_t q, uint32_t z) {
   return as_u32(__hsub2(as_bf2(t), as_bf2(z)));
 }
 
+// A fragment register j (0..3) of one 32-bit word of 8 codes, as bf16x2; m: the row's scale
+// multiplier (bf16x2), z: int4 zero offset (bf16x2 of 128 + z).
 template <int J>
 __device__ __forceinline__ uint32_t dequant(uint32_t q, uint32_t m, uint32_t z) {
 #if MK_FMT == MK_INT4

@@ -139,10 +139,15 @@ def unpack_codes(packed: torch.Tensor, fmt: int) -> torch.Tensor:
     return tile.reshape(E, NT * TILE_ROWS, KC * CHUNK)
 
 
+def _groups_per_block(group: int) -> int:
+    """Scale groups in a block of max(group, 64) columns: 64 / group below 64, else one."""
+    return max(1, CHUNK // group)
+
+
 def _block_groups(K: int, group: int, device) -> torch.Tensor:
     """long [K/B, groups per block]: the scale groups of each block of B = max(group, 64)
-    columns (64 / group of them below 64, else one)."""
-    per = max(1, CHUNK // group)
+    columns."""
+    per = _groups_per_block(group)
     starts = torch.arange(0, K, max(group, CHUNK)).view(-1, 1) + group * torch.arange(per)
     return (starts // group).to(device)
 
@@ -158,10 +163,10 @@ def pack_scales(scale: torch.Tensor, group: int) -> torch.Tensor:
     return s.view(torch.uint8).reshape(E, N // TILE_ROWS, idx.shape[0], -1)
 
 
-def unpack_scales(packed: torch.Tensor, dtype: torch.dtype, group: int, K: int) -> torch.Tensor:
+def unpack_scales(packed: torch.Tensor, dtype: torch.dtype, group: int) -> torch.Tensor:
     """The inverse of pack_scales: -> [E, N, K/group] of `dtype`."""
     E, NT, KB = packed.shape[:3]
-    GB = max(1, CHUNK // group)
+    GB = _groups_per_block(group)
     s = packed.contiguous().view(dtype).view(E, NT, KB, GB, 8, 2).permute(0, 1, 5, 4, 2, 3)
     return s.reshape(E, NT * TILE_ROWS, KB * GB)  # blocks hold consecutive groups
 
