@@ -7,7 +7,7 @@ import torch
 
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, fused_moe
 from moekit.config import ConfigError
-from moekit.experts import ActivationSpec
+from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import detect
 from moekit.router import TopKOutput
 from moekit.runners import registry
@@ -181,6 +181,54 @@ def test_bad_weight_shapes_are_refused():
         ExpertWeights(torch.randn(4, 16, 8), torch.randn(4, 8, 9))
     with pytest.raises(ValueError, match=r"b13 must be \[E, 2I\]"):
         ExpertWeights(torch.randn(4, 16, 8), torch.randn(4, 8, 8), b13=torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("x_shape, logits_shape", [
+    ((3, 31), (3, 8)),  # hidden size
+    ((3, 32), (3, 7)),  # experts
+    ((3, 32), (2, 8)),  # tokens
+    ((1, 3, 32), (3, 8)),  # leading shape
+])
+def test_layer_inputs_that_do_not_fit_are_refused_by_name(x_shape, logits_shape):
+    layer = build(Case("x"), "torch", torch.float32, "cpu")
+    assert layer(torch.randn(1, 3, 32), torch.randn(1, 3, 8)).shape == (1, 3, 32)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., H\] with H = 32 .* E = 8"):
+        layer(torch.randn(x_shape), torch.randn(logits_shape))
+    with pytest.raises(ValueError, match="x is float64 but the expert weights are float32"):
+        layer(torch.randn(3, 32, dtype=torch.float64), torch.randn(3, 8))
+
+
+def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
+    E, H, I, T, K = 4, 16, 8, 5, 2
+    x = torch.randn(T, H)
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    w, ids = torch.rand(T, K), torch.randint(0, E, (T, K))
+
+    def run(**kw):
+        args = dict(x_TH=x, w13=w13, w2=w2, topk_weights=w, topk_ids=ids)
+        args.update(kw)
+        return fused_moe(**args, moe_runner_backend="torch")
+
+    assert run().shape == (T, H)
+    # ids outside [0, E) add nothing (an EP rank's experts elsewhere), as documented
+    torch.testing.assert_close(run(topk_ids=torch.full((T, K), E)), torch.zeros(T, H))
+    cases = [
+        (dict(topk_ids=ids.float()), r"topk_ids must be an integer tensor .* float32"),
+        (dict(topk_weights=torch.ones(T, K, dtype=torch.int64)), "topk_weights must be a floating"),
+        (dict(topk_weights=w[:, :1]), r"both be \[T, K\] with T = 5 .* \[5, 2\] and \[5, 1\]"),
+        (dict(topk_weights=w[:4], topk_ids=ids[:4]), r"T = 5 \(x's rows\), got \[4, 2\]"),
+        (dict(topk_weights=w[:, 0], topk_ids=ids[:, 0]), r"both be \[T, K\]"),
+        (dict(x_TH=x[:, :15]), r"x must be \[T, H\] with H = 16 .* got \[5, 15\]"),
+        (dict(x_TH=x.bfloat16()), "x is bfloat16 but the expert weights are float32"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run(**kw)
+    with pytest.raises(ConfigError, match="--activation: unknown value 'tanh'; allowed: gelu"):
+        fused_moe(x, w13, w2, w, ids, activation="tanh")
+    masked = MaskedDispatchOutput(torch.randn(E, 3, H - 1), torch.zeros(E, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"masked x must be \[E, C, H\] with H = 16, got \[4, 3"):
+        TorchRunner().run(masked, ExpertWeights(w13, w2), ActivationSpec())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run: the Triton runners under the interpreter")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moekit.config import MoEConfig
+from moekit.config import ACTIVATIONS, MoEConfig, check_choice
 
 if TYPE_CHECKING:
     from moekit.quant.quantize import QuantizedTensor
@@ -40,6 +40,9 @@ class ActivationSpec:
     interleaved: bool = False
     alpha: float = 1.702
     limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        check_choice("activation", self.name, ACTIVATIONS)
 
     @classmethod
     def from_config(cls, config: MoEConfig) -> "ActivationSpec":

@@ -20,7 +20,7 @@ from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
 from moekit.router import CustomRoutingFunction, TopKOutput, route
-from moekit.runners.base import Runner
+from moekit.runners.base import INT_DTYPES, Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
 from moekit import metrics
 from moekit.select import Decision, Workload, select_runner
@@ -80,8 +80,11 @@ def workload_of(d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec) 
 def run_experts(
     d: DispatchOutput, weights: ExpertWeights, act: ActivationSpec, runners: RunnerCache
 ):
-    """Pick the runner for this call and run it (under torch.compile: as one custom op,
-    `moekit.compiled`)."""
+    """Check the inputs (`input_problem`), pick the runner for this call and run it (under
+    torch.compile: as one custom op, `moekit.compiled`)."""
+    problem = input_problem(d, weights)
+    if problem:
+        raise RunnerError(problem)
     if torch.compiler.is_compiling():
         return run_experts_op(d, weights, act, runners)
     return runners.runner(workload_of(d, weights, act)).run(d, weights, act)
@@ -251,9 +254,17 @@ class MoE(nn.Module):
         return route(router_logits_TE, self.config, self.correction_bias, self.custom_routing_function)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [..., H], router_logits [..., E] (the same leading shape) -> [..., H]."""
         shape = x.shape
-        x_TH = x.reshape(-1, shape[-1])
-        topk = self.route(router_logits.reshape(x_TH.shape[0], router_logits.shape[-1]))
+        H, E = self.config.hidden_size, self.config.num_experts
+        if x.dim() == 0 or shape[-1] != H or router_logits.shape != (*shape[:-1], E):
+            raise ValueError(
+                f"MoE.forward: x must be [..., H] with H = {H} and router_logits [..., E] with "
+                f"E = {E} over the same leading shape, got {list(shape)} and "
+                f"{list(router_logits.shape)}"
+            )
+        x_TH = x.reshape(-1, H)
+        topk = self.route(router_logits.reshape(x_TH.shape[0], E))
         return self.forward_topk(x_TH, topk).view(shape)
 
     def record_expert_load(self, enabled: bool = True) -> ExpertLoadRecorder | None:
@@ -329,11 +340,19 @@ def fused_moe(
     swiglu_limit: float = 7.0,
     moe_runner_backend: str = "auto",
 ) -> torch.Tensor:
-    """Functional MoE on one rank: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K]
-    float, topk_ids [T, K] int (-1 = skip) -> out [T, H] in x's dtype."""
+    """Functional MoE on one rank: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype),
+    topk_weights [T, K] float, topk_ids [T, K] int -> out [T, H] in x's dtype. Ids outside
+    [0, E) add nothing: -1 marks an unused slot, and an expert parallel rank passes the ids of
+    experts it does not hold that way (the kernels read ids on the device, so they are not
+    range-checked)."""
     weights = ExpertWeights(w13, w2, b13, b2)
     act = ActivationSpec(activation, interleaved, swiglu_alpha, swiglu_limit)
-    topk = TopKOutput(topk_weights.float(), topk_ids.to(torch.int32))
+    # the runners' dtypes; other dtypes pass through for Runner.check to name
+    if topk_weights.dtype.is_floating_point:
+        topk_weights = topk_weights.float()
+    if topk_ids.dtype in INT_DTYPES:
+        topk_ids = topk_ids.to(torch.int32)
+    topk = TopKOutput(topk_weights, topk_ids)
     runners = _functional_runners(moe_runner_backend)
     return run_experts(StandardDispatchOutput(x_TH, topk), weights, act, runners).out
 

@@ -36,6 +36,44 @@ class RunnerCaps:
     cuda_graph: bool = False
 
 
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def input_problem(dispatch_out: DispatchOutput, weights: ExpertWeights) -> str | None:
+    """None if the dispatched inputs fit the weights, else what does not: x [T, H] with top-k
+    ids (integers) and weights (floats) both [T, K], or x [E, C, H]; H the experts' hidden
+    size; unquantized weights in x's dtype. Shapes and dtypes only (no device sync)."""
+    x = dispatch_out.x
+    H = weights.hidden_size
+    if isinstance(dispatch_out, MaskedDispatchOutput):
+        if x.dim() != 3 or x.shape[2] != H:
+            return f"masked x must be [E, C, H] with H = {H}, got {list(x.shape)}"
+    else:
+        if x.dim() != 2 or x.shape[1] != H:
+            return f"x must be [T, H] with H = {H} (the experts' hidden size), got {list(x.shape)}"
+        ids, w = dispatch_out.topk.ids, dispatch_out.topk.weights
+        if ids.dim() != 2 or ids.shape[0] != x.shape[0] or w.shape != ids.shape:
+            return (
+                f"topk_ids and topk_weights must both be [T, K] with T = {x.shape[0]} (x's "
+                f"rows), got {list(ids.shape)} and {list(w.shape)}"
+            )
+        if ids.dtype not in INT_DTYPES:
+            return f"topk_ids must be an integer tensor (expert ids, -1 = none), got {_name(ids)}"
+        if not w.dtype.is_floating_point:
+            return f"topk_weights must be a floating-point tensor, got {_name(w)}"
+    if weights.format == "unquantized" and weights.w13.dtype != x.dtype:
+        return (
+            f"x is {_name(x)} but the expert weights are {_name(weights.w13)}: pass x in the "
+            "weights' dtype"
+        )
+    return None
+
+
+def _name(t: torch.Tensor) -> str:
+    """t's dtype as the options spell it ('bfloat16')."""
+    return str(t.dtype).removeprefix("torch.")
+
+
 class Runner(ABC):
     """A runner backend: runs the expert FFNs on dispatched tokens."""
 
@@ -71,13 +109,14 @@ class Runner(ABC):
         return None
 
     def check(self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec):
-        """Raise RunnerError if these inputs are outside this runner's capabilities."""
+        """Raise RunnerError if these inputs are malformed (`input_problem`) or outside this
+        runner's capabilities."""
         x = dispatch_out.x
-        problem = self.unsupported(
+        problem = input_problem(dispatch_out, weights) or self.unsupported(
             dispatch_out.format,
             weights.format,
             act.name,
-            str(x.dtype).removeprefix("torch."),
+            _name(x),
             x.device.type,
             weights.has_bias,
         )
