@@ -214,6 +214,7 @@ def test_eplb_simulated_and_measured_load(tmp_path, capsys):
     (["--ep-size", "3"], "--ep-size (3) must divide the 128 experts + 0 redundant = 128 slots"),
     (["--ep-size", "2", "--load", "/nope.json"], "--load: no such file '/nope.json'"),
     (["--ep-size", "2", "--ep-num-redundant-experts", "-2"], "must be >= 0"),
+    (["--ep-size", "0"], "--ep-size must be a positive integer, got 0"),
 ])  # fmt: skip
 def test_eplb_errors(args, needle, capsys):
     assert main(["eplb", *args]) == 2

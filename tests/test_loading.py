@@ -145,3 +145,12 @@ def test_loading_errors_name_the_missing_piece():
         MoE(config(has_bias=True)).load_hf_state_dict(fused_sd(w, prefix="experts."))
     with pytest.raises(KeyError, match="e_score_correction_bias"):
         MoE(config(use_correction_bias=True)).load_hf_state_dict(fused_sd(w, prefix="experts."))
+    transposed = per_expert_sd(w, prefix="experts.")
+    transposed["experts.2.gate_proj.weight"] = transposed["experts.2.gate_proj.weight"].T
+    with pytest.raises(ValueError, match=rf"experts.2.gate_proj.weight has shape \[{H}, {I}\]; "
+                                         rf"the config gives \[{I}, {H}\]"):  # fmt: skip
+        MoE(config()).load_hf_state_dict(transposed)
+    fewer = {k: v[: E - 1] for k, v in fused_sd(w, prefix="experts.").items()}
+    with pytest.raises(ValueError, match=rf"down_proj has shape \[{E - 1}, .*expected \[E, H, I\] "
+                                         rf"= \[{E}, "):  # fmt: skip
+        MoE(config()).load_hf_state_dict(fewer)

@@ -46,11 +46,25 @@ def _missing(key: str, state_dict: Mapping[str, torch.Tensor]) -> KeyError:
     return KeyError(f"state dict has no {key!r}" + (f"; keys near it: {near}" if near else ""))
 
 
-def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str]):
+def _expect(sd, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """sd[key], which must have `shape` (the config's)."""
+    if tuple(sd[key].shape) != shape:
+        raise ValueError(
+            f"{key} has shape {list(sd[key].shape)}; the config gives {list(shape)} (H = "
+            "hidden_size, I = intermediate_size)"
+        )
+    return sd[key]
+
+
+def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I: int):
     g, u, d = (prefix + f"{e}.{n}" for n in names)
     for key in (g + ".weight", u + ".weight", d + ".weight"):
         if key not in sd:
             raise _missing(key, sd)
+    for key, shape in ((g, (I, H)), (u, (I, H)), (d, (H, I))):
+        _expect(sd, key + ".weight", shape)
+        if key + ".bias" in sd:
+            _expect(sd, key + ".bias", shape[:1])
     w13 = torch.cat([sd[g + ".weight"], sd[u + ".weight"]], dim=0)
     b13 = None
     if g + ".bias" in sd:
@@ -78,7 +92,7 @@ def _shared(sd, shared_prefix: str, j: int, I: int):
 def _fused(sd, prefix: str, config: MoEConfig):
     H, I = config.hidden_size, config.intermediate_size
     gate_up, down = sd[prefix + "gate_up_proj"], sd[prefix + "down_proj"]
-    E = gate_up.shape[0]
+    E = config.num_experts
     if tuple(down.shape) == (E, H, I):
         pass
     elif tuple(down.shape) == (E, I, H):
@@ -131,7 +145,7 @@ def load_hf_experts(
         elif fused_all is not None:
             w13, w2, b13, b2 = (None if t is None else t[e] for t in fused_all)
         else:
-            w13, w2, b13, b2 = _per_expert(state_dict, prefix, e, names)
+            w13, w2, b13, b2 = _per_expert(state_dict, prefix, e, names, config.hidden_size, I)
         w13s.append(w13[rows])
         w2s.append(w2[:, cols])
         b13s.append(None if b13 is None else b13[rows])

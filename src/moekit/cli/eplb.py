@@ -59,6 +59,8 @@ def simulated_load(model: str, routing: str, zipf_s: float, tokens: int, seed: i
 
 
 def run(args) -> int:
+    if args.ep_size < 1:  # before ParallelConfig, whose first check names --tp-size
+        raise ConfigError(f"--ep-size must be a positive integer, got {args.ep_size}")
     ParallelConfig(tp_size=args.ep_size, ep_size=args.ep_size,
                    ep_num_redundant_experts=args.ep_num_redundant_experts)  # checks both options
     if args.load:
