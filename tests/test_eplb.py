@@ -194,6 +194,37 @@ def test_rebalance_refuses_another_slot_count_and_a_layer_without_ranks():
         rebalance_(rank1, ExpertPlacement(torch.tensor([4, 5, 6, 7, 0, 1, 2, 3]), 2))
 
 
+@pytest.mark.parametrize("slots, needle", [
+    ([0, 0, 2, 3, 4, 5, 6, 7, 0, 0, 2, 3], r"no slot for logical experts \[1\]"),
+    ([0, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], r"outside \[0, 8\): \[8\]"),
+    ([0, 1, 2, 3, 4, 5, 6, 7, -1, 1, 2, 3], r"outside \[0, 8\): \[-1\]"),
+])
+def test_rebalance_refuses_a_placement_that_drops_an_expert_before_moving_anything(slots, needle):
+    layer = _layer()
+    x, logits = torch.randn(6, 128), torch.randn(6, 8)
+    before, w13 = layer(x, logits), layer.w13.clone()
+    with pytest.raises(ValueError, match=needle):
+        rebalance_(layer, ExpertPlacement(torch.tensor(slots), 1))
+    assert torch.equal(layer.w13, w13)
+    assert torch.equal(layer.placement.physical_to_logical, torch.arange(12) % 8)
+    assert torch.equal(layer(x, logits), before)
+    with pytest.raises(TypeError, match="takes an ExpertPlacement, got Tensor"):
+        rebalance_(layer, torch.arange(12) % 8)
+
+
+@pytest.mark.parametrize("args, needle", [
+    ((torch.arange(8.0), 1), r"1-D integer tensor \[slots\], got torch.float32 \[8\]"),
+    ((torch.arange(8).view(2, 4), 1), r"got torch.int64 \[2, 4\]"),
+    (([0, 1, 2, 3], 1), "got list"),
+    ((torch.arange(8), 0), "ep_size must be a positive integer, got 0"),
+    ((torch.arange(8), -2), "ep_size must be a positive integer, got -2"),
+    ((torch.arange(0), 1), r"slots \(0\) must be a positive multiple"),
+])  # fmt: skip
+def test_placement_refuses_malformed_maps(args, needle):
+    with pytest.raises(ValueError, match=needle):
+        ExpertPlacement(*args)
+
+
 @pytest.mark.parametrize("E,redundant,ep", [(8, 0, 1), (8, 4, 1), (8, 8, 4), (6, 2, 2)])
 def test_slot_map_is_rewritten_in_place_for_a_new_placement(E, redundant, ep):
     """update_ keeps the map's tensors and gives what a map built for the new placement gives."""
@@ -240,7 +271,7 @@ def test_placements_round_trip_through_a_file(tmp_path):
     for text, needle in [("[1, 2]", "not a placement file"), ("{oops", "not a placement file"),
                          ('{"ep_size": 2, "placements": []}', "non-empty list of placements"),
                          ('{"ep_size": 2, "placements": [[0, -1]]}', "placement 0 must be"),
-                         ('{"ep_size": 2, "placements": [[0, 1, 2]]}', "divisible by ep_size")]:
+                         ('{"ep_size": 2, "placements": [[0, 1, 2]]}', "positive multiple of ep_size")]:
         path.write_text(text)
         with pytest.raises(ValueError, match=needle):
             load_placements(path)

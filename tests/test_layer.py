@@ -198,6 +198,24 @@ def test_layer_inputs_that_do_not_fit_are_refused_by_name(x_shape, logits_shape)
         layer(torch.randn(3, 32, dtype=torch.float64), torch.randn(3, 8))
 
 
+def test_layer_refuses_a_rank_or_placement_its_configs_do_not_give():
+    from moekit.placement import ExpertPlacement
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    two = ParallelConfig(tp_size=2, ep_size=2)
+    for rank in (-1, 2, 1.0):
+        with pytest.raises(ConfigError, match=r"tp_rank must be an integer in \[0, --tp-size = 2\)"):
+            MoE(cfg, two, tp_rank=rank)
+    for placement, needle in [
+        (ExpertPlacement.contiguous(8, 2), "8 slots over 2 ranks; the configs give 8 .* --ep-size 1"),
+        (ExpertPlacement.contiguous(8, 1, 10), "10 slots over 1 ranks; the configs give 8"),
+        (ExpertPlacement(torch.tensor([0, 1, 2, 3, 4, 5, 6, 6])), r"no slot for logical experts \[7\]"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            MoE(cfg, placement=placement)
+    assert MoE(cfg, two, tp_rank=1).local_experts.tolist() == [4, 5, 6, 7]
+
+
 def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
     E, H, I, T, K = 4, 16, 8, 5, 2
     x = torch.randn(T, H)

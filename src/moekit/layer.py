@@ -11,7 +11,7 @@ from torch import nn
 
 from moekit import hardware
 from moekit.compiled import run_experts_op
-from moekit.config import MoEConfig, ParallelConfig, RunnerConfig, validate
+from moekit.config import ConfigError, MoEConfig, ParallelConfig, RunnerConfig, validate
 from moekit.dispatch.factory import make_dispatcher
 from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
@@ -128,11 +128,22 @@ class MoE(nn.Module):
         if state is not None:  # ranks and groups from moekit.parallel.init_parallel
             parallel, tp_rank = state.resolve(parallel), state.tp_rank
         validate(config, parallel, runner)
+        if not isinstance(tp_rank, int) or not 0 <= tp_rank < parallel.tp_size:
+            raise ConfigError(f"tp_rank must be an integer in [0, --tp-size = {parallel.tp_size}), "
+                              f"got {tp_rank!r}")  # fmt: skip
         self.config, self.parallel = config, parallel
         self.tp_rank = tp_rank
         self.ep_rank = tp_rank // parallel.moe_tp_size
         self.moe_tp_rank = tp_rank % parallel.moe_tp_size
         slots = config.total_experts + parallel.ep_num_redundant_experts
+        if placement is not None:
+            if (placement.ep_size, placement.num_slots) != (parallel.ep_size, slots):
+                raise ConfigError(
+                    f"placement: {placement.num_slots} slots over {placement.ep_size} ranks; the "
+                    f"configs give {slots} (experts + --ep-num-redundant-experts) over --ep-size "
+                    f"{parallel.ep_size}"
+                )
+            placement.check(config.total_experts)
         self.placement = placement or ExpertPlacement.contiguous(
             config.total_experts, parallel.ep_size, slots
         )

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
 
 @dataclass(frozen=True)
 class ExpertPlacement:
@@ -24,10 +26,34 @@ class ExpertPlacement:
     ep_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_slots % self.ep_size:
+        p2l = self.physical_to_logical
+        if not isinstance(p2l, torch.Tensor) or p2l.dim() != 1 or p2l.dtype not in _INT_DTYPES:
+            got = f"{p2l.dtype} [{', '.join(map(str, p2l.shape))}]" if isinstance(
+                p2l, torch.Tensor) else type(p2l).__name__  # fmt: skip
+            raise ValueError(f"physical_to_logical must be a 1-D integer tensor [slots], got {got}")
+        if not isinstance(self.ep_size, int) or isinstance(self.ep_size, bool) or self.ep_size < 1:
+            raise ValueError(f"ep_size must be a positive integer, got {self.ep_size!r}")
+        if self.num_slots == 0 or self.num_slots % self.ep_size:
             raise ValueError(
-                f"physical expert slots ({self.num_slots}) must be divisible by ep_size "
-                f"({self.ep_size})"
+                f"physical expert slots ({self.num_slots}) must be a positive multiple of "
+                f"ep_size ({self.ep_size})"
+            )
+
+    def check(self, num_experts: int) -> None:
+        """Raise ValueError unless every slot holds a logical expert in [0, num_experts) and
+        every expert has a slot (a host read of the map: not for the hot path)."""
+        p2l = self.physical_to_logical.detach().to("cpu", torch.int64)
+        outside = sorted({e for e in p2l.tolist() if not 0 <= e < num_experts})
+        if outside:
+            raise ValueError(
+                f"placement maps slots to logical experts outside [0, {num_experts}): "
+                f"{outside[:16]}"
+            )
+        missing = (torch.bincount(p2l, minlength=num_experts) == 0).nonzero().flatten().tolist()
+        if missing:
+            raise ValueError(
+                f"placement holds no slot for logical experts {missing[:16]}: every expert in "
+                f"[0, {num_experts}) needs one"
             )
 
     @classmethod

@@ -29,6 +29,7 @@ class SlotMap:
     ) -> None:
         p2l = placement.physical_to_logical.detach().to("cpu", torch.int64)
         L = int(num_logical if num_logical is not None else p2l.max().item() + 1)
+        placement.check(L)
         self.num_logical = L
         self.num_slots = placement.num_slots
         self.ep_size = placement.ep_size
@@ -44,15 +45,7 @@ class SlotMap:
         """p2l [num_slots] (CPU) -> (table [L + 1, width] of each expert's slots, -1 past its
         copies; copies [L + 1], 1 for the masked row)."""
         L = self.num_logical
-        if p2l.numel() and (p2l.min() < 0 or p2l.max() >= L):
-            raise ValueError(
-                f"placement maps slots to logical experts outside [0, {L}): "
-                f"{sorted(set(p2l.tolist()) - set(range(L)))}"
-            )
         copies = torch.bincount(p2l, minlength=L)
-        missing = (copies == 0).nonzero().flatten().tolist()
-        if missing:
-            raise ValueError(f"placement holds no slot for logical experts {missing[:16]}")
         table = torch.full((L + 1, self.num_slots - L + 1), -1, dtype=torch.int64)
         filled = [0] * L
         for slot, e in enumerate(p2l.tolist()):
@@ -73,6 +66,7 @@ class SlotMap:
                 f"slots over {placement.ep_size} ranks, the map {self.num_slots} over "
                 f"{self.ep_size}"
             )
+        placement.check(self.num_logical)
         table, copies = self._tables(placement.physical_to_logical.detach().to("cpu", torch.int64))
         self._table.copy_(table)
         self._copies.copy_(copies)

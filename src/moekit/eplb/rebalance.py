@@ -65,6 +65,9 @@ def rebalance_(layer, placement: ExpertPlacement) -> bool:
     a permutation of its experts from or to slot i = expert i): capture those graphs again.
     With ep_size > 1 every rank of the layer's EP group must call it with the same placement
     (point-to-point transfers over that group). Not during CUDA-graph capture."""
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(f"rebalance_ takes an ExpertPlacement, got {type(placement).__name__}")
+    placement.check(layer.config.total_experts)  # before anything moves
     old = layer.placement
     if (placement.ep_size, placement.num_slots) != (old.ep_size, old.num_slots):
         raise ValueError(
