@@ -232,7 +232,7 @@ def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
     torch.testing.assert_close(run(topk_ids=torch.full((T, K), E)), torch.zeros(T, H))
     cases = [
         (dict(topk_ids=ids.float()), r"topk_ids must be an integer tensor .* float32"),
-        (dict(topk_weights=torch.ones(T, K, dtype=torch.int64)), "topk_weights must be a floating"),
+        (dict(topk_weights=torch.ones(T, K, dtype=torch.int64)), "topk_weights must be float32"),
         (dict(topk_weights=w[:, :1]), r"both be \[T, K\] with T = 5 .* \[5, 2\] and \[5, 1\]"),
         (dict(topk_weights=w[:4], topk_ids=ids[:4]), r"T = 5 \(x's rows\), got \[4, 2\]"),
         (dict(topk_weights=w[:, 0], topk_ids=ids[:, 0]), r"both be \[T, K\]"),
@@ -244,9 +244,19 @@ def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
             run(**kw)
     with pytest.raises(ConfigError, match="--activation: unknown value 'tanh'; allowed: gelu"):
         fused_moe(x, w13, w2, w, ids, activation="tanh")
-    masked = MaskedDispatchOutput(torch.randn(E, 3, H - 1), torch.zeros(E, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"masked x must be \[E, C, H\] with H = 16, got \[4, 3"):
-        TorchRunner().run(masked, ExpertWeights(w13, w2), ActivationSpec())
+    counts = torch.zeros(E, dtype=torch.int32)
+    for mx, mc, message in [
+        (torch.randn(E, 3, H - 1), counts, r"masked x must be \[E, C, H\] with E = 4, H = 16, got \[4, 3"),
+        (torch.randn(E - 1, 3, H), counts[1:], r"with E = 4, H = 16, got \[3, 3, 16\]"),
+        (torch.randn(E, 3, H), counts[1:], r"masked counts must be an integer tensor \[E\] = \[4\]"),
+        (torch.randn(E, 3, H), counts.float(), r"counts .* got float32 \[4\]"),
+        (torch.randn(E, 3, H), [0] * E, r"counts .* got list"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            TorchRunner().run(MaskedDispatchOutput(mx, mc), ExpertWeights(w13, w2), ActivationSpec())
+    with pytest.raises(ValueError, match="topk_weights must be float32 .* got float64"):
+        TorchRunner().run(StandardDispatchOutput(x, TopKOutput(w.double(), ids)),
+                          ExpertWeights(w13, w2), ActivationSpec())  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run: the Triton runners under the interpreter")

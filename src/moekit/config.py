@@ -68,6 +68,41 @@ def _check_positive(option: str, value: int) -> None:
         raise ConfigError(f"{_flag(option)} must be a positive integer, got {value!r}")
 
 
+def check_routing(
+    num_experts: int,
+    top_k: int,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    num_shared_experts: int = 0,
+) -> None:
+    """Raise a ConfigError unless top_k of num_experts (in the topk_group best of
+    num_expert_group groups, given both) plus num_shared_experts fused ones can be picked."""
+    _check_positive("top_k", top_k)
+    if top_k > num_experts:
+        raise ConfigError(f"--top-k ({top_k}) must be at most --num-experts ({num_experts})")
+    if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+        raise ConfigError(f"--num-shared-experts must be an integer >= 0, got {num_shared_experts!r}")
+    if (num_expert_group is None) != (topk_group is None):
+        raise ConfigError("--num-expert-group and --topk-group must be given together")
+    if num_expert_group is None:
+        return
+    _check_positive("num_expert_group", num_expert_group)
+    _check_positive("topk_group", topk_group)
+    if num_experts % num_expert_group:
+        raise ConfigError(
+            f"--num-expert-group ({num_expert_group}) must divide --num-experts ({num_experts})"
+        )
+    if topk_group > num_expert_group:
+        raise ConfigError(
+            f"--topk-group ({topk_group}) must be at most --num-expert-group ({num_expert_group})"
+        )
+    if top_k > topk_group * (num_experts // num_expert_group):
+        raise ConfigError(
+            f"--top-k ({top_k}) exceeds the experts in --topk-group ({topk_group}) groups of "
+            f"{num_experts // num_expert_group}"
+        )
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """The MoE block of one model layer (global, unsharded sizes).
@@ -102,37 +137,14 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for option in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             _check_positive(option, getattr(self, option))
-        if self.top_k > self.num_experts:
-            raise ConfigError(
-                f"--top-k ({self.top_k}) must be at most --num-experts ({self.num_experts})"
-            )
+        check_routing(self.num_experts, self.top_k, self.num_expert_group, self.topk_group,
+                      self.num_shared_experts)  # fmt: skip
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("scoring_func", self.scoring_func, SCORING_FUNCS)
         check_choice("dtype", self.dtype, set(DTYPES))
         check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
-        if self.num_shared_experts < 0:
-            raise ConfigError("--num-shared-experts must be >= 0")
         if self.swiglu_limit <= 0:
             raise ConfigError(f"--swiglu-limit must be > 0, got {self.swiglu_limit}")
-        if (self.num_expert_group is None) != (self.topk_group is None):
-            raise ConfigError("--num-expert-group and --topk-group must be given together")
-        if self.num_expert_group is not None:
-            groups, picked = self.num_expert_group, self.topk_group
-            _check_positive("num_expert_group", groups)
-            _check_positive("topk_group", picked)
-            if self.num_experts % groups:
-                raise ConfigError(
-                    f"--num-expert-group ({groups}) must divide --num-experts ({self.num_experts})"
-                )
-            if picked > groups:
-                raise ConfigError(
-                    f"--topk-group ({picked}) must be at most --num-expert-group ({groups})"
-                )
-            if self.top_k > picked * (self.num_experts // groups):
-                raise ConfigError(
-                    f"--top-k ({self.top_k}) exceeds the experts in --topk-group ({picked}) "
-                    f"groups of {self.num_experts // groups}"
-                )
 
     @classmethod
     def from_hf(cls, path) -> "MoEConfig":

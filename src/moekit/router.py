@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moekit.config import MoEConfig
+from moekit.config import MoEConfig, check_routing
 
 
 class TopKOutput(NamedTuple):
@@ -78,9 +78,26 @@ def select_experts(
     experts are appended as columns with ids E, E+1, ... and weight 1.
     Returns TopKOutput with K = top_k + num_fused_shared_experts columns.
     """
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {list(router_logits_TE.shape)}")
     T, E = router_logits_TE.shape
+    check_routing(E, top_k, num_expert_group, topk_group, num_fused_shared_experts)
+    if correction_bias_E is not None and correction_bias_E.shape != (E,):
+        raise ValueError(
+            f"correction_bias must be [E] = [{E}], got {list(correction_bias_E.shape)}"
+        )
     if custom_routing_function is not None:
         weights, ids = custom_routing_function(router_logits_TE, top_k, renormalize)
+        if (
+            weights.shape != (T, top_k) or ids.shape != (T, top_k)
+            or not weights.dtype.is_floating_point or ids.dtype.is_floating_point
+            or ids.dtype == torch.bool
+        ):  # fmt: skip
+            raise ValueError(
+                f"custom_routing_function must return (weights [T, top_k] = [{T}, {top_k}] "
+                f"float, ids [T, top_k] int), got {weights.dtype} {list(weights.shape)} and "
+                f"{ids.dtype} {list(ids.shape)}"
+            )
         weights, ids = weights.float(), ids.to(torch.int32)
     else:
         scores = _scores(router_logits_TE, scoring_func)

@@ -41,13 +41,22 @@ INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 def input_problem(dispatch_out: DispatchOutput, weights: ExpertWeights) -> str | None:
     """None if the dispatched inputs fit the weights, else what does not: x [T, H] with top-k
-    ids (integers) and weights (floats) both [T, K], or x [E, C, H]; H the experts' hidden
-    size; unquantized weights in x's dtype. Shapes and dtypes only (no device sync)."""
+    ids (integers) and weights (float32) both [T, K], or x [E, C, H] with counts [E]
+    (integers); E and H the weights'; unquantized weights in x's dtype. Shapes and dtypes only
+    (no device sync)."""
     x = dispatch_out.x
     H = weights.hidden_size
     if isinstance(dispatch_out, MaskedDispatchOutput):
-        if x.dim() != 3 or x.shape[2] != H:
-            return f"masked x must be [E, C, H] with H = {H}, got {list(x.shape)}"
+        E, counts = weights.num_experts, dispatch_out.counts
+        if x.dim() != 3 or x.shape[0] != E or x.shape[2] != H:
+            return f"masked x must be [E, C, H] with E = {E}, H = {H}, got {list(x.shape)}"
+        if not isinstance(counts, torch.Tensor):
+            return f"masked counts must be an integer tensor [E] = [{E}], got {type(counts).__name__}"
+        if counts.shape != (E,) or counts.dtype not in INT_DTYPES:
+            return (
+                f"masked counts must be an integer tensor [E] = [{E}], got {_name(counts)} "
+                f"{list(counts.shape)}"
+            )
     else:
         if x.dim() != 2 or x.shape[1] != H:
             return f"x must be [T, H] with H = {H} (the experts' hidden size), got {list(x.shape)}"
@@ -59,8 +68,8 @@ def input_problem(dispatch_out: DispatchOutput, weights: ExpertWeights) -> str |
             )
         if ids.dtype not in INT_DTYPES:
             return f"topk_ids must be an integer tensor (expert ids, -1 = none), got {_name(ids)}"
-        if not w.dtype.is_floating_point:
-            return f"topk_weights must be a floating-point tensor, got {_name(w)}"
+        if w.dtype != torch.float32:
+            return f"topk_weights must be float32 (the router's), got {_name(w)}"
     if weights.format == "unquantized" and weights.w13.dtype != x.dtype:
         return (
             f"x is {_name(x)} but the expert weights are {_name(weights.w13)}: pass x in the "

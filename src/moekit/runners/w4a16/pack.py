@@ -195,19 +195,23 @@ def pack_matrix(data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     return PackedMatrix(codes, scales, zeros, gs, fmt, group, two_mul)
 
 
-def _gate_up_rows(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rows of a w13-shaped tensor [E, 2I, ...] in gate-then-up order."""
-    if not interleaved:
+def _gate_up_rows(t: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
+    """Rows of a w13-shaped tensor [E, 2I, ...] in gate-then-up order (None stays None)."""
+    if t is None or not interleaved:
         return t
     return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
 
 
+def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.bfloat16).contiguous()
+
+
 def pack_experts(w: ExpertWeights, interleaved: bool) -> PackedExperts:
     """ExpertWeights of a 4-bit format -> PackedExperts (w13 rows in gate-then-up order)."""
-    rows = lambda t: None if t is None else _gate_up_rows(t, interleaved)
+    def rows(t):
+        return _gate_up_rows(t, interleaved)
+
     w13 = pack_matrix(rows(w.w13), rows(w.w13_scale), rows(w.w13_zero), w.w13_global_scale,
                       w.spec)  # fmt: skip
     w2 = pack_matrix(w.w2, w.w2_scale, w.w2_zero, w.w2_global_scale, w.spec)
-    b13 = rows(w.b13)
-    bf16 = lambda t: None if t is None else t.to(torch.bfloat16).contiguous()
-    return PackedExperts(w13, w2, bf16(b13), bf16(w.b2))
+    return PackedExperts(w13, w2, _bf16(rows(w.b13)), _bf16(w.b2))
