@@ -213,9 +213,23 @@ def test_eplb_simulated_and_measured_load(tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--ep-size", "3"], "--ep-size (3) must divide the 128 experts + 0 redundant = 128 slots"),
     (["--ep-size", "2", "--load", "/nope.json"], "--load: no such file '/nope.json'"),
-    (["--ep-size", "2", "--ep-num-redundant-experts", "-2"], "must be >= 0"),
+    (["--ep-size", "2", "--ep-num-redundant-experts", "-2"], "must be an integer >= 0, got -2"),
     (["--ep-size", "0"], "--ep-size must be a positive integer, got 0"),
 ])  # fmt: skip
 def test_eplb_errors(args, needle, capsys):
     assert main(["eplb", *args]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("load.json", '{"a": 1}', "is not a JSON list (of lists) of numbers"),
+    ("load.json", "[1, 2,", "is not a JSON list"),
+    ("load.pt", "[1, 2]", "is not a JSON list"),  # text where a torch.save'd tensor belongs
+    ("load.JSON", "[[1, -2, 3, 4]]", "loads must be finite counts >= 0"),
+    ("load.json", "[1, NaN, 3, 4]", "loads must be finite counts >= 0"),
+])  # fmt: skip
+def test_eplb_load_files_that_hold_no_load_are_refused(tmp_path, capsys, name, text, needle):
+    (tmp_path / name).write_text(text)
+    assert main(["eplb", "--load", str(tmp_path / name), "--ep-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--load:" in err and needle in err and "Traceback" not in err

@@ -198,6 +198,24 @@ def test_layer_inputs_that_do_not_fit_are_refused_by_name(x_shape, logits_shape)
         layer(torch.randn(3, 32, dtype=torch.float64), torch.randn(3, 8))
 
 
+def test_quantized_layer_refuses_activation_scales_that_are_not_positive():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    for scale in (0.0, -1.0, float("nan"), "1"):
+        layer = MoE(cfg)
+        with pytest.raises(ValueError, match="a13_scale"):
+            layer.quantize_weights_("fp8_w8a8", weight_scale="tensor", activation_scheme="static_tensor",
+                                    a13_scale=scale, a2_scale=1.0)  # fmt: skip
+    MoE(cfg).quantize_weights_("fp8_w8a8", weight_scale="tensor", activation_scheme="static_tensor",
+                               a13_scale=0.5, a2_scale=1.0)  # fmt: skip
+
+
+def test_expert_shapes_and_activation_parameters_are_checked():
+    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] \(gate and up rows\), got \[4, 17, 8\]"):
+        ExpertWeights(torch.randn(4, 17, 8), torch.randn(4, 8, 8))
+    with pytest.raises(ConfigError, match="--swiglu-limit must be > 0, got -1"):
+        ActivationSpec("swiglu_oai", limit=-1)
+
+
 def test_layer_refuses_a_rank_or_placement_its_configs_do_not_give():
     from moekit.placement import ExpertPlacement
 

@@ -137,3 +137,27 @@ def test_router_cuda_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(captured.ids, eager.ids)
     assert torch.allclose(captured.weights, eager.weights)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(top_k=9), r"--top-k \(9\) must be at most --num-experts \(8\)"),
+    (dict(top_k=0), "--top-k must be a positive integer, got 0"),
+    (dict(num_expert_group=3, topk_group=1), r"--num-expert-group \(3\) must divide --num-experts"),
+    (dict(num_expert_group=4), "must be given together"),
+    (dict(num_expert_group=4, topk_group=5), r"--topk-group \(5\) must be at most"),
+    (dict(num_expert_group=4, topk_group=1, top_k=3), r"--top-k \(3\) exceeds the experts in"),
+    (dict(num_fused_shared_experts=-1), "--num-shared-experts must be an integer >= 0, got -1"),
+    (dict(correction_bias_E=torch.zeros(1)), r"correction_bias must be \[E\] = \[8\], got \[1\]"),
+    (dict(custom_routing_function=lambda lg, k, r: (lg[:, :k + 1], lg[:, :k + 1].long())),
+     r"must return \(weights \[T, top_k\] = \[4, 2\] float"),
+    (dict(custom_routing_function=lambda lg, k, r: (lg[:, :k], lg[:, :k])),
+     r"ids \[T, top_k\] int\), got torch.float32 \[4, 2\] and torch.float32"),
+])  # fmt: skip
+def test_bad_routing_options_are_refused_by_name(kw, needle):
+    kw = {"top_k": 2, **kw}
+    logits = torch.randn(4, 8)
+    assert select_experts(logits, 2).ids.shape == (4, 2)
+    with pytest.raises(ValueError, match=needle):
+        select_experts(logits, **kw)
+    with pytest.raises(ValueError, match=r"router_logits must be \[T, E\], got \[8\]"):
+        select_experts(logits[0], 2)

@@ -81,7 +81,9 @@ def check_routing(
     if top_k > num_experts:
         raise ConfigError(f"--top-k ({top_k}) must be at most --num-experts ({num_experts})")
     if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
-        raise ConfigError(f"--num-shared-experts must be an integer >= 0, got {num_shared_experts!r}")
+        raise ConfigError(
+            f"--num-shared-experts must be an integer >= 0, got {num_shared_experts!r}"
+        )
     if (num_expert_group is None) != (topk_group is None):
         raise ConfigError("--num-expert-group and --topk-group must be given together")
     if num_expert_group is None:
@@ -199,8 +201,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"--moe-dense-tp-size: only 1 (or unset) is supported, got {self.moe_dense_tp_size}"
             )
-        if self.ep_num_redundant_experts < 0:
-            raise ConfigError("--ep-num-redundant-experts must be >= 0")
+        if not isinstance(self.ep_num_redundant_experts, int) or self.ep_num_redundant_experts < 0:
+            raise ConfigError(
+                f"--ep-num-redundant-experts must be an integer >= 0, got "
+                f"{self.ep_num_redundant_experts!r}"
+            )
         _check_positive("max_dispatch_tokens_per_rank", self.max_dispatch_tokens_per_rank)
         _check_positive("eplb_rebalance_num_iterations", self.eplb_rebalance_num_iterations)
         if self.moe_a2a_backend != "none" and self.ep_size != self.tp_size:

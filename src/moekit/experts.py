@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moekit.config import ACTIVATIONS, MoEConfig, check_choice
+from moekit.config import ACTIVATIONS, ConfigError, MoEConfig, check_choice
 
 if TYPE_CHECKING:
     from moekit.quant.quantize import QuantizedTensor
@@ -43,6 +43,8 @@ class ActivationSpec:
 
     def __post_init__(self) -> None:
         check_choice("activation", self.name, ACTIVATIONS)
+        if self.name == "swiglu_oai" and not self.limit > 0:
+            raise ConfigError(f"--swiglu-limit must be > 0, got {self.limit}")
 
     @classmethod
     def from_config(cls, config: MoEConfig) -> "ActivationSpec":
@@ -79,8 +81,10 @@ class ExpertWeights:
     spec: "QuantSpec | None" = None
 
     def __post_init__(self) -> None:
-        if self.w13.dim() != 3:
-            raise ValueError(f"w13 must be [E, 2I, H], got {list(self.w13.shape)}")
+        if self.w13.dim() != 3 or self.w13.shape[1] % 2:
+            raise ValueError(
+                f"w13 must be [E, 2I, H] (gate and up rows), got {list(self.w13.shape)}"
+            )
         if self.format == "unquantized":
             if self.spec is not None or any(getattr(self, n) is not None for n in QUANT_TENSORS):
                 raise ValueError(

@@ -62,15 +62,22 @@ def read_load(path: str | Path) -> torch.Tensor:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"no such file {str(path)!r}")
-    if file.suffix == ".json":
-        load = torch.tensor(json.loads(file.read_text()), dtype=torch.float64)
-    else:
-        load = torch.load(file, map_location="cpu", weights_only=True)
-        if not isinstance(load, torch.Tensor):
-            raise ValueError(f"{str(path)!r} holds a {type(load).__name__}, not a tensor")
-        load = load.to(torch.float64)
+    what = "a JSON list (of lists) of numbers, or a torch.save'd tensor [E] / [L, E]"
+    try:
+        if file.suffix.lower() == ".json":
+            load = torch.tensor(json.loads(file.read_text()), dtype=torch.float64)
+        else:
+            load = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 (json, torch.load, torch.tensor: each its own)
+        why = f"{type(err).__name__}: {err}"[:200]
+        raise ValueError(f"{str(path)!r} is not {what} ({why})") from None
+    if not isinstance(load, torch.Tensor):
+        raise ValueError(f"{str(path)!r} holds a {type(load).__name__}, not {what}")
+    load = load.to(torch.float64)
     if load.dim() == 1:
         load = load[None]
     if load.dim() != 2 or load.shape[1] == 0:
         raise ValueError(f"expected [E] or [L, E] values, got shape {tuple(load.shape)}")
+    if not (torch.isfinite(load) & (load >= 0)).all():
+        raise ValueError(f"{str(path)!r}: loads must be finite counts >= 0")
     return load

@@ -43,11 +43,18 @@ def from_quantized(
 def _act_scale(name: str, s, E: int, device) -> torch.Tensor | None:
     if s is None:
         return None
-    t = torch.as_tensor(s, dtype=torch.float32, device=device)
+    try:
+        t = torch.as_tensor(s, dtype=torch.float32, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"{name} must be a number or a tensor [E], got {type(s).__name__}"
+        ) from None
     if t.numel() == 1:
         t = t.reshape(1).expand(E).contiguous()
     if tuple(t.shape) != (E,):
         raise ValueError(f"{name} must be one value or [E] = [{E}], got {list(t.shape)}")
+    if not (torch.isfinite(t) & (t > 0)).all():  # a host read, once per quantization
+        raise ValueError(f"{name}: activation scales must be finite and > 0, got {t.tolist()[:8]}")
     return t
 
 
