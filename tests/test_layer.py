@@ -200,17 +200,17 @@ def test_layer_inputs_that_do_not_fit_are_refused_by_name(x_shape, logits_shape)
 
 def test_quantized_layer_refuses_activation_scales_that_are_not_positive():
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    static = dict(weight_scale="tensor", activation_scheme="static_tensor")
     for scale in (0.0, -1.0, float("nan"), "1"):
         layer = MoE(cfg)
         with pytest.raises(ValueError, match="a13_scale"):
-            layer.quantize_weights_("fp8_w8a8", weight_scale="tensor", activation_scheme="static_tensor",
-                                    a13_scale=scale, a2_scale=1.0)  # fmt: skip
-    MoE(cfg).quantize_weights_("fp8_w8a8", weight_scale="tensor", activation_scheme="static_tensor",
-                               a13_scale=0.5, a2_scale=1.0)  # fmt: skip
+            layer.quantize_weights_("fp8_w8a8", a13_scale=scale, a2_scale=1.0, **static)
+    MoE(cfg).quantize_weights_("fp8_w8a8", a13_scale=0.5, a2_scale=1.0, **static)
 
 
 def test_expert_shapes_and_activation_parameters_are_checked():
-    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] \(gate and up rows\), got \[4, 17, 8\]"):
+    odd = r"w13 must be \[E, 2I, H\] \(gate and up rows\), got \[4, 17, 8\]"
+    with pytest.raises(ValueError, match=odd):
         ExpertWeights(torch.randn(4, 17, 8), torch.randn(4, 8, 8))
     with pytest.raises(ConfigError, match="--swiglu-limit must be > 0, got -1"):
         ActivationSpec("swiglu_oai", limit=-1)
@@ -222,12 +222,12 @@ def test_layer_refuses_a_rank_or_placement_its_configs_do_not_give():
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
     two = ParallelConfig(tp_size=2, ep_size=2)
     for rank in (-1, 2, 1.0):
-        with pytest.raises(ConfigError, match=r"tp_rank must be an integer in \[0, --tp-size = 2\)"):
+        with pytest.raises(ConfigError, match=r"tp_rank must be an integer in \[0, --tp-size = 2"):
             MoE(cfg, two, tp_rank=rank)
     for placement, needle in [
-        (ExpertPlacement.contiguous(8, 2), "8 slots over 2 ranks; the configs give 8 .* --ep-size 1"),
+        (ExpertPlacement.contiguous(8, 2), "8 slots over 2 ranks; the configs give 8 .* --ep-size"),
         (ExpertPlacement.contiguous(8, 1, 10), "10 slots over 1 ranks; the configs give 8"),
-        (ExpertPlacement(torch.tensor([0, 1, 2, 3, 4, 5, 6, 6])), r"no slot for logical experts \[7\]"),
+        (ExpertPlacement(torch.tensor([0, 1, 2, 3, 4, 5, 6, 6])), r"no slot for .* \[7\]"),
     ]:
         with pytest.raises(ValueError, match=needle):
             MoE(cfg, placement=placement)
@@ -264,14 +264,15 @@ def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
         fused_moe(x, w13, w2, w, ids, activation="tanh")
     counts = torch.zeros(E, dtype=torch.int32)
     for mx, mc, message in [
-        (torch.randn(E, 3, H - 1), counts, r"masked x must be \[E, C, H\] with E = 4, H = 16, got \[4, 3"),
+        (torch.randn(E, 3, H - 1), counts, r"masked x must be \[E, C, H\] with E = 4, H = 16, got"),
         (torch.randn(E - 1, 3, H), counts[1:], r"with E = 4, H = 16, got \[3, 3, 16\]"),
-        (torch.randn(E, 3, H), counts[1:], r"masked counts must be an integer tensor \[E\] = \[4\]"),
+        (torch.randn(E, 3, H), counts[1:], r"masked counts must be an integer tensor \[E\] = \[4"),
         (torch.randn(E, 3, H), counts.float(), r"counts .* got float32 \[4\]"),
         (torch.randn(E, 3, H), [0] * E, r"counts .* got list"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
-            TorchRunner().run(MaskedDispatchOutput(mx, mc), ExpertWeights(w13, w2), ActivationSpec())
+            TorchRunner().run(MaskedDispatchOutput(mx, mc), ExpertWeights(w13, w2),
+                              ActivationSpec())  # fmt: skip
     with pytest.raises(ValueError, match="topk_weights must be float32 .* got float64"):
         TorchRunner().run(StandardDispatchOutput(x, TopKOutput(w.double(), ids)),
                           ExpertWeights(w13, w2), ActivationSpec())  # fmt: skip
