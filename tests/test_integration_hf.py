@@ -104,6 +104,10 @@ def test_ids_of_other_ranks_are_skipped_under_expert_parallelism():
 def test_what_moekit_cannot_run_is_refused():
     with pytest.raises(ConfigError, match="--moe-runner-backend: unknown value 'fastest'"):
         hf.register("moekit-fastest", moe_runner_backend="fastest")
+    assert hf.register() == hf.register()  # moekit's own name may be registered again
+    for name in ("grouped_mm", "", None):  # transformers' own stays its own
+        with pytest.raises(ValueError, match="name must be a new experts implementation name"):
+            hf.register(name)
     module = experts_modules(qwen3())[0]
     module.act_fn = torch.nn.Tanh()
     with pytest.raises(ValueError, match="activation Tanh is not one moekit runs"):

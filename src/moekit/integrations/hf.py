@@ -35,13 +35,22 @@ NAME = "moekit"
 def register(name: str = NAME, moe_runner_backend: str = "auto") -> str:
     """Add moekit to transformers' experts implementations under `name` (runs every model's
     experts on `moe_runner_backend`); returns the name to pass as `experts_implementation`.
-    A backend name moekit does not know fails here (ConfigError naming the allowed ones)."""
+    A backend name moekit does not know fails here (ConfigError naming the allowed ones), and so
+    does a name another implementation holds (transformers' own, say)."""
     RunnerConfig(moe_runner_backend=moe_runner_backend)
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as err:
         raise ImportError("moekit.integrations.hf needs transformers >= 5 (its registry of "
                           "experts implementations): pip install 'moekit[hf]'") from err
+    taken = ExpertsInterface._global_mapping.get(name) if isinstance(name, str) else None
+    if not isinstance(name, str) or not name or (
+        taken is not None and getattr(taken, "func", None) is not experts_forward
+    ):
+        raise ValueError(
+            f"register: name must be a new experts implementation name or moekit's, got {name!r} "
+            f"(taken: {', '.join(sorted(ExpertsInterface._global_mapping))})"
+        )
     ExpertsInterface.register(name, functools.partial(experts_forward,
                                                       moe_runner_backend=moe_runner_backend))
     return name
