@@ -41,6 +41,8 @@ WEIGHT_FORMATS = (
     "nvfp4",
 )
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# integer dtypes that expert ids and placements may come in
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 class ConfigError(ValueError):

@@ -11,7 +11,14 @@ from torch import nn
 
 from moekit import hardware
 from moekit.compiled import run_experts_op
-from moekit.config import ConfigError, MoEConfig, ParallelConfig, RunnerConfig, validate
+from moekit.config import (
+    INT_DTYPES,
+    ConfigError,
+    MoEConfig,
+    ParallelConfig,
+    RunnerConfig,
+    validate,
+)
 from moekit.dispatch.factory import make_dispatcher
 from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
@@ -20,7 +27,7 @@ from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
 from moekit.router import CustomRoutingFunction, TopKOutput, route
-from moekit.runners.base import INT_DTYPES, Runner, RunnerError, input_problem
+from moekit.runners.base import Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
 from moekit import metrics
 from moekit.select import Decision, Workload, select_runner
@@ -358,7 +365,7 @@ def fused_moe(
     range-checked)."""
     weights = ExpertWeights(w13, w2, b13, b2)
     act = ActivationSpec(activation, interleaved, swiglu_alpha, swiglu_limit)
-    # the runners' dtypes; other dtypes pass through for Runner.check to name
+    # the runners' dtypes; other dtypes pass through for input_problem to name
     if topk_weights.dtype.is_floating_point:
         topk_weights = topk_weights.float()
     if topk_ids.dtype in INT_DTYPES:

@@ -46,14 +46,13 @@ def _missing(key: str, state_dict: Mapping[str, torch.Tensor]) -> KeyError:
     return KeyError(f"state dict has no {key!r}" + (f"; keys near it: {near}" if near else ""))
 
 
-def _expect(sd, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """sd[key], which must have `shape` (the config's)."""
+def _check_shape(sd, key: str, shape: tuple[int, ...]) -> None:
+    """ValueError unless sd[key] has `shape` (the config's)."""
     if tuple(sd[key].shape) != shape:
         raise ValueError(
             f"{key} has shape {list(sd[key].shape)}; the config gives {list(shape)} (H = "
             "hidden_size, I = intermediate_size)"
         )
-    return sd[key]
 
 
 def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I: int):
@@ -62,9 +61,9 @@ def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I:
         if key not in sd:
             raise _missing(key, sd)
     for key, shape in ((g, (I, H)), (u, (I, H)), (d, (H, I))):
-        _expect(sd, key + ".weight", shape)
+        _check_shape(sd, key + ".weight", shape)
         if key + ".bias" in sd:
-            _expect(sd, key + ".bias", shape[:1])
+            _check_shape(sd, key + ".bias", shape[:1])
     w13 = torch.cat([sd[g + ".weight"], sd[u + ".weight"]], dim=0)
     b13 = None
     if g + ".bias" in sd:

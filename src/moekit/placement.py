@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+from moekit.config import INT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class ExpertPlacement:
 
     def __post_init__(self) -> None:
         p2l = self.physical_to_logical
-        if not isinstance(p2l, torch.Tensor) or p2l.dim() != 1 or p2l.dtype not in _INT_DTYPES:
+        if not isinstance(p2l, torch.Tensor) or p2l.dim() != 1 or p2l.dtype not in INT_DTYPES:
             got = f"{p2l.dtype} [{', '.join(map(str, p2l.shape))}]" if isinstance(
                 p2l, torch.Tensor) else type(p2l).__name__  # fmt: skip
             raise ValueError(f"physical_to_logical must be a 1-D integer tensor [slots], got {got}")

@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moekit.config import MoEConfig, check_routing
+from moekit.config import INT_DTYPES, MoEConfig, check_routing
 
 
 class TopKOutput(NamedTuple):
@@ -90,8 +90,7 @@ def select_experts(
         weights, ids = custom_routing_function(router_logits_TE, top_k, renormalize)
         if (
             weights.shape != (T, top_k) or ids.shape != (T, top_k)
-            or not weights.dtype.is_floating_point or ids.dtype.is_floating_point
-            or ids.dtype == torch.bool
+            or not weights.dtype.is_floating_point or ids.dtype not in INT_DTYPES
         ):  # fmt: skip
             raise ValueError(
                 f"custom_routing_function must return (weights [T, top_k] = [{T}, {top_k}] "

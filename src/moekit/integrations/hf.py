@@ -43,13 +43,14 @@ def register(name: str = NAME, moe_runner_backend: str = "auto") -> str:
     except ImportError as err:
         raise ImportError("moekit.integrations.hf needs transformers >= 5 (its registry of "
                           "experts implementations): pip install 'moekit[hf]'") from err
-    taken = ExpertsInterface._global_mapping.get(name) if isinstance(name, str) else None
+    names = getattr(ExpertsInterface, "_global_mapping", {})  # the registry's (no public view)
+    taken = names.get(name) if isinstance(name, str) else None
     if not isinstance(name, str) or not name or (
         taken is not None and getattr(taken, "func", None) is not experts_forward
     ):
         raise ValueError(
             f"register: name must be a new experts implementation name or moekit's, got {name!r} "
-            f"(taken: {', '.join(sorted(ExpertsInterface._global_mapping))})"
+            f"(taken: {', '.join(sorted(names))})"
         )
     ExpertsInterface.register(name, functools.partial(experts_forward,
                                                       moe_runner_backend=moe_runner_backend))

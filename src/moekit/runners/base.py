@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from moekit.config import INT_DTYPES
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform
 from moekit.stages import (
@@ -36,9 +37,6 @@ class RunnerCaps:
     cuda_graph: bool = False
 
 
-INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
 def input_problem(dispatch_out: DispatchOutput, weights: ExpertWeights) -> str | None:
     """None if the dispatched inputs fit the weights, else what does not: x [T, H] with top-k
     ids (integers) and weights (float32) both [T, K], or x [E, C, H] with counts [E]
@@ -50,13 +48,12 @@ def input_problem(dispatch_out: DispatchOutput, weights: ExpertWeights) -> str |
         E, counts = weights.num_experts, dispatch_out.counts
         if x.dim() != 3 or x.shape[0] != E or x.shape[2] != H:
             return f"masked x must be [E, C, H] with E = {E}, H = {H}, got {list(x.shape)}"
-        if not isinstance(counts, torch.Tensor):
-            return f"masked counts must be an integer tensor [E] = [{E}], got {type(counts).__name__}"
-        if counts.shape != (E,) or counts.dtype not in INT_DTYPES:
-            return (
-                f"masked counts must be an integer tensor [E] = [{E}], got {_name(counts)} "
-                f"{list(counts.shape)}"
-            )
+        if not isinstance(counts, torch.Tensor) or counts.shape != (E,) or (
+            counts.dtype not in INT_DTYPES
+        ):
+            got = f"{_name(counts)} {list(counts.shape)}" if isinstance(
+                counts, torch.Tensor) else type(counts).__name__  # fmt: skip
+            return f"masked counts must be an integer tensor [E] = [{E}], got {got}"
     else:
         if x.dim() != 2 or x.shape[1] != H:
             return f"x must be [T, H] with H = {H} (the experts' hidden size), got {list(x.shape)}"
