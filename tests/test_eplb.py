@@ -223,6 +223,8 @@ def test_rebalance_refuses_a_placement_that_drops_an_expert_before_moving_anythi
 def test_placement_refuses_malformed_maps(args, needle):
     with pytest.raises(ValueError, match=needle):
         ExpertPlacement(*args)
+    with pytest.raises(ValueError, match=r"ep_rank must be in \[0, ep_size = 2\), got 2"):
+        ExpertPlacement.contiguous(8, 2).local_experts(2)
 
 
 @pytest.mark.parametrize("E,redundant,ep", [(8, 0, 1), (8, 4, 1), (8, 8, 4), (6, 2, 2)])

@@ -75,6 +75,8 @@ class ExpertPlacement:
 
     def local_slots(self, ep_rank: int) -> range:
         """Physical slots owned by `ep_rank`."""
+        if not 0 <= ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank must be in [0, ep_size = {self.ep_size}), got {ep_rank}")
         n = self.slots_per_rank
         return range(ep_rank * n, (ep_rank + 1) * n)
 
