@@ -86,6 +86,12 @@ def run_bad_world_case():
     return True
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only case")
+def test_init_parallel_on_a_cuda_device_without_one_is_refused():
+    with pytest.raises(ConfigError, match="device cuda:0 asked for; torch sees no CUDA GPU"):
+        init_parallel(ParallelConfig(), device="cuda:0")
+
+
 def test_groups_4_ranks_tp4_ep2():
     got = get_pool(4).run(run_groups_case, 4, 2, None)
     assert got == [(0, 0, 0, (0, 2), (0, 1)), (1, 0, 1, (1, 3), (0, 1)),

@@ -155,6 +155,8 @@ def init_parallel(
             device = torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"init_parallel: device {device} asked for; torch sees no CUDA GPU")
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = {}
