@@ -110,3 +110,14 @@ def test_valid_combinations_pass():
     validate(moe(weight_format="fp8_w8a8"), ParallelConfig(tp_size=2),
              RunnerConfig(moe_runner_backend="cutlass"))
     validate(moe(num_shared_experts=1, num_experts=7), ParallelConfig(), RunnerConfig())
+
+
+def test_flags_must_be_booleans():
+    """A string flag would read as true ('no' included): refused by name."""
+    with pytest.raises(ConfigError, match="--enable-eplb must be True or False, got 'no'"):
+        ParallelConfig(enable_eplb="no")
+    with pytest.raises(ConfigError, match="--enable-adaptive-moe must be True or False, got 'yes'"):
+        RunnerConfig(enable_adaptive_moe="yes")
+    with pytest.raises(ConfigError, match="--has-bias must be True or False, got 1"):
+        MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8, has_bias=1)
+    assert ParallelConfig(enable_eplb=True).enable_eplb

@@ -70,6 +70,14 @@ def _check_positive(option: str, value: int) -> None:
         raise ConfigError(f"{_flag(option)} must be a positive integer, got {value!r}")
 
 
+def _check_bools(config: object, *options: str) -> None:
+    """ConfigError unless each option of `config` is a bool ('no' would read as true)."""
+    for option in options:
+        value = getattr(config, option)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{_flag(option)} must be True or False, got {value!r}")
+
+
 def check_routing(
     num_experts: int,
     top_k: int,
@@ -143,6 +151,7 @@ class MoEConfig:
             _check_positive(option, getattr(self, option))
         check_routing(self.num_experts, self.top_k, self.num_expert_group, self.topk_group,
                       self.num_shared_experts)  # fmt: skip
+        _check_bools(self, "interleaved", "has_bias", "renormalize", "use_correction_bias")
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("scoring_func", self.scoring_func, SCORING_FUNCS)
         check_choice("dtype", self.dtype, set(DTYPES))
@@ -197,6 +206,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_positive("tp_size", self.tp_size)
         _check_positive("ep_size", self.ep_size)
+        _check_bools(self, "enable_eplb")
         check_choice("moe_a2a_backend", self.moe_a2a_backend, A2A_BACKENDS)
         check_choice("deepep_mode", self.deepep_mode, DEEPEP_MODES)
         if self.moe_dense_tp_size not in (None, 1):
@@ -243,6 +253,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         check_choice("moe_runner_backend", self.moe_runner_backend, RUNNER_BACKENDS)
+        _check_bools(self, "enable_adaptive_moe")
         _check_positive("adaptive_moe_batch_threshold", self.adaptive_moe_batch_threshold)
         if self.enable_adaptive_moe and self.moe_runner_backend not in ("auto", "triton"):
             raise ConfigError(
