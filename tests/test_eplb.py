@@ -281,6 +281,13 @@ def test_placements_round_trip_through_a_file(tmp_path):
         load_placements(tmp_path / "missing.json")
 
 
+def test_balancer_refuses_what_it_cannot_balance():
+    with pytest.raises(ValueError, match=r"balances moekit MoE layers, got \['Linear'\]"):
+        ExpertBalancer([torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\), got '0.1'"):
+        ExpertBalancer([_layer()], min_gain="0.1")
+
+
 def test_balancer_checks_every_n_steps_and_starts_afresh(tmp_path):
     """One rank: the balance is always perfect, so nothing moves; the cadence, the reset of the
     recorders, the metrics and the saved load are what is checked."""

@@ -48,7 +48,11 @@ class LayerBalance:
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The moekit MoE layers in `model` (itself included), in module order: the modules that
     record their expert load (eplb sits below layer.py, so it does not import the class)."""
-    return [m for m in model.modules() if callable(getattr(m, "record_expert_load", None))]
+    return [m for m in model.modules() if _is_moe(m)]
+
+
+def _is_moe(module: nn.Module) -> bool:
+    return callable(getattr(module, "record_expert_load", None))
 
 
 class ExpertBalancer:
@@ -75,10 +79,13 @@ class ExpertBalancer:
         self.layers = moe_layers(layers) if isinstance(layers, nn.Module) else list(layers)
         if not self.layers:
             raise ValueError("ExpertBalancer found no moekit MoE layer to balance")
+        others = [type(m).__name__ for m in self.layers if not _is_moe(m)]
+        if others:
+            raise ValueError(f"ExpertBalancer balances moekit MoE layers, got {others[:4]}")
         self.every = self.layers[0].parallel.eplb_rebalance_num_iterations if every is None else every
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every (--eplb-rebalance-num-iterations) must be >= 1, got {every!r}")
-        if not 0 <= min_gain < 1:
+        if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
         self.min_gain = min_gain
         if len({layer.config.total_experts for layer in self.layers}) != 1:
