@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, fused_moe
+from moekit.layer import RunnerCache, run_experts
 from moekit.config import ConfigError
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import detect
@@ -263,6 +264,7 @@ def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
     with pytest.raises(ConfigError, match="--activation: unknown value 'tanh'; allowed: gelu"):
         fused_moe(x, w13, w2, w, ids, activation="tanh")
     counts = torch.zeros(E, dtype=torch.int32)
+    torch_runner = RunnerCache(RunnerConfig(moe_runner_backend="torch"))
     for mx, mc, message in [
         (torch.randn(E, 3, H - 1), counts, r"masked x must be \[E, C, H\] with E = 4, H = 16, got"),
         (torch.randn(E - 1, 3, H), counts[1:], r"with E = 4, H = 16, got \[3, 3, 16\]"),
@@ -271,11 +273,11 @@ def test_fused_moe_inputs_that_do_not_fit_are_refused_by_name():
         (torch.randn(E, 3, H), [0] * E, r"counts .* got list"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
-            TorchRunner().run(MaskedDispatchOutput(mx, mc), ExpertWeights(w13, w2),
-                              ActivationSpec())  # fmt: skip
+            run_experts(MaskedDispatchOutput(mx, mc), ExpertWeights(w13, w2), ActivationSpec(),
+                        torch_runner)  # fmt: skip
     with pytest.raises(ValueError, match="topk_weights must be float32 .* got float64"):
-        TorchRunner().run(StandardDispatchOutput(x, TopKOutput(w.double(), ids)),
-                          ExpertWeights(w13, w2), ActivationSpec())  # fmt: skip
+        run_experts(StandardDispatchOutput(x, TopKOutput(w.double(), ids)), ExpertWeights(w13, w2),
+                    ActivationSpec(), torch_runner)  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run: the Triton runners under the interpreter")

@@ -80,12 +80,31 @@ def select_experts(
     """
     if router_logits_TE.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {list(router_logits_TE.shape)}")
-    T, E = router_logits_TE.shape
+    E = router_logits_TE.shape[1]
     check_routing(E, top_k, num_expert_group, topk_group, num_fused_shared_experts)
     if correction_bias_E is not None and correction_bias_E.shape != (E,):
         raise ValueError(
             f"correction_bias must be [E] = [{E}], got {list(correction_bias_E.shape)}"
         )
+    return _select(router_logits_TE, top_k, scoring_func, renormalize, num_expert_group,
+                   topk_group, correction_bias_E, routed_scaling_factor,
+                   num_fused_shared_experts, custom_routing_function)  # fmt: skip
+
+
+def _select(
+    router_logits_TE: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    renormalize: bool,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    correction_bias_E: torch.Tensor | None,
+    routed_scaling_factor: float,
+    num_fused_shared_experts: int,
+    custom_routing_function: CustomRoutingFunction | None,
+) -> TopKOutput:
+    """`select_experts` on options already checked (a MoEConfig's, or select_experts' own)."""
+    T, E = router_logits_TE.shape
     if custom_routing_function is not None:
         weights, ids = custom_routing_function(router_logits_TE, top_k, renormalize)
         if (
@@ -126,16 +145,10 @@ def route(
     correction_bias_E: torch.Tensor | None = None,
     custom_routing_function: CustomRoutingFunction | None = None,
 ) -> TopKOutput:
-    """`select_experts` with the routing options of a `MoEConfig`."""
-    return select_experts(
-        router_logits_TE,
-        config.top_k,
-        scoring_func=config.scoring_func,
-        renormalize=config.renormalize,
-        num_expert_group=config.num_expert_group,
-        topk_group=config.topk_group,
-        correction_bias_E=correction_bias_E,
-        routed_scaling_factor=config.routed_scaling_factor,
-        num_fused_shared_experts=config.num_shared_experts,
-        custom_routing_function=custom_routing_function,
-    )
+    """`select_experts` with the routing options of a `MoEConfig`, which checked them when it
+    was made (the layer's forward checks the logits' shape, so nothing is checked twice a call):
+    router_logits [T, config.num_experts], correction_bias [config.num_experts]."""
+    return _select(router_logits_TE, config.top_k, config.scoring_func, config.renormalize,
+                   config.num_expert_group, config.topk_group, correction_bias_E,
+                   config.routed_scaling_factor, config.num_shared_experts,
+                   custom_routing_function)  # fmt: skip

@@ -115,10 +115,10 @@ class Runner(ABC):
         return None
 
     def check(self, dispatch_out: DispatchOutput, weights: ExpertWeights, act: ActivationSpec):
-        """Raise RunnerError if these inputs are malformed (`input_problem`) or outside this
-        runner's capabilities."""
+        """Raise RunnerError if these inputs are outside this runner's capabilities (that they
+        are well formed, `input_problem`, `moekit.layer.run_experts` checked first)."""
         x = dispatch_out.x
-        problem = input_problem(dispatch_out, weights) or self.unsupported(
+        problem = self.unsupported(
             dispatch_out.format,
             weights.format,
             act.name,
