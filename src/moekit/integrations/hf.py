@@ -43,7 +43,7 @@ def register(name: str = NAME, moe_runner_backend: str = "auto") -> str:
     except ImportError as err:
         raise ImportError("moekit.integrations.hf needs transformers >= 5 (its registry of "
                           "experts implementations): pip install 'moekit[hf]'") from err
-    names = getattr(ExpertsInterface, "_global_mapping", {})  # the registry's (no public view)
+    names = ExpertsInterface()  # a fresh instance: a mapping view of the global registry
     taken = names.get(name) if isinstance(name, str) else None
     if not isinstance(name, str) or not name or (
         taken is not None and getattr(taken, "func", None) is not experts_forward
