@@ -10,7 +10,10 @@ Bounds (relative norm error against the torch runner on the same quantized weigh
 weight-only formats dequantize to exactly the reference's weights, so only the accumulation
 order and the reference's rounding of the first GEMM's output differ (fp16: `TOLERANCE`);
 the w8a8 formats also quantize the intermediate, where such a one-ulp difference can move a
-value to the neighbouring fp8 / int8 step (measured up to 0.0045 in fp16): W8A8_TOL.
+value to the neighbouring fp8 / int8 step: W8A8_TOL. In fp16 (CPU) that measured up to 0.022
+over 32 seeds of `test_formats_vs_torch`'s T = 9 case (fp8 tensor / channel / block, dynamic and
+static scales; median 0.0015-0.0045), while the kernels' intermediate stays within 1-2 ulp of
+the reference's. A wrong scale or row gives errors of 0.1 and more.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput  # noqa: 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
-W8A8_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+W8A8_TOL = {torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 # name: (spec, H, I) - shapes chosen to hit partial fp8 blocks, several int4 groups per K step
 FORMATS = {
@@ -50,6 +53,9 @@ FORMATS = {
     "fp8-channel": (Fp8W8A8("channel"), 64, 48),
     "fp8-tensor": (Fp8W8A8("tensor"), 64, 48),
     "fp8-block-token": (Fp8W8A8("block", activation_scheme="token"), 128, 64),
+    # one calibrated activation scale per expert: each pair's row quantized with its own
+    "fp8-tensor-static": (Fp8W8A8("tensor", activation_scheme="static_tensor"), 64, 48),
+    "fp8-block-static": (Fp8W8A8("block", activation_scheme="static_tensor"), 192, 160),
     "int8_w8a8": (make_spec("int8_w8a8"), 64, 48),
 }
 
@@ -65,7 +71,11 @@ def make_experts(spec, E, H, I, bias=False, device=DEVICE, dtype=DTYPE) -> Exper
     if bias:
         b13 = (torch.randn(E, 2 * I, device=device) * 0.1).to(dtype)
         b2 = (torch.randn(E, H, device=device) * 0.1).to(dtype)
-    return quantize_experts(ExpertWeights(w13, w2, b13, b2), spec)
+    static = {}
+    if spec.act_scheme == "static_tensor":  # calibrated scales, different per expert
+        static = dict(a13_scale=torch.rand(E, device=device) * 0.01 + 0.01,
+                      a2_scale=torch.rand(E, device=device) * 0.004 + 0.004)  # fmt: skip
+    return quantize_experts(ExpertWeights(w13, w2, b13, b2), spec, **static)
 
 
 def run_both(x, topk, w, act, configs=None):
@@ -118,6 +128,14 @@ VARIANTS = {
     ),
     "fp8-block-oai-bias": Variant("fp8-block", (GemmConfig(16, 64, 64), GemmConfig(16, 16, 128)), OAI, True),
     "fp8-tensor-atomic": Variant("fp8-tensor", (GemmConfig(16, 16, 32), GemmConfig(16, 32, 32, reduce="atomic"))),
+    # static scales: sorted rows (T above the direct rows), swapped MMA, split-K gate_up, atomics
+    "fp8-static-sorted-swap": Variant(
+        "fp8-tensor-static", (GemmConfig(16, 16, 32, swap_ab=True), GemmConfig(32, 32, 32, reduce="atomic")), T=40
+    ),
+    "fp8-static-split-oai-bias": Variant(
+        "fp8-block-static", (GemmConfig(16, 32, 64, split_k=2), GemmConfig(16, 16, 64)), OAI, True, T=40
+    ),
+    "fp8-static-row1": Variant("fp8-tensor-static", (GemmConfig(1, 16, 32), GemmConfig(1, 32, 32))),
     "int8-w8a8-swap": Variant(
         "int8_w8a8", (GemmConfig(16, 16, 32, swap_ab=True), GemmConfig(16, 16, 64, swap_ab=True))
     ),
@@ -160,7 +178,8 @@ def test_config_variants(name):
     assert rel_err(out, ref) < tol(spec), (name, rel_err(out, ref))
 
 
-@pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8"])
+@pytest.mark.parametrize("fmt", ["int4-g64-asym", "fp8-block", "fp8-tensor", "int8_w8a8",
+                                 "fp8-tensor-static"])
 def test_masked_format(fmt):
     spec, H, I = FORMATS[fmt]
     E, C = 3, 6
@@ -180,22 +199,21 @@ def test_masked_format(fmt):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_static_tensor_refused():
-    spec = Fp8W8A8("tensor", activation_scheme="static_tensor")
-    E, H, I = 2, 32, 32
-    w13 = torch.randn(E, 2 * I, H, device=DEVICE)
-    w2 = torch.randn(E, H, I, device=DEVICE)
-    w = quantize_experts(ExpertWeights(w13, w2), spec, a13_scale=0.01, a2_scale=0.01)
-    x = torch.randn(3, H, device=DEVICE, dtype=DTYPE)
-    with pytest.raises(RunnerError, match="static_tensor"):
-        TritonRunner().run(StandardDispatchOutput(x, make_topk(3, 1, E)), w, ActivationSpec())
-
-    class Work:
-        weight_spec = spec
-
-    assert "static_tensor" in TritonRunner.workload_problem(Work())
-    Work.weight_spec = Fp8W8A8("block")
-    assert TritonRunner.workload_problem(Work()) is None
+def test_static_scales_are_per_expert():
+    """Each pair's row is quantized with its own expert's scale: two experts on the same token
+    with scales 16x apart, against the reference (a single shared scale would clip one and
+    coarsen the other), and the ids the sorted rows need are asked for by name."""
+    spec, H, I = FORMATS["fp8-tensor-static"]
+    E, T = 4, 24
+    w = make_experts(spec, E, H, I)
+    w.a13_scale.copy_(torch.tensor([0.002, 0.032, 0.008, 0.016], device=DEVICE))
+    x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
+    out, ref = run_both(x, make_topk(T, 2, E), w, ActivationSpec())
+    assert rel_err(out, ref) < tol(spec)
+    cfg = GemmConfig(16, 16, 32)
+    align = ops.align_block_size(make_topk(T, 2, E).ids.to(torch.int32), E, 16)
+    with pytest.raises(ValueError, match="ids"):
+        ops.gate_up(x, ops.Rows.sorted(align, E), w, ActivationSpec(), cfg, 2)
 
 
 def test_caps_list_every_format():
@@ -289,6 +307,7 @@ GPU_FORMATS = {
     "fp8-block": Fp8W8A8("block"),
     "fp8-channel": Fp8W8A8("channel"),
     "fp8-tensor": Fp8W8A8("tensor"),
+    "fp8-tensor-static": Fp8W8A8("tensor", activation_scheme="static_tensor"),
     "int8_w8a8": make_spec("int8_w8a8"),
     "int8_w8a16": make_spec("int8_w8a16"),
     "int4-g128-sym": Int4W4A16(128, True),
@@ -312,7 +331,8 @@ def test_presets_bf16_gpu(model, tp, ep, fmt):
     if shape.hidden % group or shape.intermediate % group:
         pytest.skip(f"{spec.describe()}: group {group} does not divide H={shape.hidden} / I={shape.intermediate}")
     torch.manual_seed(0)
-    w = quantize_experts(random_weights(shape, "cuda"), spec)
+    w = random_weights(shape, "cuda")
+    w = quantize_experts(w, spec, **calibrated_scales(w, shape.act, spec))
     for T in (1, 16, 300):
         x = torch.randn(T, shape.hidden, device="cuda", dtype=torch.bfloat16)
         topk = make_topk(T, shape.top_k, shape.num_experts, masked=0.02 if T > 1 else 0.0, device="cuda")
@@ -329,8 +349,27 @@ def test_presets_bf16_gpu(model, tp, ep, fmt):
     assert rel_err(out[valid], ref[valid]) < tol(spec, torch.bfloat16), (model, fmt, "masked")
 
 
+def calibrated_scales(w: ExpertWeights, act: ActivationSpec, spec) -> dict:
+    """'static_tensor' specs: per-expert activation scales as a calibration would give them
+    (amax / 448 of each GEMM's input over 64 random tokens, times 1-2 so that experts differ);
+    other specs: none."""
+    if spec.act_scheme != "static_tensor":
+        return {}
+    from moekit.runners.torch import activate
+
+    E = w.num_experts
+    x = torch.randn(64, w.hidden_size, device=w.w13.device)
+    h13 = torch.einsum("th,enh->etn", x, w.w13.float())
+    if w.b13 is not None:
+        h13 = h13 + w.b13.float()[:, None]
+    amax_h = activate(h13, act).abs().amax(dim=(1, 2))
+    spread = 1 + torch.rand(2, E, device=x.device)
+    return dict(a13_scale=x.abs().amax() / 448 * spread[0], a2_scale=amax_h / 448 * spread[1])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8-block", "int4-g128-sym", "mxfp4", "fp8-tensor"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4-g128-sym", "mxfp4", "fp8-tensor",
+                                 "fp8-tensor-static"])
 def test_cuda_graph_gpu(fmt):
     """A quantized call replays in a CUDA graph (activation quantization included)."""
     spec = GPU_FORMATS[fmt]

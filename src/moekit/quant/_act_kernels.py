@@ -78,12 +78,63 @@ def _quant_rows_kernel(
         s = tl.div_rn(tl.maximum(amax, eps), qmax)
         tl.store(s_ptr + t * stride_st + g, s, mask=g < n_groups)
         y = div_by_scale(x, s[:, None])
+    y = _clamp_round(y, qmax, ROUND_INT)
+    tl.store(q_ptr + t * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _clamp_round(y, qmax, ROUND_INT: tl.constexpr):
+    """y clamped to [-qmax, qmax]; ROUND_INT: rounded to an integer, half to even (int8)."""
     y = tl.minimum(tl.maximum(y, -qmax), qmax)
     if ROUND_INT:
         r = tl.floor(y + 0.5)
         half_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
         y = tl.where(half_odd, r - 1.0, r)
-    tl.store(q_ptr + t * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
+    return y
+
+
+@triton.jit
+def _quant_expert_rows_kernel(
+    x_ptr, q_ptr, s_ptr, scale_ptr, experts_ptr, H, num_experts, src_div, expert_div,
+    stride_xt, stride_qt, qmax,
+    BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_INT: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False, GDC_LAUNCH: tl.constexpr = False,
+):  # fmt: skip
+    """Program (r, c): row r of q, columns [c * BLOCK, +BLOCK). q[r] = clamp(x[r // src_div] /
+    s, -qmax, qmax) with the static scale s = scale[e] of the row's expert e = experts[r //
+    expert_div] (HAS_MAP) or r // expert_div, clamped into [0, num_experts); s is written to
+    s[r] by column block 0. GDC_*: as `_quant_rows_kernel`."""
+    if GDC_LAUNCH:
+        tl.extra.cuda.gdc_launch_dependents()
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0).to(tl.int64)
+    if HAS_MAP:
+        e = tl.load(experts_ptr + r // expert_div).to(tl.int64)
+    else:
+        e = r // expert_div
+    s = tl.load(scale_ptr + tl.minimum(tl.maximum(e, 0), num_experts - 1)).to(tl.float32)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < H
+    x = tl.load(x_ptr + (r // src_div) * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
+    y = _clamp_round(tl.div_rn(x, s), qmax, ROUND_INT)  # not div_by_scale: s does not bound x
+    tl.store(q_ptr + r * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + r, s, mask=tl.program_id(1) == 0)
+
+
+def launch_quant_expert_rows(x, q, s, scale, experts, src_div, expert_div, qmax, round_int,
+                             pdl=(False, False)):  # fmt: skip
+    """q [R, H], s [R] of `_quant_expert_rows_kernel` from x [T, H] (last dim contiguous), the
+    per-expert scales `scale` [E] float32 and `experts` (int, or None); pdl as
+    `launch_quant_rows`."""
+    R, H = q.shape
+    block = min(1024, triton.next_power_of_2(H))
+    _quant_expert_rows_kernel[(R, triton.cdiv(H, block))](
+        x, q, s, scale, experts if experts is not None else scale, H, scale.numel(), src_div,
+        expert_div, x.stride(0), q.stride(0), qmax, BLOCK=block, HAS_MAP=experts is not None,
+        ROUND_INT=round_int, GDC_WAIT=pdl[0], GDC_LAUNCH=pdl[1], num_warps=4,
+        **({"launch_pdl": True} if pdl[0] else {}),
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -194,3 +194,82 @@ def quantize_act(
         pdl,
     )
     return q, s
+
+
+
+def _check_expert_rows(x, scale_E, num_rows, src_div, experts, expert_div, dtype) -> float:
+    qmax = _check(x, "static_tensor", dtype, scale_E, 128)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_expert_rows: x must be [T, H], got {list(x.shape)}")
+    if scale_E.dim() != 1 or scale_E.numel() == 0 or scale_E.dtype != torch.float32:
+        raise ValueError(f"quantize_expert_rows: scale_E must be float32 [E], E >= 1, got "
+                         f"{scale_E.dtype} {list(scale_E.shape)}")  # fmt: skip
+    for name, d in (("src_div", src_div), ("expert_div", expert_div)):
+        if not isinstance(d, int) or d < 1:
+            raise ValueError(f"quantize_expert_rows: {name} must be a positive integer, got {d!r}")
+    if num_rows and -(-num_rows // src_div) > x.shape[0]:
+        raise ValueError(f"quantize_expert_rows: {num_rows} rows read rows of x up to "
+                         f"{(num_rows - 1) // src_div}; x has {x.shape[0]}")  # fmt: skip
+    if experts is not None and (experts.dim() != 1 or experts.is_floating_point()
+                                or experts.numel() < -(-num_rows // expert_div)):  # fmt: skip
+        raise ValueError(f"quantize_expert_rows: experts must be an integer [>= "
+                         f"{-(-num_rows // expert_div)}], got {experts.dtype} "
+                         f"{list(experts.shape)}")  # fmt: skip
+    return qmax
+
+
+def expert_rows_ref(
+    x: torch.Tensor, scale_E: torch.Tensor, num_rows: int, *, src_div: int = 1,
+    experts: torch.Tensor | None = None, expert_div: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [R, H] float32, scales [R] float32) of `quantize_expert_rows`: row r is x[r //
+    src_div] and its scale is scale_E[e], e = experts[r // expert_div] (None: r // expert_div)
+    clamped into [0, E)."""
+    r = torch.arange(num_rows, device=x.device)
+    e = r // expert_div if experts is None else experts[r // expert_div].long()
+    s = scale_E[e.clamp(0, scale_E.numel() - 1)]
+    return x[r // src_div].float(), s
+
+
+def quantize_expert_rows_ref(
+    x: torch.Tensor, scale_E: torch.Tensor, num_rows: int, *, src_div: int = 1,
+    experts: torch.Tensor | None = None, expert_div: int = 1, dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `quantize_expert_rows`."""
+    qmax = _check_expert_rows(x, scale_E, num_rows, src_div, experts, expert_div, dtype)
+    rows, s = expert_rows_ref(x, scale_E, num_rows, src_div=src_div, experts=experts,
+                              expert_div=expert_div)  # fmt: skip
+    return _round_cast(rows / s[:, None], dtype, qmax), s
+
+
+def quantize_expert_rows(
+    x: torch.Tensor, scale_E: torch.Tensor, num_rows: int, *, src_div: int = 1,
+    experts: torch.Tensor | None = None, expert_div: int = 1, dtype: torch.dtype = FP8_DTYPE,
+    pdl: tuple[bool, bool] = (False, False),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """'static_tensor' activations of a GEMM whose input rows belong to different experts,
+    each quantized with its expert's calibrated scale: x [T, H], scale_E float32 [E] ->
+    (q [num_rows, H] in `dtype`, s [num_rows] float32) with q[r] = clamp(x[r // src_div] / s[r],
+    -qmax, qmax) rounded to nearest, s[r] = scale_E[e], e = experts[r // expert_div] (None:
+    r // expert_div), clamped into [0, E) (masked ids: the row is never read). One Triton
+    kernel (bit-identical to `quantize_expert_rows_ref`, which runs on CPU for fp8: the
+    interpreter casts to fp8 wrongly). pdl: as `quantize_act`."""
+    qmax = _check_expert_rows(x, scale_E, num_rows, src_div, experts, expert_div, dtype)
+    if x.device.type == "cpu" and dtype == FP8_DTYPE:
+        return quantize_expert_rows_ref(x, scale_E, num_rows, src_div=src_div, experts=experts,
+                                        expert_div=expert_div, dtype=dtype)  # fmt: skip
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(num_rows, x.shape[1], dtype=dtype, device=x.device)
+    s = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, s
+    if x.shape[1] == 0:
+        s.copy_(expert_rows_ref(x, scale_E, num_rows, src_div=src_div, experts=experts,
+                                expert_div=expert_div)[1])  # fmt: skip
+        return q, s
+    from moekit.quant._act_kernels import launch_quant_expert_rows
+
+    launch_quant_expert_rows(x, q, s, scale_E.contiguous(), experts, src_div, expert_div, qmax,
+                             dtype == torch.int8, pdl)  # fmt: skip
+    return q, s

@@ -8,8 +8,8 @@ atomics in the down GEMM, as the config says). Masked format: the same GEMMs on 
 [E, C, H] layout, unweighted. Block sizes come from tuned JSON tables (`configs.py`).
 
 Quantized weights (see `ops.WeightQuant`): fp8_w8a8 (block-wise [128, 128] / per-channel /
-per-tensor weight scales with token-group / token / dynamic per-tensor activations; not the
-'static_tensor' scheme) and int8_w8a8 on the fp8 / int8 tensor cores; int8_w8a16, int4_w4a16,
+per-tensor weight scales with token-group / token / per-tensor activations, dynamic or static:
+one calibrated scale per expert) and int8_w8a8 on the fp8 / int8 tensor cores; int8_w8a16, int4_w4a16,
 mxfp4 and nvfp4 dequantized in the weight-tile load before a bf16/fp16 dot.
 
 Importing this module needs no Triton (the runner then reports itself unavailable); the kernels
@@ -54,26 +54,8 @@ class TritonRunner(TritonRunnerBase):
         cuda_graph=True,
     )
 
-    @classmethod
-    def workload_problem(cls, work, platform=None) -> str | None:
-        """Quantization parameters the kernels do not support (used by moekit.select)."""
-        spec = getattr(work, "weight_spec", None)
-        if spec is not None and spec.act_scheme == "static_tensor":
-            return (
-                f"runner 'triton' does not support {spec.describe()}: the 'static_tensor' "
-                "activation scheme (per-expert calibrated scales) is not implemented; use "
-                "'dynamic_tensor', 'token' or 'token_group'"
-            )
-        return None
-
     def check(self, dispatch_out, weights, act):
         super().check(dispatch_out, weights, act)
-        if weights.is_quantized and weights.spec.act_scheme == "static_tensor":
-            raise RunnerError(
-                f"runner 'triton' does not support {weights.spec.describe()}: the "
-                "'static_tensor' activation scheme (per-expert calibrated scales) is not "
-                "implemented; use 'dynamic_tensor', 'token' or 'token_group'"
-            )
         x = dispatch_out.x
         if weights.format == "fp8_w8a8" and x.is_cuda:
             from moekit.runners._tables import device_key

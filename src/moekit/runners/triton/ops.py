@@ -10,7 +10,9 @@ Quantized weights (`ExpertWeights.format`, see `moekit.quant.spec`): `WeightQuan
 the kernels read them. Weight-only formats (int8_w8a16, int4_w4a16, mxfp4, nvfp4) are
 dequantized in the weight-tile load. The w8a8 formats (fp8_w8a8, int8_w8a8) quantize each GEMM's
 input with the format's activation scheme first (`moekit.quant.quantize_act`: x before gate_up,
-the intermediate h before down) and multiply fp8 / int8 operands on the tensor cores.
+the intermediate h before down; 'static_tensor', one calibrated scale per expert: each pair's
+row with its expert's scale, `quantize_expert_rows`) and multiply fp8 / int8 operands on the
+tensor cores.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.quant.act_quant import quantize_expert_rows
 from moekit.router import TopKOutput
 from moekit.runners._triton_base import interpret_mode
 from moekit.runners._triton_common import ACT_CODES
@@ -55,8 +58,11 @@ def _precision(dtype: torch.dtype):
 SUPPORTED_FORMATS = (
     "unquantized", "fp8_w8a8", "int8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4", "nvfp4",
 )  # fmt: skip
+# ('static_tensor': the rows of a GEMM's input belong to different experts, so each row carries
+# its expert's scale: per row for the kernels)
 _SCALE_KIND = {"tensor": k.S_TENSOR, "channel": k.S_ROW, "block": k.S_GROUP,
-               "dynamic_tensor": k.S_TENSOR, "token": k.S_ROW, "token_group": k.S_GROUP}  # fmt: skip
+               "dynamic_tensor": k.S_TENSOR, "token": k.S_ROW, "token_group": k.S_GROUP,
+               "static_tensor": k.S_ROW}  # fmt: skip
 
 
 def spec_problem(spec) -> str | None:
@@ -68,12 +74,6 @@ def spec_problem(spec) -> str | None:
         return (
             f"weight format {spec.name!r}: the triton runner supports: "
             + ", ".join(SUPPORTED_FORMATS)
-        )
-    if spec.act_scheme == "static_tensor":
-        return (
-            f"{spec.describe()}: the triton runner does not support the 'static_tensor' "
-            "activation scheme (per-expert calibrated scales); use 'dynamic_tensor', 'token' or "
-            "'token_group'"
         )
     return None
 
@@ -346,7 +346,8 @@ class Rows:
     alignment: one block per pair, the pairs of one expert gathered into the block of the
     first), Rows.masked(counts, capacity, E) for the masked format.
     rows_per_expert (sorted): the expected pairs of a used expert, known on the host (no
-    device read), which sets the GEMMs' tail levels (`_tail_meta`); None: not known."""
+    device read), which sets the GEMMs' tail levels (`_tail_meta`); None: not known.
+    ids (sorted): the flat local expert id of each pair, needed by 'static_tensor' formats."""
 
     def __init__(self, mode, align=None, ids=None, counts=None, capacity=0, num_experts=0,
                  rows_per_expert: float | None = None):  # fmt: skip
@@ -355,9 +356,9 @@ class Rows:
         self.rows_per_expert = rows_per_expert
 
     @classmethod
-    def sorted(cls, align: AlignOutput, num_experts: int,
-               rows_per_expert: float | None = None) -> "Rows":  # fmt: skip
-        return cls(k.ROWS_SORTED, align=align, num_experts=num_experts,
+    def sorted(cls, align: AlignOutput, num_experts: int, rows_per_expert: float | None = None,
+               ids: torch.Tensor | None = None) -> "Rows":  # fmt: skip
+        return cls(k.ROWS_SORTED, align=align, ids=ids, num_experts=num_experts,
                    rows_per_expert=rows_per_expert)  # fmt: skip
 
     @classmethod
@@ -375,6 +376,22 @@ class Rows:
             return None
         local = torch.arange(self.capacity, device=self.counts.device)
         return (local[None, :] < self.counts[:, None]).reshape(-1)
+
+    def expert_rows(self, gemm: str, top_k: int) -> dict:
+        """`quantize_expert_rows` arguments (num_rows, src_div, experts, expert_div) that give
+        each row of a GEMM's input its expert: gemm 'gate_up' (x, whose rows become the pairs'
+        rows in sorted / direct mode, read with top_k 1) or 'down' (h, one row per slot)."""
+        if self.mode == k.ROWS_MASKED:  # row r of x and of h: expert r // capacity
+            return dict(num_rows=self.slots(), expert_div=self.capacity)
+        if self.ids is None:
+            raise ValueError("per-expert activation scales need the pairs' ids: Rows.sorted(..., "
+                             "ids=...)")  # fmt: skip
+        if gemm == "gate_up":
+            return dict(num_rows=self.ids.numel(), src_div=top_k, experts=self.ids)
+        if self.mode == k.ROWS_DIRECT:  # h's rows are the pairs
+            return dict(num_rows=self.slots(), experts=self.ids)
+        a = self.align
+        return dict(num_rows=self.slots(), experts=a.block_expert, expert_div=a.block_m)
 
     def slots(self) -> int:
         """Rows of the intermediate h."""
@@ -535,6 +552,11 @@ def gate_up(
         hq = hs = out
     if act.name not in ACT_CODES:
         raise ValueError(f"activation: unknown {act.name!r}; allowed: {', '.join(ACT_CODES)}")
+    static = wq is not None and wq.spec.act_scheme == "static_tensor"
+    if static:
+        x_rows = rows.expert_rows("gate_up", top_k)
+        if rows.mode != k.ROWS_MASKED:
+            top_k = 1  # x is quantized into the pairs' rows: row p is pair p
     row_args = rows.args(cfg.block_m, top_k)
     tiles = row_args[-1] * triton.cdiv(I, cfg.block_n)
     grid = (tiles * split,)
@@ -549,7 +571,11 @@ def gate_up(
     xs = x
     tile_rows = 2 * cfg.block_n if act.interleaved else cfg.block_n  # weight rows per program
     fused = _fuse_act_quant(wq, rows, cfg, x)
-    if wq is not None and wq.quant == k.Q_W8A8 and not fused:
+    if static:
+        x, xs = quantize_expert_rows(x, w.a13_scale, **x_rows, dtype=w.spec.act_dtype,
+                                     pdl=(pdl, pdl))  # fmt: skip
+        xs = xs.view(-1, 1)
+    elif wq is not None and wq.quant == k.Q_W8A8 and not fused:
         x, xs = quantize_input(x, w.spec, rows.valid_rows(), pdl=(pdl, pdl))
     use_tma = _use_tma(cfg, wq) and tma_ok(w.w13) and w.w13.is_contiguous()
     w_desc = None
@@ -622,7 +648,11 @@ def down(
     hs = h if h_scales is None else h_scales
     dot_dtype = h.dtype
     fused = h_scales is None and _fuse_act_quant(wq, rows, cfg, h)
-    if wq is not None and wq.quant == k.Q_W8A8 and h_scales is None and not fused:
+    if wq is not None and wq.spec.act_scheme == "static_tensor":
+        h, hs = quantize_expert_rows(h, w.a2_scale, **rows.expert_rows("down", top_k),
+                                     dtype=w.spec.act_dtype, pdl=(pdl, pdl))  # fmt: skip
+        hs = hs.view(-1, 1)
+    elif wq is not None and wq.quant == k.Q_W8A8 and h_scales is None and not fused:
         # unwritten rows of h are zeros for dynamic_tensor
         h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
     use_tma = _use_tma(cfg, wq) and tma_ok(w.w2, h) and w.w2.is_contiguous()
@@ -733,7 +763,7 @@ def fused_moe(
     else:
         align = align_block_size(ids, w.num_experts, max(cfg1.block_m, cfg2.block_m), pdl=pdl)
         per_expert = rows_per_expert(T * local_share, K, w.num_experts)
-        rows = Rows.sorted(align, w.num_experts, per_expert)
+        rows = Rows.sorted(align, w.num_experts, per_expert, ids.view(-1))
     quant_h = h_quant_dtype(w, cfg1, x_TH)
     atomic = cfg2.reduce == "atomic"
     out = torch.empty(T, H, dtype=x_TH.dtype, device=x_TH.device) if atomic else None
