@@ -10,7 +10,8 @@ random weights) and its fp8_w8a8 copies with per-tensor weight scales, activatio
 or 'static_tensor' (scales calibrated as amax / 448 of each GEMM's input over 64 random tokens,
 per expert), over the same input sets (`moekit.sweep`'s routing, rotated past L2), timed
 together by `moekit.bench.time_ms_interleaved` (CUDA-graph replay, alternating rounds). Each
-fp8 layer's output on the first set is also compared with the `torch` runner's. Prints the
+fp8 layer's output on the first set is also compared with the `torch` runner's (relative
+norm). Prints the
 times and static / dynamic per point; `auto`'s pick for static scales is recorded.
 """
 
@@ -74,8 +75,10 @@ def main() -> None:
                                 **(scales if scheme == "static_tensor" else {}))  # fmt: skip
             q.runners = RunnerCache(RunnerConfig(runner))
             layers[name] = q
-        ref_layer = copy.deepcopy(layers["fp8 static triton"])
-        ref_layer.runners = RunnerCache(RunnerConfig("torch"))
+        refs = {}  # the torch runner on each fp8 layer's weights (the static ones are equal)
+        for scheme in ("dynamic", "static"):
+            refs[scheme] = copy.deepcopy(layers[f"fp8 {scheme} triton"])
+            refs[scheme].runners = RunnerCache(RunnerConfig("torch"))
         gen = torch.Generator().manual_seed(0)
         for T in batches:
             sets, _, _ = _input_sets(spec, bf16, T, gen, l2_cache_bytes("cuda"))
@@ -83,11 +86,12 @@ def main() -> None:
             for fn in fns.values():
                 fn()  # first calls: compile, select
             x, topk = sets[0]
-            ref = ref_layer.forward_topk(x, topk).float()
+            ref = {k: r.forward_topk(x, topk).float() for k, r in refs.items()}
             err = {}
-            for name in ("fp8 static triton", "fp8 static cutlass"):
+            for name in ("fp8 dynamic triton", "fp8 static triton", "fp8 static cutlass"):
                 out = layers[name].forward_topk(x, topk).float()
-                err[name] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                r = ref[name.split()[1]]
+                err[name] = float((out - r).norm() / r.norm().clamp_min(1e-30))
             ms = time_ms_interleaved(fns, "cuda")
             decisions = layers["fp8 static auto"].runners._decisions.values()
             auto = sorted({d.backend for d in decisions})
@@ -103,7 +107,7 @@ def main() -> None:
                   f"{rec['cutlass_over_triton_static']:.3f}  auto {auto}  err "
                   + " ".join(f"{v:.4f}" for v in err.values()), flush=True)  # fmt: skip
             del fns, sets
-        del layers, bf16, ref_layer
+        del layers, bf16, refs
         torch.cuda.empty_cache()
     write_probe(option("--out", "fp8_static") + ".json", {
         "script": "scripts/gpu_fp8_static.py",

@@ -238,8 +238,8 @@ def test_expert_rows_reference_by_hand():
     scale_E = torch.tensor([0.5, 2.0])
     ids = torch.tensor([1, 0, 0, -1], dtype=torch.int32)  # pairs of 2 tokens, top-2
     q, s = quantize_expert_rows_ref(x, scale_E, 4, src_div=2, experts=ids)
-    assert s.tolist() == [2.0, 0.5, 0.5, 0.5]  # -1 clamped to expert 0
-    assert q.float().tolist() == [[0.5, -1.0], [2.0, -4.0], [448.0, 6.0], [448.0, 6.0]]
+    assert s.tolist() == [2.0, 0.5, 0.5, 0.5]  # -1 clamped to expert 0 for the scale
+    assert q.float().tolist() == [[0.5, -1.0], [2.0, -4.0], [448.0, 6.0], [0.0, 0.0]]
 
 
 @needs_triton
@@ -252,13 +252,19 @@ def test_expert_rows_kernel_matches_reference(layout, qdtype):
     E, H = 5, 300
     x = (torch.randn(-(-R // src_div), H) * 4).to(DEV)
     scale_E = (torch.rand(E) * 0.02 + 0.005).to(DEV)
-    experts = None if n_map is None else torch.randint(-1, E + 2, (n_map,), dtype=torch.int32,
-                                                       device=DEV)  # fmt: skip
+    experts = None
+    if n_map is not None:
+        experts = torch.randint(-1, E + 2, (n_map,), dtype=torch.int32, device=DEV)
+        experts[0], experts[1] = 2, -1  # one row group each of an expert and of none
     kw = dict(src_div=src_div, experts=experts, expert_div=expert_div, dtype=qdtype)
     q, s = quantize_expert_rows(x, scale_E, R, **kw)
     q_ref, s_ref = quantize_expert_rows_ref(x, scale_E, R, **kw)
     assert q.shape == (R, H) and s.shape == (R,)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    r = torch.arange(R, device=DEV)
+    e = r // expert_div if experts is None else experts[r // expert_div]
+    written = (e >= 0) & (e < E)  # rows of other experts are left unwritten
+    assert 0 < written.sum() and (n_map is None or written.sum() < R)
+    assert torch.equal(q[written].view(torch.uint8), q_ref[written].view(torch.uint8))
     assert torch.equal(s, s_ref)
     q0, s0 = quantize_expert_rows(x, scale_E, 0, **kw)
     assert q0.shape == (0, H) and s0.shape == (0,)

@@ -102,8 +102,9 @@ def _quant_expert_rows_kernel(
 ):  # fmt: skip
     """Program (r, c): row r of q, columns [c * BLOCK, +BLOCK). q[r] = clamp(x[r // src_div] /
     s, -qmax, qmax) with the static scale s = scale[e] of the row's expert e = experts[r //
-    expert_div] (HAS_MAP) or r // expert_div, clamped into [0, num_experts); s is written to
-    s[r] by column block 0. GDC_*: as `_quant_rows_kernel`."""
+    expert_div] (HAS_MAP) or r // expert_div, clamped into [0, num_experts) for s; s is written
+    to s[r] by column block 0. Rows whose expert is outside [0, num_experts) (masked pairs,
+    another EP rank's experts) are not read or written. GDC_*: as `_quant_rows_kernel`."""
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
     if GDC_WAIT:
@@ -115,7 +116,7 @@ def _quant_expert_rows_kernel(
         e = r // expert_div
     s = tl.load(scale_ptr + tl.minimum(tl.maximum(e, 0), num_experts - 1)).to(tl.float32)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = col < H
+    mask = (col < H) & (e >= 0) & (e < num_experts)
     x = tl.load(x_ptr + (r // src_div) * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
     y = _clamp_round(tl.div_rn(x, s), qmax, ROUND_INT)  # not div_by_scale: s does not bound x
     tl.store(q_ptr + r * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)

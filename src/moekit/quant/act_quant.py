@@ -223,12 +223,13 @@ def expert_rows_ref(
     experts: torch.Tensor | None = None, expert_div: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [R, H] float32, scales [R] float32) of `quantize_expert_rows`: row r is x[r //
-    src_div] and its scale is scale_E[e], e = experts[r // expert_div] (None: r // expert_div)
-    clamped into [0, E)."""
+    src_div] (0 where its expert is outside [0, E)) and its scale is scale_E[e], e = experts[r
+    // expert_div] (None: r // expert_div) clamped into [0, E)."""
     r = torch.arange(num_rows, device=x.device)
     e = r // expert_div if experts is None else experts[r // expert_div].long()
     s = scale_E[e.clamp(0, scale_E.numel() - 1)]
-    return x[r // src_div].float(), s
+    valid = (e >= 0) & (e < scale_E.numel())
+    return x[r // src_div].float() * valid[:, None], s
 
 
 def quantize_expert_rows_ref(
@@ -251,9 +252,10 @@ def quantize_expert_rows(
     each quantized with its expert's calibrated scale: x [T, H], scale_E float32 [E] ->
     (q [num_rows, H] in `dtype`, s [num_rows] float32) with q[r] = clamp(x[r // src_div] / s[r],
     -qmax, qmax) rounded to nearest, s[r] = scale_E[e], e = experts[r // expert_div] (None:
-    r // expert_div), clamped into [0, E) (masked ids: the row is never read). One Triton
-    kernel (bit-identical to `quantize_expert_rows_ref`, which runs on CPU for fp8: the
-    interpreter casts to fp8 wrongly). pdl: as `quantize_act`."""
+    r // expert_div), clamped into [0, E). Rows whose expert is outside [0, E) (masked pairs,
+    other EP ranks' experts: no GEMM reads them) are left unwritten (the reference: zeros). One
+    Triton kernel (bit-identical to `quantize_expert_rows_ref` on the other rows; the reference
+    runs on CPU for fp8: the interpreter casts to fp8 wrongly). pdl: as `quantize_act`."""
     qmax = _check_expert_rows(x, scale_E, num_rows, src_div, experts, expert_div, dtype)
     if x.device.type == "cpu" and dtype == FP8_DTYPE:
         return quantize_expert_rows_ref(x, scale_E, num_rows, src_div=src_div, experts=experts,
