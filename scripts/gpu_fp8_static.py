@@ -6,13 +6,13 @@ and bf16, timed in turns.
         [--models qwen3-30b-a3b,...] [--out NAME]    # writes $OUT/NAME.json (fp8_static.json)
 
 For each preset at the issue's parallel shape and each batch size: one bf16 layer (the sweep's
-random weights) and its fp8_w8a8 copies with per-tensor weight scales, activations 'dynamic_tensor'
-or 'static_tensor' (scales calibrated as amax / 448 of each GEMM's input over 64 random tokens,
-per expert), over the same input sets (`moekit.sweep`'s routing, rotated past L2), timed
-together by `moekit.bench.time_ms_interleaved` (CUDA-graph replay, alternating rounds). Each
-fp8 layer's output on the first set is also compared with the `torch` runner's (relative
-norm). Prints the
-times and static / dynamic per point; `auto`'s pick for static scales is recorded.
+random weights) and its fp8_w8a8 copies with per-tensor weight scales, activations
+'dynamic_tensor' or 'static_tensor' (scales calibrated as amax / 448 of each GEMM's input over
+64 random tokens, per expert), over the same input sets (`moekit.sweep`'s routing, rotated past
+L2), timed together by `moekit.bench.time_ms_interleaved` (CUDA-graph replay, alternating
+rounds). Each fp8 layer's output on the first set is also compared with the `torch` runner's
+(relative norm). Prints the times and static / dynamic per point; `auto`'s pick for static
+scales is recorded.
 """
 
 from __future__ import annotations
