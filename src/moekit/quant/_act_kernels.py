@@ -115,12 +115,13 @@ def _quant_expert_rows_kernel(
     else:
         e = r // expert_div
     s = tl.load(scale_ptr + tl.minimum(tl.maximum(e, 0), num_experts - 1)).to(tl.float32)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (col < H) & (e >= 0) & (e < num_experts)
-    x = tl.load(x_ptr + (r // src_div) * stride_xt + col, mask=mask, other=0.0).to(tl.float32)
-    y = _clamp_round(tl.div_rn(x, s), qmax, ROUND_INT)  # not div_by_scale: s does not bound x
-    tl.store(q_ptr + r * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + r, s, mask=tl.program_id(1) == 0)
+    if (e >= 0) & (e < num_experts):  # a branch, not a mask: the row's accesses stay vectorized
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < H
+        x = tl.load(x_ptr + (r // src_div) * stride_xt + col, mask=mask, other=0.0)
+        y = _clamp_round(tl.div_rn(x.to(tl.float32), s), qmax, ROUND_INT)  # s does not bound x
+        tl.store(q_ptr + r * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_quant_expert_rows(x, q, s, scale, experts, src_div, expert_div, qmax, round_int,
