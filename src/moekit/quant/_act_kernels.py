@@ -100,11 +100,12 @@ def _quant_expert_rows_kernel(
     BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, ROUND_INT: tl.constexpr,
     GDC_WAIT: tl.constexpr = False, GDC_LAUNCH: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (r, c): row r of q, columns [c * BLOCK, +BLOCK). q[r] = clamp(x[r // src_div] /
-    s, -qmax, qmax) with the static scale s = scale[e] of the row's expert e = experts[r //
-    expert_div] (HAS_MAP) or r // expert_div, clamped into [0, num_experts) for s; s is written
-    to s[r] by column block 0. Rows whose expert is outside [0, num_experts) (masked pairs,
-    another EP rank's experts) are not read or written. GDC_*: as `_quant_rows_kernel`."""
+    """Program r: row r of q, in column blocks of BLOCK. q[r] = clamp(x[r // src_div] / s,
+    -qmax, qmax) with the static scale s = scale[e] of the row's expert e = experts[r //
+    expert_div] (HAS_MAP) or r // expert_div, clamped into [0, num_experts) for s, written to
+    s[r]. Rows whose expert is outside [0, num_experts) (masked pairs, another EP rank's
+    experts) are not read or written: one program a row keeps those cheap (an EP rank's call
+    has mostly such rows). GDC_*: as `_quant_rows_kernel`."""
     if GDC_LAUNCH:
         tl.extra.cuda.gdc_launch_dependents()
     if GDC_WAIT:
@@ -115,13 +116,14 @@ def _quant_expert_rows_kernel(
     else:
         e = r // expert_div
     s = tl.load(scale_ptr + tl.minimum(tl.maximum(e, 0), num_experts - 1)).to(tl.float32)
-    tl.store(s_ptr + r, s, mask=tl.program_id(1) == 0)
+    tl.store(s_ptr + r, s)
     if (e >= 0) & (e < num_experts):  # a branch, not a mask: the row's accesses stay vectorized
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < H
-        x = tl.load(x_ptr + (r // src_div) * stride_xt + col, mask=mask, other=0.0)
-        y = _clamp_round(tl.div_rn(x.to(tl.float32), s), qmax, ROUND_INT)  # s does not bound x
-        tl.store(q_ptr + r * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=mask)
+        x_row = x_ptr + (r // src_div) * stride_xt
+        for c0 in range(0, H, BLOCK):
+            col = c0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + col, mask=col < H, other=0.0).to(tl.float32)
+            y = _clamp_round(tl.div_rn(x, s), qmax, ROUND_INT)  # s does not bound x
+            tl.store(q_ptr + r * stride_qt + col, y.to(q_ptr.dtype.element_ty), mask=col < H)
 
 
 def launch_quant_expert_rows(x, q, s, scale, experts, src_div, expert_div, qmax, round_int,
@@ -131,7 +133,7 @@ def launch_quant_expert_rows(x, q, s, scale, experts, src_div, expert_div, qmax,
     `launch_quant_rows`."""
     R, H = q.shape
     block = min(1024, triton.next_power_of_2(H))
-    _quant_expert_rows_kernel[(R, triton.cdiv(H, block))](
+    _quant_expert_rows_kernel[(R,)](
         x, q, s, scale, experts if experts is not None else scale, H, scale.numel(), src_div,
         expert_div, x.stride(0), q.stride(0), qmax, BLOCK=block, HAS_MAP=experts is not None,
         ROUND_INT=round_int, GDC_WAIT=pdl[0], GDC_LAUNCH=pdl[1], num_warps=4,
