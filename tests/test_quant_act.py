@@ -243,13 +243,19 @@ def test_expert_rows_reference_by_hand():
 
 
 @needs_triton
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["block_programs", "row_programs"])
 @pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
 @pytest.mark.parametrize("qdtype", [FP8, torch.int8], ids=["fp8", "int8"])
-def test_expert_rows_kernel_matches_reference(layout, qdtype):
+def test_expert_rows_kernel_matches_reference(layout, qdtype, whole_rows, monkeypatch):
     """Bit-identical on fresh random rows (on CPU fp8 goes to the reference: the interpreter
-    casts to fp8 wrongly, so int8 is the kernel's CPU check)."""
+    casts to fp8 wrongly, so int8 is the kernel's CPU check), with a program per column block
+    and per row (`SPLIT_ROWS_MAX_PROGRAMS`)."""
+    from moekit.quant import _act_kernels
+
+    if whole_rows:
+        monkeypatch.setattr(_act_kernels, "SPLIT_ROWS_MAX_PROGRAMS", 0)
     R, src_div, n_map, expert_div = ROW_LAYOUTS[layout]
-    E, H = 5, 300
+    E, H = 5, 2500  # 3 column blocks of 1024, the last partial
     x = (torch.randn(-(-R // src_div), H) * 4).to(DEV)
     scale_E = (torch.rand(E) * 0.02 + 0.005).to(DEV)
     experts = None
