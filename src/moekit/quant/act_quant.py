@@ -196,7 +196,6 @@ def quantize_act(
     return q, s
 
 
-
 def _check_expert_rows(x, scale_E, num_rows, src_div, experts, expert_div, dtype) -> float:
     qmax = _check(x, "static_tensor", dtype, scale_E, 128)
     if x.dim() != 2:

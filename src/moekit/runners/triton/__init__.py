@@ -9,8 +9,8 @@ atomics in the down GEMM, as the config says). Masked format: the same GEMMs on 
 
 Quantized weights (see `ops.WeightQuant`): fp8_w8a8 (block-wise [128, 128] / per-channel /
 per-tensor weight scales with token-group / token / per-tensor activations, dynamic or static:
-one calibrated scale per expert) and int8_w8a8 on the fp8 / int8 tensor cores; int8_w8a16, int4_w4a16,
-mxfp4 and nvfp4 dequantized in the weight-tile load before a bf16/fp16 dot.
+one calibrated scale per expert) and int8_w8a8 on the fp8 / int8 tensor cores; int8_w8a16,
+int4_w4a16, mxfp4 and nvfp4 dequantized in the weight-tile load before a bf16/fp16 dot.
 
 Importing this module needs no Triton (the runner then reports itself unavailable); the kernels
 are imported on first use. On CPU it runs in the Triton interpreter when TRITON_INTERPRET=1 is
