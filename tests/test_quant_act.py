@@ -274,6 +274,8 @@ def test_expert_rows_kernel_matches_reference(layout, qdtype, whole_rows, monkey
     assert torch.equal(s, s_ref)
     q0, s0 = quantize_expert_rows(x, scale_E, 0, **kw)
     assert q0.shape == (0, H) and s0.shape == (0,)
+    qh, sh = quantize_expert_rows(x[:, :0], scale_E, R, **kw)  # H = 0: the scales still
+    assert qh.shape == (R, 0) and torch.equal(sh, s_ref)
 
 
 def test_expert_rows_errors():

@@ -140,8 +140,8 @@ def launch_quant_expert_rows(x, q, s, scale, experts, src_div, expert_div, qmax,
     per-expert scales `scale` [E] float32 and `experts` (int, or None); pdl as
     `launch_quant_rows`."""
     R, H = q.shape
-    block = min(1024, triton.next_power_of_2(H))
-    blocks = triton.cdiv(H, block)
+    block = min(1024, triton.next_power_of_2(max(H, 1)))
+    blocks = max(1, triton.cdiv(H, block))  # H = 0: the programs still write s
     split = R * blocks <= SPLIT_ROWS_MAX_PROGRAMS
     cols = block if split else blocks * block
     _quant_expert_rows_kernel[(R, blocks if split else 1)](

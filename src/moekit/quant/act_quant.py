@@ -265,10 +265,6 @@ def quantize_expert_rows(
     s = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return q, s
-    if x.shape[1] == 0:
-        s.copy_(expert_rows_ref(x, scale_E, num_rows, src_div=src_div, experts=experts,
-                                expert_div=expert_div)[1])  # fmt: skip
-        return q, s
     from moekit.quant._act_kernels import launch_quant_expert_rows
 
     launch_quant_expert_rows(x, q, s, scale_E.contiguous(), experts, src_div, expert_div, qmax,

@@ -208,10 +208,8 @@ def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def pack_experts(w: ExpertWeights, interleaved: bool) -> PackedExperts:
     """ExpertWeights of a 4-bit format -> PackedExperts (w13 rows in gate-then-up order)."""
-    def rows(t):
-        return _gate_up_rows(t, interleaved)
-
-    w13 = pack_matrix(rows(w.w13), rows(w.w13_scale), rows(w.w13_zero), w.w13_global_scale,
-                      w.spec)  # fmt: skip
+    w13, s13, z13, b13 = (_gate_up_rows(t, interleaved) for t in (w.w13, w.w13_scale,
+                                                                    w.w13_zero, w.b13))  # fmt: skip
     w2 = pack_matrix(w.w2, w.w2_scale, w.w2_zero, w.w2_global_scale, w.spec)
-    return PackedExperts(w13, w2, _bf16(rows(w.b13)), _bf16(w.b2))
+    return PackedExperts(pack_matrix(w13, s13, z13, w.w13_global_scale, w.spec), w2, _bf16(b13),
+                         _bf16(w.b2))  # fmt: skip
