@@ -25,7 +25,7 @@ import torch
 from moekit.bench import l2_cache_bytes, time_ms_interleaved
 from moekit.config import RunnerConfig
 from moekit.layer import RunnerCache
-from moekit.runners.torch import activate
+from moekit.quant import calibrate_static_scales
 from moekit.select_tune import sweep_spec
 from moekit.sweep import _input_sets, build_layer, layer_over_sets
 
@@ -42,17 +42,12 @@ VARIANTS = {  # name: (activation scheme, runner)
 }
 
 
-@torch.no_grad()
 def calibrated(layer) -> dict:
     """Per-expert static scales: amax / 448 of each GEMM's input over 64 random tokens."""
     w = layer.expert_weights
     x = torch.randn(64, w.hidden_size, device=w.w13.device, dtype=w.w13.dtype)
-    h13 = torch.einsum("th,enh->etn", x.float(), w.w13.float())
-    if w.b13 is not None:
-        h13 = h13 + w.b13.float()[:, None]
-    a2 = activate(h13, layer.act).abs().amax(dim=(1, 2)) / 448
-    a13 = torch.full_like(a2, float(x.abs().amax()) / 448)
-    return dict(a13_scale=a13, a2_scale=a2.clamp_min(1e-8))
+    a13, a2 = calibrate_static_scales(w, layer.act, x)
+    return dict(a13_scale=a13, a2_scale=a2)
 
 
 @torch.no_grad()

@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from moekit.experts import ActivationSpec, ExpertWeights
-from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts
+from moekit.quant import (
+    Fp8W8A8,
+    Int4W4A16,
+    calibrate_static_scales,
+    make_spec,
+    quantize_experts,
+)
 from moekit.quant.act_quant import fake_quantize_act, tensor_scale
 from moekit.router import TopKOutput
 from moekit.runners import registry
@@ -80,18 +86,6 @@ def make_case(case: str):
     return ExpertWeights(w13, w2), x.to(torch.bfloat16), TopKOutput(torch.rand(T, K), ids)
 
 
-def static_scales(w: ExpertWeights, x, topk, act):
-    """Calibrated per-expert activation scales: amax of each GEMM's input over its tokens."""
-    a13, a2 = torch.empty(E), torch.empty(E)
-    for e in range(E):
-        rows = (topk.ids == e).any(dim=1)
-        xe = x[rows].double()
-        a = activate(xe @ w.w13[e].double().T, act) if rows.any() else xe.new_zeros(1, 1)
-        a13[e] = tensor_scale(xe if rows.any() else xe.new_zeros(1)).item()
-        a2[e] = tensor_scale(a).item()
-    return a13, a2
-
-
 def kernel_reference(x, topk, q: ExpertWeights, act):
     """Float64, every expert on every token (dense), with the roundings of a kernel (module
     docstring); the activation quantization sees only the routed (token, expert) rows."""
@@ -138,7 +132,8 @@ def test_accuracy_table(case):
     for name, (spec, b_kernel, b_dequant, b_unquant) in FORMATS.items():
         scales = {}
         if spec.act_scheme == "static_tensor":
-            scales = dict(zip(("a13_scale", "a2_scale"), static_scales(unq, x, topk, act)))
+            a13, a2 = calibrate_static_scales(unq, act, x, topk)  # over the routed tokens
+            scales = dict(a13_scale=a13, a2_scale=a2)
         q = quantize_experts(unq, spec, **scales)
         out = runner.run(StandardDispatchOutput(x, topk), q, act).out
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all(), name

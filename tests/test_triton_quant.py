@@ -28,7 +28,13 @@ pytest.importorskip("triton")
 from helpers import TOLERANCE, make_topk, rel_err  # noqa: E402
 
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
-from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts  # noqa: E402
+from moekit.quant import (  # noqa: E402
+    Fp8W8A8,
+    Int4W4A16,
+    calibrate_static_scales,
+    make_spec,
+    quantize_experts,
+)
 from moekit.runners import _tables  # noqa: E402
 from moekit.runners.base import RunnerError  # noqa: E402
 from moekit.runners.torch import TorchRunner  # noqa: E402
@@ -351,20 +357,14 @@ def test_presets_bf16_gpu(model, tp, ep, fmt):
 
 def calibrated_scales(w: ExpertWeights, act: ActivationSpec, spec) -> dict:
     """'static_tensor' specs: per-expert activation scales as a calibration would give them
-    (amax / 448 of each GEMM's input over 64 random tokens, times 1-2 so that experts differ);
-    other specs: none."""
+    (`calibrate_static_scales` over 64 random tokens, every expert on every token), times 1-2
+    so that experts differ; other specs: none."""
     if spec.act_scheme != "static_tensor":
         return {}
-    from moekit.runners.torch import activate
-
-    E = w.num_experts
     x = torch.randn(64, w.hidden_size, device=w.w13.device)
-    h13 = torch.einsum("th,enh->etn", x, w.w13.float())
-    if w.b13 is not None:
-        h13 = h13 + w.b13.float()[:, None]
-    amax_h = activate(h13, act).abs().amax(dim=(1, 2))
-    spread = 1 + torch.rand(2, E, device=x.device)
-    return dict(a13_scale=x.abs().amax() / 448 * spread[0], a2_scale=amax_h / 448 * spread[1])
+    a13, a2 = calibrate_static_scales(w, act, x)
+    spread = 1 + torch.rand(2, w.num_experts, device=x.device)
+    return dict(a13_scale=a13 * spread[0], a2_scale=a2 * spread[1])
 
 
 @pytest.mark.gpu

@@ -5,8 +5,10 @@ activation quantizers and checkpoint loaders.
     q = quantize(w_ENK, "int4_w4a16", group_size=64)      # QuantizedTensor
     w = dequantize(q)                                      # float32 [E, N, K]
     experts_q = quantize_experts(layer.expert_weights, "fp8_w8a8")
+    a13, a2 = calibrate_static_scales(layer.expert_weights, layer.act, x_TH)  # static_tensor
 """
 
+from moekit.quant.calibrate import calibrate_static_scales
 from moekit.quant.expert_weights import from_quantized, quantize_experts
 from moekit.quant.quantize import QuantizedTensor, dequantize, quantize
 from moekit.quant.spec import (
@@ -37,6 +39,7 @@ __all__ = [
     "QuantSpec",
     "QuantizedTensor",
     "WeightFormat",
+    "calibrate_static_scales",
     "dequantize",
     "format_name",
     "from_quantized",
