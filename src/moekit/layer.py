@@ -23,6 +23,7 @@ from moekit.dispatch.factory import make_dispatcher
 from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
 from moekit.loading import load_hf_experts
+from moekit.log import logger
 from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
@@ -312,7 +313,12 @@ class MoE(nn.Module):
         shared_prefix: str = "shared_experts.",
         correction_bias_key: str = "gate.e_score_correction_bias",
     ) -> None:
-        """Load this rank's experts from a Hugging Face style state dict (see moekit.loading)."""
+        """Load this rank's experts from a Hugging Face style state dict (see moekit.loading).
+
+        Unquantized experts are copied (and quantized when the layer has a weight format).
+        Quantized experts (fp8 / int8 / GPTQ / AWQ / nvfp4 / gpt-oss mxfp4 checkpoints) are held
+        as stored, static fp8 `input_scale`s included; the layer takes on their format. A layer
+        made with another weight format converts them (dequantize, then quantize)."""
         loaded = load_hf_experts(
             state_dict,
             self.config,
@@ -322,11 +328,14 @@ class MoE(nn.Module):
             moe_tp_size=self.parallel.moe_tp_size,
             moe_tp_rank=self.moe_tp_rank,
         )
-        if self.quant_spec is None:
+        device = self.w13.device
+        if loaded.spec is not None:
+            self._hold_loaded(loaded.quantized())
+        elif self.quant_spec is None:
             self.w13.copy_(loaded.w13)
             self.w2.copy_(loaded.w2)
         else:
-            self._requantize(loaded.w13.to(self.w13.device), loaded.w2.to(self.w13.device))
+            self._requantize(loaded.w13.to(device), loaded.w2.to(device))
         for name in ("b13", "b2"):
             param, value = getattr(self, name), getattr(loaded, name)
             if (param is None) != (value is None):
@@ -341,6 +350,25 @@ class MoE(nn.Module):
             if key not in state_dict:
                 raise KeyError(f"use_correction_bias=True but the state dict has no {key!r}")
             self.correction_bias.copy_(state_dict[key])
+        self.runners.refresh(self.expert_weights, self.act)
+
+    def _hold_loaded(self, q: ExpertWeights) -> None:
+        """Hold quantized experts read from a checkpoint (on this layer's device): in their own
+        format, or converted to the layer's when it has another."""
+        device = self.w13.device
+        names = [n for n in ("w13", "w2", *QUANT_TENSORS) if getattr(q, n) is not None]
+        q = replace(q, **{n: getattr(q, n).to(device) for n in names})
+        held, spec = self.quant_spec, q.spec
+        if held is not None and {held.name, spec.name} == {"int8_w8a8", "int8_w8a16"}:
+            q = replace(q, format=held.name, spec=held)  # the same int8 data and scales
+        elif held is not None and held.name != spec.name:
+            logger.info("converting the state dict's %s experts to %s", spec.describe(),
+                        held.describe())  # fmt: skip
+            w = q.dequantized(torch.float32)
+            self._requantize(w.w13, w.w2)
+            return
+        logger.info("holding the state dict's experts as %s", spec.describe())
+        self._set_experts(q)
 
 
 def fused_moe(

@@ -7,38 +7,113 @@ Layouts read (keys under `prefix`, which ends with 'experts.' or equivalent):
               [E, I, H]), optional gate_up_proj_bias [E, 2I], down_proj_bias [E, H].
 Fused shared experts (logical ids >= E) read `shared_prefix` gate/up/down_proj in the per-expert
 layout.
+
+Quantized checkpoints load as they are stored, without requantizing: per-expert weights in the
+conventions of `moekit.quant.loaders.load_weight` (fp8 with `weight_scale_inv` / `weight_scale`
+and an optional static `input_scale`, int8, GPTQ, AWQ, nvfp4), and gpt-oss's fused mxfp4
+`gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`. A tensor-parallel cut must
+fall on the format's scale groups.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 import torch
 
 from moekit.config import MoEConfig
+from moekit.experts import ExpertWeights
+from moekit.quant import loaders
+from moekit.quant.expert_weights import from_quantized
+from moekit.quant.quantize import QuantizedTensor
+from moekit.quant.spec import QuantSpec
+
+# One weight [.., N, K] as a state dict holds it: plain, or quantized (logical shape).
+Weight = Union[torch.Tensor, QuantizedTensor]
 
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 @dataclass
 class LoadedExperts:
-    """w13 [E_local, 2I_local, H], w2 [E_local, H, I_local], b13 / b2 or None."""
+    """w13 [E_local, 2I_local, H], w2 [E_local, H, I_local] (QuantizedTensors of that logical
+    shape from a quantized checkpoint), b13 / b2 or None, and a13_scale / a2_scale [E_local]
+    float32: the static activation scales of an fp8 checkpoint's `input_scale`s, or None."""
 
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: Weight
+    w2: Weight
     b13: torch.Tensor | None
     b2: torch.Tensor | None
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+
+    @property
+    def spec(self) -> QuantSpec | None:
+        """The quantized format, None for plain tensors."""
+        return self.w13.spec if isinstance(self.w13, QuantizedTensor) else None
+
+    def quantized(self) -> ExpertWeights:
+        """The quantized experts as ExpertWeights (with their static scales; no biases)."""
+        if self.spec is None:
+            raise ValueError("LoadedExperts.quantized: the state dict's experts are unquantized")
+        return from_quantized(self.w13, self.w2, a13_scale=self.a13_scale,
+                              a2_scale=self.a2_scale)  # fmt: skip
 
 
-def tp_rows_w13(two_i: int, moe_tp_size: int, moe_tp_rank: int, interleaved: bool) -> torch.Tensor:
-    """Row indices of w13 [2I, H] that moe-TP rank `moe_tp_rank` keeps (gate and up halves)."""
-    I = two_i // 2
+def _rows(w: Weight, start: int, length: int, dim: int = -2) -> Weight:
+    """Rows [start, start + length) of w [.., N, K] (of a bias [.., N]: dim -1)."""
+    if isinstance(w, QuantizedTensor):
+        return loaders.narrow(w, -2, start, length)
+    return w.narrow(dim, start, length)
+
+
+def _cols(w: Weight, start: int, length: int) -> Weight:
+    """Columns [start, start + length) of w [.., N, K]."""
+    if isinstance(w, QuantizedTensor):
+        return loaders.narrow(w, -1, start, length)
+    return w.narrow(-1, start, length)
+
+
+def _cat_rows(parts: Sequence[Weight], dim: int = -2) -> Weight:
+    if len({isinstance(p, QuantizedTensor) for p in parts}) > 1:
+        raise ValueError("an expert's gate_proj and up_proj must share one format; the state "
+                         "dict has one quantized and one not")  # fmt: skip
+    if isinstance(parts[0], QuantizedTensor):
+        return loaders.cat_rows(parts)
+    return torch.cat(list(parts), dim=dim)
+
+
+def _stack(parts: Sequence[Weight | None]) -> Weight | None:
+    if any(p is None for p in parts):
+        return None
+    if isinstance(parts[0], QuantizedTensor):
+        return loaders.stack(parts)
+    return torch.stack(list(parts))
+
+
+def _expert(w: Weight | None, e: int) -> Weight | None:
+    """Expert e of a fused weight [E, ..]."""
+    if not isinstance(w, QuantizedTensor):
+        return None if w is None else w[e]
+    pick = lambda t: None if t is None else t[e]  # noqa: E731
+    return QuantizedTensor(w.data[e], w.scale[e], w.spec, w.shape[1:], pick(w.zero),
+                           pick(w.global_scale))  # fmt: skip
+
+
+def _tp_share_w13(w13: Weight, moe_tp_size: int, moe_tp_rank: int, interleaved: bool,
+                 dim: int = -2) -> Weight:  # fmt: skip
+    """The rows of w13 [.., 2I, H] (of b13 [.., 2I]: dim -1) that moe-TP rank `moe_tp_rank`
+    keeps: its share of the gate rows and of the up rows (interleaved: one block of alternating
+    gate / up rows)."""
+    I = w13.shape[dim] // 2
     n = I // moe_tp_size
     if interleaved:
-        return torch.arange(2 * n * moe_tp_rank, 2 * n * (moe_tp_rank + 1))
-    cols = torch.arange(n * moe_tp_rank, n * (moe_tp_rank + 1))
-    return torch.cat([cols, cols + I])
+        return _rows(w13, 2 * n * moe_tp_rank, 2 * n, dim)
+    if moe_tp_size == 1:
+        return w13
+    return _cat_rows([_rows(w13, n * moe_tp_rank, n, dim), _rows(w13, I + n * moe_tp_rank, n, dim)],
+                     dim)  # fmt: skip
 
 
 def _missing(key: str, state_dict: Mapping[str, torch.Tensor]) -> KeyError:
@@ -55,49 +130,88 @@ def _check_shape(sd, key: str, shape: tuple[int, ...]) -> None:
         )
 
 
+def _weight(sd, name: str, shape: tuple[int, int]) -> tuple[Weight, torch.Tensor | None]:
+    """Weight `name` (e.g. 'experts.3.gate_proj') as stored, checked against the config's
+    [N, K], and its fp8 static activation scale (or None)."""
+    quantized = loaders.load_weight(sd, name)
+    if quantized is None:
+        if name + ".weight" not in sd:
+            raise _missing(name + ".weight", sd)
+        _check_shape(sd, name + ".weight", shape)
+        return sd[name + ".weight"], None
+    w, input_scale = quantized
+    if tuple(w.shape) != shape:
+        raise ValueError(
+            f"{name} holds a {w.spec.describe()} weight of shape {list(w.shape)}; the config "
+            f"gives {list(shape)} (H = hidden_size, I = intermediate_size)"
+        )
+    return w, input_scale
+
+
+def _a13(name: str, gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor | None:
+    """One static scale for x, which gate and up both read: the larger of theirs."""
+    if (gate is None) != (up is None):
+        raise ValueError(f"{name}: gate_proj and up_proj must both have input_scale or neither")
+    return None if gate is None else torch.maximum(gate, up)
+
+
 def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I: int):
     g, u, d = (prefix + f"{e}.{n}" for n in names)
-    for key in (g + ".weight", u + ".weight", d + ".weight"):
-        if key not in sd:
-            raise _missing(key, sd)
-    for key, shape in ((g, (I, H)), (u, (I, H)), (d, (H, I))):
-        _check_shape(sd, key + ".weight", shape)
+    (wg, s_gate), (wu, s_up), (wd, s_down) = (
+        _weight(sd, g, (I, H)), _weight(sd, u, (I, H)), _weight(sd, d, (H, I))
+    )  # fmt: skip
+    for key, n in ((g, I), (u, I), (d, H)):
         if key + ".bias" in sd:
-            _check_shape(sd, key + ".bias", shape[:1])
-    w13 = torch.cat([sd[g + ".weight"], sd[u + ".weight"]], dim=0)
+            _check_shape(sd, key + ".bias", (n,))
     b13 = None
     if g + ".bias" in sd:
         b13 = torch.cat([sd[g + ".bias"], sd[u + ".bias"]], dim=0)
-    return w13, sd[d + ".weight"], b13, sd.get(d + ".bias")
+    a13 = _a13(g, s_gate, s_up)
+    return _cat_rows([wg, wu]), wd, b13, sd.get(d + ".bias"), a13, s_down
 
 
-def _shared(sd, shared_prefix: str, j: int, I: int):
+def _shared(sd, shared_prefix: str, j: int, S: int, I: int, H: int):
     """Shared expert j as a routed expert of intermediate size I. A checkpoint stores S shared
     experts as one MLP of intermediate size S * I; its slice j is exactly expert j."""
     g, u, d = (shared_prefix + n for n in _PER_EXPERT_NAMES[0])
-    if g + ".weight" not in sd:
-        raise _missing(g + ".weight", sd)
+    (wg, s_gate), (wu, s_up), (wd, s_down) = (
+        _weight(sd, g, (S * I, H)), _weight(sd, u, (S * I, H)), _weight(sd, d, (H, S * I))
+    )  # fmt: skip
     part = slice(j * I, (j + 1) * I)
-    w13 = torch.cat([sd[g + ".weight"][part], sd[u + ".weight"][part]], dim=0)
     b13 = None
     if g + ".bias" in sd:
         b13 = torch.cat([sd[g + ".bias"][part], sd[u + ".bias"][part]], dim=0)
     b2 = sd.get(d + ".bias")
     if b2 is not None and j > 0:
         b2 = torch.zeros_like(b2)
-    return w13, sd[d + ".weight"][:, part], b13, b2
+    a13 = _a13(g, s_gate, s_up)
+    w13 = _cat_rows([_rows(wg, j * I, I), _rows(wu, j * I, I)])
+    return w13, _cols(wd, j * I, I), b13, b2, a13, s_down
+
+
+def _fused_mxfp4(sd, prefix: str) -> tuple[Weight, Weight]:
+    """gpt-oss's mxfp4 gate_up_proj_blocks / _scales and down_proj_blocks / _scales."""
+    for key in ("gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"):
+        if prefix + key not in sd:
+            raise _missing(prefix + key, sd)
+    return (
+        loaders.load_mxfp4_blocks(sd[prefix + "gate_up_proj_blocks"],
+                                  sd[prefix + "gate_up_proj_scales"]),
+        loaders.load_mxfp4_blocks(sd[prefix + "down_proj_blocks"], sd[prefix + "down_proj_scales"]),
+    )  # fmt: skip
 
 
 def _fused(sd, prefix: str, config: MoEConfig):
     H, I = config.hidden_size, config.intermediate_size
-    gate_up, down = sd[prefix + "gate_up_proj"], sd[prefix + "down_proj"]
     E = config.num_experts
-    if tuple(down.shape) == (E, H, I):
-        pass
-    elif tuple(down.shape) == (E, I, H):
-        down = down.transpose(1, 2)
-        gate_up = gate_up.transpose(1, 2)
+    if prefix + "gate_up_proj_blocks" in sd:
+        gate_up, down = _fused_mxfp4(sd, prefix)
     else:
+        gate_up, down = sd[prefix + "gate_up_proj"], sd[prefix + "down_proj"]
+        if tuple(down.shape) == (E, I, H) and tuple(down.shape) != (E, H, I):
+            down = down.transpose(1, 2)
+            gate_up = gate_up.transpose(1, 2)
+    if tuple(down.shape) != (E, H, I):
         raise ValueError(
             f"{prefix}down_proj has shape {list(down.shape)}; expected [E, H, I] = "
             f"[{E}, {H}, {I}] or [E, I, H]"
@@ -108,6 +222,16 @@ def _fused(sd, prefix: str, config: MoEConfig):
             f"expected [E, 2I, H] = [{E}, {2 * I}, {H}]"
         )
     return gate_up, down, sd.get(prefix + "gate_up_proj_bias"), sd.get(prefix + "down_proj_bias")
+
+
+def _one_kind(what: str, ts: Sequence[object], kind) -> None:
+    """ValueError unless all or none of the experts' `what` are `kind` (None: present)."""
+    has = [t is not None if kind is None else isinstance(t, kind) for t in ts]
+    if any(has) and not all(has):
+        raise ValueError(
+            f"the state dict's experts mix {what} with experts without: expert slots "
+            f"{[i for i, h in enumerate(has) if h][:8]} have it, {has.count(False)} do not"
+        )
 
 
 def load_hf_experts(
@@ -124,30 +248,37 @@ def load_hf_experts(
 
     I is sliced for moe-TP rank `moe_tp_rank` of `moe_tp_size`. The down-projection bias is
     added once per token, so only moe-TP rank 0 keeps it; other ranks get zeros (their partial
-    outputs are summed)."""
-    I = config.intermediate_size
+    outputs are summed). Quantized experts stay quantized (module docstring)."""
+    I, H = config.intermediate_size, config.hidden_size
     if I % moe_tp_size:
         raise ValueError(f"intermediate size {I} is not divisible by moe_tp_size {moe_tp_size}")
-    fused = prefix + "gate_up_proj" in state_dict
+    fused = any(prefix + k in state_dict for k in ("gate_up_proj", "gate_up_proj_blocks"))
     fused_all = _fused(state_dict, prefix, config) if fused else None
     names = next(
-        (n for n in _PER_EXPERT_NAMES if f"{prefix}0.{n[0]}.weight" in state_dict),
+        (n for n in _PER_EXPERT_NAMES
+         if any(f"{prefix}0.{n[0]}.{s}" in state_dict for s in ("weight", "qweight"))),
         _PER_EXPERT_NAMES[0],
-    )
-    rows = tp_rows_w13(2 * I, moe_tp_size, moe_tp_rank, config.interleaved)
+    )  # fmt: skip
     n = I // moe_tp_size
-    cols = slice(n * moe_tp_rank, n * (moe_tp_rank + 1))
-    w13s, w2s, b13s, b2s = [], [], [], []
+    got: list[tuple] = []
     for e in experts:
         if e >= config.num_experts:
-            w13, w2, b13, b2 = _shared(state_dict, shared_prefix, e - config.num_experts, I)
+            w13, w2, b13, b2, a13, a2 = _shared(state_dict, shared_prefix, e - config.num_experts,
+                                                config.num_shared_experts, I, H)  # fmt: skip
         elif fused_all is not None:
-            w13, w2, b13, b2 = (None if t is None else t[e] for t in fused_all)
+            (w13, w2, b13, b2), a13, a2 = (_expert(t, e) for t in fused_all), None, None
         else:
-            w13, w2, b13, b2 = _per_expert(state_dict, prefix, e, names, config.hidden_size, I)
-        w13s.append(w13[rows])
-        w2s.append(w2[:, cols])
-        b13s.append(None if b13 is None else b13[rows])
-        b2s.append(None if b2 is None else (b2 if moe_tp_rank == 0 else torch.zeros_like(b2)))
-    stack = lambda ts: None if any(t is None for t in ts) else torch.stack(ts)  # noqa: E731
-    return LoadedExperts(torch.stack(w13s), torch.stack(w2s), stack(b13s), stack(b2s))
+            w13, w2, b13, b2, a13, a2 = _per_expert(state_dict, prefix, e, names, H, I)
+        if b2 is not None and moe_tp_rank != 0:
+            b2 = torch.zeros_like(b2)
+        got.append((
+            _tp_share_w13(w13, moe_tp_size, moe_tp_rank, config.interleaved),
+            _cols(w2, n * moe_tp_rank, n),
+            None if b13 is None else _tp_share_w13(b13, moe_tp_size, moe_tp_rank,
+                                                  config.interleaved, dim=-1),
+            b2, a13, a2,
+        ))  # fmt: skip
+    w13s, w2s, b13s, b2s, a13s, a2s = zip(*got)
+    _one_kind("quantized weights", w13s, QuantizedTensor)
+    _one_kind("an input_scale", a13s, None)
+    return LoadedExperts(*(_stack(ts) for ts in (w13s, w2s, b13s, b2s, a13s, a2s)))

@@ -16,14 +16,19 @@ checkpoint stores them and converts them without loss:
   gpt-oss mxfp4      *_blocks uint8 [.., N, K/32, 16] (low nibble first, as ours),
                      *_scales uint8 e8m0 [.., N, K/32]
 
+  nvfp4 (ModelOpt)   weight uint8 [.., N, K/2], weight_scale float8_e4m3fn [.., N, K/16],
+                     weight_scale_2 float32 [..]
+
 int4 checkpoints whose zero points are all 8 load as the symmetric spec (no zero tensor).
-`cat_rows` and `stack` assemble per-expert tensors (gate + up -> w13, experts -> [E, ..]).
+`load_weight` finds one weight's convention from the keys and dtypes of a state dict;
+`narrow` cuts a tensor-parallel slice; `cat_rows` and `stack` assemble per-expert tensors
+(gate + up -> w13, experts -> [E, ..]).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -271,6 +276,107 @@ def stack(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
     )
 
 
+def _groups(q: QuantizedTensor) -> tuple[int, int]:
+    """(rows, columns) that share one scale along N and along K: a cut must fall between
+    groups. A per-tensor scale spans everything (0: any cut keeps it whole)."""
+    spec = q.spec
+    if isinstance(spec, Fp8W8A8):
+        return {"tensor": (0, 0), "channel": (1, 0), "block": spec.block_shape}[spec.weight_scale]
+    if isinstance(spec, (Int8W8A8, Int8W8A16)):
+        return 1, 0
+    return 1, spec.group_size  # int4, mxfp4, nvfp4: [.., N, K/g]
+
+
+def narrow(q: QuantizedTensor, dim: int, start: int, length: int) -> QuantizedTensor:
+    """Rows (dim -2) or columns (dim -1) [start, start + length) of q [.., N, K], scales
+    and zero points with them, without requantizing (a tensor-parallel rank's share). The cut
+    must fall on the format's scale groups (128 rows / columns of block fp8, g columns of int4,
+    32 of mxfp4, 16 of nvfp4); a partial last group is kept whole."""
+    if dim not in (-2, -1):
+        raise ValueError(f"narrow: dim must be -2 (rows, N) or -1 (columns, K), got {dim}")
+    size = q.shape[dim]
+    end = start + length
+    if start < 0 or length < 0 or end > size:
+        raise ValueError(f"narrow: [{start}, {end}) is outside [0, {size}) of {list(q.shape)}")
+    group = _groups(q)[dim + 2]
+    what = "rows" if dim == -2 else "columns"
+    if group > 1 and (start % group or (end % group and end != size)):
+        raise ValueError(
+            f"cannot cut {what} [{start}, {end}) out of a {q.spec.describe()} weight "
+            f"{list(q.shape)}: its scales cover groups of {group} {what}; a tensor-parallel "
+            f"split needs I / moe_tp_size to be a multiple of {group}"
+        )
+    lead = len(q.lead)
+    pack = q.spec.pack_factor if dim == -1 else 1
+    data = q.data.narrow(dim, start // pack, length // pack)
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        """A scale / zero tensor: cut along the dim that follows `dim`'s groups, if any."""
+        if t is None or group == 0:
+            return t
+        t_dim = lead + (dim + 2 if t.dim() == lead + 2 else 0)
+        first = start // group
+        return t.narrow(t_dim, first, math.ceil(end / group) - first)
+
+    shape = (*q.shape[:-2], *(length if d == dim + 2 else q.shape[d - 2] for d in (0, 1)))
+    return QuantizedTensor(data, cut(q.scale), q.spec, shape, cut(q.zero), q.global_scale)
+
+
+def _input_scale(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The static activation scale `{name}.input_scale` (one value) as float32 [], or None."""
+    t = sd.get(name + ".input_scale")
+    if t is None:
+        return None
+    if t.numel() != 1:
+        raise ValueError(f"{name}.input_scale must hold one value, got shape {list(t.shape)}")
+    return _float32(name + ".input_scale", t).reshape(())
+
+
+def load_weight(
+    sd: Mapping[str, torch.Tensor], name: str, *, gptq_zero_offset: int = 1
+) -> tuple[QuantizedTensor, torch.Tensor | None] | None:
+    """The quantized weight `name` of a state dict (e.g. 'experts.3.gate_proj') from the keys
+    under it, and its fp8 static activation scale `{name}.input_scale` ([] float32) or None.
+    None when `{name}.weight` is a plain float tensor (unquantized). The convention is read from
+    the keys and dtypes: fp8 `.weight` with `.weight_scale_inv` or `.weight_scale`; int8
+    `.weight` with `.weight_scale`; nvfp4 uint8 `.weight` with `.weight_scale` and
+    `.weight_scale_2`; GPTQ / AWQ `.qweight`, `.qzeros`, `.scales` (GPTQ's `.g_idx`), told
+    apart by qweight's layout. nvfp4's `.input_scale` (an fp4 activation scale) is not read:
+    nvfp4 runs weight-only here."""
+    weight = sd.get(name + ".weight")
+    if weight is None and name + ".qweight" not in sd:
+        return None
+    if weight is not None and weight.is_floating_point() and weight.dtype != FP8_DTYPE:
+        return None
+
+    def need(suffix: str) -> torch.Tensor:
+        if name + suffix not in sd:
+            raise KeyError(f"state dict has no {name + suffix!r} (the weight is quantized)")
+        return sd[name + suffix]
+
+    if weight is None:
+        qweight, qzeros, scales = need(".qweight"), need(".qzeros"), need(".scales")
+        if qweight.shape[-1] == scales.shape[-1]:  # GPTQ: [K/8, N]; AWQ: [K, N/8]
+            return load_gptq(qweight, qzeros, scales, sd.get(name + ".g_idx"),
+                             zero_offset=gptq_zero_offset), None  # fmt: skip
+        return load_awq(qweight, qzeros, scales), None
+    if weight.dtype == FP8_DTYPE:
+        static = _input_scale(sd, name)
+        scheme = "static_tensor" if static is not None else None
+        if name + ".weight_scale_inv" in sd:
+            return load_fp8(weight, sd[name + ".weight_scale_inv"], activation_scheme=scheme,
+                            weight_scale_inv=True), static  # fmt: skip
+        return load_fp8(weight, need(".weight_scale"), activation_scheme=scheme), static
+    if weight.dtype == torch.int8:
+        return load_int8(weight, need(".weight_scale")), None
+    if weight.dtype == torch.uint8 and name + ".weight_scale_2" in sd:
+        return load_nvfp4(weight, need(".weight_scale"), sd[name + ".weight_scale_2"]), None
+    raise ValueError(
+        f"{name}.weight is {weight.dtype} {list(weight.shape)}: not a weight format moekit reads "
+        "(float, fp8 e4m3fn, int8, nvfp4 uint8 with weight_scale_2, or GPTQ / AWQ qweight)"
+    )
+
+
 __all__ = [
     "AWQ_ORDER",
     "cat_rows",
@@ -280,5 +386,7 @@ __all__ = [
     "load_int8",
     "load_mxfp4_blocks",
     "load_nvfp4",
+    "load_weight",
+    "narrow",
     "stack",
 ]
