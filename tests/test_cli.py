@@ -233,3 +233,20 @@ def test_eplb_load_files_that_hold_no_load_are_refused(tmp_path, capsys, name, t
     assert main(["eplb", "--load", str(tmp_path / name), "--ep-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "--load:" in err and needle in err and "Traceback" not in err
+
+
+def test_bench_and_explain_a_format_with_parameters(tmp_path, capsys):
+    """--quantization NAME:key=value,...: the layer runs that spec (static fp8 scales
+    calibrated for the bench's N(0, 1) inputs), the result names it; bad ones exit 2."""
+    fmt = "fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor"
+    out_dir = tmp_path / "res"
+    assert main(["bench", *TINY, "--backends", "torch", "--quantization", fmt,
+                 "--out-dir", str(out_dir)]) == 0  # fmt: skip
+    assert f"{fmt} weights" in capsys.readouterr().out
+    (path,) = out_dir.glob("*.json")
+    assert json.loads(path.read_text())["quantization"] == fmt
+    assert main(["env", "--explain", "--quantization", fmt]) == 0
+    assert "activation_scheme=static_tensor" in capsys.readouterr().out
+    assert main(["bench", *TINY, "--quantization", "fp8_w8a8:weight_scale=row",
+                 "--out-dir", str(out_dir)]) == 2  # fmt: skip
+    assert "weight_scale must be one of 'tensor', 'channel', 'block'" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from moekit.config import WEIGHT_FORMATS
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant import Fp8W8A8, Int4W4A16, make_spec, quantize_experts
 from moekit.quant.act_quant import fake_quantize_act, tensor_scale
+from moekit.quant.calibrate import standard_normal_scales
 from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.runners.torch import activate, moe_reference_fp64
@@ -186,13 +187,29 @@ def test_quantize_weights_in_place_and_its_errors():
         layer.quantize_weights_("fp8_w8a8")
     static = Fp8W8A8("tensor", activation_scheme="static_tensor")
     with pytest.raises(ValueError, match="needs calibrated activation scales"):
-        MoE(cfg, weight_format=static)
+        MoE(cfg).quantize_weights_(static)
     layer = MoE(cfg)
     layer.quantize_weights_(static, a13_scale=0.02, a2_scale=0.002)
     assert layer.a13_scale.shape == (4,)
     layer.reset_parameters()  # keeps the static scales
     assert layer.a13_scale.tolist() == pytest.approx([0.02] * 4)
     layer(x, logits)
+
+
+def test_random_static_layer_calibrates_for_standard_normal_inputs():
+    """MoE(weight_format=<static fp8>) draws its experts and calibrates their static scales
+    on N(0, 1) tokens, as `standard_normal_scales` does for the same unquantized draw."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, dtype="float32")
+    torch.manual_seed(5)
+    layer = MoE(cfg, weight_format="fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor")
+    torch.manual_seed(5)
+    twin = MoE(cfg)
+    scales = standard_normal_scales(twin.expert_weights, twin.act)
+    assert torch.equal(layer.a13_scale, scales["a13_scale"])
+    assert torch.equal(layer.a2_scale, scales["a2_scale"])
+    assert layer.quant_spec == Fp8W8A8("tensor", activation_scheme="static_tensor")
+    x, logits = torch.randn(9, 128), torch.randn(9, 4)
+    assert rel_err(layer(x, logits), twin(x, logits)) < 0.1
 
 
 def test_quantized_layer_loads_unquantized_hf_weights():

@@ -7,6 +7,7 @@ import torch
 from moekit.config import WEIGHT_FORMATS, ConfigError
 from moekit.experts import ExpertWeights
 from moekit.quant import FORMATS, SPECS, Fp8W8A8, Int4W4A16, make_spec, quantize, quantize_experts
+from moekit.quant.spec import format_name, format_text
 
 
 def test_formats_match_config():
@@ -132,3 +133,46 @@ def test_static_activation_scales_required_and_checked():
         _quantized(static, a13_scale=0.01, a2_scale=torch.ones(3))
     with pytest.raises(ValueError, match="only the 'static_tensor' activation scheme takes"):
         _quantized("fp8_w8a8", a13_scale=0.01)
+
+
+@pytest.mark.parametrize("text, params", [
+    ("fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor",
+     dict(weight_scale="tensor", activation_scheme="static_tensor")),
+    ("fp8_w8a8:weight_scale=channel", dict(weight_scale="channel")),
+    ("fp8_w8a8:block_shape=128x128,weight_scale_inv=true", dict(weight_scale_inv=True)),
+    ("int4_w4a16:group_size=32,symmetric=false,scale_dtype=float16",
+     dict(group_size=32, symmetric=False, scale_dtype=torch.float16)),
+    ("int8_w8a16", {}),
+    ("nvfp4:", {}),
+])  # fmt: skip
+def test_quantization_strings(text, params):
+    """--quantization NAME:key=value,...: typed like the spec's fields; format_text writes the
+    shortest string that gives the spec back (the fp8 activation default is left out)."""
+    name = format_name(text)
+    spec = make_spec(text)
+    assert spec == make_spec(name, **params)
+    assert make_spec(format_text(spec)) == spec
+    assert format_text(make_spec(name)) == name
+    assert format_text(make_spec("fp8_w8a8:weight_scale=tensor")) == "fp8_w8a8:weight_scale=tensor"
+    assert format_text(None) == "unquantized" and make_spec("unquantized") is None
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("fp9:group_size=32", "unknown weight format 'fp9'; allowed: unquantized, fp8_w8a8"),
+    ("unquantized:x=1", "unknown weight format 'unquantized'"),
+    ("fp8_w8a8:scale=tensor", "'scale=tensor' is not key=value of a fp8_w8a8 parameter; "
+                              "allowed: weight_scale, block_shape"),
+    ("fp8_w8a8:weight_scale", "'weight_scale' is not key=value"),
+    ("fp8_w8a8:weight_scale=row", "weight_scale must be one of 'tensor', 'channel', 'block'"),
+    ("fp8_w8a8:block_shape=128", "block_shape must be one of"),
+    ("fp8_w8a8:block_shape=a,b", "block_shape='a' is not a tuple (write it as 128x128)"),
+    ("int4_w4a16:group_size=g", "group_size='g' is not a int"),
+    ("int4_w4a16:symmetric=yes", "symmetric='yes' is not a bool"),
+    ("int4_w4a16:scale_dtype=int8", "scale_dtype must be one of"),
+    ("int4_w4a16:scale_dtype=bogus", "scale_dtype='bogus' is not a dtype"),
+    ("mxfp4:group_size=32", "allowed: none"),
+])  # fmt: skip
+def test_bad_quantization_strings(text, needle):
+    with pytest.raises(ConfigError) as err:
+        make_spec(text)
+    assert needle in str(err.value)

@@ -27,6 +27,7 @@ from moekit.log import logger
 from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
+from moekit.quant.calibrate import standard_normal_scales
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
@@ -105,10 +106,12 @@ class MoE(nn.Module):
     b13 [E_local, 2I_local] and b2 [E_local, H] when `config.has_bias`, correction_bias [E] when
     `config.use_correction_bias`. forward(x [..., H], router_logits [..., E]) -> [..., H].
 
-    Quantized weights (`weight_format`, a format name or a moekit.quant spec; default
-    `config.weight_format`): w13 / w2 become buffers holding the format's data, with its scale
-    buffers beside (names in moekit.experts.QUANT_TENSORS); they are drawn unquantized and
-    quantized. `quantize_weights_` quantizes an unquantized layer in place.
+    Quantized weights (`weight_format`, a format name, a --quantization string
+    'name:key=value,...' or a moekit.quant spec; default `config.weight_format`): w13 / w2
+    become buffers holding the format's data, with its scale buffers beside (names in
+    moekit.experts.QUANT_TENSORS); they are drawn unquantized and quantized (static fp8
+    activation scales calibrated for N(0, 1) inputs). `quantize_weights_` quantizes an
+    unquantized layer in place; `load_hf_state_dict` loads quantized checkpoints.
 
     Expert load (EPLB, `moekit.eplb`): `record_expert_load()` makes forward count the routed
     pairs per logical expert on the device (`expert_load`); `moekit.eplb.rebalance_` moves the
@@ -181,7 +184,10 @@ class MoE(nn.Module):
             )
         self.reset_parameters()
         if spec is not None:
-            self.quantize_weights_(spec)
+            scales = {}
+            if spec.act_scheme == "static_tensor":  # random experts: scales for N(0, 1) inputs
+                scales = standard_normal_scales(self.expert_weights, self.act)
+            self.quantize_weights_(spec, **scales)
         if parallel.enable_eplb:
             self.record_expert_load()
 

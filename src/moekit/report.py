@@ -125,7 +125,7 @@ def result_dict(result: SweepResult, meta: dict) -> dict:
             "rank": 0,
         },
         "dtype": moe.dtype,
-        "quantization": moe.weight_format,
+        "quantization": s.quantization,
         "routing": {"kind": s.routing, "zipf_s": s.zipf_s if s.routing == "zipf" else None,
                     "seed": s.seed},
         "timed": TIMED,

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from moekit import hardware, select_table
 from moekit.config import ConfigError, ParallelConfig, validate
 from moekit.presets import model_config
+from moekit.quant.spec import format_name, make_spec
 from moekit.select import workload_for
 from moekit.select_table import Point, SelectionTable, TableKey
 from moekit.sweep import (
@@ -64,7 +65,8 @@ def sweep_spec(
     GPU batch sizes; on a CPU the preset is scaled down (tests)."""
     plat = hardware.detect()
     device = device or plat.device
-    moe = model_config(model, dtype=dtype, weight_format=quantization)
+    weight_spec = make_spec(quantization)
+    moe = model_config(model, dtype=dtype, weight_format=format_name(weight_spec))
     parallel = ParallelConfig(tp_size=tp_size, ep_size=ep_size)
     validate(moe, parallel)
     scaled = device == "cpu"
@@ -81,12 +83,14 @@ def sweep_spec(
         routing=routing,
         scaled_down=scaled,
         time_budget_s=time_budget_s,
+        weight_spec=weight_spec,
     )
 
 
 def table_key(spec: SweepSpec, platform: hardware.Platform) -> TableKey:
     """The table key of the sweep's layer (rank 0): the key the layer's workloads look up."""
-    work = workload_for(spec.moe, 1, parallel=spec.parallel, device=spec.device)
+    work = workload_for(spec.moe, 1, parallel=spec.parallel, device=spec.device,
+                        weight_spec=make_spec(spec.quantization))  # fmt: skip
     key = select_table.key_of(work, platform)
     assert key is not None
     return key

@@ -38,6 +38,7 @@ from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfi
 from moekit.experts import ExpertWeights
 from moekit.layer import MoE, RunnerCache
 from moekit.layer import workload_of
+from moekit.quant.spec import QuantSpec, format_text, make_spec
 from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.select import Workload, select_runner, why_not
@@ -76,8 +77,12 @@ class SweepSpec:
     scaled_down: bool = False
     seed: int = 0
     time_budget_s: float | None = None
+    weight_spec: QuantSpec | None = None  # moe.weight_format's spec; None: its default
 
     def __post_init__(self) -> None:
+        if self.weight_spec is not None and self.weight_spec.name != self.moe.weight_format:
+            raise ConfigError(f"SweepSpec: weight_spec {self.weight_spec.describe()} is not the "
+                              f"config's weight format {self.moe.weight_format!r}")  # fmt: skip
         if self.routing not in ROUTINGS:
             raise ConfigError(
                 f"--routing: unknown value {self.routing!r}; allowed: {', '.join(ROUTINGS)}"
@@ -93,6 +98,11 @@ class SweepSpec:
                 raise ConfigError(
                     f"--backends: unknown value {b!r}; allowed: all, {', '.join(RUNNER_BACKENDS)}"
                 )
+
+    @property
+    def quantization(self) -> str:
+        """The weight format as --quantization writes it (with its non-default parameters)."""
+        return format_text(self.weight_spec or make_spec(self.moe.weight_format))
 
     @property
     def e_local(self) -> int:
@@ -294,7 +304,8 @@ def _check_quantized(module: MoE) -> None:
 
 def build_layer(spec: SweepSpec) -> MoE:
     """The MoE layer of rank 0 (tp_rank 0) on spec.device, random weights."""
-    module = MoE(spec.moe, spec.parallel, tp_rank=0, device=spec.device)
+    module = MoE(spec.moe, spec.parallel, tp_rank=0, device=spec.device,
+                 weight_format=spec.weight_spec)  # fmt: skip
     _check_quantized(module)
     return module
 

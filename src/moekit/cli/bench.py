@@ -14,6 +14,7 @@ from pathlib import Path
 from moekit import hardware
 from moekit.config import RUNNER_BACKENDS, ConfigError, ParallelConfig, check_choice, validate
 from moekit.presets import PRESETS, model_config
+from moekit.quant.spec import format_name, make_spec
 from moekit.report import RESULTS_DIR, metadata, repo_root, result_dict, save, update_benchmarks_md
 from moekit.sweep import (
     CPU_BATCH_SIZES,
@@ -59,7 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--routing", default="uniform", help=f"synthetic routing: {', '.join(ROUTINGS)}")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
-    p.add_argument("--quantization", default="unquantized", help="weight format")
+    p.add_argument("--quantization", default="unquantized", help="weight format: a name, "
+                   "or NAME:key=value,... with its parameters (e.g. "
+                   "fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor)")
     p.add_argument("--out-dir", help="where the JSON and PNG go (default: benchmarks/results)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     p.add_argument("--device", default="auto", help="auto (GPU if there is one), cuda or cpu")
@@ -127,7 +130,8 @@ def spec_from_args(args, plat: hardware.Platform) -> SweepSpec:
     device = plat.device if args.device == "auto" else args.device
     if device == "cuda" and not plat.is_cuda:
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch here")
-    moe = model_config(args.model, dtype=args.dtype, weight_format=args.quantization)
+    weight_spec = make_spec(args.quantization)
+    moe = model_config(args.model, dtype=args.dtype, weight_format=format_name(weight_spec))
     parallel = ParallelConfig(tp_size=args.tp_size, ep_size=args.ep_size)
     validate(moe, parallel)
     scaled = device == "cpu" and not args.full_size
@@ -156,6 +160,7 @@ def spec_from_args(args, plat: hardware.Platform) -> SweepSpec:
         scaled_down=scaled,
         seed=args.seed,
         time_budget_s=budget,
+        weight_spec=weight_spec,
     )
 
 
@@ -177,7 +182,7 @@ def print_header(console, spec: SweepSpec, plat: hardware.Platform) -> None:
     console.print(
         f"preset {spec.preset}: E={m.num_experts} (E_local={spec.e_local} on rank 0), K={m.top_k}, "
         f"H={m.hidden_size}, I={m.intermediate_size} (I_local={spec.i_local}), {m.activation}"
-        f"{' + biases' if m.has_bias else ''}, {m.dtype}, {m.weight_format} weights; "
+        f"{' + biases' if m.has_bias else ''}, {m.dtype}, {spec.quantization} weights; "
         f"tp {par.tp_size} ep {par.ep_size}; {spec.routing} routing"
         + (f" (s={spec.zipf_s:g})" if spec.routing == "zipf" else "")
     )

@@ -23,6 +23,7 @@ from moekit.config import (
 )
 from moekit.dispatch import registry as dispatch_registry
 from moekit.presets import PRESETS, model_config
+from moekit.quant.spec import format_name, make_spec
 from moekit.runners import registry as runner_registry
 from moekit.select import explain, select_runner, workload_for
 
@@ -45,7 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="activation dtype for --explain")
-    p.add_argument("--quantization", default="unquantized", help="weight format for --explain")
+    p.add_argument("--quantization", default="unquantized", help="weight format for --explain "
+                   "(a name, or NAME:key=value,...)")
     p.add_argument("--moe-runner-backend", default="auto", help="requested runner for --explain")
     p.add_argument("--enable-adaptive-moe", action="store_true")
     p.add_argument("--adaptive-moe-batch-threshold", type=int, default=1024)
@@ -119,22 +121,21 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
     """Which runner `auto` (or the requested backend) picks for the workload of args, and why."""
     if args.batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0, got {args.batch_size}")
-    cfg = model_config(args.model, dtype=args.dtype, weight_format=args.quantization)
+    weight_spec = make_spec(args.quantization)
+    cfg = model_config(args.model, dtype=args.dtype, weight_format=format_name(weight_spec))
     validate(cfg, parallel)
     config = RunnerConfig(
         moe_runner_backend=args.moe_runner_backend,
         enable_adaptive_moe=args.enable_adaptive_moe,
         adaptive_moe_batch_threshold=args.adaptive_moe_batch_threshold,
     )
-    from moekit.quant import make_spec
-
-    # The workload the layer would see on rank 0: per-rank shape and the format's default spec.
+    # The workload the layer would see on rank 0: per-rank shape and the format's spec.
     work = workload_for(
         cfg,
         args.batch_size,
         parallel=parallel,
         device=plat.device,
-        weight_spec=make_spec(cfg.weight_format),
+        weight_spec=weight_spec,
     )
     try:
         d = select_runner(work, config, plat)

@@ -51,7 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--zipf-s", type=float, default=1.2,
                    help="Zipf exponent of --skewed (default: %(default)s)")
     p.add_argument("--quantization", default="unquantized",
-                   help="weight format of the experts (default parameters of the format)")
+                   help="weight format of the experts: a name (the format's default "
+                   "parameters) or NAME:key=value,... (e.g. int4_w4a16:group_size=32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p

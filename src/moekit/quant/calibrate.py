@@ -102,3 +102,14 @@ def calibrate_static_scales(
                 amax_h = torch.maximum(amax_h, h.abs().amax())
         a2[e] = tensor_scale(amax_h, FP8_DTYPE)[0]
     return a13, a2
+
+
+def standard_normal_scales(weights: ExpertWeights, act: ActivationSpec,
+                           num_tokens: int = 256) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{'a13_scale', 'a2_scale'} [E] calibrated on x ~ N(0, 1) (seed 0, `num_tokens` tokens,
+    every expert on every token): the static scales of randomly drawn experts (benchmarks,
+    tuning), whose inputs are standard normal."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, weights.hidden_size, generator=g)
+    a13, a2 = calibrate_static_scales(weights, act, x)
+    return dict(a13_scale=a13, a2_scale=a2)

@@ -326,13 +326,93 @@ FORMATS: tuple[str, ...] = ("unquantized", *SPECS)
 assert set(FORMATS) == set(WEIGHT_FORMATS), "quant.SPECS and config.WEIGHT_FORMATS disagree"
 
 
+def _parse_value(fmt: str, key: str, text: str, default: object) -> object:
+    """One `key=text` of a format string, typed like the parameter's default."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, tuple):  # block_shape: 128x128
+            return tuple(int(v) for v in text.split("x"))
+        if isinstance(default, torch.dtype):
+            dtype = getattr(torch, text, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError
+            return dtype
+    except ValueError:
+        raise ConfigError(
+            f"--quantization {fmt}: {key}={text!r} is not a {type(default).__name__}"
+            + (" (write it as 128x128)" if isinstance(default, tuple) else "")
+        ) from None
+    return None if text == "none" else text
+
+
+def parse_format(text: str) -> tuple[str, dict]:
+    """'name' or 'name:key=value,key=value' (the --quantization syntax, e.g.
+    'fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor') -> (name, parameters typed
+    like the spec's fields). Unknown names and parameters raise ConfigError naming the allowed."""
+    name, _, rest = text.partition(":")
+    if name not in SPECS:
+        if name == "unquantized" and not rest:
+            return name, {}
+        raise ConfigError(
+            f"--quantization: unknown weight format {name!r}; allowed: {', '.join(FORMATS)} "
+            "(with parameters: NAME:key=value,...)"
+        )
+    defaults = {f.name: getattr(SPECS[name](), f.name) for f in fields(SPECS[name])}
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in defaults:
+            allowed = ", ".join(defaults) or "none"
+            raise ConfigError(
+                f"--quantization {text}: {item!r} is not key=value of a {name} parameter; "
+                f"allowed: {allowed}"
+            )
+        params[key] = _parse_value(text, key, value, defaults[key])
+    return name, params
+
+
+def format_text(spec: QuantSpec | None) -> str:
+    """The --quantization string of a spec: its name, then the fewest parameters that give it
+    ('fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor')."""
+    if spec is None:
+        return "unquantized"
+    cls = type(spec)
+    default = cls()
+    params = {f.name: getattr(spec, f.name) for f in fields(spec)
+              if getattr(spec, f.name) != getattr(default, f.name)}  # fmt: skip
+    for key in list(params):  # drop what follows from the rest (fp8's activation default)
+        if cls(**{k: v for k, v in params.items() if k != key}) == spec:
+            del params[key]
+
+    def text(value) -> str:
+        if isinstance(value, tuple):
+            return "x".join(map(str, value))
+        if isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    items = ",".join(f"{k}={text(v)}" for k, v in params.items())
+    return spec.name + (":" + items if items else "")
+
+
 def make_spec(fmt: str | QuantSpec | None, **params) -> QuantSpec | None:
-    """The spec for a format name (with optional parameters) or a spec passed through;
-    None for 'unquantized' / None. Unknown names raise ConfigError listing FORMATS."""
+    """The spec for a format name (with optional parameters, as keywords or in the
+    --quantization syntax 'name:key=value,...') or a spec passed through; None for
+    'unquantized' / None. Unknown names raise ConfigError listing FORMATS."""
     if isinstance(fmt, QuantSpec):
         if params:
             raise ConfigError(f"{fmt.name}: parameters {sorted(params)} given with a spec object")
         return fmt
+    if isinstance(fmt, str) and ":" in fmt:
+        name, parsed = parse_format(fmt)
+        if params:
+            raise ConfigError(f"{fmt}: parameters {sorted(params)} given with a format string")
+        return make_spec(name, **parsed)
     if fmt is None or fmt == "unquantized":
         if params:
             raise ConfigError(f"unquantized weights take no parameters, got {sorted(params)}")
@@ -351,7 +431,7 @@ def make_spec(fmt: str | QuantSpec | None, **params) -> QuantSpec | None:
 
 
 def format_name(fmt: str | QuantSpec | None) -> str:
-    """The format name of a spec / name / None ('unquantized')."""
+    """The format name of a spec / name / --quantization string / None ('unquantized')."""
     if isinstance(fmt, QuantSpec):
         return fmt.name
-    return "unquantized" if fmt is None else fmt
+    return "unquantized" if fmt is None else fmt.partition(":")[0]
