@@ -490,3 +490,22 @@ def test_shipped_mixtral_tp2_table_folds_32_rows_at_1024_tokens():
     for gemm in ("gate_up", "down"):
         assert tc.get_config(gemm, 1024, 2, 8, 4096, 7168, "bfloat16", dev).fold_rows == 32
         assert tc.get_config(gemm, 4096, 2, 8, 4096, 7168, "bfloat16", dev).fold_rows is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run")
+@pytest.mark.parametrize("fmt", ["fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor",
+                                 "int8_w8a8"])  # fmt: skip
+def test_tiny_tune_of_a_w8a8_format(tmp_path, fmt):
+    """`tune(quantization=...)` times and checks a w8a8 format (static fp8 scales calibrated for
+    its N(0, 1) inputs) and keys the tables by the format."""
+    pytest.importorskip("triton")
+    from moekit.bench import Ceilings
+    from moekit.tune import TuneShape, tune
+
+    shape = TuneShape(4, 2, 128, 128, "float16", ActivationSpec("silu"), False, "tiny w8a8")
+    report = tune(shape, [3], out_dir=tmp_path, device="cpu", progress=False, limit=1,
+                  ceilings=Ceilings(1e10, 1e11, "float16"), quantization=fmt)  # fmt: skip
+    assert [r.num_tokens for r in report.results] == [3]
+    assert report.results[0].rel_err < 3e-2
+    tag = "fp8_w8a8-tensor-static_tensor" if fmt.startswith("fp8") else "int8_w8a8"
+    assert all(f"quant={tag}," in Path(p).name for p in report.paths.values())

@@ -522,13 +522,14 @@ def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
     down: for the w8a8 formats h's quantization, in gate_up's epilogue where
     `ops.h_quant_dtype` takes it, else by `ops.quantize_input`, so that configs with and
     without it compare as the layer runs them. Returns (fn, hs): hs[i] after fn() is h of
-    routing i, (q, scales) for the w8a8 formats."""
+    routing i, (q, scales) for the w8a8 formats but static scales (down quantizes h by its
+    slots' experts, as in the layer)."""
     from moekit.runners.triton import ops
 
     w, K = p.w, p.shape.top_k
     rows = p.rows(cfg.block_m)
     quant_h = ops.h_quant_dtype(w, cfg, p.x)
-    w8a8 = w.is_quantized and not w.spec.weight_only
+    w8a8 = w.is_quantized and w.spec.act_scheme not in (None, "static_tensor")
     outs = [
         torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
         for r in rows
