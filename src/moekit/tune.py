@@ -500,7 +500,8 @@ class _Point:
                 per_expert = ops.rows_per_expert(self.T * self.shape.local_share,
                                                  self.shape.top_k, E)  # fmt: skip
                 self._aligns[block_m] = [
-                    ops.Rows.sorted(self._align(t.ids, E, block_m), E, per_expert)
+                    ops.Rows.sorted(self._align(t.ids, E, block_m), E, per_expert,
+                                    t.ids.view(-1))  # (static scales read the pairs' experts)
                     for t in self.topks
                 ]
         return self._aligns[block_m]
