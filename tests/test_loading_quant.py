@@ -8,6 +8,7 @@ import torch
 
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.quant import Fp8W8A8, dequantize, quantize
+from moekit.quant.calibrate import standard_normal_scales
 from moekit.quant.loaders import cat_rows, load_weight, narrow
 from tests.helpers import rel_err
 from tests.test_quant_loaders import awq_checkpoint, gptq_checkpoint
@@ -195,6 +196,24 @@ def test_a_layer_with_another_format_converts():
     w8a16 = MoE(config(), weight_format="int8_w8a16")
     w8a16.load_hf_state_dict(quantized_sd(_int8, weights()))
     assert w8a16.quant_spec.name == "int8_w8a16" and w8a16.w13.dtype == torch.int8
+
+
+def test_static_scales_of_a_random_layer_follow_loaded_weights():
+    """A layer made with static fp8 scales but given none calibrated them for N(0, 1) inputs on
+    its random draw; loading other weights calibrates them for those weights (and warns)."""
+    static = "fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor"
+    layer = MoE(config(), weight_format=static)
+    sd = dequantized_sd(quantized_sd(_int8, weights()))
+    layer.load_hf_state_dict(sd)
+    plain = MoE(config())
+    plain.load_hf_state_dict(sd)
+    expect = standard_normal_scales(plain.expert_weights, plain.act)
+    assert torch.equal(layer.a13_scale, expect["a13_scale"])
+    assert torch.equal(layer.a2_scale, expect["a2_scale"])
+    given = MoE(config())  # scales given by the user stay
+    given.quantize_weights_(static, a13_scale=0.03, a2_scale=0.01)
+    given.load_hf_state_dict(sd)
+    assert given.a13_scale.tolist() == pytest.approx([0.03] * E)
 
 
 def test_quantized_loading_errors():

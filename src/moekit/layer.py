@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import Mapping
@@ -23,7 +24,7 @@ from moekit.dispatch.factory import make_dispatcher
 from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.experts import QUANT_TENSORS, ActivationSpec, ExpertWeights
 from moekit.loading import load_hf_experts
-from moekit.log import logger
+from moekit.log import log_once
 from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
@@ -165,6 +166,8 @@ class MoE(nn.Module):
         self.runners = RunnerCache(runner)
         self.custom_routing_function = custom_routing_function
         self.quant_spec: QuantSpec | None = None
+        # static fp8 scales calibrated for N(0, 1) inputs, not given: redone for new weights
+        self._standard_normal_scales = False
         self.state = state
         self.expert_load: ExpertLoadRecorder | None = None
 
@@ -188,6 +191,7 @@ class MoE(nn.Module):
             if spec.act_scheme == "static_tensor":  # random experts: scales for N(0, 1) inputs
                 scales = standard_normal_scales(self.expert_weights, self.act)
             self.quantize_weights_(spec, **scales)
+            self._standard_normal_scales = bool(scales)
         if parallel.enable_eplb:
             self.record_expert_load()
 
@@ -249,16 +253,17 @@ class MoE(nn.Module):
         self._set_experts(
             quantize_experts(self.expert_weights, spec, a13_scale=a13_scale, a2_scale=a2_scale)
         )
+        self._standard_normal_scales = False
 
     def _requantize(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Quantize unquantized w13 / w2 with this layer's spec (and its static activation
-        scales) and hold them."""
+        scales; those calibrated for N(0, 1) inputs are calibrated anew for these weights) and
+        hold them."""
         fresh = ExpertWeights(w13, w2, self.b13, self.b2)
-        self._set_experts(
-            quantize_experts(
-                fresh, self.quant_spec, a13_scale=self.a13_scale, a2_scale=self.a2_scale
-            )
-        )
+        scales = dict(a13_scale=self.a13_scale, a2_scale=self.a2_scale)
+        if self._standard_normal_scales:
+            scales = standard_normal_scales(fresh, self.act)
+        self._set_experts(quantize_experts(fresh, self.quant_spec, **scales))
 
     def _set_experts(self, q: ExpertWeights) -> None:
         """Hold quantized experts `q`: data and scales as buffers (they follow .to(), state_dict)."""
@@ -342,6 +347,10 @@ class MoE(nn.Module):
             self.w2.copy_(loaded.w2)
         else:
             self._requantize(loaded.w13.to(device), loaded.w2.to(device))
+        if self._standard_normal_scales:
+            log_once(logging.WARNING, "static fp8 activation scales of loaded experts calibrated "
+                     "for N(0, 1) inputs: none were given; calibrate them on real activations "
+                     "(moekit.quant.calibrate_static_scales) and pass them to quantize_weights_")
         for name in ("b13", "b2"):
             param, value = getattr(self, name), getattr(loaded, name)
             if (param is None) != (value is None):
@@ -368,13 +377,14 @@ class MoE(nn.Module):
         if held is not None and {held.name, spec.name} == {"int8_w8a8", "int8_w8a16"}:
             q = replace(q, format=held.name, spec=held)  # the same int8 data and scales
         elif held is not None and held.name != spec.name:
-            logger.info("converting the state dict's %s experts to %s", spec.describe(),
-                        held.describe())  # fmt: skip
+            log_once(logging.INFO, f"converting the state dict's {spec.describe()} experts to "
+                     f"{held.describe()}")  # fmt: skip
             w = q.dequantized(torch.float32)
             self._requantize(w.w13, w.w2)
             return
-        logger.info("holding the state dict's experts as %s", spec.describe())
+        log_once(logging.INFO, f"holding the state dict's experts as {spec.describe()}")
         self._set_experts(q)
+        self._standard_normal_scales = False
 
 
 def fused_moe(
