@@ -90,7 +90,7 @@ def sweep_spec(
 def table_key(spec: SweepSpec, platform: hardware.Platform) -> TableKey:
     """The table key of the sweep's layer (rank 0): the key the layer's workloads look up."""
     work = workload_for(spec.moe, 1, parallel=spec.parallel, device=spec.device,
-                        weight_spec=make_spec(spec.quantization))  # fmt: skip
+                        weight_spec=spec.weight_spec)  # fmt: skip
     key = select_table.key_of(work, platform)
     assert key is not None
     return key

@@ -77,10 +77,12 @@ class SweepSpec:
     scaled_down: bool = False
     seed: int = 0
     time_budget_s: float | None = None
-    weight_spec: QuantSpec | None = None  # moe.weight_format's spec; None: its default
+    weight_spec: QuantSpec | None = None  # moe.weight_format's spec (None: its default)
 
     def __post_init__(self) -> None:
-        if self.weight_spec is not None and self.weight_spec.name != self.moe.weight_format:
+        if self.weight_spec is None:
+            object.__setattr__(self, "weight_spec", make_spec(self.moe.weight_format))
+        elif self.weight_spec.name != self.moe.weight_format:
             raise ConfigError(f"SweepSpec: weight_spec {self.weight_spec.describe()} is not the "
                               f"config's weight format {self.moe.weight_format!r}")  # fmt: skip
         if self.routing not in ROUTINGS:
@@ -102,7 +104,7 @@ class SweepSpec:
     @property
     def quantization(self) -> str:
         """The weight format as --quantization writes it (with its non-default parameters)."""
-        return format_text(self.weight_spec or make_spec(self.moe.weight_format))
+        return format_text(self.weight_spec)
 
     @property
     def e_local(self) -> int:

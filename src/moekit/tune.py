@@ -521,16 +521,15 @@ def _time_us(fn, device, R: int, warmup: int = 2, samples: int = 7) -> float:
 def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
     """The gate_up GEMM over the point's routings, with what the layer runs after it before
     down: for the w8a8 formats h's quantization, in gate_up's epilogue where
-    `ops.h_quant_dtype` takes it, else by `ops.quantize_input`, so that configs with and
+    `ops.h_quant_dtype` takes it, else by `ops.quantize_h`, so that configs with and
     without it compare as the layer runs them. Returns (fn, hs): hs[i] after fn() is h of
-    routing i, (q, scales) for the w8a8 formats but static scales (down quantizes h by its
-    slots' experts, as in the layer)."""
+    routing i, (q, scales) for the w8a8 formats."""
     from moekit.runners.triton import ops
 
     w, K = p.w, p.shape.top_k
     rows = p.rows(cfg.block_m)
     quant_h = ops.h_quant_dtype(w, cfg, p.x)
-    w8a8 = w.is_quantized and w.spec.act_scheme not in (None, "static_tensor")
+    w8a8 = w.is_quantized and not w.spec.weight_only
     outs = [
         torch.empty(r.slots(), p.shape.intermediate, device=p.device, dtype=p.x.dtype)
         for r in rows
@@ -544,7 +543,7 @@ def _gate_up_fn(p: _Point, cfg: GemmConfig, warmup: bool = False):
             else:
                 ops.gate_up(p.x, r, w, p.shape.act, cfg, K, o, warmup=warmup)
                 if w8a8 and not warmup:
-                    hs[i] = ops.quantize_input(o, w.spec)
+                    hs[i] = ops.quantize_h(o, r, w, K)
 
     return fn, hs
 

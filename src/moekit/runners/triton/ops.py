@@ -611,6 +611,20 @@ def gate_up(
     return out if quant_h is None else (hq, hs)
 
 
+def quantize_h(
+    h: torch.Tensor, rows: Rows, w: ExpertWeights, top_k: int, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """down's input h [slots, I] quantized as `down` reads it (w8a8 formats) -> (q, scales):
+    with 'static_tensor' each slot by its expert's scale (scales [slots, 1]), else
+    `quantize_input` with the spec's scheme (unwritten rows of h are zeros for
+    dynamic_tensor)."""
+    if w.spec.act_scheme == "static_tensor":
+        q, s = quantize_expert_rows(h, w.a2_scale, **rows.expert_rows("down", top_k),
+                                    dtype=w.spec.act_dtype, pdl=(pdl, pdl))  # fmt: skip
+        return q, s.view(-1, 1)
+    return quantize_input(h, w.spec, pdl=(pdl, pdl))
+
+
 def down(
     h: torch.Tensor,
     rows: Rows,
@@ -648,13 +662,8 @@ def down(
     hs = h if h_scales is None else h_scales
     dot_dtype = h.dtype
     fused = h_scales is None and _fuse_act_quant(wq, rows, cfg, h)
-    if wq is not None and wq.spec.act_scheme == "static_tensor":
-        h, hs = quantize_expert_rows(h, w.a2_scale, **rows.expert_rows("down", top_k),
-                                     dtype=w.spec.act_dtype, pdl=(pdl, pdl))  # fmt: skip
-        hs = hs.view(-1, 1)
-    elif wq is not None and wq.quant == k.Q_W8A8 and h_scales is None and not fused:
-        # unwritten rows of h are zeros for dynamic_tensor
-        h, hs = quantize_input(h, w.spec, pdl=(pdl, pdl))
+    if wq is not None and wq.quant == k.Q_W8A8 and h_scales is None and not fused:
+        h, hs = quantize_h(h, rows, w, top_k, pdl)
     use_tma = _use_tma(cfg, wq) and tma_ok(w.w2, h) and w.w2.is_contiguous()
     h_desc = w_desc = None
     if use_tma:
