@@ -12,6 +12,7 @@ import pytest
 
 from moekit.config import ConfigError, MoEConfig
 from moekit.hf_config import from_hf_config, read_hf_config
+from moekit.quant import MXFP4, Fp8W8A8
 from moekit.presets import PRESETS, model_config
 from moekit.tune import shape_for
 
@@ -55,7 +56,15 @@ def test_the_presets_own_configs_give_the_presets(name):
 def test_notes_name_what_is_left_out():
     notes = from_hf_config(HF_CONFIGS["deepseek-v3"]).notes
     assert any("shared experts left out (1, intermediate size 2048)" in n for n in notes)
-    assert any("quantization 'fp8'" in n and "--quantization" in n for n in notes)
+    assert not any("quantization" in n for n in notes)  # read, not left out
+    declared = from_hf_config(HF_CONFIGS["deepseek-v3"]).quantization
+    assert declared.spec == Fp8W8A8("block", activation_scheme="token_group")
+    assert from_hf_config(HF_CONFIGS["gpt-oss-120b"]).quantization.spec == MXFP4()
+    assert from_hf_config(HF_CONFIGS["qwen3-30b-a3b"]).quantization is None
+    unread = {**HF_CONFIGS["mixtral-8x7b"], "quantization_config": {"quant_method": "bnb"}}
+    hf = from_hf_config(unread)
+    assert hf.quantization is None
+    assert any("quant_method 'bnb'" in n and "unquantized" in n for n in hf.notes)
     qwen2 = {"model_type": "qwen2_moe", "hidden_size": 2048, "moe_intermediate_size": 1408,
              "shared_expert_intermediate_size": 5632, "num_experts": 60,
              "num_experts_per_tok": 4, "norm_topk_prob": False}

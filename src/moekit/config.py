@@ -165,7 +165,7 @@ class MoEConfig:
         routed experts' shape and routing (`moekit.hf_config`; what it leaves out is logged)."""
         from moekit.hf_config import load_hf_config
 
-        return load_hf_config(path)
+        return load_hf_config(path).config
 
     @property
     def torch_dtype(self) -> torch.dtype:

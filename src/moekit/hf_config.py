@@ -5,8 +5,9 @@ Read as plain JSON (no transformers import): the routed experts' shape and routi
 MoE families (Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, GLM-4.5, gpt-oss, OLMoE,
 Llama 4; multimodal configs through their `text_config`). What `MoEConfig` cannot hold is listed
 in `HFMoE.notes` rather than dropped silently: shared experts (left out, as in the presets: the
-routed experts are what the runners run), a shared expert's gate, the checkpoint's quantization
-(choose it with --quantization).
+routed experts are what the runners run), a shared expert's gate. The checkpoint's
+`quantization_config` (or ModelOpt's hf_quant_config.json beside it) is read into
+`HFMoE.quantization` (`moekit.quant.checkpoint`); one moekit does not read becomes a note.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from moekit.config import ConfigError, MoEConfig
 from moekit.log import log_once
+from moekit.quant.checkpoint import CheckpointFormat, checkpoint_format
 
 # Keys of each field, first present wins (order matters: DeepSeek's `intermediate_size` is the
 # dense MLP's, its experts' is `moe_intermediate_size`).
@@ -39,10 +41,12 @@ KNOWN_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v
 
 @dataclass(frozen=True)
 class HFMoE:
-    """config: the MoE block (global sizes, routed experts only); notes: what it leaves out."""
+    """config: the MoE block (global sizes, routed experts only, unquantized); notes: what it
+    leaves out; quantization: the weight format the checkpoint declares, or None."""
 
     config: MoEConfig
     notes: tuple[str, ...]
+    quantization: CheckpointFormat | None = None
 
 
 def _first(cfg: dict, keys: tuple[str, ...], what: str, source: str) -> int:
@@ -114,16 +118,35 @@ def from_hf_config(doc: dict, source: str = "config.json") -> HFMoE:
                      "was read from the generic fields (scoring_func, norm_topk_prob, n_group, "
                      "topk_group, topk_method, routed_scaling_factor); check them against the "
                      "model's router")  # fmt: skip
+    quantization = None
     quant = cfg.get("quantization_config") or doc.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method"):
-        notes.append(f"checkpoint quantization {quant['quant_method']!r} not applied: choose "
-                     "the weight format with --quantization")  # fmt: skip
+        try:
+            quantization = checkpoint_format(quant, f"{source}: quantization_config")
+        except ConfigError as err:
+            notes.append(f"checkpoint quantization not read ({err}); without --quantization "
+                         "the experts run unquantized")  # fmt: skip
     try:
         config = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
                            intermediate_size=intermediate, **kw)  # fmt: skip
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from err
-    return HFMoE(config, tuple(notes))
+    return HFMoE(config, tuple(notes), quantization)
+
+
+def _with_modelopt(doc: dict, path: Path) -> dict:
+    """doc with the `quantization` of ModelOpt's hf_quant_config.json beside it (when the
+    config.json has no quantization_config) as its quantization_config."""
+    side = path.parent / "hf_quant_config.json"
+    if doc.get("quantization_config") or not side.is_file():
+        return doc
+    try:
+        quant = json.loads(side.read_text()).get("quantization")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{side}: cannot read ModelOpt's quantization: {err}") from err
+    if not isinstance(quant, dict):
+        return doc
+    return {**doc, "quantization_config": {"quant_method": "modelopt", **quant}}
 
 
 def read_hf_config(path: str | Path) -> HFMoE:
@@ -137,12 +160,12 @@ def read_hf_config(path: str | Path) -> HFMoE:
         raise ConfigError(f"--model {path}: cannot read a Hugging Face config.json: {err}") from err
     if not isinstance(doc, dict):
         raise ConfigError(f"--model {path}: a config.json holds a JSON object")
-    return from_hf_config(doc, str(path))
+    return from_hf_config(_with_modelopt(doc, path), str(path))
 
 
-def load_hf_config(path: str | Path) -> MoEConfig:
-    """The MoE block of a config.json file or model directory, each note logged once."""
+def load_hf_config(path: str | Path) -> HFMoE:
+    """`read_hf_config`, each note logged once."""
     hf = read_hf_config(path)
     for note in hf.notes:
         log_once(logging.WARNING, f"{path}: {note}")
-    return hf.config
+    return hf

@@ -29,6 +29,7 @@ from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
 from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
 from moekit.quant.calibrate import standard_normal_scales
+from moekit.quant.checkpoint import checkpoint_format
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
@@ -323,13 +324,20 @@ class MoE(nn.Module):
         experts_prefix: str = "experts.",
         shared_prefix: str = "shared_experts.",
         correction_bias_key: str = "gate.e_score_correction_bias",
+        quantization_config: Mapping | None = None,
     ) -> None:
         """Load this rank's experts from a Hugging Face style state dict (see moekit.loading).
 
         Unquantized experts are copied (and quantized when the layer has a weight format).
         Quantized experts (fp8 / int8 / GPTQ / AWQ / nvfp4 / gpt-oss mxfp4 checkpoints) are held
         as stored, static fp8 `input_scale`s included; the layer takes on their format. A layer
-        made with another weight format converts them (dequantize, then quantize)."""
+        made with another weight format converts them (dequantize, then quantize).
+        `quantization_config`: the checkpoint's (config.json's), which says what the tensors
+        cannot (GPTQ v2 zero points, an fp8 activation scheme) and which the experts must match
+        (`moekit.quant.checkpoint`)."""
+        checkpoint = None
+        if quantization_config is not None:
+            checkpoint = checkpoint_format(quantization_config)
         loaded = load_hf_experts(
             state_dict,
             self.config,
@@ -338,6 +346,7 @@ class MoE(nn.Module):
             shared_prefix=prefix + shared_prefix,
             moe_tp_size=self.parallel.moe_tp_size,
             moe_tp_rank=self.moe_tp_rank,
+            checkpoint=checkpoint,
         )
         device = self.w13.device
         if loaded.spec is not None:

@@ -25,6 +25,7 @@ import torch
 from moekit.config import MoEConfig
 from moekit.experts import ExpertWeights
 from moekit.quant import loaders
+from moekit.quant.checkpoint import CheckpointFormat
 from moekit.quant.expert_weights import from_quantized
 from moekit.quant.quantize import QuantizedTensor
 from moekit.quant.spec import QuantSpec
@@ -130,10 +131,11 @@ def _check_shape(sd, key: str, shape: tuple[int, ...]) -> None:
         )
 
 
-def _weight(sd, name: str, shape: tuple[int, int]) -> tuple[Weight, torch.Tensor | None]:
+def _weight(sd, name: str, shape: tuple[int, int],
+            options: dict) -> tuple[Weight, torch.Tensor | None]:  # fmt: skip
     """Weight `name` (e.g. 'experts.3.gate_proj') as stored, checked against the config's
-    [N, K], and its fp8 static activation scale (or None)."""
-    quantized = loaders.load_weight(sd, name)
+    [N, K], and its fp8 static activation scale (or None). options: of loaders.load_weight."""
+    quantized = loaders.load_weight(sd, name, **options)
     if quantized is None:
         if name + ".weight" not in sd:
             raise _missing(name + ".weight", sd)
@@ -155,10 +157,12 @@ def _a13(name: str, gate: torch.Tensor | None, up: torch.Tensor | None) -> torch
     return None if gate is None else torch.maximum(gate, up)
 
 
-def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I: int):
+def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I: int,
+                options: dict):  # fmt: skip
     g, u, d = (prefix + f"{e}.{n}" for n in names)
     (wg, s_gate), (wu, s_up), (wd, s_down) = (
-        _weight(sd, g, (I, H)), _weight(sd, u, (I, H)), _weight(sd, d, (H, I))
+        _weight(sd, g, (I, H), options), _weight(sd, u, (I, H), options),
+        _weight(sd, d, (H, I), options),
     )  # fmt: skip
     for key, n in ((g, I), (u, I), (d, H)):
         if key + ".bias" in sd:
@@ -170,12 +174,13 @@ def _per_expert(sd, prefix: str, e: int, names: tuple[str, str, str], H: int, I:
     return _cat_rows([wg, wu]), wd, b13, sd.get(d + ".bias"), a13, s_down
 
 
-def _shared(sd, shared_prefix: str, j: int, S: int, I: int, H: int):
+def _shared(sd, shared_prefix: str, j: int, S: int, I: int, H: int, options: dict):
     """Shared expert j as a routed expert of intermediate size I. A checkpoint stores S shared
     experts as one MLP of intermediate size S * I; its slice j is exactly expert j."""
     g, u, d = (shared_prefix + n for n in _PER_EXPERT_NAMES[0])
     (wg, s_gate), (wu, s_up), (wd, s_down) = (
-        _weight(sd, g, (S * I, H)), _weight(sd, u, (S * I, H)), _weight(sd, d, (H, S * I))
+        _weight(sd, g, (S * I, H), options), _weight(sd, u, (S * I, H), options),
+        _weight(sd, d, (H, S * I), options),
     )  # fmt: skip
     part = slice(j * I, (j + 1) * I)
     b13 = None
@@ -243,12 +248,15 @@ def load_hf_experts(
     shared_prefix: str = "shared_experts.",
     moe_tp_size: int = 1,
     moe_tp_rank: int = 0,
+    checkpoint: CheckpointFormat | None = None,
 ) -> LoadedExperts:
     """Gather the experts `experts` (logical ids, one per local slot) from `state_dict`.
 
     I is sliced for moe-TP rank `moe_tp_rank` of `moe_tp_size`. The down-projection bias is
     added once per token, so only moe-TP rank 0 keeps it; other ranks get zeros (their partial
-    outputs are summed). Quantized experts stay quantized (module docstring)."""
+    outputs are summed). Quantized experts stay quantized (module docstring). `checkpoint`: the
+    format the checkpoint's config declares (`moekit.quant.checkpoint`); its GPTQ zero offset
+    and fp8 activation scheme are read, and the experts must load in its format."""
     I, H = config.intermediate_size, config.hidden_size
     if I % moe_tp_size:
         raise ValueError(f"intermediate size {I} is not divisible by moe_tp_size {moe_tp_size}")
@@ -260,15 +268,17 @@ def load_hf_experts(
         _PER_EXPERT_NAMES[0],
     )  # fmt: skip
     n = I // moe_tp_size
+    options = {} if checkpoint is None else checkpoint.load_options()
     got: list[tuple] = []
     for e in experts:
         if e >= config.num_experts:
             w13, w2, b13, b2, a13, a2 = _shared(state_dict, shared_prefix, e - config.num_experts,
-                                                config.num_shared_experts, I, H)  # fmt: skip
+                                                config.num_shared_experts, I, H,
+                                                options)  # fmt: skip
         elif fused_all is not None:
             (w13, w2, b13, b2), a13, a2 = (_expert(t, e) for t in fused_all), None, None
         else:
-            w13, w2, b13, b2, a13, a2 = _per_expert(state_dict, prefix, e, names, H, I)
+            w13, w2, b13, b2, a13, a2 = _per_expert(state_dict, prefix, e, names, H, I, options)
         if b2 is not None and moe_tp_rank != 0:
             b2 = torch.zeros_like(b2)
         got.append((
@@ -281,4 +291,7 @@ def load_hf_experts(
     w13s, w2s, b13s, b2s, a13s, a2s = zip(*got)
     _one_kind("quantized weights", w13s, QuantizedTensor)
     _one_kind("an input_scale", a13s, None)
-    return LoadedExperts(*(_stack(ts) for ts in (w13s, w2s, b13s, b2s, a13s, a2s)))
+    loaded = LoadedExperts(*(_stack(ts) for ts in (w13s, w2s, b13s, b2s, a13s, a2s)))
+    if checkpoint is not None:
+        checkpoint.check(loaded.spec, f"the experts under {prefix!r}")
+    return loaded

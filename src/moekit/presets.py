@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 from moekit.config import ConfigError, MoEConfig
+from moekit.log import log_once
+from moekit.quant.spec import QuantSpec, format_name, format_text, make_spec
 
 PRESETS: dict[str, MoEConfig] = {
     "qwen3-30b-a3b": MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
@@ -49,7 +52,29 @@ def model_config(model: str, **overrides) -> MoEConfig:
                           "path to a Hugging Face config.json or its directory")  # fmt: skip
     from moekit.hf_config import load_hf_config
 
-    return replace(load_hf_config(model), **overrides)
+    return replace(load_hf_config(model).config, **overrides)
+
+
+QUANTIZATION_DEFAULT = ("default: the format a config.json's checkpoint declares (its "
+                        "quantization_config), else unquantized")
+
+
+def model_and_format(model: str, quantization: str | QuantSpec | None,
+                     **overrides) -> tuple[MoEConfig, QuantSpec | None]:  # fmt: skip
+    """`--model` and `--quantization` together: the MoE block (`model_config`, its
+    weight_format the spec's name) and the weight format's spec (None: unquantized). Without
+    --quantization (None) a config.json's checkpoint gives the format it declares (its
+    quantization_config; logged once), anything else runs unquantized."""
+    if quantization is None and model not in PRESETS and Path(model).exists():
+        from moekit.hf_config import load_hf_config
+
+        declared = load_hf_config(model).quantization
+        if declared is not None:
+            quantization = declared.spec
+            log_once(logging.INFO, f"--model {model}: the checkpoint's weight format, "
+                     f"--quantization {format_text(quantization)}")  # fmt: skip
+    spec = make_spec(quantization)
+    return model_config(model, weight_format=format_name(spec), **overrides), spec
 
 
 def model_label(model: str) -> str:

@@ -19,8 +19,7 @@ from typing import Callable, Sequence
 
 from moekit import hardware, select_table
 from moekit.config import ConfigError, ParallelConfig, validate
-from moekit.presets import model_config
-from moekit.quant.spec import format_name, make_spec
+from moekit.presets import model_and_format
 from moekit.select import workload_for
 from moekit.select_table import Point, SelectionTable, TableKey
 from moekit.sweep import (
@@ -54,7 +53,7 @@ def sweep_spec(
     tp_size: int = 1,
     ep_size: int = 1,
     dtype: str = "bfloat16",
-    quantization: str = "unquantized",
+    quantization: str | None = None,
     batch_sizes: tuple[int, ...] | None = None,
     device: str | None = None,
     routing: str = "uniform",
@@ -65,8 +64,7 @@ def sweep_spec(
     GPU batch sizes; on a CPU the preset is scaled down (tests)."""
     plat = hardware.detect()
     device = device or plat.device
-    weight_spec = make_spec(quantization)
-    moe = model_config(model, dtype=dtype, weight_format=format_name(weight_spec))
+    moe, weight_spec = model_and_format(model, quantization, dtype=dtype)
     parallel = ParallelConfig(tp_size=tp_size, ep_size=ep_size)
     validate(moe, parallel)
     scaled = device == "cpu"
@@ -187,7 +185,7 @@ def run_cli(args, sizes: tuple[int, ...]) -> int:
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
-        quantization=getattr(args, "quantization", "unquantized"),
+        quantization=getattr(args, "quantization", None),
         batch_sizes=sizes,
     )
 

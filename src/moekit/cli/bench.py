@@ -13,8 +13,7 @@ from pathlib import Path
 
 from moekit import hardware
 from moekit.config import RUNNER_BACKENDS, ConfigError, ParallelConfig, check_choice, validate
-from moekit.presets import PRESETS, model_config
-from moekit.quant.spec import format_name, make_spec
+from moekit.presets import PRESETS, QUANTIZATION_DEFAULT, model_and_format
 from moekit.report import RESULTS_DIR, metadata, repo_root, result_dict, save, update_benchmarks_md
 from moekit.sweep import (
     CPU_BATCH_SIZES,
@@ -60,9 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--routing", default="uniform", help=f"synthetic routing: {', '.join(ROUTINGS)}")
     p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent for --routing zipf")
-    p.add_argument("--quantization", default="unquantized", help="weight format: a name, "
-                   "or NAME:key=value,... with its parameters (e.g. "
-                   "fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor)")
+    p.add_argument("--quantization", help="weight format: a name, or NAME:key=value,... with "
+                   "its parameters (e.g. fp8_w8a8:weight_scale=tensor,activation_scheme="
+                   f"static_tensor); {QUANTIZATION_DEFAULT}")
     p.add_argument("--out-dir", help="where the JSON and PNG go (default: benchmarks/results)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     p.add_argument("--device", default="auto", help="auto (GPU if there is one), cuda or cpu")
@@ -130,8 +129,7 @@ def spec_from_args(args, plat: hardware.Platform) -> SweepSpec:
     device = plat.device if args.device == "auto" else args.device
     if device == "cuda" and not plat.is_cuda:
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch here")
-    weight_spec = make_spec(args.quantization)
-    moe = model_config(args.model, dtype=args.dtype, weight_format=format_name(weight_spec))
+    moe, weight_spec = model_and_format(args.model, args.quantization, dtype=args.dtype)
     parallel = ParallelConfig(tp_size=args.tp_size, ep_size=args.ep_size)
     validate(moe, parallel)
     scaled = device == "cpu" and not args.full_size

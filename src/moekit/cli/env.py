@@ -22,8 +22,7 @@ from moekit.config import (
     validate,
 )
 from moekit.dispatch import registry as dispatch_registry
-from moekit.presets import PRESETS, model_config
-from moekit.quant.spec import format_name, make_spec
+from moekit.presets import PRESETS, QUANTIZATION_DEFAULT, model_and_format
 from moekit.runners import registry as runner_registry
 from moekit.select import explain, select_runner, workload_for
 
@@ -46,8 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="activation dtype for --explain")
-    p.add_argument("--quantization", default="unquantized", help="weight format for --explain "
-                   "(a name, or NAME:key=value,...)")
+    p.add_argument("--quantization", help="weight format for --explain (a name, or "
+                   f"NAME:key=value,...); {QUANTIZATION_DEFAULT}")
     p.add_argument("--moe-runner-backend", default="auto", help="requested runner for --explain")
     p.add_argument("--enable-adaptive-moe", action="store_true")
     p.add_argument("--adaptive-moe-batch-threshold", type=int, default=1024)
@@ -121,8 +120,7 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
     """Which runner `auto` (or the requested backend) picks for the workload of args, and why."""
     if args.batch_size < 0:
         raise ConfigError(f"--batch-size must be >= 0, got {args.batch_size}")
-    weight_spec = make_spec(args.quantization)
-    cfg = model_config(args.model, dtype=args.dtype, weight_format=format_name(weight_spec))
+    cfg, weight_spec = model_and_format(args.model, args.quantization, dtype=args.dtype)
     validate(cfg, parallel)
     config = RunnerConfig(
         moe_runner_backend=args.moe_runner_backend,

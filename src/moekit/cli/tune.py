@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from moekit.config import ConfigError
-from moekit.presets import PRESETS
+from moekit.presets import PRESETS, QUANTIZATION_DEFAULT, model_and_format
+from moekit.quant.spec import format_text
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,9 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "prefers the one that loses least on either")
     p.add_argument("--zipf-s", type=float, default=1.2,
                    help="Zipf exponent of --skewed (default: %(default)s)")
-    p.add_argument("--quantization", default="unquantized",
-                   help="weight format of the experts: a name (the format's default "
-                   "parameters) or NAME:key=value,... (e.g. int4_w4a16:group_size=32)")
+    p.add_argument("--quantization", help="weight format of the experts: a name (the format's "
+                   "default parameters) or NAME:key=value,... (e.g. int4_w4a16:group_size=32); "
+                   f"{QUANTIZATION_DEFAULT}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -70,6 +71,7 @@ def run(args) -> int:
     from moekit.tune import shape_for, tune
 
     shape = shape_for(args.model, args.tp_size, args.ep_size, args.dtype)
+    weight_spec = model_and_format(args.model, args.quantization)[1]
     sizes = list(parse_batch_sizes(args.batch_sizes, minimum=1))
     try:
         report = tune(
@@ -79,8 +81,8 @@ def run(args) -> int:
             force=args.force,
             progress=not args.no_progress,
             note=f"moekit tune --model {args.model} --tp-size {args.tp_size} --ep-size "
-            f"{args.ep_size} --dtype {args.dtype} --quantization {args.quantization}",
-            quantization=args.quantization,
+            f"{args.ep_size} --dtype {args.dtype} --quantization {format_text(weight_spec)}",
+            quantization=weight_spec,
         )
     except RuntimeError as err:
         print(f"moekit tune: failed: {err}", file=sys.stderr)

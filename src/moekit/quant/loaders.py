@@ -333,7 +333,11 @@ def _input_scale(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | No
 
 
 def load_weight(
-    sd: Mapping[str, torch.Tensor], name: str, *, gptq_zero_offset: int = 1
+    sd: Mapping[str, torch.Tensor],
+    name: str,
+    *,
+    gptq_zero_offset: int = 1,
+    fp8_activation_scheme: str | None = None,
 ) -> tuple[QuantizedTensor, torch.Tensor | None] | None:
     """The quantized weight `name` of a state dict (e.g. 'experts.3.gate_proj') from the keys
     under it, and its fp8 static activation scale `{name}.input_scale` ([] float32) or None.
@@ -342,7 +346,8 @@ def load_weight(
     `.weight` with `.weight_scale`; nvfp4 uint8 `.weight` with `.weight_scale` and
     `.weight_scale_2`; GPTQ / AWQ `.qweight`, `.qzeros`, `.scales` (GPTQ's `.g_idx`), told
     apart by qweight's layout. nvfp4's `.input_scale` (an fp4 activation scale) is not read:
-    nvfp4 runs weight-only here."""
+    nvfp4 runs weight-only here. An fp8 weight with an input_scale takes static activation
+    scales; one without takes `fp8_activation_scheme` (None: its scale's usual partner)."""
     weight = sd.get(name + ".weight")
     if weight is None and name + ".qweight" not in sd:
         return None
@@ -362,7 +367,7 @@ def load_weight(
         return load_awq(qweight, qzeros, scales), None
     if weight.dtype == FP8_DTYPE:
         static = _input_scale(sd, name)
-        scheme = "static_tensor" if static is not None else None
+        scheme = "static_tensor" if static is not None else fp8_activation_scheme
         if name + ".weight_scale_inv" in sd:
             return load_fp8(weight, sd[name + ".weight_scale_inv"], activation_scheme=scheme,
                             weight_scale_inv=True), static  # fmt: skip
