@@ -183,6 +183,37 @@ def test_gpt_oss_fused_mxfp4_blocks(tp):
         assert torch.equal(layer.b13, ref.b13) and torch.equal(layer.b2, ref.b2)
 
 
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (2, 2)])
+def test_fused_fp8_experts(tp, ep):
+    """transformers' fp8 experts: gate_up_proj / down_proj [E, N, K] fp8 with a block
+    `_scale_inv` beside each; the declared dynamic per-tensor scheme of a per-tensor one."""
+    q13 = quantize(torch.randn(E, 2 * I, H) / 16, Fp8W8A8("block"))
+    q2 = quantize(torch.randn(E, H, I) / 16, Fp8W8A8("block"))
+    qsd = {"experts.gate_up_proj": q13.data, "experts.gate_up_proj_scale_inv": q13.scale,
+           "experts.down_proj": q2.data, "experts.down_proj_scale_inv": q2.scale}  # fmt: skip
+    sd = {"experts.gate_up_proj": dequantize(q13), "experts.down_proj": dequantize(q2)}
+    for rank in range(tp):
+        layer = MoE(config(), ParallelConfig(tp_size=tp, ep_size=ep), tp_rank=rank)
+        layer.load_hf_state_dict(qsd, quantization_config={
+            "quant_method": "fp8", "weight_block_size": [128, 128]})  # fmt: skip
+        ref = MoE(config(), ParallelConfig(tp_size=tp, ep_size=ep), tp_rank=rank)
+        ref.load_hf_state_dict(sd)
+        got = layer.expert_weights.dequantized(torch.float32)
+        assert layer.quant_spec == Fp8W8A8("block", weight_scale_inv=True)
+        assert torch.equal(got.w13, ref.w13) and torch.equal(got.w2, ref.w2)
+    t13, t2 = (quantize(torch.randn(*s) / 16, Fp8W8A8("tensor")) for s in
+               ((E, 2 * I, H), (E, H, I)))  # fmt: skip
+    layer = MoE(config())
+    layer.load_hf_state_dict({"experts.gate_up_proj": t13.data, "experts.gate_up_proj_scale":
+                              t13.scale, "experts.down_proj": t2.data,
+                              "experts.down_proj_scale": t2.scale},
+                             quantization_config={"quant_method": "fp8"})  # fmt: skip
+    assert layer.quant_spec == Fp8W8A8("tensor", activation_scheme="dynamic_tensor")
+    with pytest.raises(KeyError, match="experts.down_proj_scale_inv"):
+        MoE(config()).load_hf_state_dict({k: v for k, v in qsd.items()
+                                          if k != "experts.down_proj_scale_inv"})  # fmt: skip
+
+
 def test_a_layer_with_another_format_converts():
     qsd = quantized_sd(CHECKPOINTS["fp8-block-scale-inv"][1], weights())
     layer = MoE(config(), weight_format="int4_w4a16")

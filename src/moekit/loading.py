@@ -10,9 +10,10 @@ layout.
 
 Quantized checkpoints load as they are stored, without requantizing: per-expert weights in the
 conventions of `moekit.quant.loaders.load_weight` (fp8 with `weight_scale_inv` / `weight_scale`
-and an optional static `input_scale`, int8, GPTQ, AWQ, nvfp4), and gpt-oss's fused mxfp4
-`gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`. A tensor-parallel cut must
-fall on the format's scale groups.
+and an optional static `input_scale`, int8, GPTQ, AWQ, nvfp4), gpt-oss's fused mxfp4
+`gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`, and fused fp8
+`gate_up_proj` / `down_proj` [E, N, K] with `_scale_inv` (or `_scale`) beside each. A
+tensor-parallel cut must fall on the format's scale groups.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from moekit.quant import loaders
 from moekit.quant.checkpoint import CheckpointFormat
 from moekit.quant.expert_weights import from_quantized
 from moekit.quant.quantize import QuantizedTensor
-from moekit.quant.spec import QuantSpec
+from moekit.quant.spec import FP8_DTYPE, QuantSpec
 
 # One weight [.., N, K] as a state dict holds it: plain, or quantized (logical shape).
 Weight = Union[torch.Tensor, QuantizedTensor]
@@ -206,11 +207,24 @@ def _fused_mxfp4(sd, prefix: str) -> tuple[Weight, Weight]:
     )  # fmt: skip
 
 
-def _fused(sd, prefix: str, config: MoEConfig):
+def _fused_fp8(sd, key: str, options: dict) -> Weight:
+    """A fused fp8 weight [E, N, K] and its `{key}_scale_inv` or `{key}_scale` (transformers'
+    fp8 experts); options: of loaders.load_weight."""
+    scale = sd.get(key + "_scale_inv", sd.get(key + "_scale"))
+    if scale is None:
+        raise _missing(key + "_scale_inv", sd)
+    return loaders.load_fp8(sd[key], scale, weight_scale_inv=key + "_scale_inv" in sd,
+                            activation_scheme=options.get("fp8_activation_scheme"))
+
+
+def _fused(sd, prefix: str, config: MoEConfig, options: dict):
     H, I = config.hidden_size, config.intermediate_size
     E = config.num_experts
     if prefix + "gate_up_proj_blocks" in sd:
         gate_up, down = _fused_mxfp4(sd, prefix)
+    elif sd[prefix + "gate_up_proj"].dtype == FP8_DTYPE:
+        gate_up, down = (_fused_fp8(sd, prefix + n, options) for n in ("gate_up_proj",
+                                                                          "down_proj"))
     else:
         gate_up, down = sd[prefix + "gate_up_proj"], sd[prefix + "down_proj"]
         if tuple(down.shape) == (E, I, H) and tuple(down.shape) != (E, H, I):
@@ -261,14 +275,14 @@ def load_hf_experts(
     if I % moe_tp_size:
         raise ValueError(f"intermediate size {I} is not divisible by moe_tp_size {moe_tp_size}")
     fused = any(prefix + k in state_dict for k in ("gate_up_proj", "gate_up_proj_blocks"))
-    fused_all = _fused(state_dict, prefix, config) if fused else None
+    options = {} if checkpoint is None else checkpoint.load_options()
+    fused_all = _fused(state_dict, prefix, config, options) if fused else None
     names = next(
         (n for n in _PER_EXPERT_NAMES
          if any(f"{prefix}0.{n[0]}.{s}" in state_dict for s in ("weight", "qweight"))),
         _PER_EXPERT_NAMES[0],
     )  # fmt: skip
     n = I // moe_tp_size
-    options = {} if checkpoint is None else checkpoint.load_options()
     got: list[tuple] = []
     for e in experts:
         if e >= config.num_experts:
