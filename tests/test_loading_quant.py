@@ -199,7 +199,7 @@ def test_fused_fp8_experts(tp, ep):
         ref = MoE(config(), ParallelConfig(tp_size=tp, ep_size=ep), tp_rank=rank)
         ref.load_hf_state_dict(sd)
         got = layer.expert_weights.dequantized(torch.float32)
-        assert layer.quant_spec == Fp8W8A8("block", weight_scale_inv=True)
+        assert layer.quant_spec == Fp8W8A8("block")
         assert torch.equal(got.w13, ref.w13) and torch.equal(got.w2, ref.w2)
     t13, t2 = (quantize(torch.randn(*s) / 16, Fp8W8A8("tensor")) for s in
                ((E, 2 * I, H), (E, H, I)))  # fmt: skip

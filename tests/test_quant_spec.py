@@ -139,7 +139,7 @@ def test_static_activation_scales_required_and_checked():
     ("fp8_w8a8:weight_scale=tensor,activation_scheme=static_tensor",
      dict(weight_scale="tensor", activation_scheme="static_tensor")),
     ("fp8_w8a8:weight_scale=channel", dict(weight_scale="channel")),
-    ("fp8_w8a8:block_shape=128x128,weight_scale_inv=true", dict(weight_scale_inv=True)),
+    ("fp8_w8a8:block_shape=128x128", {}),
     ("int4_w4a16:group_size=32,symmetric=false,scale_dtype=float16",
      dict(group_size=32, symmetric=False, scale_dtype=torch.float16)),
     ("int8_w8a16", {}),

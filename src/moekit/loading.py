@@ -213,8 +213,7 @@ def _fused_fp8(sd, key: str, options: dict) -> Weight:
     scale = sd.get(key + "_scale_inv", sd.get(key + "_scale"))
     if scale is None:
         raise _missing(key + "_scale_inv", sd)
-    return loaders.load_fp8(sd[key], scale, weight_scale_inv=key + "_scale_inv" in sd,
-                            activation_scheme=options.get("fp8_activation_scheme"))
+    return loaders.load_fp8(sd[key], scale, activation_scheme=options.get("fp8_activation_scheme"))
 
 
 def _fused(sd, prefix: str, config: MoEConfig, options: dict):

@@ -68,12 +68,10 @@ def load_fp8(
     scale: torch.Tensor,
     *,
     activation_scheme: str | None = None,
-    weight_scale_inv: bool | None = None,
 ) -> QuantizedTensor:
     """fp8 e4m3 weight [.., N, K] and its scale (a multiplier) -> QuantizedTensor. The scale
     granularity is read from its shape: [..] / [.., 1] per tensor, [.., N] / [.., N, 1] per
-    channel, [.., ceil(N/128), ceil(K/128)] block-wise (the DeepSeek-V3 `weight_scale_inv`;
-    weight_scale_inv defaults to True for block scales)."""
+    channel, [.., ceil(N/128), ceil(K/128)] block-wise (the DeepSeek-V3 `weight_scale_inv`)."""
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8 weight must be {FP8_DTYPE} (e4m3fn), got {weight.dtype}")
     *lead, N, K = weight.shape
@@ -93,9 +91,7 @@ def load_fp8(
             f"per channel {list(lead + (N,))} or block-wise [128, 128] {list(block)}; "
             f"got {list(scale.shape)}"
         )
-    if weight_scale_inv is None:
-        weight_scale_inv = kind == "block"
-    spec = Fp8W8A8(kind, (bn, bk), activation_scheme, weight_scale_inv)
+    spec = Fp8W8A8(kind, (bn, bk), activation_scheme)
     return QuantizedTensor(weight, s.contiguous(), spec, weight.shape)
 
 
@@ -369,8 +365,8 @@ def load_weight(
         static = _input_scale(sd, name)
         scheme = "static_tensor" if static is not None else fp8_activation_scheme
         if name + ".weight_scale_inv" in sd:
-            return load_fp8(weight, sd[name + ".weight_scale_inv"], activation_scheme=scheme,
-                            weight_scale_inv=True), static  # fmt: skip
+            return load_fp8(weight, sd[name + ".weight_scale_inv"],
+                            activation_scheme=scheme), static  # fmt: skip
         return load_fp8(weight, need(".weight_scale"), activation_scheme=scheme), static
     if weight.dtype == torch.int8:
         return load_int8(weight, need(".weight_scale")), None

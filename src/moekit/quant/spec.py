@@ -170,8 +170,8 @@ class Fp8W8A8(QuantSpec):
     (`block_shape` = [128 rows, 128 cols], DeepSeek-V3; partial edge blocks allowed).
     activation_scheme: one of ACT_SCHEMES; None picks the usual partner of weight_scale
     (tensor -> dynamic_tensor, channel -> token, block -> token_group).
-    weight_scale_inv: the checkpoint names the scale `weight_scale_inv` (DeepSeek-V3); the value
-    is still the dequantization multiplier (the inverse of the quantization divisor).
+    A checkpoint's name for the scale (DeepSeek-V3's `weight_scale_inv`, a multiplier despite
+    its name) is the loader's concern (`moekit.quant.loaders`), not the format's.
     """
 
     name: ClassVar[str] = "fp8_w8a8"
@@ -180,7 +180,6 @@ class Fp8W8A8(QuantSpec):
     weight_scale: str = "block"
     block_shape: tuple[int, int] = (128, 128)
     activation_scheme: str | None = None
-    weight_scale_inv: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.name, "weight_scale", self.weight_scale, FP8_WEIGHT_SCALES)
