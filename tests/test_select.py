@@ -774,6 +774,24 @@ def test_shipped_tables_are_keyed_like_their_presets_layers_and_drive_auto(fakes
             assert "same library versions" in d.reason
 
 
+def test_checkpoint_specs_look_up_the_shipped_tables(fakes):
+    """A layer holding a checkpoint's format keys like the preset's own: DeepSeek-V3's block fp8
+    (read from weight_scale_inv) and GPTQ's float16 int4 scales find the shipped tables."""
+    from moekit.quant.checkpoint import checkpoint_format
+
+    shipped = select_table.load_dir(select_table.shipped_dir())
+    plat = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1, {"torch": "2.11.0+cu130"})
+    par = ParallelConfig(tp_size=8, ep_size=8)
+    for qc, fmt in [({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8_w8a8"),
+                    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True},
+                     "int4_w4a16")]:  # fmt: skip
+        spec = checkpoint_format(qc).spec
+        moe = preset("deepseek-v3", weight_format=fmt)
+        work = workload_for(moe, 16, parallel=par, weight_spec=spec)
+        assert key_of(work, plat) == key_of(workload_for(moe, 16, parallel=par), plat)
+        assert any(t.key == key_of(work, plat) for t in shipped), fmt
+
+
 def test_shipped_tables_rank_backends_for_an_untuned_preset(fakes):
     """qwen3-235b-a22b has no table: `auto` borrows the nearest shipped shape's point (the
     shipped tables record capability 9.0, so an H800 uses them too)."""

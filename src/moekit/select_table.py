@@ -50,7 +50,7 @@ import functools
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterable, Sequence
 
@@ -236,14 +236,18 @@ class Match:
 
 def spec_name(work: "Workload") -> str:
     """The weight spec of a workload as recorded in table keys ('unquantized', or the spec's
-    describe(), the format's default spec when the workload names none)."""
+    describe(), the format's default spec when the workload names none). The scales' dtype is
+    recorded as the format's default: the runners read any (w4a16 packs them as bfloat16), so a
+    GPTQ / AWQ checkpoint's float16 scales look up the tables measured with bfloat16 ones, as
+    the Triton config tables' keys do (`runners._tables.quant_tag`)."""
     if work.weight_format == "unquantized":
         return "unquantized"
-    if work.weight_spec is not None:
-        return work.weight_spec.describe()
     from moekit.quant.spec import make_spec
 
-    return make_spec(work.weight_format).describe()
+    spec = work.weight_spec or make_spec(work.weight_format)
+    if "scale_dtype" in {f.name for f in fields(spec)}:
+        spec = replace(spec, scale_dtype=type(spec)().scale_dtype)
+    return spec.describe()
 
 
 def key_of(work: "Workload", platform: Platform) -> TableKey | None:
