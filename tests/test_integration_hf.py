@@ -21,6 +21,8 @@ from transformers import (  # noqa: E402
 from helpers import DEVICE, rel_err  # noqa: E402
 from moekit.config import ConfigError  # noqa: E402
 from moekit.integrations import hf  # noqa: E402
+from moekit.layer import fused_moe  # noqa: E402
+from moekit.quant import Fp8W8A8, QuantizedTensor, dequantize, quantize  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)  # fmt: skip
@@ -99,6 +101,76 @@ def test_ids_of_other_ranks_are_skipped_under_expert_parallelism():
     kept = torch.where(ids < 8, ids, 0)
     ref = module.__class__.forward.__wrapped__(module, x, kept, w * (ids < 8))
     assert rel_err(hf.experts_forward(module, x, ids, w), ref) < 1e-5
+
+
+E8, H8, I8 = 4, 256, 128  # fp8 experts: whole [128, 128] blocks, as real checkpoints have
+
+
+def fp8_experts(**kw):
+    """transformers' fp8 experts module (as a fine-grained fp8 checkpoint loads them) holding
+    random block-fp8 experts, and those experts as QuantizedTensors."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    class TinyFP8Experts(FP8Experts):  # decorated here, leaving transformers' class as it is
+        pass
+
+    use_experts_implementation(experts_class=TinyFP8Experts,
+                               experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)  # fmt: skip
+    config = Qwen3MoeConfig(**{**SMALL, "hidden_size": H8}, moe_intermediate_size=I8,
+                            num_experts=E8, num_experts_per_tok=2)  # fmt: skip
+    module = TinyFP8Experts(config, **{"block_size": (128, 128), **kw})
+    q13 = quantize(torch.randn(E8, 2 * I8, H8) / 8, Fp8W8A8("block"))
+    q2 = quantize(torch.randn(E8, H8, I8) / 8, Fp8W8A8("block"))
+    with torch.no_grad():
+        for name, q in (("gate_up_proj", q13), ("down_proj", q2)):
+            getattr(module, name).copy_(q.data)
+            getattr(module, name + "_scale_inv").copy_(q.scale)
+    return module.to(DEVICE), q13, q2
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_fp8_experts_run_on_moekit(backend):
+    """transformers' fp8 experts set to moekit run its fp8_w8a8 block path on the module's own
+    tensors: the same output as fused_moe over those tensors as QuantizedTensors, and within
+    the activations' fp8 error of the dequantized experts."""
+    torch.manual_seed(0)
+    module, q13, q2 = fp8_experts()
+    name = hf.register(f"moekit-{backend}", moe_runner_backend=backend)
+    module.config._experts_implementation = name
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter: no bf16
+    x = torch.randn(7, H8, device=DEVICE, dtype=dtype)
+    ids = torch.randint(0, E8, (7, 2), device=DEVICE)
+    w = torch.rand(7, 2, device=DEVICE)
+    out = module(x, ids, w)
+    assert "_moekit_act" in module.__dict__  # moekit ran, not transformers' fp8 forward
+    q13, q2 = (QuantizedTensor(q.data.to(DEVICE), q.scale.to(DEVICE), q.spec, q.shape)
+               for q in (q13, q2))  # fmt: skip
+    same = fused_moe(x, q13, q2, w, ids, moe_runner_backend=backend)
+    assert torch.equal(out, same)
+    ref = fused_moe(x.float(), dequantize(q13), dequantize(q2), w, ids, moe_runner_backend="torch")
+    assert out.dtype == dtype and rel_err(out, ref) < 0.06
+
+
+def test_fp8_experts_moekit_cannot_run_are_refused():
+    module = fp8_experts()[0]
+    with pytest.raises(ValueError, match=r"block_size \(64, 64\): moekit runs fp8 experts with "
+                                         r"\[128, 128\] weight blocks"):  # fmt: skip
+        module.block_size = (64, 64)
+        hf.fp8_activation_of(module)
+    module.block_size = (128, 128)
+    module.activation_scheme = "static"
+    with pytest.raises(ValueError, match="activation_scheme 'static'"):
+        hf.fp8_activation_of(module)
+    module.activation_scheme = "dynamic"
+    module.down_proj_scale_inv.data = module.down_proj_scale_inv.data.half()
+    with pytest.raises(ValueError, match="down_proj / down_proj_scale_inv are torch.float8_e4m3fn "
+                                         "/ torch.float16"):  # fmt: skip
+        hf.fp8_activation_of(module)
+    module.down_proj_scale_inv.data = module.down_proj_scale_inv.data.float()
+    module.gate_softcap = 30.0
+    with pytest.raises(ValueError, match="softcapped gate"):
+        hf.fp8_activation_of(module)
 
 
 def test_what_moekit_cannot_run_is_refused():

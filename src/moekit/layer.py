@@ -27,7 +27,14 @@ from moekit.loading import load_hf_experts
 from moekit.log import log_once
 from moekit.parallel import ParallelState
 from moekit.placement import ExpertPlacement
-from moekit.quant import QuantSpec, format_name, make_spec, quantize_experts
+from moekit.quant import (
+    QuantizedTensor,
+    QuantSpec,
+    format_name,
+    from_quantized,
+    make_spec,
+    quantize_experts,
+)
 from moekit.quant.calibrate import standard_normal_scales
 from moekit.quant.checkpoint import checkpoint_format
 from moekit.router import CustomRoutingFunction, TopKOutput, route
@@ -398,8 +405,8 @@ class MoE(nn.Module):
 
 def fused_moe(
     x_TH: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | QuantizedTensor,
+    w2: torch.Tensor | QuantizedTensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -411,12 +418,17 @@ def fused_moe(
     swiglu_limit: float = 7.0,
     moe_runner_backend: str = "auto",
 ) -> torch.Tensor:
-    """Functional MoE on one rank: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype),
-    topk_weights [T, K] float, topk_ids [T, K] int -> out [T, H] in x's dtype. Ids outside
-    [0, E) add nothing: -1 marks an unused slot, and an expert parallel rank passes the ids of
-    experts it does not hold that way (the kernels read ids on the device, so they are not
-    range-checked)."""
-    weights = ExpertWeights(w13, w2, b13, b2)
+    """Functional MoE on one rank: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or
+    QuantizedTensors of one format with those logical shapes), topk_weights [T, K] float,
+    topk_ids [T, K] int -> out [T, H] in x's dtype. Ids outside [0, E) add nothing: -1 marks an
+    unused slot, and an expert parallel rank passes the ids of experts it does not hold that way
+    (the kernels read ids on the device, so they are not range-checked)."""
+    if isinstance(w13, QuantizedTensor) != isinstance(w2, QuantizedTensor):
+        raise ValueError("fused_moe: w13 and w2 must both be QuantizedTensors or both tensors")
+    if isinstance(w13, QuantizedTensor):
+        weights = from_quantized(w13, w2, b13, b2)
+    else:
+        weights = ExpertWeights(w13, w2, b13, b2)
     act = ActivationSpec(activation, interleaved, swiglu_alpha, swiglu_limit)
     # the runners' dtypes; other dtypes pass through for input_problem to name
     if topk_weights.dtype.is_floating_point:

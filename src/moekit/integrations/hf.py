@@ -18,6 +18,13 @@ interleaved gate/up rows, with or without biases. Experts stored transposed ([E,
 gpt-oss does) are copied once into moekit's layout ([E, 2I, H]) and the copy is kept on the
 module (refreshed when the weights change), which doubles those weights' memory. Anything else
 (ungated experts, a post-expert norm, another gate function) raises an error naming it.
+
+transformers' fp8 experts (`FP8Experts`, what a fine-grained fp8 checkpoint such as DeepSeek-V3
+or Qwen3-*-FP8 loads into; they dispatch through an fp8 registry of their own, where `register`
+adds moekit too) run as moekit's fp8_w8a8 block format, reading the module's e4m3 weights and
+float32 [128, 128] `*_scale_inv` in place: dynamic activations, a SiLU / GELU gate or the
+clamped SwiGLU; other fp8 experts (per-tensor or static scales, UE8M0 scales, fp4 weights) raise
+an error naming what they hold.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch
 
 from moekit.config import RunnerConfig
 from moekit.layer import fused_moe
+from moekit.quant import Fp8W8A8, QuantizedTensor
+from moekit.quant.spec import FP8_DTYPE
 
 NAME = "moekit"
 
@@ -54,7 +63,20 @@ def register(name: str = NAME, moe_runner_backend: str = "auto") -> str:
         )
     ExpertsInterface.register(name, functools.partial(experts_forward,
                                                       moe_runner_backend=moe_runner_backend))
+    fp8 = _fp8_interface()
+    if fp8 is not None:
+        fp8.register(name, functools.partial(fp8_experts_forward,
+                                             moe_runner_backend=moe_runner_backend))
     return name
+
+
+def _fp8_interface():
+    """transformers' registry of fp8 experts implementations (None in versions without one)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        return None
+    return FP8ExpertsInterface
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
@@ -68,11 +90,8 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         act = module._moekit_act = activation_of(module)
     w13, w2 = _weights(module)
     bias = getattr(module, "has_bias", False)
-    ids = top_k_index.to(torch.int32)
-    if getattr(module, "_is_expert_parallel", False):
-        ids = torch.where(ids < module.num_experts, ids, -1)
     return fused_moe(
-        hidden_states, w13, w2, top_k_weights, ids,
+        hidden_states, w13, w2, top_k_weights, _ids(module, top_k_index),
         b13=module.gate_up_proj_bias if bias else None,
         b2=module.down_proj_bias if bias else None,
         interleaved=not getattr(module, "is_concatenated", True),
@@ -80,10 +99,62 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     )  # fmt: skip
 
 
+def fp8_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                        moe_runner_backend: str = "auto") -> torch.Tensor:  # fmt: skip
+    """`experts_forward` of transformers' fp8 experts: gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I] e4m3 with `*_scale_inv` [E, ceil(N/128), ceil(K/128)] float32, read in place as
+    moekit's fp8_w8a8 block format (per-token-group activations, as theirs)."""
+    act = module.__dict__.get("_moekit_act")
+    if act is None:
+        act = module._moekit_act = fp8_activation_of(module)
+    spec = Fp8W8A8("block")
+    w13, w2 = (QuantizedTensor(w, s, spec, w.shape) for w, s in (
+        (module.gate_up_proj, module.gate_up_proj_scale_inv),
+        (module.down_proj, module.down_proj_scale_inv)))  # fmt: skip
+    return fused_moe(hidden_states, w13, w2, top_k_weights, _ids(module, top_k_index),
+                     moe_runner_backend=moe_runner_backend, **act)  # fmt: skip
+
+
+def _ids(module: torch.nn.Module, top_k_index: torch.Tensor) -> torch.Tensor:
+    """int32 ids, those at or past the module's expert count (other EP ranks') as -1."""
+    ids = top_k_index.to(torch.int32)
+    if getattr(module, "_is_expert_parallel", False):
+        ids = torch.where(ids < module.num_experts, ids, -1)
+    return ids
+
+
+def fp8_activation_of(module: torch.nn.Module) -> dict:
+    """moekit's activation arguments for transformers' fp8 experts; ValueError naming what it
+    holds when moekit cannot run it as the fp8_w8a8 block format."""
+    cls = type(module).__name__
+    if not getattr(module, "has_gate", True) or getattr(module, "has_bias", False):
+        raise ValueError(f"{cls}: moekit runs fp8 experts with a gate and no biases")
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != Fp8W8A8().block_shape:
+        raise ValueError(f"{cls}: block_size {block}: moekit runs fp8 experts with [128, 128] "
+                         "weight blocks (per-tensor fp8 experts are not read)")  # fmt: skip
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{cls}: activation_scheme {module.activation_scheme!r}: moekit runs "
+                         "block fp8 experts with dynamic activations")  # fmt: skip
+    for w, s in (("gate_up_proj", "gate_up_proj_scale_inv"), ("down_proj", "down_proj_scale_inv")):
+        dtypes = (getattr(module, w).dtype, getattr(module, s).dtype)
+        if dtypes != (FP8_DTYPE, torch.float32):
+            raise ValueError(f"{cls}: {w} / {s} are {dtypes[0]} / {dtypes[1]}: moekit reads "
+                             "float8_e4m3fn weights with float32 scales")  # fmt: skip
+    if getattr(module, "gate_softcap", None) is not None:
+        raise ValueError(f"{cls}: a softcapped gate is not one moekit runs")
+    if getattr(module, "swiglu_alpha", None) is not None:
+        return {"activation": "swiglu_oai", "swiglu_alpha": float(module.swiglu_alpha),
+                "swiglu_limit": float(module.swiglu_limit)}  # fmt: skip
+    if getattr(module, "limit", None) is not None:
+        raise ValueError(f"{cls}: a clamped gate without swiglu_alpha is not one moekit runs")
+    return _act_fn(module, cls)
+
+
 def activation_of(module: torch.nn.Module) -> dict:
     """moekit's activation arguments for a transformers experts module; ValueError naming the
     class when moekit cannot run its experts."""
-    from transformers.activations import GELUActivation, SiLUActivation
     from transformers.integrations.moe import _default_apply_gate
 
     cls = type(module).__name__
@@ -98,6 +169,13 @@ def activation_of(module: torch.nn.Module) -> dict:
                     "swiglu_limit": float(module.limit)}  # fmt: skip
         raise ValueError(f"{cls}: its own gate function (_apply_gate) is not one moekit runs "
                          "(silu, exact gelu, gpt-oss's clamped swiglu)")  # fmt: skip
+    return _act_fn(module, cls)
+
+
+def _act_fn(module: torch.nn.Module, cls: str) -> dict:
+    """The activation of the module's `act_fn` (SiLU or exact GELU)."""
+    from transformers.activations import GELUActivation, SiLUActivation
+
     act_fn = getattr(module, "act_fn", None)
     if isinstance(act_fn, (SiLUActivation, torch.nn.SiLU)):
         return {"activation": "silu"}
