@@ -235,6 +235,19 @@ def test_cat_rows_and_stack_exact(fmt, params):
     torch.testing.assert_close(dequantize(w13), expect, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt, params", [("int4_w4a16", dict(symmetric=False)), ("nvfp4", {}),
+                                         ("fp8_w8a8", dict(weight_scale="tensor"))])  # fmt: skip
+def test_indexing_picks_one_expert(fmt, params):
+    """q[e] of a stacked [E, N, K] weight is expert e as quantized alone (zeros, global scales)."""
+    parts = [quantize(torch.randn(64, 128) * (e + 1), fmt, **params) for e in range(3)]
+    w = stack(parts)
+    for e, part in enumerate(parts):
+        assert w[e].shape == (64, 128) and w[e].spec == part.spec
+        torch.testing.assert_close(dequantize(w[e]), dequantize(part), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="no leading dim"):
+        parts[0][0]
+
+
 @pytest.mark.parametrize("fmt, params", [("fp8_w8a8", dict(weight_scale="tensor")), ("nvfp4", {})])
 def test_cat_rows_requantizes_tensor_scales(fmt, params):
     g, u = quantize(torch.randn(64, 128), fmt, **params), quantize(torch.randn(64, 128) * 4, fmt, **params)

@@ -94,15 +94,6 @@ def _stack(parts: Sequence[Weight | None]) -> Weight | None:
     return torch.stack(list(parts))
 
 
-def _expert(w: Weight | None, e: int) -> Weight | None:
-    """Expert e of a fused weight [E, ..]."""
-    if not isinstance(w, QuantizedTensor):
-        return None if w is None else w[e]
-    pick = lambda t: None if t is None else t[e]  # noqa: E731
-    return QuantizedTensor(w.data[e], w.scale[e], w.spec, w.shape[1:], pick(w.zero),
-                           pick(w.global_scale))  # fmt: skip
-
-
 def _tp_share_w13(w13: Weight, moe_tp_size: int, moe_tp_rank: int, interleaved: bool,
                  dim: int = -2) -> Weight:  # fmt: skip
     """The rows of w13 [.., 2I, H] (of b13 [.., 2I]: dim -1) that moe-TP rank `moe_tp_rank`
@@ -289,7 +280,7 @@ def load_hf_experts(
                                                 config.num_shared_experts, I, H,
                                                 options)  # fmt: skip
         elif fused_all is not None:
-            (w13, w2, b13, b2), a13, a2 = (_expert(t, e) for t in fused_all), None, None
+            (w13, w2, b13, b2), a13, a2 = (t if t is None else t[e] for t in fused_all), None, None
         else:
             w13, w2, b13, b2, a13, a2 = _per_expert(state_dict, prefix, e, names, H, I, options)
         if b2 is not None and moe_tp_rank != 0:

@@ -59,6 +59,14 @@ class QuantizedTensor:
     def lead(self) -> tuple[int, ...]:
         return self.shape[:-2]
 
+    def __getitem__(self, i: int) -> "QuantizedTensor":
+        """Index i of the first leading dim (expert i's [N, K] of an [E, N, K] weight)."""
+        if not self.lead:
+            raise IndexError(f"a quantized weight of shape {list(self.shape)} has no leading dim")
+        pick = lambda t: None if t is None else t[i]  # noqa: E731
+        return QuantizedTensor(self.data[i], self.scale[i], self.spec, self.shape[1:],
+                               pick(self.zero), pick(self.global_scale))  # fmt: skip
+
     def nbytes(self) -> int:
         """Bytes of data + scales + zeros + global scales (what a kernel reads)."""
         ts = (self.data, self.scale, self.zero, self.global_scale)
