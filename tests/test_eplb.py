@@ -91,6 +91,8 @@ def test_balancedness_and_rank_loads_by_hand():
     assert rank_loads(load, p).tolist() == [3 + 3 + 1, 2 + 2 + 1]
     assert balancedness(load, p) == pytest.approx(6 / 7)
     assert balancedness(torch.zeros(4), p) == 1.0
+    with pytest.raises(ValueError, match=r"load \[3\] must be \[E\].*experts up to 3"):
+        rank_loads(load[:3], p)
 
 
 def test_bad_loads_and_slot_counts_are_refused_with_the_reason():

@@ -36,6 +36,10 @@ def test_layout_and_config_errors_name_the_options():
         ParallelConfig(tp_size=4, ep_size=3)
     with pytest.raises(ConfigError, match=r"--ep-size \(3\) must divide --tp-size \(2\)"):
         group_layout(2, 2, 3)
+    with pytest.raises(ConfigError, match="--tp-size must be a positive integer, got 0"):
+        group_layout(4, 0, 1)
+    with pytest.raises(ConfigError, match="the world size must be a positive integer, got 0"):
+        group_layout(0, 1, 1)
     with pytest.raises(ConfigError, match="--tp-size 2 needs torch.distributed"):
         single_rank_state(ParallelConfig(tp_size=2))
     with pytest.raises(ConfigError, match="--moe-dense-tp-size"):

@@ -106,6 +106,10 @@ def single_rank_state(config: ParallelConfig = ParallelConfig(), device=None) ->
 
 def group_layout(world_size: int, tp_size: int, ep_size: int) -> dict[str, list[list[int]]]:
     """Global ranks of every TP, EP and MoE-TP group (pure: no torch.distributed needed)."""
+    for option, n in (("the world size", world_size), ("--tp-size", tp_size),
+                      ("--ep-size", ep_size)):  # fmt: skip
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{option} must be a positive integer, got {n!r}")
     if world_size % tp_size:
         raise ConfigError(
             f"--tp-size ({tp_size}) must divide the world size ({world_size} processes)"

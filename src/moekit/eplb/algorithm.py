@@ -86,6 +86,10 @@ def rank_loads(load_E: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor
     evenly over its copies."""
     load = load_E.detach().to("cpu", torch.float64)
     p2l = placement.physical_to_logical.to("cpu", torch.int64)
+    if load.dim() != 1 or int(p2l.max()) >= load.numel():
+        raise ValueError(f"load [{', '.join(map(str, load.shape))}] must be [E], one value per "
+                         f"logical expert; the placement maps slots to experts up to "
+                         f"{int(p2l.max())}")  # fmt: skip
     copies = torch.bincount(p2l, minlength=load.numel()).to(torch.float64)
     if (copies[: load.numel()] == 0).any():
         raise ValueError("the placement holds no slot for some expert")
