@@ -32,7 +32,8 @@ from moekit.quant.spec import INT4_GROUP_SIZES, QuantSpec, make_spec
 @dataclass(frozen=True)
 class CheckpointFormat:
     """spec: the weight format the checkpoint declares (the format's defaults where it is
-    silent); declared: the spec fields it states, which weights loaded from it must match;
+    silent; GPTQ / AWQ scales float16); declared: the spec fields that weights loaded from it
+    must match (not the scales' dtype, nor an asymmetric int4 that loads symmetric);
     gptq_zero_offset: what GPTQ zero points are stored minus (1 in v1 checkpoints, 0 in v2);
     source: where it was read, for messages."""
 
