@@ -108,9 +108,10 @@ def test_standard_matches_pairs_reference(spec, T):
     out = registry.runner_class("torch")().run(StandardDispatchOutput(x, topk), q, act).out
     assert out.shape == (T, H) and out.dtype == torch.float32
     ref = pairs_reference(x, topk, q, act)
-    # weight-only: float32 arithmetic; w8a8: an fp8/int8 rounding boundary may flip for a few
-    # elements between the float32 and float64 intermediates
-    assert rel_err(out, ref) < (1e-5 if spec.weight_only else 2e-3)
+    # weight-only: float32 arithmetic; w8a8: an fp8/int8 rounding boundary may flip between the
+    # float32 and float64 intermediates, for a value or for a group's scale (then one token's
+    # whole row moves: 0.0057 for the block spec on one draw; 150 other draws stayed <= 0.0008)
+    assert rel_err(out, ref) < (1e-5 if spec.weight_only else 1e-2)
     if T and not spec.weight_only:  # the activation quantization is really applied
         plain = moe_reference_fp64(x, topk, q, act)
         assert rel_err(out, plain) > 1e-4
