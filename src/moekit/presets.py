@@ -65,16 +65,18 @@ def model_and_format(model: str, quantization: str | QuantSpec | None,
     weight_format the spec's name) and the weight format's spec (None: unquantized). Without
     --quantization (None) a config.json's checkpoint gives the format it declares (its
     quantization_config; logged once), anything else runs unquantized."""
-    if quantization is None and model not in PRESETS and Path(model).exists():
-        from moekit.hf_config import load_hf_config
+    if model in PRESETS or not Path(model).exists():  # (model_config names a bad --model)
+        spec = make_spec(quantization)
+        return model_config(model, weight_format=format_name(spec), **overrides), spec
+    from moekit.hf_config import load_hf_config
 
-        declared = load_hf_config(model).quantization
-        if declared is not None:
-            quantization = declared.spec
-            log_once(logging.INFO, f"--model {model}: the checkpoint's weight format, "
-                     f"--quantization {format_text(quantization)}")  # fmt: skip
+    hf = load_hf_config(model)  # read once: the MoE block and the declared format
+    if quantization is None and hf.quantization is not None:
+        quantization = hf.quantization.spec
+        log_once(logging.INFO, f"--model {model}: the checkpoint's weight format, "
+                 f"--quantization {format_text(quantization)}")  # fmt: skip
     spec = make_spec(quantization)
-    return model_config(model, weight_format=format_name(spec), **overrides), spec
+    return replace(hf.config, weight_format=format_name(spec), **overrides), spec
 
 
 def model_label(model: str) -> str:

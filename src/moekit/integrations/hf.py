@@ -108,12 +108,24 @@ def fp8_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     act = module.__dict__.get("_moekit_act")
     if act is None:
         act = module._moekit_act = fp8_activation_of(module)
-    spec = Fp8W8A8("block")
-    w13, w2 = (QuantizedTensor(w, s, spec, w.shape) for w, s in (
-        (module.gate_up_proj, module.gate_up_proj_scale_inv),
-        (module.down_proj, module.down_proj_scale_inv)))  # fmt: skip
+    w13, w2 = _fp8_weights(module)
     return fused_moe(hidden_states, w13, w2, top_k_weights, _ids(module, top_k_index),
                      moe_runner_backend=moe_runner_backend, **act)  # fmt: skip
+
+
+def _fp8_weights(module: torch.nn.Module) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """The module's fp8 tensors as QuantizedTensors (views, no copy), checked and built once
+    and kept on the module; built again only when a parameter is replaced (in-place writes
+    are seen through the views)."""
+    sources = (module.gate_up_proj, module.gate_up_proj_scale_inv, module.down_proj,
+               module.down_proj_scale_inv)  # fmt: skip
+    cached = module.__dict__.get("_moekit_fp8")
+    if cached is None or any(a is not b for a, b in zip(cached[0], sources)):
+        spec = Fp8W8A8("block")
+        w13, s13, w2, s2 = sources
+        cached = module._moekit_fp8 = (sources, (QuantizedTensor(w13, s13, spec, w13.shape),
+                                                 QuantizedTensor(w2, s2, spec, w2.shape)))
+    return cached[1]
 
 
 def _ids(module: torch.nn.Module, top_k_index: torch.Tensor) -> torch.Tensor:
