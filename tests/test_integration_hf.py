@@ -152,6 +152,15 @@ def test_fp8_experts_run_on_moekit(backend):
     assert out.dtype == dtype and rel_err(out, ref) < 0.06
 
 
+def test_fp8_experts_views_are_built_once_and_follow_replaced_parameters():
+    module = fp8_experts()[0]
+    first = hf._fp8_weights(module)
+    assert hf._fp8_weights(module) is first
+    module.down_proj = torch.nn.Parameter(module.down_proj.data.clone(), requires_grad=False)
+    again = hf._fp8_weights(module)
+    assert again is not first and again[1].data is module.down_proj
+
+
 def test_fp8_experts_moekit_cannot_run_are_refused():
     module = fp8_experts()[0]
     with pytest.raises(ValueError, match=r"block_size \(64, 64\): moekit runs fp8 experts with "
