@@ -11,7 +11,7 @@ from moekit.quant import Fp8W8A8, dequantize, quantize
 from moekit.quant.calibrate import standard_normal_scales
 from moekit.quant.loaders import cat_rows, load_weight, narrow
 from tests.helpers import rel_err
-from tests.test_quant_loaders import awq_checkpoint, gptq_checkpoint
+from tests.test_quant_loaders import awq_checkpoint, ct_packed_checkpoint, gptq_checkpoint
 
 E, K, H, I = 4, 2, 256, 256
 NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -39,6 +39,14 @@ def _awq(w):
     return {".qweight": qweight, ".qzeros": qzeros, ".scales": scales}
 
 
+def _ct_int4(w):
+    return ct_packed_checkpoint(w, 4, 32, sym=False)[0]
+
+
+def _ct_int8(w):
+    return ct_packed_checkpoint(w, 8)[0]
+
+
 def _int8(w):
     q = quantize(w, "int8_w8a8")
     return {".weight": q.data, ".weight_scale": q.scale[:, None]}
@@ -57,6 +65,8 @@ CHECKPOINTS = {
     "int8": ("int8_w8a8", _int8),
     "gptq-g32": ("int4_w4a16", _gptq),
     "awq-g128": ("int4_w4a16", _awq),
+    "compressed-tensors-int4-g32": ("int4_w4a16", _ct_int4),
+    "compressed-tensors-int8": ("int8_w8a16", _ct_int8),
     "nvfp4": ("nvfp4", _nvfp4),
 }
 
@@ -109,7 +119,9 @@ def test_quantized_checkpoint_loads_as_stored(ckpt, tp, ep):
 # w8a8: the activations' quantization error (5 seeds measured 0.041-0.049 for fp8, 0.017-0.021
 # for int8); weight-only formats multiply the dequantized weights: equal up to float32 rounding.
 @pytest.mark.parametrize("ckpt, bound", [("fp8-block-scale-inv", 0.08), ("int8", 0.04),
-                                         ("gptq-g32", 1e-5), ("nvfp4", 1e-5)])  # fmt: skip
+                                         ("gptq-g32", 1e-5), ("nvfp4", 1e-5),
+                                         ("compressed-tensors-int4-g32", 1e-5),
+                                         ("compressed-tensors-int8", 1e-5)])  # fmt: skip
 def test_loaded_layer_runs_like_its_dequantized_twin(ckpt, bound):
     """The `torch` runner on the loaded layer against the float layer of the dequantized
     weights."""
@@ -329,7 +341,8 @@ def test_loading_refreshes_the_runners_copies_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ckpt", ["fp8-block-scale-inv", "fp8-tensor-static", "gptq-g32",
-                                  "awq-g128", "nvfp4", "int8"])  # fmt: skip
+                                  "awq-g128", "nvfp4", "int8", "compressed-tensors-int4-g32",
+                                  "compressed-tensors-int8"])  # fmt: skip
 def test_loaded_checkpoint_runs_in_triton_gpu(ckpt):
     """A checkpoint loaded onto the GPU runs in `triton` as in the `torch` reference."""
     w = weights()

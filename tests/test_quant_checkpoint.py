@@ -16,7 +16,7 @@ from moekit.presets import model_and_format
 from moekit.quant.checkpoint import checkpoint_format
 from moekit.quant.spec import format_text
 from tests.test_loading_quant import _fp8, config, quantized_sd, weights
-from tests.test_quant_loaders import gptq_checkpoint
+from tests.test_quant_loaders import ct_packed_checkpoint, gptq_checkpoint
 
 CT_FP8_DYNAMIC = {  # RedHat-style "FP8-dynamic": per-channel weights, per-token activations
     "quant_method": "compressed-tensors", "format": "float-quantized",
@@ -34,6 +34,21 @@ def _ct(weights=None, acts=None):
     new["input_activations"] = None if acts is False else {**group["input_activations"],
                                                            **(acts or {})}  # fmt: skip
     return {**CT_FP8_DYNAMIC, "config_groups": {"group_0": new}}
+
+
+CT_W4A16 = {  # llm-compressor W4A16 / Kimi-K2's int4 experts
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                    "symmetric": True, "dynamic": False, "actorder": None}}},
+}  # fmt: skip
+
+
+def _ct4(**weights):
+    group = CT_W4A16["config_groups"]["group_0"]
+    new = {**group, "weights": {**group["weights"], **weights}}
+    return {**CT_W4A16, "config_groups": {"group_0": new}}
 
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
@@ -65,6 +80,8 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_
          {"strategy": "group", "group_size": 128}), "fp8_w8a8", 1),
     (_ct({"type": "int"}), "int8_w8a8", 1),
     (_ct({"type": "int"}, False), "int8_w8a16", 1),
+    (CT_W4A16, "int4_w4a16:group_size=32", 1),
+    (_ct4(group_size=128, symmetric=False, actorder="weight"), "int4_w4a16:symmetric=false", 1),
 ])  # fmt: skip
 def test_each_method_maps_to_a_format(qc, text, offset):
     got = checkpoint_format(qc)
@@ -83,11 +100,17 @@ def test_each_method_maps_to_a_format(qc, text, offset):
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemm packing"),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo = 'W4A8_AWQ'"),
     ({**CT_FP8_DYNAMIC, "config_groups": {}}, "with 0 config groups"),
-    (_ct({"num_bits": 4, "type": "int"}), "packed int4 tensors are not read"),
+    (_ct({"num_bits": 4, "type": "float"}), "4-bit int weights from compressed-tensors"),
+    (_ct({"num_bits": 4, "type": "int"}), "with input_activations set: moekit reads pack-"),
+    ({**CT_W4A16, "format": "marlin-24"}, "format 'marlin-24'"),
+    (_ct4(strategy="channel"), "strategy 'channel': moekit reads strategy group"),
+    (_ct4(group_size=16), "group_size = 16: moekit reads 32, 64, 128"),
+    (_ct4(actorder="group"), "actorder = 'group'"),
+    (_ct({"type": "int", "symmetric": False}, False), "int8 weights read symmetric"),
     (_ct(acts=False), "weight-only fp8"),
     (_ct(acts={"strategy": "group", "group_size": 64}), "group 128, or static tensor"),
     (_ct({"strategy": "group"}), "fp8 weight strategy 'group'"),
-    (_ct({"type": "int", "strategy": "tensor"}), "int8 weights read per channel"),
+    (_ct({"type": "int", "strategy": "tensor"}), "int8 weights read symmetric per channel"),
 ])  # fmt: skip
 def test_what_is_not_read_is_a_clear_error(qc, needle):
     with pytest.raises(ConfigError, match="quantization_config") as err:
@@ -135,6 +158,45 @@ def test_the_config_gives_the_fp8_activation_scheme_and_must_match():
     plain = quantized_sd(lambda t: {".weight": t}, w)
     with pytest.raises(ValueError, match="the experts under 'experts.' load as unquantized"):
         MoE(config()).load_hf_state_dict(plain, quantization_config=static)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_int4_experts_load_through_the_config(sym):
+    """Kimi-K2 / llm-compressor W4A16 experts (pack-quantized) load exactly, in the declared
+    group size and symmetry."""
+    w, expect = weights(), {}
+
+    def write(w_NK):
+        t, expect[len(expect)] = ct_packed_checkpoint(w_NK, 4, 32, sym)
+        return t
+    layer = MoE(config())
+    layer.load_hf_state_dict(quantized_sd(write, w),
+                             quantization_config=_ct4(symmetric=sym))  # fmt: skip
+    assert layer.quant_spec.group_size == 32 and layer.quant_spec.symmetric == sym
+    got = layer.expert_weights.dequantized(torch.float32)
+    E = len(expect) // 3  # written expert by expert: gate, up, down
+    w13 = torch.stack([torch.cat([expect[3 * e], expect[3 * e + 1]]) for e in range(E)])
+    w2 = torch.stack([expect[3 * e + 2] for e in range(E)])
+    assert torch.equal(got.w13, w13) and torch.equal(got.w2, w2)
+    with pytest.raises(ValueError, match=r"declares int4_w4a16\(group_size=128"):
+        MoE(config()).load_hf_state_dict(quantized_sd(write, w),
+                                         quantization_config=_ct4(group_size=128))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["int-quantized", "pack-quantized"])
+def test_int8_weight_only_experts_load_as_declared(packed):
+    """A W8A16 checkpoint's int8 weights cannot say they run weight-only; its config does (they
+    loaded as int8_w8a8 and failed the declared format before)."""
+    def write(w_NK):
+        if packed:
+            return ct_packed_checkpoint(w_NK, 8)[0]
+        s = w_NK.abs().amax(1, keepdim=True) / 127
+        return {".weight": torch.round(w_NK / s).to(torch.int8), ".weight_scale": s}
+    sd = quantized_sd(write, weights())
+    for acts, name in ((False, "int8_w8a16"), (None, "int8_w8a8")):
+        layer = MoE(config())
+        layer.load_hf_state_dict(sd, quantization_config=_ct({"type": "int"}, acts))
+        assert layer.quant_spec.name == name
 
 
 def _model_dir(tmp_path, quant=None, hf_quant=None):

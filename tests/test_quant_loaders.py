@@ -13,6 +13,7 @@ from moekit.quant.loaders import (
     load_int8,
     load_mxfp4_blocks,
     load_nvfp4,
+    load_packed,
     stack,
 )
 
@@ -178,6 +179,88 @@ def test_fp8_per_tensor_and_channel():
         load_fp8(w.to(torch.float8_e4m3fn), torch.ones(2, 3))
     with pytest.raises(ValueError, match="e4m3fn"):
         load_fp8(w.half(), s_t)
+
+
+def ct_packed_checkpoint(w_NK, bits, g=None, sym=True, packed_zeros=True):
+    """compressed-tensors pack-quantized tensors of w [N, K] (dict of suffix -> tensor) and the
+    weight they hold: signed values q in [-2^(b-1), 2^(b-1)) stored plus 2^(b-1), packed 32/b
+    to an int32 along K (padded); 4 bits: scales per group of g along K, asymmetric zero
+    points signed, packed likewise along N (or stored unpacked in int8); 8 bits: per channel."""
+    N, K = w_NK.shape
+    half, per = 1 << (bits - 1), 32 // bits
+    g = g or K
+    wg = w_NK.reshape(N, K // g, g)
+    if sym:
+        s = (wg.abs().amax(-1) / (half - 1)).clamp_min(1e-8)
+        z = torch.zeros(N, K // g)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / (2 * half - 1)).clamp_min(1e-8)
+        z = torch.round(-lo / s) - half  # signed: q = round(w / s) + z
+    s = s.bfloat16().float()
+    q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], -half, half - 1)
+    expect = ((q - z[..., None]) * s[..., None]).reshape(N, K)
+    u = (q.reshape(N, K) + half).long()
+    P = -(-K // per)
+    packed = torch.zeros(N, P, dtype=torch.int64)
+    for k in range(K):
+        packed[:, k // per] |= u[:, k] << (bits * (k % per))
+    out = {".weight_packed": _to_int32(packed), ".weight_scale": s.bfloat16(),
+           ".weight_shape": torch.tensor([N, K], dtype=torch.int32)}  # fmt: skip
+    if not sym:
+        if packed_zeros:
+            zp = torch.zeros(-(-N // 8), K // g, dtype=torch.int64)
+            for n in range(N):
+                zp[n // 8] |= (z[n].long() + 8) << (4 * (n % 8))
+            out[".weight_zero_point"] = _to_int32(zp)
+        else:
+            out[".weight_zero_point"] = z.to(torch.int8)
+    return out, expect
+
+
+def _packed_args(t):
+    return (t[".weight_packed"], t[".weight_scale"], t[".weight_shape"],
+            t.get(".weight_zero_point"), t.get(".weight_g_idx"))  # fmt: skip
+
+
+@pytest.mark.parametrize("g", [32, 128])
+@pytest.mark.parametrize("sym, packed_zeros", [(True, True), (False, True), (False, False)],
+                         ids=["sym", "asym", "asym-unpacked-zeros"])  # fmt: skip
+def test_compressed_tensors_int4(g, sym, packed_zeros):
+    w = torch.randn(2, 44, 256)  # two experts, N = 44 (zero points pad to 48 rows), K = 256
+    parts = [ct_packed_checkpoint(w[e], 4, g, sym, packed_zeros) for e in range(2)]
+    stacked = {k: torch.stack([p[0][k] for p in parts]) for k in parts[0][0]}
+    q = load_packed(*_packed_args(stacked))
+    assert q.shape == (2, 44, 256) and q.spec.name == "int4_w4a16" and q.spec.group_size == g
+    assert q.spec.symmetric == sym and q.spec.scale_dtype == torch.bfloat16
+    torch.testing.assert_close(dequantize(q), torch.stack([p[1] for p in parts]), rtol=0, atol=0)
+    assert ((dequantize(q) - w).norm() / w.norm()).item() < 0.15
+
+
+def test_compressed_tensors_int8_weight_only_and_padding():
+    w = torch.randn(6, 50)  # K = 50: 13 words, the last holding 2 values and padding
+    t, expect = ct_packed_checkpoint(w, 8)
+    assert t[".weight_packed"].shape == (6, 13)
+    q = load_packed(*_packed_args(t))
+    assert q.spec.name == "int8_w8a16" and q.shape == (6, 50)
+    torch.testing.assert_close(dequantize(q), expect, rtol=0, atol=0)
+    assert load_packed(*_packed_args(t), int8_weight_only=False).spec.name == "int8_w8a8"
+
+
+def test_compressed_tensors_errors():
+    t, _ = ct_packed_checkpoint(torch.randn(16, 128), 4, 32)
+    args = _packed_args(t)
+    with pytest.raises(ValueError, match="act-order"):
+        load_packed(*args[:4], torch.arange(128).flip(0) // 32)
+    with pytest.raises(ValueError, match=r"does not hold weight_shape \[16, 100\]"):
+        load_packed(args[0], args[1], torch.tensor([16, 100]))
+    with pytest.raises(ValueError, match="weight_zero_point must be int32"):
+        load_packed(*args[:3], torch.zeros(16, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="weight_shape must hold one"):
+        load_packed(args[0], args[1], torch.tensor([[16, 128], [16, 64]]))
+    t8, _ = ct_packed_checkpoint(torch.randn(16, 128), 8)
+    with pytest.raises(ValueError, match="symmetric per-channel int8"):
+        load_packed(*_packed_args(t8)[:3], torch.zeros(2, 1, dtype=torch.int32))
 
 
 def test_int8():

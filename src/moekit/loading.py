@@ -10,7 +10,8 @@ layout.
 
 Quantized checkpoints load as they are stored, without requantizing: per-expert weights in the
 conventions of `moekit.quant.loaders.load_weight` (fp8 with `weight_scale_inv` / `weight_scale`
-and an optional static `input_scale`, int8, GPTQ, AWQ, nvfp4), gpt-oss's fused mxfp4
+and an optional static `input_scale`, int8, GPTQ, AWQ, compressed-tensors pack-quantized,
+nvfp4), gpt-oss's fused mxfp4
 `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`, and fused fp8
 `gate_up_proj` / `down_proj` [E, N, K] with `_scale_inv` (or `_scale`) beside each. A
 tensor-parallel cut must fall on the format's scale groups.
@@ -259,8 +260,9 @@ def load_hf_experts(
     I is sliced for moe-TP rank `moe_tp_rank` of `moe_tp_size`. The down-projection bias is
     added once per token, so only moe-TP rank 0 keeps it; other ranks get zeros (their partial
     outputs are summed). Quantized experts stay quantized (module docstring). `checkpoint`: the
-    format the checkpoint's config declares (`moekit.quant.checkpoint`); its GPTQ zero offset
-    and fp8 activation scheme are read, and the experts must load in its format."""
+    format the checkpoint's config declares (`moekit.quant.checkpoint`); what it says the tensors
+    cannot (GPTQ zero offset, fp8 activation scheme, weight-only int8) is read, and the experts
+    must load in its format."""
     I, H = config.intermediate_size, config.hidden_size
     if I % moe_tp_size:
         raise ValueError(f"intermediate size {I} is not divisible by moe_tp_size {moe_tp_size}")
@@ -269,7 +271,8 @@ def load_hf_experts(
     fused_all = _fused(state_dict, prefix, config, options) if fused else None
     names = next(
         (n for n in _PER_EXPERT_NAMES
-         if any(f"{prefix}0.{n[0]}.{s}" in state_dict for s in ("weight", "qweight"))),
+         if any(f"{prefix}0.{n[0]}.{s}" in state_dict
+                for s in ("weight", "qweight", "weight_packed"))),
         _PER_EXPERT_NAMES[0],
     )  # fmt: skip
     n = I // moe_tp_size

@@ -12,10 +12,13 @@ Read (anything else is a ConfigError that says what is not read, and why):
   'mxfp4'                     gpt-oss's blocks / scales
   'modelopt'                  quant_algo FP8 (per tensor, static), FP8_PER_CHANNEL_PER_TOKEN,
                               NVFP4 (run weight-only: Hopper has no fp4 tensor cores)
-  'compressed-tensors'        one config group of 8-bit weights: float (strategy tensor, channel
-                              or block [128, 128]) or int (channel), with the activations its
-                              input_activations give (dynamic token / tensor / group 128, static
-                              tensor; int: dynamic token, or none for weight-only)
+  'compressed-tensors'        one config group: 8-bit float weights (strategy tensor, channel
+                              or block [128, 128]) or symmetric int weights (channel), with the
+                              activations its input_activations give (dynamic token / tensor /
+                              group 128, static tensor; int: dynamic token, or none for
+                              weight-only); or 4-bit int weights, format pack-quantized,
+                              strategy group 32 / 64 / 128, symmetric or not, weight-only, no
+                              group act-order (Kimi-K2's int4 experts, llm-compressor's W4A16)
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class CheckpointFormat:
         """Keywords of `moekit.quant.loaders.load_weight` for this checkpoint's tensors."""
         scheme = self.declared.get("activation_scheme")
         return {"gptq_zero_offset": self.gptq_zero_offset,  # static: from each input_scale
-                "fp8_activation_scheme": None if scheme == "static_tensor" else scheme}
+                "fp8_activation_scheme": None if scheme == "static_tensor" else scheme,
+                "int8_weight_only": self.spec.name == "int8_w8a16"}
 
     def check(self, loaded: QuantSpec | None, what: str = "the experts") -> None:
         """ValueError unless weights loaded as `loaded` (None: unquantized) are in the declared
@@ -139,6 +143,22 @@ CT_ACTIVATIONS = {  # (strategy, dynamic) of input_activations -> activation_sch
 }
 
 
+def _ct_int4(w: Mapping, a: Mapping | None, form: str | None, where: str) -> tuple[str, dict]:
+    """A compressed-tensors group of 4-bit int weights -> int4_w4a16."""
+    if form not in ("pack-quantized", None) or a is not None:
+        raise ConfigError(f"{where}: 4-bit int weights in format {form!r} with input_activations "
+                          f"{'set' if a is not None else 'none'}: moekit reads pack-quantized "
+                          "4-bit weights without activation quantization (W4A16)")  # fmt: skip
+    if w.get("strategy") != "group":
+        raise ConfigError(f"{where}: 4-bit weights with strategy {w.get('strategy')!r}: moekit "
+                          "reads strategy group")  # fmt: skip
+    group = _int(w, "group_size", INT4_GROUP_SIZES, where)
+    if w.get("actorder") in ("group", "dynamic"):
+        raise ConfigError(f"{where}: actorder = {w['actorder']!r} (a weight_g_idx permutation "
+                          "of K): moekit reads 4-bit weights without group act-order")  # fmt: skip
+    return "int4_w4a16", {"group_size": group, "symmetric": bool(w.get("symmetric", True))}
+
+
 def _compressed_tensors(qc: Mapping, source: str) -> tuple[str, dict]:
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
@@ -147,10 +167,12 @@ def _compressed_tensors(qc: Mapping, source: str) -> tuple[str, dict]:
     (name, group), = groups.items()
     where = f"{source}: config_groups.{name}"
     w, a = group.get("weights") or {}, group.get("input_activations")
+    if (w.get("num_bits"), w.get("type")) == (4, "int"):
+        return _ct_int4(w, a, group.get("format", qc.get("format")), where)
     if w.get("num_bits") != 8 or w.get("type") not in ("float", "int"):
         raise ConfigError(f"{where}: weights of {w.get('num_bits')} bits, type {w.get('type')!r}: "
-                          "moekit reads 8-bit float or int weights from compressed-tensors "
-                          "(its packed int4 tensors are not read; GPTQ / AWQ exports are)")
+                          "moekit reads 8-bit float or int, and 4-bit int weights from "
+                          "compressed-tensors")  # fmt: skip
     strategy = w.get("strategy")
     if a is not None:
         act = (a.get("strategy"), bool(a.get("dynamic")))
@@ -161,9 +183,11 @@ def _compressed_tensors(qc: Mapping, source: str) -> tuple[str, dict]:
                               f"{act[0]!r}, dynamic {act[1]}: moekit reads dynamic token, tensor "
                               "or group 128, or static tensor")  # fmt: skip
     if w["type"] == "int":
-        if strategy != "channel" or (a is not None and act != ("token", True)):
-            raise ConfigError(f"{where}: int8 weights read per channel, with dynamic per-token "
-                              "int8 activations or none")  # fmt: skip
+        if strategy != "channel" or not w.get("symmetric", True) or (
+            a is not None and act != ("token", True)
+        ):
+            raise ConfigError(f"{where}: int8 weights read symmetric per channel, with dynamic "
+                              "per-token int8 activations or none")  # fmt: skip
         return ("int8_w8a16" if a is None else "int8_w8a8"), {}
     if a is None:
         raise ConfigError(f"{where}: fp8 weights without input_activations (weight-only fp8): "

@@ -18,6 +18,11 @@ checkpoint stores them and converts them without loss:
 
   nvfp4 (ModelOpt)   weight uint8 [.., N, K/2], weight_scale float8_e4m3fn [.., N, K/16],
                      weight_scale_2 float32 [..]
+  compressed-tensors weight_packed int32 [.., N, ceil(K*b/32)]: k = (32/b) c + i in bits
+  pack-quantized     b*i..b*i+b-1 of word c, stored plus 2^(b-1); weight_shape [.., 2] = [N, K];
+                     4 bits: weight_scale [.., N, K/g], weight_zero_point (asymmetric) int32
+                     [.., ceil(N/8), K/g] packed likewise along N; weight_g_idx [.., K] must be
+                     k // g; 8 bits (weight-only int8): weight_scale [.., N, 1]
 
 int4 checkpoints whose zero points are all 8 load as the symmetric spec (no zero tensor).
 `load_weight` finds one weight's convention from the keys and dtypes of a state dict;
@@ -47,14 +52,14 @@ from moekit.quant.spec import (
 )
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-def _unpack_int32(w: torch.Tensor) -> torch.Tensor:
-    """int32 [..] -> int32 [.., 8]: nibble i (bits 4i..4i+3) at index i."""
+def _unpack_int32(w: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..] -> int32 [.., 32 / bits]: field i (bits bits*i .. bits*i + bits - 1) at i."""
     if w.dtype != torch.int32:
-        raise ValueError(f"packed int4 checkpoint tensors must be int32, got {w.dtype}")
-    return (w.unsqueeze(-1) >> _SHIFTS.to(w.device)) & 0xF
+        raise ValueError(f"packed int{bits} checkpoint tensors must be int32, got {w.dtype}")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device)
+    return (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
 def _float32(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +134,16 @@ def _int4(q_NK: torch.Tensor, z_NG: torch.Tensor, scales_NG: torch.Tensor, K: in
     return QuantizedTensor(data, scales_NG.to(scale_dtype).contiguous(), spec, q_NK.shape, zero)
 
 
+def _check_g_idx(what: str, g_idx: torch.Tensor | None, K: int, G: int) -> None:
+    """ValueError unless g_idx [.., K] is None or k // (K / G) (no act-order permutation)."""
+    if g_idx is None:
+        return
+    trivial = torch.arange(K, device=g_idx.device) // max(K // G if G else 0, 1)
+    if tuple(g_idx.shape[-1:]) != (K,) or not bool((g_idx.long() == trivial).all()):
+        raise ValueError(f"{what} is not k // group_size (an act-order checkpoint); only "
+                         "trivial g_idx is supported")  # fmt: skip
+
+
 def load_gptq(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
@@ -148,14 +163,7 @@ def load_gptq(
             f"GPTQ: qweight {list(qweight.shape)} needs scales [.., K/g, N] = [.., G, {N}] and "
             f"qzeros [.., G, N/8]; got scales {list(scales.shape)}, qzeros {list(qzeros.shape)}"
         )
-    if g_idx is not None:
-        g = K // G if G else 0
-        trivial = torch.arange(K, device=g_idx.device) // max(g, 1)
-        if tuple(g_idx.shape[-1:]) != (K,) or not bool((g_idx.long() == trivial).all()):
-            raise ValueError(
-                "GPTQ: g_idx is not k // group_size (an act-order / desc_act checkpoint); only "
-                "trivial g_idx is supported"
-            )
+    _check_g_idx("GPTQ: g_idx", g_idx, K, G)
     q = _unpack_int32(qweight).transpose(-1, -2).reshape(*lead, K, N).transpose(-1, -2)
     z = (_unpack_int32(qzeros).reshape(*lead, G, N) + zero_offset) & 0xF
     return _int4(q, z.transpose(-1, -2), scales.transpose(-1, -2), K)
@@ -179,6 +187,60 @@ def load_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
 
     q, z = unpack(qweight), unpack(qzeros)
     return _int4(q.transpose(-1, -2), z.transpose(-1, -2), scales.transpose(-1, -2), K)
+
+
+def load_packed(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_shape: torch.Tensor,
+    weight_zero_point: torch.Tensor | None = None,
+    weight_g_idx: torch.Tensor | None = None,
+    *,
+    int8_weight_only: bool = True,
+) -> QuantizedTensor:
+    """compressed-tensors pack-quantized tensors (module docstring) -> int4_w4a16 [.., N, K]
+    (4 bits, group scales) or int8 [.., N, K] (8 bits, per channel; int8_w8a16 unless not
+    `int8_weight_only`); the bit width is read from weight_shape's K against the packed words."""
+    shape = weight_shape.reshape(-1, 2)
+    if shape.shape[0] == 0 or not bool((shape == shape[0]).all()):
+        raise ValueError(f"pack-quantized: weight_shape must hold one [N, K], got "
+                         f"{weight_shape.tolist()}")  # fmt: skip
+    N, K = (int(v) for v in shape[0])
+    *lead, N_, P = weight_packed.shape
+    bits = next((b for b in (4, 8) if P == -(-K * b // 32)), None)
+    if N_ != N or bits is None:
+        raise ValueError(
+            f"pack-quantized: weight_packed {list(weight_packed.shape)} does not hold "
+            f"weight_shape [{N}, {K}] as 4-bit ([.., N, ceil(K/8)]) or 8-bit ([.., N, ceil(K/4)])"
+        )
+    values = _unpack_int32(weight_packed, bits).reshape(*lead, N, -1)[..., :K]
+    if bits == 8:
+        if weight_zero_point is not None or weight_g_idx is not None:
+            raise ValueError("pack-quantized 8-bit weights with a weight_zero_point or "
+                             "weight_g_idx: moekit reads symmetric per-channel int8")  # fmt: skip
+        return load_int8((values - 128).to(torch.int8), weight_scale,
+                         weight_only=int8_weight_only)  # fmt: skip
+    G = weight_scale.shape[-1]
+    if tuple(weight_scale.shape) != (*lead, N, G):
+        raise ValueError(f"pack-quantized: weight_scale must be [.., N, K/g] = [.., {N}, G], got "
+                         f"{list(weight_scale.shape)}")  # fmt: skip
+    _check_g_idx("pack-quantized: weight_g_idx", weight_g_idx, K, G)
+    if weight_zero_point is None:
+        zeros = torch.full_like(weight_scale, 8, dtype=torch.int32)
+    elif tuple(weight_zero_point.shape) == (*lead, -(-N // 8), G):  # packed along N
+        z = _unpack_int32(weight_zero_point).transpose(-1, -2)  # [.., N/8, 8, G]
+        zeros = z.reshape(*lead, -1, G)[..., :N, :]
+    elif tuple(weight_zero_point.shape) == (*lead, N, G) and (
+        not weight_zero_point.is_floating_point()
+    ):
+        zeros = weight_zero_point.to(torch.int32) + 8  # stored unpacked, signed
+    else:
+        raise ValueError(
+            f"pack-quantized: weight_zero_point must be int32 [.., ceil(N/8), G] = "
+            f"[.., {-(-N // 8)}, {G}] (packed) or integer [.., N, G]; got "
+            f"{weight_zero_point.dtype} {list(weight_zero_point.shape)}"
+        )
+    return _int4(values, zeros, weight_scale, K)
 
 
 def load_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
@@ -334,6 +396,7 @@ def load_weight(
     *,
     gptq_zero_offset: int = 1,
     fp8_activation_scheme: str | None = None,
+    int8_weight_only: bool | None = None,
 ) -> tuple[QuantizedTensor, torch.Tensor | None] | None:
     """The quantized weight `name` of a state dict (e.g. 'experts.3.gate_proj') from the keys
     under it, and its fp8 static activation scale `{name}.input_scale` ([] float32) or None.
@@ -341,11 +404,16 @@ def load_weight(
     the keys and dtypes: fp8 `.weight` with `.weight_scale_inv` or `.weight_scale`; int8
     `.weight` with `.weight_scale`; nvfp4 uint8 `.weight` with `.weight_scale` and
     `.weight_scale_2`; GPTQ / AWQ `.qweight`, `.qzeros`, `.scales` (GPTQ's `.g_idx`), told
-    apart by qweight's layout. nvfp4's `.input_scale` (an fp4 activation scale) is not read:
-    nvfp4 runs weight-only here. An fp8 weight with an input_scale takes static activation
-    scales; one without takes `fp8_activation_scheme` (None: its scale's usual partner)."""
+    apart by qweight's layout; compressed-tensors `.weight_packed`, `.weight_scale`,
+    `.weight_shape` (and `.weight_zero_point`, `.weight_g_idx`). nvfp4's `.input_scale` (an fp4
+    activation scale) is not read: nvfp4 runs weight-only here. What the tensors cannot show
+    comes from the checkpoint's config: an fp8 weight with an input_scale takes static
+    activation scales, one without takes `fp8_activation_scheme` (None: its scale's usual
+    partner); int8 `.weight` is int8_w8a8 unless `int8_weight_only` (packed int8 is
+    weight-only unless it is False)."""
     weight = sd.get(name + ".weight")
-    if weight is None and name + ".qweight" not in sd:
+    packed = sd.get(name + ".weight_packed")
+    if weight is None and packed is None and name + ".qweight" not in sd:
         return None
     if weight is not None and weight.is_floating_point() and weight.dtype != FP8_DTYPE:
         return None
@@ -355,6 +423,10 @@ def load_weight(
             raise KeyError(f"state dict has no {name + suffix!r} (the weight is quantized)")
         return sd[name + suffix]
 
+    if packed is not None:
+        return load_packed(packed, need(".weight_scale"), need(".weight_shape"),
+                           sd.get(name + ".weight_zero_point"), sd.get(name + ".weight_g_idx"),
+                           int8_weight_only=int8_weight_only is not False), None
     if weight is None:
         qweight, qzeros, scales = need(".qweight"), need(".qzeros"), need(".scales")
         if qweight.shape[-1] == scales.shape[-1]:  # GPTQ: [K/8, N]; AWQ: [K, N/8]
@@ -369,12 +441,13 @@ def load_weight(
                             activation_scheme=scheme), static  # fmt: skip
         return load_fp8(weight, need(".weight_scale"), activation_scheme=scheme), static
     if weight.dtype == torch.int8:
-        return load_int8(weight, need(".weight_scale")), None
+        return load_int8(weight, need(".weight_scale"), weight_only=bool(int8_weight_only)), None
     if weight.dtype == torch.uint8 and name + ".weight_scale_2" in sd:
         return load_nvfp4(weight, need(".weight_scale"), sd[name + ".weight_scale_2"]), None
     raise ValueError(
         f"{name}.weight is {weight.dtype} {list(weight.shape)}: not a weight format moekit reads "
-        "(float, fp8 e4m3fn, int8, nvfp4 uint8 with weight_scale_2, or GPTQ / AWQ qweight)"
+        "(float, fp8 e4m3fn, int8, nvfp4 uint8 with weight_scale_2, GPTQ / AWQ qweight, or "
+        "compressed-tensors weight_packed)"
     )
 
 
@@ -387,6 +460,7 @@ __all__ = [
     "load_int8",
     "load_mxfp4_blocks",
     "load_nvfp4",
+    "load_packed",
     "load_weight",
     "narrow",
     "stack",
