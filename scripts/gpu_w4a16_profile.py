@@ -19,8 +19,9 @@
     @FILE first: another .cu source, e.g. an older kernel; where the time goes, with the
     kernel's probe flags: "full=;fixed=-DMK_PROBE_NO_CHUNKS=1;loads=-DMK_PROBE_NO_MATH=1")
 
-A target is model:epN:format:T (EP: the rank holds E / N experts and sees every token; the
-routing is uniform over all E experts, pairs on other ranks are masked).
+A target is model:epN:format:T, the format as --quantization spells it (EP: the rank holds
+E / N experts and sees every token; the routing is uniform over all E experts, pairs on other
+ranks are masked).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def routings(T: int, top_k: int, ep: int) -> int:
 
 
 def setup(target: str):
-    model, ep, fmt, T = target.split(":")
+    model, ep, *fmt, T = target.split(":")  # the format may hold ':' (int4_w4a16:group_size=32)
+    fmt = ":".join(fmt)
     ep, T = int(ep.removeprefix("ep")), int(T)
     tp = 2 if model.startswith("mixtral") else ep
     shape = shape_for(model, tp, ep)

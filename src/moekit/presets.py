@@ -27,6 +27,15 @@ PRESETS: dict[str, MoEConfig] = {
         use_correction_bias=True,
         routed_scaling_factor=2.5,
     ),
+    "kimi-k2": MoEConfig(  # DeepSeek-V3's design with 384 experts in one group
+        num_experts=384,
+        top_k=8,
+        hidden_size=7168,
+        intermediate_size=2048,
+        scoring_func="sigmoid",
+        use_correction_bias=True,
+        routed_scaling_factor=2.827,
+    ),
     "gpt-oss-120b": MoEConfig(
         num_experts=128,
         top_k=4,
