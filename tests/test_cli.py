@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moekit import report
 from moekit.cli import bench as bench_cli
 from moekit.cli.main import main
 from moekit.config import A2A_BACKENDS, RUNNER_BACKENDS
@@ -103,6 +104,7 @@ def test_bench_and_explain_a_hugging_face_config(tmp_path, capsys):
     (path,) = out_dir.glob("*.json")
     doc = json.loads(path.read_text())
     assert doc["preset"] == str(model) and "_mixtral-8x7b-instruct-cpusmall_tp1ep1_" in path.name
+    assert report.title(doc).startswith("Mixtral-8x7B-Instruct (CPU scale-down) · tp1 ep1")
     assert (doc["shape"]["num_experts"], doc["shape"]["top_k"]) == (8, 2)
     assert main(["env", "--explain", "--model", str(model / "config.json")]) == 0
     assert main(["bench", *TINY, "--model", str(tmp_path / "nope"), "--out-dir",

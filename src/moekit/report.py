@@ -182,7 +182,7 @@ def title(doc: dict) -> str:
     routing = doc["routing"]["kind"]
     if routing == "zipf":
         routing += f" s={doc['routing']['zipf_s']:g}"
-    preset = doc["preset"] + (" (CPU scale-down)" if doc.get("scaled_down") else "")
+    preset = model_label(doc["preset"]) + (" (CPU scale-down)" if doc.get("scaled_down") else "")
     return (f"{preset} · tp{par['tp_size']} ep{par['ep_size']} · {doc['dtype']} · "
             f"{doc['quantization']} · {routing} routing")
 
