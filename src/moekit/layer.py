@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -36,7 +37,7 @@ from moekit.quant import (
     quantize_experts,
 )
 from moekit.quant.calibrate import standard_normal_scales
-from moekit.quant.checkpoint import checkpoint_format
+from moekit.quant.checkpoint import CheckpointFormat, checkpoint_format
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
@@ -322,6 +323,40 @@ class MoE(nn.Module):
         result = run_experts(dispatched, self.expert_weights, self.act, self.runners)
         return self.dispatcher.combine(result, dispatched)
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path,
+        layer: int,
+        parallel: ParallelConfig = ParallelConfig(),
+        runner: RunnerConfig = RunnerConfig(),
+        *,
+        tp_rank: int = 0,
+        device: torch.device | str | None = None,
+        weight_format: str | QuantSpec | None = None,
+        prefix: str | None = None,
+        **config_overrides,
+    ) -> MoE:
+        """MoE layer `layer` of a Hugging Face checkpoint directory (config.json and safetensors
+        shards), as rank `tp_rank` of `parallel` holds it: only its experts' tensors are read
+        (`moekit.pretrained`). The experts keep the checkpoint's format (the one its config
+        declares; `weight_format`: convert them to another); the routed experts only (shared
+        experts are left to the caller, as `moekit.hf_config` says), with the router's
+        correction bias. `prefix`: the block's name prefix, when it is not found from the
+        layer's expert tensors; `config_overrides`: MoEConfig fields (dtype='float16', ...)."""
+        from moekit.hf_config import load_hf_config
+        from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
+
+        hf = load_hf_config(model)
+        files = CheckpointFiles(Path(model).parent if Path(model).is_file() else model)
+        prefix = layer_prefix(files.names, layer) if prefix is None else prefix
+        moe = cls(replace(hf.config, **config_overrides), parallel, runner, tp_rank=tp_rank,
+                  device=device, weight_format=weight_format)  # fmt: skip
+        sd = layer_tensors(files, prefix, moe.local_experts.tolist(),
+                           shared=moe.config.num_shared_experts > 0)  # fmt: skip
+        moe.load_hf_state_dict(sd, prefix, quantization_config=hf.quantization)
+        return moe
+
     @torch.no_grad()
     def load_hf_state_dict(
         self,
@@ -331,7 +366,7 @@ class MoE(nn.Module):
         experts_prefix: str = "experts.",
         shared_prefix: str = "shared_experts.",
         correction_bias_key: str = "gate.e_score_correction_bias",
-        quantization_config: Mapping | None = None,
+        quantization_config: Mapping | CheckpointFormat | None = None,
     ) -> None:
         """Load this rank's experts from a Hugging Face style state dict (see moekit.loading).
 
@@ -339,11 +374,11 @@ class MoE(nn.Module):
         Quantized experts (fp8 / int8 / GPTQ / AWQ / nvfp4 / gpt-oss mxfp4 checkpoints) are held
         as stored, static fp8 `input_scale`s included; the layer takes on their format. A layer
         made with another weight format converts them (dequantize, then quantize).
-        `quantization_config`: the checkpoint's (config.json's), which says what the tensors
-        cannot (GPTQ v2 zero points, an fp8 activation scheme) and which the experts must match
-        (`moekit.quant.checkpoint`)."""
-        checkpoint = None
-        if quantization_config is not None:
+        `quantization_config`: the checkpoint's (config.json's, or its `checkpoint_format`),
+        which says what the tensors cannot (GPTQ v2 zero points, an fp8 activation scheme,
+        weight-only int8) and which the experts must match (`moekit.quant.checkpoint`)."""
+        checkpoint = quantization_config
+        if quantization_config is not None and not isinstance(checkpoint, CheckpointFormat):
             checkpoint = checkpoint_format(quantization_config)
         loaded = load_hf_experts(
             state_dict,

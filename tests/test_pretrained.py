@@ -1,0 +1,124 @@
+"""One MoE layer from a checkpoint directory (`MoE.from_pretrained`, `moekit.pretrained`):
+config.json and safetensors shards written here, the layer's block found by its expert tensors,
+only a rank's own experts read, and the layer equal to one loaded from the whole state dict."""
+
+import json
+
+import pytest
+import torch
+
+from moekit import MoE, ParallelConfig, RunnerConfig
+from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
+from tests.test_quant_checkpoint import CT_W4A16
+from tests.test_quant_loaders import ct_packed_checkpoint
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+E, K, H, I = 4, 2, 256, 128
+CONFIG = {
+    "model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 512,
+    "moe_intermediate_size": I, "n_routed_experts": E, "n_shared_experts": 1,
+    "num_experts_per_tok": K, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "num_hidden_layers": 2, "quantization_config": CT_W4A16,
+}  # fmt: skip
+PREFIX = "model.layers.1.mlp."
+
+
+def _checkpoint() -> dict[str, torch.Tensor]:
+    """Layer 0 dense, layer 1 MoE with int4 experts (groups of 32), a bf16 shared expert, the
+    router and its correction bias."""
+    torch.manual_seed(0)
+    sd = {f"model.layers.0.mlp.{n}.weight": torch.randn(512, H).bfloat16()
+          for n in ("gate_proj", "up_proj")}  # fmt: skip
+    sd["model.layers.0.mlp.down_proj.weight"] = torch.randn(H, 512).bfloat16()
+    for e in range(E):
+        for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            tensors, _ = ct_packed_checkpoint(torch.randn(shape) / 16, 4, 32)
+            sd.update({f"{PREFIX}experts.{e}.{n}{k}": t for k, t in tensors.items()})
+    for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        sd[f"{PREFIX}shared_experts.{n}.weight"] = torch.randn(shape).bfloat16()
+    sd[PREFIX + "gate.weight"] = torch.randn(E, H).bfloat16()
+    sd[PREFIX + "gate.e_score_correction_bias"] = torch.randn(E)
+    return sd
+
+
+def _write(directory, sd, shards=2):
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    names = sorted(sd)
+    if shards == 1:
+        safetensors_torch.save_file(sd, str(directory / "model.safetensors"))
+        return
+    weight_map = {}
+    for i in range(shards):
+        part = {n: sd[n].contiguous() for n in names[i::shards]}
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        safetensors_torch.save_file(part, str(directory / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2)])
+def test_layer_equals_the_whole_state_dicts(tmp_path, shards, tp, ep):
+    sd = _checkpoint()
+    _write(tmp_path, sd, shards)
+    parallel, run = ParallelConfig(tp_size=tp, ep_size=ep), RunnerConfig(moe_runner_backend="torch")
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    for rank in range(tp):
+        layer = MoE.from_pretrained(tmp_path, 1, parallel, run, tp_rank=rank, dtype="float32")
+        assert layer.quant_spec.name == "int4_w4a16" and layer.quant_spec.group_size == 32
+        ref = MoE(layer.config, parallel, run, tp_rank=rank)
+        ref.load_hf_state_dict(sd, PREFIX, quantization_config=CONFIG["quantization_config"])
+        a, b = layer.expert_weights, ref.expert_weights
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+        assert torch.equal(layer.correction_bias, sd[PREFIX + "gate.e_score_correction_bias"])
+        assert torch.equal(layer(x, logits), ref(x, logits))
+
+
+def test_a_rank_reads_only_its_experts(tmp_path, monkeypatch):
+    _write(tmp_path, _checkpoint(), 2)
+    read = []
+    original = CheckpointFiles.read
+    monkeypatch.setattr(CheckpointFiles, "read", lambda self, names: read.extend(names) or
+                        original(self, names))  # fmt: skip
+    MoE.from_pretrained(tmp_path / "config.json", 1, ParallelConfig(tp_size=2, ep_size=2),
+                        tp_rank=1, dtype="float32")  # fmt: skip
+    experts = {n.split(".")[5] for n in read if ".experts." in n}
+    assert experts == {"2", "3"}  # rank 1 of EP2 holds experts 2 and 3
+    assert not any("shared_experts" in n or "layers.0." in n for n in read)
+    assert PREFIX + "gate.e_score_correction_bias" in read
+
+
+def test_prefixes_and_errors(tmp_path):
+    names = ["model.layers.0.mlp.gate_proj.weight", "model.layers.3.mlp.experts.0.w.weight",
+             "model.layers.3.mlp.shared_experts.gate_proj.weight",
+             "language_model.model.layers.4.block_sparse_moe.experts.7.w1.weight",
+             "model.layers.5.mlp.experts.gate_up_proj_blocks"]  # fmt: skip
+    assert layer_prefix(names, 3) == "model.layers.3.mlp."
+    assert layer_prefix(names, 4) == "language_model.model.layers.4.block_sparse_moe."
+    assert layer_prefix(names, 5) == "model.layers.5.mlp."
+    with pytest.raises(ValueError, match="layer 0 has no expert tensors in the checkpoint; "
+                                         "layers with experts: 3, 3 to 5"):  # fmt: skip
+        layer_prefix(names, 0)
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor"):
+        CheckpointFiles(tmp_path)
+    _write(tmp_path, _checkpoint(), 2)
+    files = CheckpointFiles(tmp_path)
+    (tmp_path / files.file_of[PREFIX + "gate.weight"]).unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        layer_tensors(files, PREFIX, range(E))
+    with pytest.raises(ValueError, match="layer 0 has no expert tensors"):
+        MoE.from_pretrained(tmp_path, 0)
+
+
+@pytest.mark.gpu
+def test_from_pretrained_on_the_gpu_gpu(tmp_path):
+    """The layer read onto the GPU runs its int4 experts in `auto` as in the `torch` reference."""
+    _write(tmp_path, _checkpoint(), 2)
+    x, logits = torch.randn(9, H, device="cuda").bfloat16(), torch.randn(9, E, device="cuda")
+    outs = [MoE.from_pretrained(tmp_path, 1, runner=RunnerConfig(moe_runner_backend=b),
+                                device="cuda")(x, logits).float()
+            for b in ("auto", "torch")]  # fmt: skip
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 2e-2
