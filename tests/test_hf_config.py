@@ -40,6 +40,17 @@ HF_CONFIGS = {
         "hidden_act": "silu",
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     },
+    "kimi-k2": {  # Kimi-K2-Thinking: int4 experts in groups of 32
+        "model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "n_routed_experts": 384, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+        "hidden_act": "silu",
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                "config_groups": {"group_0": {"weights": {
+                                    "num_bits": 4, "type": "int", "strategy": "group",
+                                    "group_size": 32, "symmetric": True}}}},
+    },
     "gpt-oss-120b": {
         "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
         "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
@@ -51,6 +62,11 @@ HF_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
 def test_the_presets_own_configs_give_the_presets(name):
     assert from_hf_config(HF_CONFIGS[name]).config == PRESETS[name]
+
+
+def test_kimi_k2_declares_its_int4_experts():
+    spec = from_hf_config(HF_CONFIGS["kimi-k2"]).quantization.spec
+    assert (spec.name, spec.group_size, spec.symmetric) == ("int4_w4a16", 32, True)
 
 
 def test_notes_name_what_is_left_out():

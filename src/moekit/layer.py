@@ -340,10 +340,10 @@ class MoE(nn.Module):
         """MoE layer `layer` of a Hugging Face checkpoint directory (config.json and safetensors
         shards), as rank `tp_rank` of `parallel` holds it: only its experts' tensors are read
         (`moekit.pretrained`). The experts keep the checkpoint's format (the one its config
-        declares; `weight_format`: convert them to another); the routed experts only (shared
-        experts are left to the caller, as `moekit.hf_config` says), with the router's
-        correction bias. `prefix`: the block's name prefix, when it is not found from the
-        layer's expert tensors; `config_overrides`: MoEConfig fields (dtype='float16', ...)."""
+        declares; `weight_format`: convert them to another quantized format). The routed
+        experts only (shared experts are left to the caller, as `moekit.hf_config` says), with
+        the router's correction bias. `prefix`: the block's name prefix, when it is not found
+        from the layer's expert tensors; `config_overrides`: MoEConfig fields (dtype, ...)."""
         from moekit.hf_config import load_hf_config
         from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
 
@@ -371,9 +371,10 @@ class MoE(nn.Module):
         """Load this rank's experts from a Hugging Face style state dict (see moekit.loading).
 
         Unquantized experts are copied (and quantized when the layer has a weight format).
-        Quantized experts (fp8 / int8 / GPTQ / AWQ / nvfp4 / gpt-oss mxfp4 checkpoints) are held
-        as stored, static fp8 `input_scale`s included; the layer takes on their format. A layer
-        made with another weight format converts them (dequantize, then quantize).
+        Quantized experts (fp8 / int8 / GPTQ / AWQ / compressed-tensors / nvfp4 / gpt-oss mxfp4
+        checkpoints) are held as stored, static fp8 `input_scale`s included; the layer takes on
+        their format. A layer made with another weight format converts them (dequantize, then
+        quantize).
         `quantization_config`: the checkpoint's (config.json's, or its `checkpoint_format`),
         which says what the tensors cannot (GPTQ v2 zero points, an fp8 activation scheme,
         weight-only int8) and which the experts must match (`moekit.quant.checkpoint`)."""

@@ -11,10 +11,9 @@ layout.
 Quantized checkpoints load as they are stored, without requantizing: per-expert weights in the
 conventions of `moekit.quant.loaders.load_weight` (fp8 with `weight_scale_inv` / `weight_scale`
 and an optional static `input_scale`, int8, GPTQ, AWQ, compressed-tensors pack-quantized,
-nvfp4), gpt-oss's fused mxfp4
-`gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`, and fused fp8
-`gate_up_proj` / `down_proj` [E, N, K] with `_scale_inv` (or `_scale`) beside each. A
-tensor-parallel cut must fall on the format's scale groups.
+nvfp4), gpt-oss's fused mxfp4 `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` /
+`_scales`, and fused fp8 `gate_up_proj` / `down_proj` [E, N, K] with `_scale_inv` (or `_scale`)
+beside each. A tensor-parallel cut must fall on the format's scale groups.
 """
 
 from __future__ import annotations
