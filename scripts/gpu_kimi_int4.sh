@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Kimi-K2's int4 experts (compressed-tensors pack-quantized, groups of 32) on one GPU, in one
-# call: the quantized-loading GPU tests; `moekit bench` on a Kimi-K2 config.json that declares
+# call: the quantized-loading and checkpoint-directory GPU tests; `moekit bench` on a Kimi-K2 config.json that declares
 # the format (no --quantization) at EP8, on the untuned tables; the `w4a16` plan table and the
 # `triton` configs tuned for the shape; the bench again on the tuned tables, beside the bf16
 # layer of the same shape on its own tuned configs. Under $OUT: log.txt, untuned/ tuned/ bf16/ (bench JSON),
@@ -46,7 +46,7 @@ bench() {  # bench DIR ARGS...: the layer at EP8 on this GPU's tables (and $CFG'
     2>&1 | grep -v "INFO\|Warning"
 }
 if has tests; then
-  python3 -m pytest -q -m gpu tests/test_loading_quant.py 2>&1 | tail -3
+  python3 -m pytest -q -m gpu tests/test_loading_quant.py tests/test_pretrained.py 2>&1 | tail -3
 fi
 has untuned && bench untuned --model "$MODEL" --backends triton,w4a16,auto
 if has plans; then  # written into the package's tables, where the tuned bench finds them
