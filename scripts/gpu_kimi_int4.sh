@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Kimi-K2's int4 experts (compressed-tensors pack-quantized, groups of 32) on one GPU, in one
-# call: the quantized-loading and checkpoint-directory GPU tests; `moekit bench` on a Kimi-K2 config.json that declares
-# the format (no --quantization) at EP8, on the untuned tables; the `w4a16` plan table and the
-# `triton` configs tuned for the shape; the bench again on the tuned tables, beside the bf16
-# layer of the same shape on its own tuned configs. Under $OUT: log.txt, untuned/ tuned/ bf16/ (bench JSON),
-# w4a16.tgz (the plan table) and cfg.tgz (the triton tables).
+# call: the quantized-loading and checkpoint-directory GPU tests; `moekit bench` on a Kimi-K2
+# config.json that declares the format (no --quantization) at EP8, on the untuned tables; the
+# `w4a16` plan table and the `triton` configs tuned for the shape; the bench again on the tuned
+# tables, beside the bf16 layer of the same shape on its own tuned configs. Under $OUT: log.txt,
+# untuned/ tuned/ bf16/ (bench JSON), w4a16.tgz (the plan table) and cfg.tgz (the triton tables).
 #
 # Usage: OUT=... scripts/gpu_kimi_int4.sh   (BATCHES: batch sizes; STEPS: a subset of
 #   "tests untuned plans configs tuned bf16configs bf16"; BENCH_TIMEOUT_S / TUNE_TIMEOUT_S:
