@@ -28,8 +28,9 @@ TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k")
 INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 # Families whose router takes the top-k of sigmoid scores with a per-expert correction bias
-# (DeepSeek's "noaux_tc") whether or not the config says so.
-SIGMOID_BIASED = ("glm4_moe", "glm4v_moe")
+# (DeepSeek's "noaux_tc") whether or not the config says so: transformers' DeepseekV3Config has
+# no topk_method or scoring_func, so a config it writes (save_pretrained) names neither.
+SIGMOID_BIASED = ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4v_moe")
 # Families that renormalize the top-k weights without a `norm_topk_prob` key (a softmax over the
 # selected logits is the renormalized softmax).
 RENORMALIZED = ("mixtral", "gpt_oss")
