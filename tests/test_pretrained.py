@@ -125,41 +125,51 @@ def test_from_pretrained_on_the_gpu_gpu(tmp_path):
 
 
 def _tiny_config(family: str):
-    """A tiny transformers model config of a routing family: softmax top-k (Qwen3-MoE),
-    Mixtral's, DeepSeek-V3's sigmoid with groups and a correction bias (its config, as
-    transformers writes it, names neither scoring_func nor topk_method)."""
+    """A tiny transformers model config of a MoE family, MoE block in layer 1: softmax top-k
+    (Qwen3-MoE, Qwen2-MoE with a gated shared expert, OLMoE), Mixtral's, DeepSeek-V3's and
+    GLM-4.5's sigmoid with groups and a correction bias (DeepSeek-V3's config, as transformers
+    writes it, names neither scoring_func nor topk_method), gpt-oss's fused experts with biases
+    and a router bias."""
     t = pytest.importorskip("transformers")
     common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
-    return dict([
-        ("qwen3_moe", t.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
-                                       head_dim=16, num_experts=8, norm_topk_prob=True,
-                                       mlp_only_layers=[0])),
-        ("mixtral", t.MixtralConfig(**common, intermediate_size=32, num_local_experts=8)),
-        ("deepseek_v3", t.DeepseekV3Config(**{**common, "num_key_value_heads": 4},
-                                           intermediate_size=96, moe_intermediate_size=32,
-                                           n_routed_experts=8, n_group=2, topk_group=1,
-                                           n_shared_experts=1, first_k_dense_replace=1,
-                                           q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                                           qk_nope_head_dim=8, v_head_dim=16,
-                                           routed_scaling_factor=2.5)),
-    ])[family]  # fmt: skip
+                  num_key_value_heads=2, num_experts_per_tok=2)
+    grouped = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
+                   topk_group=1, n_shared_experts=1, first_k_dense_replace=1)
+    make = {
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**common, intermediate_size=96, head_dim=16,
+                                              moe_intermediate_size=32, num_experts=8,
+                                              norm_topk_prob=True, mlp_only_layers=[0]),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**common, intermediate_size=96,
+                                              moe_intermediate_size=32, num_experts=8,
+                                              shared_expert_intermediate_size=32),
+        "olmoe": lambda: t.OlmoeConfig(**common, intermediate_size=32, num_experts=8),
+        "mixtral": lambda: t.MixtralConfig(**common, intermediate_size=32, num_local_experts=8),
+        "deepseek_v3": lambda: t.DeepseekV3Config(**{**common, "num_key_value_heads": 4},
+                                                  **grouped, q_lora_rank=16, kv_lora_rank=16,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                  v_head_dim=16, routed_scaling_factor=2.5),
+        "glm4_moe": lambda: t.Glm4MoeConfig(**common, **grouped, head_dim=16),
+        "gpt_oss": lambda: t.GptOssConfig(**common, intermediate_size=32, num_local_experts=8,
+                                          head_dim=16, layer_types=["full_attention"] * 2),
+    }
+    return make[family]()  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3",
+                                    "glm4_moe", "gpt_oss"])  # fmt: skip
 def test_a_transformers_checkpoint_runs_like_its_own_block(tmp_path, family):
     """save_pretrained of a tiny transformers model, then layer 1 through MoE.from_pretrained
-    against the model's own MoE block (its routed experts: the shared expert subtracted) on the
-    logits of its own router."""
+    against the model's own MoE block (its routed experts: a shared expert's output taken
+    away) on the logits of its own router."""
     config = _tiny_config(family)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     block = model.model.layers[1].mlp
-    gate = block.gate
-    if hasattr(gate, "e_score_correction_bias"):
-        gate.e_score_correction_bias.normal_()  # the grouped choice must follow it
+    router = getattr(block, "gate", None) or block.router
+    if hasattr(router, "e_score_correction_bias"):
+        router.e_score_correction_bias.normal_()  # the grouped choice must follow it
     model.save_pretrained(tmp_path)
     layer = MoE.from_pretrained(tmp_path, 1, runner=RunnerConfig(moe_runner_backend="torch"),
                                 dtype="float32")  # fmt: skip
@@ -167,7 +177,10 @@ def test_a_transformers_checkpoint_runs_like_its_own_block(tmp_path, family):
     with torch.no_grad():
         want = block(x)
         want = want[0] if isinstance(want, tuple) else want
-        if hasattr(block, "shared_experts"):
-            want = want - block.shared_experts(x)
-        got = layer(x[0], x[0] @ gate.weight.T)
+        shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
+        if shared is not None:
+            gate = getattr(block, "shared_expert_gate", None)
+            want = want - shared(x) * (1 if gate is None else torch.sigmoid(gate(x)))
+        logits = torch.nn.functional.linear(x[0], router.weight, getattr(router, "bias", None))
+        got = layer(x[0], logits)
     torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-6)
