@@ -36,7 +36,7 @@ from moekit.quant import (
     make_spec,
     quantize_experts,
 )
-from moekit.quant.calibrate import standard_normal_scales
+from moekit.quant.calibrate import random_experts_scales, standard_normal_scales
 from moekit.quant.checkpoint import CheckpointFormat, checkpoint_format
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner, RunnerError, input_problem
@@ -196,9 +196,7 @@ class MoE(nn.Module):
             )
         self.reset_parameters()
         if spec is not None:
-            scales = {}
-            if spec.act_scheme == "static_tensor":  # random experts: scales for N(0, 1) inputs
-                scales = standard_normal_scales(self.expert_weights, self.act)
+            scales = random_experts_scales(self.expert_weights, spec, self.act)
             self.quantize_weights_(spec, **scales)
             self._standard_normal_scales = bool(scales)
         if parallel.enable_eplb:

@@ -270,8 +270,7 @@ def load_hf_experts(
     fused_all = _fused(state_dict, prefix, config, options) if fused else None
     names = next(
         (n for n in _PER_EXPERT_NAMES
-         if any(f"{prefix}0.{n[0]}.{s}" in state_dict
-                for s in ("weight", "qweight", "weight_packed"))),
+         if any(f"{prefix}0.{n[0]}{s}" in state_dict for s in loaders.STORED_WEIGHT_SUFFIXES)),
         _PER_EXPERT_NAMES[0],
     )  # fmt: skip
     n = I // moe_tp_size

@@ -870,7 +870,7 @@ def tune(
     'unquantized': bf16 weights); its tables are keyed by the format (`_tables.quant_tag`)."""
     from moekit.bench import measure_ceilings
     from moekit.quant import make_spec, quantize_experts
-    from moekit.quant.calibrate import standard_normal_scales
+    from moekit.quant.calibrate import random_experts_scales
 
     spec = make_spec(quantization)
     device = torch.device(device)
@@ -892,10 +892,7 @@ def tune(
     ceilings = ceilings or measure_ceilings(device, dt)
     w = random_weights(shape, device)
     if spec is not None:
-        scales = {}
-        if spec.act_scheme == "static_tensor":
-            scales = standard_normal_scales(w, shape.act)
-        w = quantize_experts(w, spec, **scales)
+        w = quantize_experts(w, spec, **random_experts_scales(w, spec, shape.act))
     tables = {g: _existing(p) for g, p in paths.items()}
     tcfg.clear_cache()  # the incumbents: what the runner ran before anything is written
     incumbents = {T: _runner_configs(shape, w, T, device) for T in todo}

@@ -104,6 +104,12 @@ def calibrate_static_scales(
     return a13, a2
 
 
+def random_experts_scales(weights: ExpertWeights, spec, act: ActivationSpec) -> dict:
+    """The static activation scales that randomly drawn experts of `spec` take when quantized:
+    `standard_normal_scales` where the spec's activations are static, else none ({})."""
+    return standard_normal_scales(weights, act) if spec.act_scheme == "static_tensor" else {}
+
+
 def standard_normal_scales(weights: ExpertWeights, act: ActivationSpec,
                            num_tokens: int = 256) -> dict[str, torch.Tensor]:  # fmt: skip
     """{'a13_scale', 'a2_scale'} [E] calibrated on x ~ N(0, 1) (seed 0, `num_tokens` tokens,

@@ -51,6 +51,9 @@ from moekit.quant.spec import (
     Int8W8A16,
 )
 
+# The keys under a weight's name that hold it: plain / fp8 / int8 / nvfp4, GPTQ / AWQ, and
+# compressed-tensors pack-quantized
+STORED_WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
 
 
@@ -411,10 +414,9 @@ def load_weight(
     activation scales, one without takes `fp8_activation_scheme` (None: its scale's usual
     partner); int8 `.weight` is int8_w8a8 unless `int8_weight_only` (packed int8 is
     weight-only unless it is False)."""
-    weight = sd.get(name + ".weight")
-    packed = sd.get(name + ".weight_packed")
-    if weight is None and packed is None and name + ".qweight" not in sd:
+    if not any(name + s in sd for s in STORED_WEIGHT_SUFFIXES):
         return None
+    weight, packed = sd.get(name + ".weight"), sd.get(name + ".weight_packed")
     if weight is not None and weight.is_floating_point() and weight.dtype != FP8_DTYPE:
         return None
 
@@ -453,6 +455,7 @@ def load_weight(
 
 __all__ = [
     "AWQ_ORDER",
+    "STORED_WEIGHT_SUFFIXES",
     "cat_rows",
     "load_awq",
     "load_fp8",
