@@ -81,8 +81,8 @@ def test_a_rank_reads_only_its_experts(tmp_path, monkeypatch):
     _write(tmp_path, _checkpoint(), 2)
     read = []
     original = CheckpointFiles.read
-    monkeypatch.setattr(CheckpointFiles, "read", lambda self, names: read.extend(names) or
-                        original(self, names))  # fmt: skip
+    monkeypatch.setattr(CheckpointFiles, "read", lambda self, names, *rows: read.extend(names) or
+                        original(self, names, *rows))  # fmt: skip
     MoE.from_pretrained(tmp_path / "config.json", 1, ParallelConfig(tp_size=2, ep_size=2),
                         tp_rank=1, dtype="float32")  # fmt: skip
     experts = {n.split(".")[5] for n in read if ".experts." in n}
@@ -108,9 +108,74 @@ def test_prefixes_and_errors(tmp_path):
     files = CheckpointFiles(tmp_path)
     (tmp_path / files.file_of[PREFIX + "gate.weight"]).unlink()
     with pytest.raises(FileNotFoundError, match="missing"):
-        layer_tensors(files, PREFIX, range(E))
+        layer_tensors(files, PREFIX, range(E), E)
     with pytest.raises(ValueError, match="layer 0 has no expert tensors"):
         MoE.from_pretrained(tmp_path, 0)
+
+
+def test_from_pretrained_draws_no_random_experts(tmp_path, monkeypatch):
+    """The layer is made without experts (no random draw, no memory for them) and the load fills
+    them: monkeypatched, drawing would fail."""
+    _write(tmp_path, _checkpoint(), 1)
+    monkeypatch.setattr(MoE, "reset_parameters", lambda self: pytest.fail("drew random experts"))
+    layer = MoE.from_pretrained(tmp_path, 1, dtype="float32")
+    assert not layer.w13.is_meta and layer.quant_spec.name == "int4_w4a16"
+
+
+@pytest.mark.parametrize("weight_format", [None, "int8_w8a16"])
+def test_a_layer_made_without_experts_refuses_to_run_until_loaded(weight_format):
+    """init_weights=False: meta experts, a clear error before a load, then the same layer as one
+    drawn at random and loaded (unquantized, or quantized to the layer's format on the load)."""
+    from moekit import MoEConfig
+
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                       dtype="float32")  # fmt: skip
+    empty = MoE(config, weight_format=weight_format, init_weights=False)
+    assert empty.w13.is_meta and empty.w2.is_meta
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    with pytest.raises(RuntimeError, match="experts are not loaded: .*init_weights=False"):
+        empty(x, logits)
+    sd = {f"experts.{e}.{n}.weight": torch.randn(shape) / 16 for e in range(E)
+          for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+    drawn = MoE(config, weight_format=weight_format)
+    for layer in (empty, drawn):
+        layer.load_hf_state_dict(sd)
+    assert not empty.w13.is_meta and empty.quant_spec == drawn.quant_spec
+    assert torch.equal(empty(x, logits), drawn(x, logits))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_an_ep_rank_reads_only_its_rows_of_fused_experts(tmp_path, monkeypatch, family):
+    """Of fused expert tensors ([E, ...], gpt-oss) an EP rank reads only its experts' rows, as
+    of per-expert ones (Mixtral) only its experts; its layer holds the whole layer's experts of
+    its slots."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_tiny_config(family)).save_pretrained(tmp_path)
+    run = RunnerConfig(moe_runner_backend="torch")
+    whole = MoE.from_pretrained(tmp_path, 1, runner=run, dtype="float32")
+    shapes = {}
+    original = CheckpointFiles.read
+    monkeypatch.setattr(CheckpointFiles, "read", lambda self, *args: shapes.update(
+        {n: t.shape for n, t in original(self, *args).items()}) or original(self, *args))
+    for rank, held in ((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])):  # 8 experts over EP2
+        shapes.clear()
+        layer = MoE.from_pretrained(tmp_path, 1, ParallelConfig(tp_size=2, ep_size=2), run,
+                                    tp_rank=rank, dtype="float32")  # fmt: skip
+        assert layer.local_experts.tolist() == held
+        experts = {n.split(".experts.")[1]: shape for n, shape in shapes.items()
+                   if ".experts." in n}  # fmt: skip
+        if family == "gpt_oss":  # fused: 4 rows of 8 of each tensor
+            assert sorted(experts) == ["down_proj", "down_proj_bias", "gate_up_proj",
+                                       "gate_up_proj_bias"]  # fmt: skip
+            assert {shape[0] for shape in experts.values()} == {4}, experts
+        else:
+            assert {int(n.split(".")[0]) for n in experts} == set(held)
+        for name in ("w13", "w2", "b13", "b2"):
+            got, want = getattr(layer, name), getattr(whole, name)
+            if want is not None:
+                assert torch.equal(got, want[held]), name
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import logging
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -122,6 +122,8 @@ class MoE(nn.Module):
     moekit.experts.QUANT_TENSORS); they are drawn unquantized and quantized (static fp8
     activation scales calibrated for N(0, 1) inputs). `quantize_weights_` quantizes an
     unquantized layer in place; `load_hf_state_dict` loads quantized checkpoints.
+    `init_weights=False` draws no experts: they take no memory (meta tensors) until
+    `load_hf_state_dict` fills them, and the layer refuses to run before (`from_pretrained`).
 
     Expert load (EPLB, `moekit.eplb`): `record_expert_load()` makes forward count the routed
     pairs per logical expert on the device (`expert_load`); `moekit.eplb.rebalance_` moves the
@@ -141,6 +143,7 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         state: ParallelState | None = None,
         weight_format: str | QuantSpec | None = None,
+        init_weights: bool = True,
     ) -> None:
         super().__init__()
         if weight_format is not None:
@@ -183,8 +186,11 @@ class MoE(nn.Module):
         E, H = self.placement.slots_per_rank, config.hidden_size
         I = config.intermediate_size // parallel.moe_tp_size
         kw = dict(device=device, dtype=config.torch_dtype)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
+        # where a load puts the experts of a layer made without them (init_weights=False)
+        self._load_device = torch.empty(0, device=device).device
+        experts_kw = kw if init_weights else dict(kw, device="meta")
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **experts_kw), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I, **experts_kw), requires_grad=False)
         self.b13 = self.b2 = self.correction_bias = None
         if config.has_bias:
             self.b13 = nn.Parameter(torch.empty(E, 2 * I, **kw), requires_grad=False)
@@ -194,11 +200,17 @@ class MoE(nn.Module):
                 torch.zeros(config.num_experts, device=device, dtype=torch.float32),
                 requires_grad=False,
             )
-        self.reset_parameters()
-        if spec is not None:
-            scales = random_experts_scales(self.expert_weights, spec, self.act)
-            self.quantize_weights_(spec, **scales)
-            self._standard_normal_scales = bool(scales)
+        if not init_weights:  # the spec is the format a load converts to (_hold_loaded)
+            self.quant_spec = spec
+            for name in QUANT_TENSORS if spec is not None else ():
+                self.register_buffer(name, None)
+            self._standard_normal_scales = spec is not None and spec.act_scheme == "static_tensor"
+        else:
+            self.reset_parameters()
+            if spec is not None:
+                scales = random_experts_scales(self.expert_weights, spec, self.act)
+                self.quantize_weights_(spec, **scales)
+                self._standard_normal_scales = bool(scales)
         if parallel.enable_eplb:
             self.record_expert_load()
 
@@ -232,6 +244,9 @@ class MoE(nn.Module):
 
     @property
     def expert_weights(self) -> ExpertWeights:
+        if self.w13.is_meta:
+            raise RuntimeError("the layer's experts are not loaded: it was made with "
+                               "init_weights=False; load_hf_state_dict fills them")  # fmt: skip
         if self.quant_spec is None:
             return ExpertWeights(self.w13, self.w2, self.b13, self.b2)
         scales = {name: getattr(self, name) for name in QUANT_TENSORS}
@@ -283,6 +298,11 @@ class MoE(nn.Module):
         self.config = replace(self.config, weight_format=q.spec.name)
 
     @property
+    def _device(self) -> torch.device:
+        """Where the experts are, or go when a load fills them (init_weights=False)."""
+        return self._load_device if self.w13.is_meta else self.w13.device
+
+    @property
     def local_experts(self) -> torch.Tensor:
         """Logical expert id of each local slot [E_local]."""
         return self.placement.local_experts(self.ep_rank)
@@ -310,7 +330,7 @@ class MoE(nn.Module):
         if not enabled:
             self.expert_load = None
         elif self.expert_load is None:
-            self.expert_load = ExpertLoadRecorder(self.config.total_experts, self.w13.device)
+            self.expert_load = ExpertLoadRecorder(self.config.total_experts, self._device)
         return self.expert_load
 
     def forward_topk(self, x_TH: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
@@ -349,10 +369,11 @@ class MoE(nn.Module):
         files = CheckpointFiles(Path(model).parent if Path(model).is_file() else model)
         prefix = layer_prefix(files.names, layer) if prefix is None else prefix
         moe = cls(replace(hf.config, **config_overrides), parallel, runner, tp_rank=tp_rank,
-                  device=device, weight_format=weight_format)  # fmt: skip
-        sd = layer_tensors(files, prefix, moe.local_experts.tolist(),
-                           shared=moe.config.num_shared_experts > 0)  # fmt: skip
-        moe.load_hf_state_dict(sd, prefix, quantization_config=hf.quantization)
+                  device=device, weight_format=weight_format, init_weights=False)  # fmt: skip
+        sd, rows = layer_tensors(files, prefix, moe.local_experts.tolist(), moe.config.num_experts,
+                                 shared=moe.config.num_shared_experts > 0)  # fmt: skip
+        moe.load_hf_state_dict(sd, prefix, quantization_config=hf.quantization,
+                               fused_experts=rows)  # fmt: skip
         return moe
 
     @torch.no_grad()
@@ -365,6 +386,7 @@ class MoE(nn.Module):
         shared_prefix: str = "shared_experts.",
         correction_bias_key: str = "gate.e_score_correction_bias",
         quantization_config: Mapping | CheckpointFormat | None = None,
+        fused_experts: Sequence[int] | None = None,
     ) -> None:
         """Load this rank's experts from a Hugging Face style state dict (see moekit.loading).
 
@@ -375,7 +397,9 @@ class MoE(nn.Module):
         quantize).
         `quantization_config`: the checkpoint's (config.json's, or its `checkpoint_format`),
         which says what the tensors cannot (GPTQ v2 zero points, an fp8 activation scheme,
-        weight-only int8) and which the experts must match (`moekit.quant.checkpoint`)."""
+        weight-only int8) and which the experts must match (`moekit.quant.checkpoint`).
+        `fused_experts`: the logical experts whose rows fused expert tensors ([E, ...]) hold, in
+        order, when they hold only some (moekit.pretrained reads a rank's rows); default all."""
         checkpoint = quantization_config
         if quantization_config is not None and not isinstance(checkpoint, CheckpointFormat):
             checkpoint = checkpoint_format(quantization_config)
@@ -388,19 +412,9 @@ class MoE(nn.Module):
             moe_tp_size=self.parallel.moe_tp_size,
             moe_tp_rank=self.moe_tp_rank,
             checkpoint=checkpoint,
+            fused_experts=fused_experts,
         )
-        device = self.w13.device
-        if loaded.spec is not None:
-            self._hold_loaded(loaded.quantized())
-        elif self.quant_spec is None:
-            self.w13.copy_(loaded.w13)
-            self.w2.copy_(loaded.w2)
-        else:
-            self._requantize(loaded.w13.to(device), loaded.w2.to(device))
-        if self._standard_normal_scales:
-            log_once(logging.WARNING, "static fp8 activation scales of loaded experts calibrated "
-                     "for N(0, 1) inputs: none were given; calibrate them on real activations "
-                     "(moekit.quant.calibrate_static_scales) and pass them to quantize_weights_")
+        # the biases first: static activation scales calibrated here depend on them
         for name in ("b13", "b2"):
             param, value = getattr(self, name), getattr(loaded, name)
             if (param is None) != (value is None):
@@ -410,6 +424,18 @@ class MoE(nn.Module):
                 )
             if param is not None:
                 param.copy_(value)
+        device = self._device
+        if loaded.spec is not None:
+            self._hold_loaded(loaded.quantized())
+        elif self.quant_spec is None:
+            for name in ("w13", "w2"):
+                self._copy_in(name, getattr(loaded, name))
+        else:
+            self._requantize(loaded.w13.to(device), loaded.w2.to(device))
+        if self._standard_normal_scales:
+            log_once(logging.WARNING, "static fp8 activation scales of loaded experts calibrated "
+                     "for N(0, 1) inputs: none were given; calibrate them on real activations "
+                     "(moekit.quant.calibrate_static_scales) and pass them to quantize_weights_")
         if self.correction_bias is not None:
             key = prefix + correction_bias_key
             if key not in state_dict:
@@ -417,10 +443,23 @@ class MoE(nn.Module):
             self.correction_bias.copy_(state_dict[key])
         self.runners.refresh(self.expert_weights, self.act)
 
+    def _copy_in(self, name: str, value: torch.Tensor) -> None:
+        """Copy unquantized `value` into expert parameter `name` (w13 / w2), or make it there
+        when the layer has none yet (init_weights=False)."""
+        param = getattr(self, name)
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: the layer holds {list(param.shape)}, the load gives "
+                             f"{list(value.shape)}")  # fmt: skip
+        if param.is_meta:
+            value = value.to(device=self._load_device, dtype=param.dtype, copy=True)
+            setattr(self, name, nn.Parameter(value, requires_grad=False))
+        else:
+            param.copy_(value)
+
     def _hold_loaded(self, q: ExpertWeights) -> None:
         """Hold quantized experts read from a checkpoint (on this layer's device): in their own
         format, or converted to the layer's when it has another."""
-        device = self.w13.device
+        device = self._device
         names = [n for n in ("w13", "w2", *QUANT_TENSORS) if getattr(q, n) is not None]
         q = replace(q, **{n: getattr(q, n).to(device) for n in names})
         held, spec = self.quant_spec, q.spec

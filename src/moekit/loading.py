@@ -207,9 +207,10 @@ def _fused_fp8(sd, key: str, options: dict) -> Weight:
     return loaders.load_fp8(sd[key], scale, activation_scheme=options.get("fp8_activation_scheme"))
 
 
-def _fused(sd, prefix: str, config: MoEConfig, options: dict):
+def _fused(sd, prefix: str, config: MoEConfig, options: dict, E: int):
+    """The fused expert tensors under `prefix`, of `E` experts: gate_up [E, 2I, H], down
+    [E, H, I] (quantized where stored so) and their biases [E, 2I] / [E, H] or None."""
     H, I = config.hidden_size, config.intermediate_size
-    E = config.num_experts
     if prefix + "gate_up_proj_blocks" in sd:
         gate_up, down = _fused_mxfp4(sd, prefix)
     elif sd[prefix + "gate_up_proj"].dtype == FP8_DTYPE:
@@ -253,6 +254,7 @@ def load_hf_experts(
     moe_tp_size: int = 1,
     moe_tp_rank: int = 0,
     checkpoint: CheckpointFormat | None = None,
+    fused_experts: Sequence[int] | None = None,
 ) -> LoadedExperts:
     """Gather the experts `experts` (logical ids, one per local slot) from `state_dict`.
 
@@ -261,16 +263,22 @@ def load_hf_experts(
     outputs are summed). Quantized experts stay quantized (module docstring). `checkpoint`: the
     format the checkpoint's config declares (`moekit.quant.checkpoint`); what it says the tensors
     cannot (GPTQ zero offset, fp8 activation scheme, weight-only int8) is read, and the experts
-    must load in its format."""
+    must load in its format. `fused_experts`: the logical experts whose rows fused expert tensors
+    hold, in order, when they hold only some (a rank's rows read from a checkpoint); default all."""
     I, H = config.intermediate_size, config.hidden_size
     if I % moe_tp_size:
         raise ValueError(f"intermediate size {I} is not divisible by moe_tp_size {moe_tp_size}")
     fused = any(prefix + k in state_dict for k in ("gate_up_proj", "gate_up_proj_blocks"))
     options = {} if checkpoint is None else checkpoint.load_options()
-    fused_all = _fused(state_dict, prefix, config, options) if fused else None
+    rows = range(config.num_experts) if fused_experts is None else fused_experts
+    row_of = {e: i for i, e in enumerate(rows)}
+    fused_all = _fused(state_dict, prefix, config, options, len(rows)) if fused else None
+    # the per-expert naming, read off one expert this rank holds (an EP rank may lack expert 0)
+    probe = next((e for e in experts if e < config.num_experts), 0)
     names = next(
         (n for n in _PER_EXPERT_NAMES
-         if any(f"{prefix}0.{n[0]}{s}" in state_dict for s in loaders.STORED_WEIGHT_SUFFIXES)),
+         if any(f"{prefix}{probe}.{n[0]}{s}" in state_dict
+                for s in loaders.STORED_WEIGHT_SUFFIXES)),
         _PER_EXPERT_NAMES[0],
     )  # fmt: skip
     n = I // moe_tp_size
@@ -281,7 +289,11 @@ def load_hf_experts(
                                                 config.num_shared_experts, I, H,
                                                 options)  # fmt: skip
         elif fused_all is not None:
-            (w13, w2, b13, b2), a13, a2 = (t if t is None else t[e] for t in fused_all), None, None
+            if e not in row_of:
+                raise ValueError(f"expert {e} is not among fused_experts, the "
+                                 f"{len(rows)} experts the fused tensors hold")  # fmt: skip
+            row = row_of[e]
+            (w13, w2, b13, b2), a13, a2 = (t if t is None else t[row] for t in fused_all), None, None
         else:
             w13, w2, b13, b2, a13, a2 = _per_expert(state_dict, prefix, e, names, H, I, options)
         if b2 is not None and moe_tp_rank != 0:

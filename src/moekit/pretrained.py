@@ -5,7 +5,8 @@ shards listed by `model.safetensors.index.json`. `CheckpointFiles` opens them by
 reads only what is asked for, so a rank of a 1 TB model reads its own experts of one layer.
 `layer_prefix` finds where a layer's MoE block lives among the names ('model.layers.3.mlp.',
 'model.layers.3.block_sparse_moe.', 'language_model.model.layers.3.mlp.', ...), and
-`layer_tensors` reads the block's tensors that a rank holding some experts needs.
+`layer_tensors` reads the block's tensors that a rank holding some experts needs: of fused expert
+tensors ([E, ...]: gpt-oss, Llama 4), only those experts' rows.
 `MoE.from_pretrained` puts them together. Needs the `safetensors` package (moekit[hf]).
 """
 
@@ -14,13 +15,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Collection, Mapping
+from typing import Collection, Sequence
 
 import torch
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _EXPERT = re.compile(r"experts\.(\d+)\.")
+_FUSED = re.compile(r"experts\.\D")  # experts.gate_up_proj, experts.down_proj_blocks, ...
 
 
 class CheckpointFiles:
@@ -45,8 +47,10 @@ class CheckpointFiles:
     def names(self) -> list[str]:
         return sorted(self.file_of)
 
-    def read(self, names: Collection[str]) -> dict[str, torch.Tensor]:
-        """{name: tensor} (on the CPU) of `names`, each shard opened once."""
+    def read(self, names: Collection[str], rows: Sequence[int] = (),
+             rows_of: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+        """{name: tensor} (on the CPU) of `names`, each shard opened once. Of a tensor whose
+        first dimension is `rows_of` long, only `rows` (ascending) are read, in that order."""
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.file_of[name], []).append(name)
@@ -56,8 +60,24 @@ class CheckpointFiles:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {INDEX} for {wanted[0]!r} but missing")
             handle = _open(path)
-            out.update({name: handle.get_tensor(name) for name in wanted})
+            for name in wanted:
+                part = handle.get_slice(name)
+                shape = part.get_shape()
+                whole = not rows_of or not shape or shape[0] != rows_of
+                out[name] = handle.get_tensor(name) if whole else _read_rows(part, rows)
         return out
+
+
+def _read_rows(part, rows: Sequence[int]) -> torch.Tensor:
+    """Rows `rows` (ascending) of a safetensors slice, one read per run of consecutive rows."""
+    runs: list[list[int]] = []  # [start, stop)
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, row + 1])
+    pieces = [part[start:stop] for start, stop in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _open(path: Path):
@@ -92,12 +112,15 @@ def layer_prefix(names: Collection[str], layer: int) -> str:
 
 
 def layer_tensors(files: CheckpointFiles, prefix: str, experts: Collection[int],
-                  shared: bool = False) -> Mapping[str, torch.Tensor]:  # fmt: skip
-    """The tensors under `prefix` that a rank holding the logical `experts` reads: theirs in the
-    per-expert layout (`experts.{e}.*`), the fused expert tensors, and the block's other tensors
-    (the router's correction bias, ...); the shared experts' only when `shared`."""
+                  num_experts: int, shared: bool = False,
+                  ) -> tuple[dict[str, torch.Tensor], list[int]]:  # fmt: skip
+    """The tensors under `prefix` that a rank holding the logical `experts` (of `num_experts`
+    routed ones; ids past them are shared experts) reads, and the experts whose rows the fused
+    tensors hold (ascending). Read: the experts' own in the per-expert layout (`experts.{e}.*`),
+    their rows of the fused expert tensors, the block's other tensors (the router's correction
+    bias, ...), and the shared experts' only when `shared`."""
     local = set(experts)
-    wanted = []
+    per_expert, fused = [], []
     for name in files.names:
         if not name.startswith(prefix):
             continue
@@ -106,5 +129,6 @@ def layer_tensors(files: CheckpointFiles, prefix: str, experts: Collection[int],
         other_expert = m is not None and int(m.group(1)) not in local
         if other_expert or (rest.startswith("shared_expert") and not shared):
             continue
-        wanted.append(name)
-    return files.read(wanted)
+        (fused if _FUSED.match(rest) else per_expert).append(name)
+    rows = sorted(e for e in local if e < num_experts)
+    return {**files.read(per_expert), **files.read(fused, rows, num_experts)}, rows
