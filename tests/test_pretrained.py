@@ -122,6 +122,25 @@ def test_from_pretrained_draws_no_random_experts(tmp_path, monkeypatch):
     assert not layer.w13.is_meta and layer.quant_spec.name == "int4_w4a16"
 
 
+def test_from_pretrained_dequantizes_when_asked_for_unquantized_experts(tmp_path):
+    """weight_format='unquantized' of an int4 checkpoint: the experts as the int4 layer's
+    dequantized twin, held as parameters in the layer's dtype, the scales gone."""
+    _write(tmp_path, _checkpoint(), 1)
+    run = RunnerConfig(moe_runner_backend="torch")
+    int4 = MoE.from_pretrained(tmp_path, 1, runner=run, dtype="float32")
+    plain = MoE.from_pretrained(tmp_path, 1, runner=run, dtype="float32",
+                                weight_format="unquantized")  # fmt: skip
+    assert plain.quant_spec is None and plain.config.weight_format == "unquantized"
+    assert isinstance(plain.w13, torch.nn.Parameter) and plain.w13.dtype == torch.float32
+    assert not any(n.endswith("_scale") for n, _ in plain.named_buffers())
+    want = int4.expert_weights.dequantized(torch.float32)
+    assert torch.equal(plain.w13, want.w13) and torch.equal(plain.w2, want.w2)
+    x, logits = torch.randn(6, H), torch.randn(6, E)
+    torch.testing.assert_close(plain(x, logits), int4(x, logits), rtol=1e-5, atol=1e-6)
+    int4.dequantize_weights_()  # in place, the same
+    assert torch.equal(int4.w13, plain.w13) and int4.quant_spec is None
+
+
 @pytest.mark.parametrize("weight_format", [None, "int8_w8a16"])
 def test_a_layer_made_without_experts_refuses_to_run_until_loaded(weight_format):
     """init_weights=False: meta experts, a clear error before a load, then the same layer as one

@@ -277,6 +277,23 @@ class MoE(nn.Module):
         )
         self._standard_normal_scales = False
 
+    @torch.no_grad()
+    def dequantize_weights_(self) -> None:
+        """Dequantize this layer's quantized experts in place to the layer's dtype (the inverse
+        of quantize_weights_): w13 [E, 2I, H] / w2 [E, H, I] become parameters again and the
+        scale buffers go. An unquantized layer is left as it is."""
+        if self.quant_spec is None:
+            return
+        w = self.expert_weights.dequantized(self.config.torch_dtype)
+        for name in ("w13", "w2", *QUANT_TENSORS):
+            delattr(self, name)
+        self.w13 = nn.Parameter(w.w13, requires_grad=False)
+        self.w2 = nn.Parameter(w.w2, requires_grad=False)
+        self.quant_spec = None
+        self.config = replace(self.config, weight_format="unquantized")
+        self._standard_normal_scales = False
+        self.runners.refresh(self.expert_weights, self.act)
+
     def _requantize(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Quantize unquantized w13 / w2 with this layer's spec (and its static activation
         scales; those calibrated for N(0, 1) inputs are calibrated anew for these weights) and
@@ -358,7 +375,8 @@ class MoE(nn.Module):
         """MoE layer `layer` of a Hugging Face checkpoint directory (config.json and safetensors
         shards), as rank `tp_rank` of `parallel` holds it: only its experts' tensors are read
         (`moekit.pretrained`). The experts keep the checkpoint's format (the one its config
-        declares; `weight_format`: convert them to another quantized format). The routed
+        declares; `weight_format`: convert them to another quantized format, or 'unquantized':
+        dequantize them to the layer's dtype). The routed
         experts only (shared experts are left to the caller, as `moekit.hf_config` says), with
         the router's correction bias. `prefix`: the block's name prefix, when it is not found
         from the layer's expert tensors; `config_overrides`: MoEConfig fields (dtype, ...)."""
@@ -374,6 +392,8 @@ class MoE(nn.Module):
                                  shared=moe.config.num_shared_experts > 0)  # fmt: skip
         moe.load_hf_state_dict(sd, prefix, quantization_config=hf.quantization,
                                fused_experts=rows)  # fmt: skip
+        if weight_format is not None and make_spec(weight_format) is None:
+            moe.dequantize_weights_()  # asked for unquantized experts of a quantized checkpoint
         return moe
 
     @torch.no_grad()
