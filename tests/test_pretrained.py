@@ -167,8 +167,10 @@ def test_a_layer_made_without_experts_refuses_to_run_until_loaded(weight_format)
 def test_an_ep_rank_reads_only_its_rows_of_fused_experts(tmp_path, monkeypatch, family):
     """Of fused expert tensors ([E, ...], gpt-oss) an EP rank reads only its experts' rows, as
     of per-expert ones (Mixtral) only its experts; its layer holds the whole layer's experts of
-    its slots."""
+    its slots, under an EPLB placement too (redundant slots, out of order)."""
     from transformers import AutoModelForCausalLM
+
+    from moekit.placement import ExpertPlacement
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(_tiny_config(family)).save_pretrained(tmp_path)
@@ -178,23 +180,52 @@ def test_an_ep_rank_reads_only_its_rows_of_fused_experts(tmp_path, monkeypatch, 
     original = CheckpointFiles.read
     monkeypatch.setattr(CheckpointFiles, "read", lambda self, *args: shapes.update(
         {n: t.shape for n, t in original(self, *args).items()}) or original(self, *args))
-    for rank, held in ((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])):  # 8 experts over EP2
-        shapes.clear()
-        layer = MoE.from_pretrained(tmp_path, 1, ParallelConfig(tp_size=2, ep_size=2), run,
-                                    tp_rank=rank, dtype="float32")  # fmt: skip
-        assert layer.local_experts.tolist() == held
-        experts = {n.split(".experts.")[1]: shape for n, shape in shapes.items()
-                   if ".experts." in n}  # fmt: skip
-        if family == "gpt_oss":  # fused: 4 rows of 8 of each tensor
-            assert sorted(experts) == ["down_proj", "down_proj_bias", "gate_up_proj",
-                                       "gate_up_proj_bias"]  # fmt: skip
-            assert {shape[0] for shape in experts.values()} == {4}, experts
-        else:
-            assert {int(n.split(".")[0]) for n in experts} == set(held)
-        for name in ("w13", "w2", "b13", "b2"):
-            got, want = getattr(layer, name), getattr(whole, name)
-            if want is not None:
-                assert torch.equal(got, want[held]), name
+    balanced = ExpertPlacement(torch.tensor([5, 1, 0, 6, 5, 2, 7, 3, 4, 1]), ep_size=2)
+    layouts = [  # (parallel, placement, experts of rank 0's and rank 1's slots): 8 experts
+        (ParallelConfig(tp_size=2, ep_size=2), None, ([0, 1, 2, 3], [4, 5, 6, 7])),
+        (ParallelConfig(tp_size=2, ep_size=2, ep_num_redundant_experts=2), balanced,
+         ([5, 1, 0, 6, 5], [2, 7, 3, 4, 1])),
+    ]  # fmt: skip
+    for parallel, placement, slots in layouts:
+        for rank, held in enumerate(slots):
+            shapes.clear()
+            layer = MoE.from_pretrained(tmp_path, 1, parallel, run, tp_rank=rank,
+                                        placement=placement, dtype="float32")  # fmt: skip
+            assert layer.local_experts.tolist() == held
+            experts = {n.split(".experts.")[1]: shape for n, shape in shapes.items()
+                       if ".experts." in n}  # fmt: skip
+            if family == "gpt_oss":  # fused: a row of each tensor for each distinct expert
+                assert sorted(experts) == ["down_proj", "down_proj_bias", "gate_up_proj",
+                                           "gate_up_proj_bias"]  # fmt: skip
+                assert {shape[0] for shape in experts.values()} == {len(set(held))}, experts
+            else:
+                assert {int(n.split(".")[0]) for n in experts} == set(held)
+            for name in ("w13", "w2", "b13", "b2"):
+                got, want = getattr(layer, name), getattr(whole, name)
+                if want is not None:
+                    assert torch.equal(got, want[held]), name
+
+
+def run_two_ranks_case(directory: str) -> None:
+    """On each of 2 gloo ranks: the layer of a parallel state (alltoall EP2) read from
+    `directory`, against the whole layer on this rank's tokens."""
+    from moekit.parallel import init_parallel
+
+    state = init_parallel(ParallelConfig(tp_size=2, ep_size=2, moe_a2a_backend="alltoall"))
+    run = RunnerConfig(moe_runner_backend="torch")
+    layer = MoE.from_pretrained(directory, 1, runner=run, state=state, dtype="float32")
+    whole = MoE.from_pretrained(directory, 1, runner=run, dtype="float32")
+    assert layer.local_experts.tolist() == [[0, 1], [2, 3]][state.rank]
+    g, T = torch.Generator().manual_seed(state.rank), 5 + 3 * state.rank
+    x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+    torch.testing.assert_close(layer(x, logits), whole(x, logits), rtol=1e-5, atol=1e-6)
+
+
+def test_from_pretrained_with_a_parallel_state_on_two_ranks(tmp_path):
+    from tests.dist_utils import get_pool
+
+    _write(tmp_path, _checkpoint(), 2)
+    get_pool(2).run(run_two_ranks_case, str(tmp_path))
 
 
 @pytest.mark.gpu

@@ -370,6 +370,8 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         weight_format: str | QuantSpec | None = None,
         prefix: str | None = None,
+        state: ParallelState | None = None,
+        placement: ExpertPlacement | None = None,
         **config_overrides,
     ) -> MoE:
         """MoE layer `layer` of a Hugging Face checkpoint directory (config.json and safetensors
@@ -379,7 +381,10 @@ class MoE(nn.Module):
         dequantize them to the layer's dtype). The routed
         experts only (shared experts are left to the caller, as `moekit.hf_config` says), with
         the router's correction bias. `prefix`: the block's name prefix, when it is not found
-        from the layer's expert tensors; `config_overrides`: MoEConfig fields (dtype, ...)."""
+        from the layer's expert tensors; `state` (ranks and groups of
+        moekit.parallel.init_parallel, which then give the config and rank) and `placement` (an
+        EPLB placement: the experts of this rank's slots are read) as for the constructor;
+        `config_overrides`: MoEConfig fields (dtype, ...)."""
         from moekit.hf_config import load_hf_config
         from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
 
@@ -387,7 +392,8 @@ class MoE(nn.Module):
         files = CheckpointFiles(Path(model).parent if Path(model).is_file() else model)
         prefix = layer_prefix(files.names, layer) if prefix is None else prefix
         moe = cls(replace(hf.config, **config_overrides), parallel, runner, tp_rank=tp_rank,
-                  device=device, weight_format=weight_format, init_weights=False)  # fmt: skip
+                  device=device, weight_format=weight_format, state=state, placement=placement,
+                  init_weights=False)  # fmt: skip
         sd, rows = layer_tensors(files, prefix, moe.local_experts.tolist(), moe.config.num_experts,
                                  shared=moe.config.num_shared_experts > 0)  # fmt: skip
         moe.load_hf_state_dict(sd, prefix, quantization_config=hf.quantization,

@@ -292,8 +292,8 @@ def load_hf_experts(
             if e not in row_of:
                 raise ValueError(f"expert {e} is not among fused_experts, the "
                                  f"{len(rows)} experts the fused tensors hold")  # fmt: skip
-            row = row_of[e]
-            (w13, w2, b13, b2), a13, a2 = (t if t is None else t[row] for t in fused_all), None, None
+            w13, w2, b13, b2 = (t if t is None else t[row_of[e]] for t in fused_all)
+            a13 = a2 = None
         else:
             w13, w2, b13, b2, a13, a2 = _per_expert(state_dict, prefix, e, names, H, I, options)
         if b2 is not None and moe_tp_rank != 0:
