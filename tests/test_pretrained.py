@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moekit import MoE, ParallelConfig, RunnerConfig
-from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
+from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors, moe_layers
 from tests.test_quant_checkpoint import CT_W4A16
 from tests.test_quant_loaders import ct_packed_checkpoint
 
@@ -105,6 +105,7 @@ def test_prefixes_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor"):
         CheckpointFiles(tmp_path)
     _write(tmp_path, _checkpoint(), 2)
+    assert moe_layers(tmp_path) == moe_layers(tmp_path / "config.json") == [1]  # layer 0 dense
     files = CheckpointFiles(tmp_path)
     (tmp_path / files.file_of[PREFIX + "gate.weight"]).unlink()
     with pytest.raises(FileNotFoundError, match="missing"):
@@ -286,6 +287,8 @@ def test_a_transformers_checkpoint_runs_like_its_own_block(tmp_path, family):
     if hasattr(router, "e_score_correction_bias"):
         router.e_score_correction_bias.normal_()  # the grouped choice must follow it
     model.save_pretrained(tmp_path)
+    dense_first = family in ("qwen3_moe", "deepseek_v3", "glm4_moe")  # layer 0 a dense MLP
+    assert moe_layers(tmp_path) == ([1] if dense_first else [0, 1])
     layer = MoE.from_pretrained(tmp_path, 1, runner=RunnerConfig(moe_runner_backend="torch"),
                                 dtype="float32")  # fmt: skip
     x = torch.randn(1, 7, 64)

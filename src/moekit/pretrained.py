@@ -3,8 +3,9 @@
 A checkpoint directory holds config.json and its weights as safetensors: `model.safetensors`, or
 shards listed by `model.safetensors.index.json`. `CheckpointFiles` opens them by tensor name and
 reads only what is asked for, so a rank of a 1 TB model reads its own experts of one layer.
-`layer_prefix` finds where a layer's MoE block lives among the names ('model.layers.3.mlp.',
-'model.layers.3.block_sparse_moe.', 'language_model.model.layers.3.mlp.', ...), and
+`moe_layers` lists the layers that hold experts; `layer_prefix` finds where a layer's MoE block
+lives among the names ('model.layers.3.mlp.', 'model.layers.3.block_sparse_moe.',
+'language_model.model.layers.3.mlp.', ...), and
 `layer_tensors` reads the block's tensors that a rank holding some experts needs: of fused expert
 tensors ([E, ...]: gpt-oss, Llama 4), only those experts' rows.
 `MoE.from_pretrained` puts them together. Needs the `safetensors` package (moekit[hf]).
@@ -89,16 +90,32 @@ def _open(path: Path):
     return safe_open(str(path), framework="pt", device="cpu")
 
 
+_LAYER_EXPERTS = re.compile(r"^(.*?(?:^|\.)layers\.(\d+)\.(?:.*?\.)?)experts\.")
+
+
+def _expert_prefixes(names: Collection[str]) -> dict[int, set[str]]:
+    """{layer: the prefixes before 'experts.' of its expert tensors' names}."""
+    prefixes: dict[int, set[str]] = {}
+    for name in names:
+        m = _LAYER_EXPERTS.match(name)
+        if m:
+            prefixes.setdefault(int(m.group(2)), set()).add(m.group(1))
+    return prefixes
+
+
+def moe_layers(model: str | Path) -> list[int]:
+    """The layers of a checkpoint directory (or its config.json) that hold experts, ascending:
+    the `layer`s `MoE.from_pretrained` takes (dense layers, such as DeepSeek-V3's first three,
+    are not among them)."""
+    directory = Path(model).parent if Path(model).is_file() else Path(model)
+    return sorted(_expert_prefixes(CheckpointFiles(directory).names))
+
+
 def layer_prefix(names: Collection[str], layer: int) -> str:
     """The prefix of layer `layer`'s MoE block: the text before 'experts.' in the names of its
     expert tensors (e.g. 'model.layers.3.mlp.'). ValueError naming the layers that have experts
     when this one has none (a dense layer, or past the last)."""
-    pattern = re.compile(r"^(.*?(?:^|\.)layers\.(\d+)\.(?:.*?\.)?)experts\.")
-    prefixes: dict[int, set[str]] = {}
-    for name in names:
-        m = pattern.match(name)
-        if m:
-            prefixes.setdefault(int(m.group(2)), set()).add(m.group(1))
+    prefixes = _expert_prefixes(names)
     if layer not in prefixes:
         have = sorted(prefixes)
         shown = (f"{len(have)}, {have[0]} to {have[-1]}" if len(have) > 1 else
