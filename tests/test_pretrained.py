@@ -240,6 +240,26 @@ def test_from_pretrained_on_the_gpu_gpu(tmp_path):
     assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_an_ep_rank_of_a_bf16_checkpoint_on_the_gpu_gpu(tmp_path, family):
+    """An EP2 rank's bf16 experts (gpt-oss's fused rows, Mixtral's per-expert tensors) made on
+    the GPU by the load: `auto` against `torch` on the rank's own routing."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_tiny_config(family)).save_pretrained(tmp_path)
+    x, logits = torch.randn(9, 64, device="cuda").bfloat16(), torch.randn(9, 8, device="cuda")
+    outs = []
+    for backend in ("auto", "torch"):
+        layer = MoE.from_pretrained(tmp_path, 1, ParallelConfig(tp_size=2, ep_size=2),
+                                    RunnerConfig(moe_runner_backend=backend), tp_rank=1,
+                                    device="cuda", dtype="bfloat16")  # fmt: skip
+        assert layer.w13.device.type == "cuda" and layer.w13.dtype == torch.bfloat16
+        outs.append(layer(x, logits).float())
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 2e-2
+
+
 def _tiny_config(family: str):
     """A tiny transformers model config of a MoE family, MoE block in layer 1: softmax top-k
     (Qwen3-MoE, Qwen2-MoE with a gated shared expert, OLMoE), Mixtral's, DeepSeek-V3's and
