@@ -91,6 +91,14 @@ def test_a_rank_reads_only_its_experts(tmp_path, monkeypatch):
     assert PREFIX + "gate.e_score_correction_bias" in read
 
 
+@pytest.mark.parametrize("rows", [[], [2], [0, 1, 2], [0, 2, 3, 5]])
+def test_rows_of_a_tensor_read_in_runs(tmp_path, rows):
+    whole = torch.randn(6, 4)
+    safetensors_torch.save_file({"experts.gate_up_proj": whole}, str(tmp_path / "model.safetensors"))
+    got = CheckpointFiles(tmp_path).read(["experts.gate_up_proj"], rows, 6)
+    assert torch.equal(got["experts.gate_up_proj"], whole[rows])
+
+
 def test_prefixes_and_errors(tmp_path):
     names = ["model.layers.0.mlp.gate_proj.weight", "model.layers.3.mlp.experts.0.w.weight",
              "model.layers.3.mlp.shared_experts.gate_proj.weight",

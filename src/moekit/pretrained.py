@@ -77,7 +77,7 @@ def _read_rows(part, rows: Sequence[int]) -> torch.Tensor:
             runs[-1][1] += 1
         else:
             runs.append([row, row + 1])
-    pieces = [part[start:stop] for start, stop in runs]
+    pieces = [part[start:stop] for start, stop in runs] or [part[0:0]]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
