@@ -94,7 +94,8 @@ def test_a_rank_reads_only_its_experts(tmp_path, monkeypatch):
 @pytest.mark.parametrize("rows", [[], [2], [0, 1, 2], [0, 2, 3, 5]])
 def test_rows_of_a_tensor_read_in_runs(tmp_path, rows):
     whole = torch.randn(6, 4)
-    safetensors_torch.save_file({"experts.gate_up_proj": whole}, str(tmp_path / "model.safetensors"))
+    safetensors_torch.save_file({"experts.gate_up_proj": whole},
+                                str(tmp_path / "model.safetensors"))  # fmt: skip
     got = CheckpointFiles(tmp_path).read(["experts.gate_up_proj"], rows, 6)
     assert torch.equal(got["experts.gate_up_proj"], whole[rows])
 
