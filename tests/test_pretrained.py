@@ -216,6 +216,40 @@ def test_an_ep_rank_reads_only_the_experts_of_its_slots(tmp_path, monkeypatch, f
                     assert torch.equal(got, want[held]), name
 
 
+def test_an_ep_rank_reads_its_rows_of_gpt_oss_mxfp4_blocks(tmp_path, monkeypatch):
+    """gpt-oss's mxfp4 experts (gate_up_proj_blocks / _scales, fused [E, ...]): an EP2 rank
+    reads 4 rows of 8 of each and holds the whole layer's quantized experts of its slots."""
+    from moekit.quant import quantize
+
+    config = _tiny_config("gpt_oss").to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    n, h, i, mlp = 8, 64, 32, "model.layers.1.mlp."
+    q13 = quantize(torch.randn(n, 2 * i, h) / 16, "mxfp4")
+    q2 = quantize(torch.randn(n, h, i) / 16, "mxfp4")
+    sd = {mlp + "experts.gate_up_proj_blocks": q13.data.reshape(n, 2 * i, h // 32, 16),
+          mlp + "experts.gate_up_proj_scales": q13.scale,
+          mlp + "experts.gate_up_proj_bias": torch.randn(n, 2 * i),
+          mlp + "experts.down_proj_blocks": q2.data.reshape(n, h, i // 32, 16),
+          mlp + "experts.down_proj_scales": q2.scale,
+          mlp + "experts.down_proj_bias": torch.randn(n, h),
+          mlp + "router.weight": torch.randn(n, h), mlp + "router.bias": torch.randn(n)}  # fmt: skip
+    safetensors_torch.save_file(sd, str(tmp_path / "model.safetensors"))
+    whole = MoE.from_pretrained(tmp_path, 1, dtype="float32")
+    assert whole.quant_spec.name == "mxfp4"
+    shapes = {}
+    original = CheckpointFiles.read
+    monkeypatch.setattr(CheckpointFiles, "read", lambda self, *args: shapes.update(
+        {n: t.shape for n, t in original(self, *args).items()}) or original(self, *args))
+    for rank in range(2):
+        layer = MoE.from_pretrained(tmp_path, 1, ParallelConfig(tp_size=2, ep_size=2),
+                                    tp_rank=rank, dtype="float32")  # fmt: skip
+        assert {shape[0] for name, shape in shapes.items() if ".experts." in name} == {4}
+        held = layer.local_experts.tolist()
+        for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
+            assert torch.equal(getattr(layer, name), getattr(whole, name)[held]), name
+
+
 def run_two_ranks_case(directory: str) -> None:
     """On each of 2 gloo ranks: the layer of a parallel state (alltoall EP2) read from
     `directory`, against the whole layer on this rank's tokens."""
