@@ -233,7 +233,8 @@ def test_an_ep_rank_reads_its_rows_of_gpt_oss_mxfp4_blocks(tmp_path, monkeypatch
           mlp + "experts.down_proj_blocks": q2.data.reshape(n, h, i // 32, 16),
           mlp + "experts.down_proj_scales": q2.scale,
           mlp + "experts.down_proj_bias": torch.randn(n, h),
-          mlp + "router.weight": torch.randn(n, h), mlp + "router.bias": torch.randn(n)}  # fmt: skip
+          mlp + "router.weight": torch.randn(n, h),
+          mlp + "router.bias": torch.randn(n)}  # fmt: skip
     safetensors_torch.save_file(sd, str(tmp_path / "model.safetensors"))
     whole = MoE.from_pretrained(tmp_path, 1, dtype="float32")
     assert whole.quant_spec.name == "mxfp4"
