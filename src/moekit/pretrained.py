@@ -62,10 +62,11 @@ class CheckpointFiles:
                 raise FileNotFoundError(f"{path}: listed in {INDEX} for {wanted[0]!r} but missing")
             handle = _open(path)
             for name in wanted:
-                part = handle.get_slice(name)
-                shape = part.get_shape()
-                whole = not rows_of or not shape or shape[0] != rows_of
-                out[name] = handle.get_tensor(name) if whole else _read_rows(part, rows)
+                part = handle.get_slice(name) if rows_of else None
+                if part is not None and list(part.get_shape()[:1]) == [rows_of]:
+                    out[name] = _read_rows(part, rows)
+                else:
+                    out[name] = handle.get_tensor(name)
         return out
 
 
