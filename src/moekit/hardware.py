@@ -14,7 +14,8 @@ import torch
 
 from moekit import envs
 
-# distribution name -> import name, for every library a backend may need
+# distribution name -> import name, for every library a backend or an integration may need
+# (safetensors: MoE.from_pretrained's checkpoint directories)
 OPTIONAL_LIBRARIES = {
     "triton": "triton",
     "sgl-deep-gemm": "deep_gemm",
@@ -22,6 +23,7 @@ OPTIONAL_LIBRARIES = {
     "deep-ep": "deep_ep",
     "mooncake-transfer-engine": "mooncake",
     "transformers": "transformers",
+    "safetensors": "safetensors",
     "prometheus-client": "prometheus_client",
 }
 
