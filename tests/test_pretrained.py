@@ -77,12 +77,24 @@ def test_layer_equals_the_whole_state_dicts(tmp_path, shards, tp, ep):
         assert torch.equal(layer(x, logits), ref(x, logits))
 
 
+def _record_reads(monkeypatch) -> dict[str, torch.Size]:
+    """{name: shape read} of every tensor CheckpointFiles.read returns from now on (the shape of
+    what was read: a fused tensor's rows when only rows are)."""
+    shapes: dict[str, torch.Size] = {}
+    original = CheckpointFiles.read
+
+    def read(self, *args):
+        out = original(self, *args)
+        shapes.update({name: t.shape for name, t in out.items()})
+        return out
+
+    monkeypatch.setattr(CheckpointFiles, "read", read)
+    return shapes
+
+
 def test_a_rank_reads_only_its_experts(tmp_path, monkeypatch):
     _write(tmp_path, _checkpoint(), 2)
-    read = []
-    original = CheckpointFiles.read
-    monkeypatch.setattr(CheckpointFiles, "read", lambda self, names, *rows: read.extend(names) or
-                        original(self, names, *rows))  # fmt: skip
+    read = _record_reads(monkeypatch)
     MoE.from_pretrained(tmp_path / "config.json", 1, ParallelConfig(tp_size=2, ep_size=2),
                         tp_rank=1, dtype="float32")  # fmt: skip
     experts = {n.split(".")[5] for n in read if ".experts." in n}
@@ -186,10 +198,7 @@ def test_an_ep_rank_reads_only_the_experts_of_its_slots(tmp_path, monkeypatch, f
     AutoModelForCausalLM.from_config(_tiny_config(family)).save_pretrained(tmp_path)
     run = RunnerConfig(moe_runner_backend="torch")
     whole = MoE.from_pretrained(tmp_path, 1, runner=run, dtype="float32")
-    shapes = {}
-    original = CheckpointFiles.read
-    monkeypatch.setattr(CheckpointFiles, "read", lambda self, *args: shapes.update(
-        {n: t.shape for n, t in original(self, *args).items()}) or original(self, *args))
+    shapes = _record_reads(monkeypatch)
     balanced = ExpertPlacement(torch.tensor([5, 1, 0, 6, 5, 2, 7, 3, 4, 1]), ep_size=2)
     layouts = [  # (parallel, placement, experts of rank 0's and rank 1's slots): 8 experts
         (ParallelConfig(tp_size=2, ep_size=2), None, ([0, 1, 2, 3], [4, 5, 6, 7])),
@@ -238,10 +247,7 @@ def test_an_ep_rank_reads_its_rows_of_gpt_oss_mxfp4_blocks(tmp_path, monkeypatch
     safetensors_torch.save_file(sd, str(tmp_path / "model.safetensors"))
     whole = MoE.from_pretrained(tmp_path, 1, dtype="float32")
     assert whole.quant_spec.name == "mxfp4"
-    shapes = {}
-    original = CheckpointFiles.read
-    monkeypatch.setattr(CheckpointFiles, "read", lambda self, *args: shapes.update(
-        {n: t.shape for n, t in original(self, *args).items()}) or original(self, *args))
+    shapes = _record_reads(monkeypatch)
     for rank in range(2):
         layer = MoE.from_pretrained(tmp_path, 1, ParallelConfig(tp_size=2, ep_size=2),
                                     tp_rank=rank, dtype="float32")  # fmt: skip
