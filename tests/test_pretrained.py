@@ -135,6 +135,27 @@ def test_prefixes_and_errors(tmp_path):
         MoE.from_pretrained(tmp_path, 0)
 
 
+def test_checkpoint_files_shared_until_the_index_changes(tmp_path):
+    """Building every layer of a model parses its index once: `CheckpointFiles.of` hands back
+    the files it opened while the index is the same file, and opens them again once it is not.
+    `names_under` and a checkpoint's `layer_prefix` agree with scanning the names."""
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {f"model.layers.{i}.mlp.experts.0.w1.weight": "a.safetensors"
+                  for i in (1, 10, 11)}  # fmt: skip
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    files = CheckpointFiles.of(tmp_path)
+    assert CheckpointFiles.of(tmp_path / ".") is files
+    assert files.names_under("model.layers.1.") == ("model.layers.1.mlp.experts.0.w1.weight",)
+    assert files.names_under("model.layers.1") == files.names
+    assert files.names_under("model.layers.2") == ()
+    for layer in (1, 10, 11):
+        assert layer_prefix(files, layer) == layer_prefix(list(files.names), layer)
+    weight_map["model.layers.12.mlp.experts.0.w1.weight"] = "a.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))  # longer: another size
+    assert CheckpointFiles.of(tmp_path) is not files
+    assert moe_layers(tmp_path) == [1, 10, 11, 12]
+
+
 def test_from_pretrained_draws_no_random_experts(tmp_path, monkeypatch):
     """The layer is made without experts (no random draw, no memory for them) and the load fills
     them: monkeypatched, drawing would fail."""

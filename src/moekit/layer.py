@@ -389,8 +389,8 @@ class MoE(nn.Module):
         from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
 
         hf = load_hf_config(model)
-        files = CheckpointFiles(Path(model).parent if Path(model).is_file() else model)
-        prefix = layer_prefix(files.names, layer) if prefix is None else prefix
+        files = CheckpointFiles.of(Path(model).parent if Path(model).is_file() else model)
+        prefix = layer_prefix(files, layer) if prefix is None else prefix
         moe = cls(replace(hf.config, **config_overrides), parallel, runner, tp_rank=tp_rank,
                   device=device, weight_format=weight_format, state=state, placement=placement,
                   init_weights=False)  # fmt: skip

@@ -3,7 +3,9 @@
 A checkpoint directory holds config.json and its weights as safetensors: `model.safetensors`, or
 shards listed by `model.safetensors.index.json`. `CheckpointFiles` opens them by tensor name and
 reads only what is asked for, so a rank of a 1 TB model reads its own experts of one layer.
-`moe_layers` lists the layers that hold experts; `layer_prefix` finds where a layer's MoE block
+`CheckpointFiles.of` keeps the last directories opened, so that building every layer of a model
+parses its index once. `moe_layers` lists the layers that hold experts; `layer_prefix` finds
+where a layer's MoE block
 lives among the names ('model.layers.3.mlp.', 'model.layers.3.block_sparse_moe.',
 'language_model.model.layers.3.mlp.', ...), and
 `layer_tensors` reads the block's tensors that a rank holding some experts needs: of fused expert
@@ -13,6 +15,8 @@ tensors ([E, ...]: gpt-oss, Llama 4), only those experts' rows.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import re
 from pathlib import Path
@@ -27,7 +31,8 @@ _FUSED = re.compile(r"experts\.\D")  # experts.gate_up_proj, experts.down_proj_b
 
 
 class CheckpointFiles:
-    """The tensors of a safetensors checkpoint by name (`names`), read on demand (`read`)."""
+    """The tensors of a safetensors checkpoint by name (`names`, sorted), read on demand
+    (`read`)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -43,10 +48,29 @@ class CheckpointFiles:
         else:
             raise FileNotFoundError(f"{self.directory}: neither {INDEX} nor {SINGLE}: not a "
                                     "safetensors checkpoint directory")  # fmt: skip
+        self.names: tuple[str, ...] = tuple(sorted(self.file_of))
 
-    @property
-    def names(self) -> list[str]:
-        return sorted(self.file_of)
+    @classmethod
+    def of(cls, directory: str | Path) -> CheckpointFiles:
+        """The directory's files, shared with the last calls that opened it while its index (or
+        its single file) has not changed since."""
+        directory = Path(directory).resolve()
+        listing = directory / INDEX if (directory / INDEX).is_file() else directory / SINGLE
+        stamp = (listing.stat().st_mtime_ns, listing.stat().st_size) if listing.is_file() else None
+        return _opened(directory, stamp)
+
+    def names_under(self, prefix: str) -> tuple[str, ...]:
+        """The names that start with `prefix`, sorted."""
+        start = bisect.bisect_left(self.names, prefix)
+        stop = start
+        while stop < len(self.names) and self.names[stop].startswith(prefix):
+            stop += 1
+        return self.names[start:stop]
+
+    @functools.cached_property
+    def expert_prefixes(self) -> dict[int, set[str]]:
+        """{layer: the prefixes before 'experts.' of its expert tensors' names}."""
+        return _expert_prefixes(self.names)
 
     def read(self, names: Collection[str], rows: Sequence[int] = (),
              rows_of: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
@@ -68,6 +92,11 @@ class CheckpointFiles:
                 else:
                     out[name] = handle.get_tensor(name)
         return out
+
+
+@functools.lru_cache(maxsize=2)
+def _opened(directory: Path, stamp: tuple[int, int] | None) -> CheckpointFiles:
+    return CheckpointFiles(directory)
 
 
 def _read_rows(part, rows: Sequence[int]) -> torch.Tensor:
@@ -109,14 +138,16 @@ def moe_layers(model: str | Path) -> list[int]:
     the `layer`s `MoE.from_pretrained` takes (dense layers, such as DeepSeek-V3's first three,
     are not among them)."""
     directory = Path(model).parent if Path(model).is_file() else Path(model)
-    return sorted(_expert_prefixes(CheckpointFiles(directory).names))
+    return sorted(CheckpointFiles.of(directory).expert_prefixes)
 
 
-def layer_prefix(names: Collection[str], layer: int) -> str:
-    """The prefix of layer `layer`'s MoE block: the text before 'experts.' in the names of its
-    expert tensors (e.g. 'model.layers.3.mlp.'). ValueError naming the layers that have experts
-    when this one has none (a dense layer, or past the last)."""
-    prefixes = _expert_prefixes(names)
+def layer_prefix(names: Collection[str] | CheckpointFiles, layer: int) -> str:
+    """The prefix of layer `layer`'s MoE block among tensor names (or a checkpoint's): the text
+    before 'experts.' in the names of its expert tensors (e.g. 'model.layers.3.mlp.').
+    ValueError naming the layers that have experts when this one has none (a dense layer, or
+    past the last)."""
+    prefixes = (names.expert_prefixes if isinstance(names, CheckpointFiles) else
+                _expert_prefixes(names))  # fmt: skip
     if layer not in prefixes:
         have = sorted(prefixes)
         shown = (f"{len(have)}, {have[0]} to {have[-1]}" if len(have) > 1 else
@@ -139,9 +170,7 @@ def layer_tensors(files: CheckpointFiles, prefix: str, experts: Collection[int],
     bias, ...), and the shared experts' only when `shared`."""
     local = set(experts)
     per_expert, fused = [], []
-    for name in files.names:
-        if not name.startswith(prefix):
-            continue
+    for name in files.names_under(prefix):
         rest = name[len(prefix):]
         m = _EXPERT.match(rest)
         other_expert = m is not None and int(m.group(1)) not in local
