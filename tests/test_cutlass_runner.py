@@ -12,16 +12,15 @@ import torch
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Platform
+from moekit.quant import quantize_experts
 from moekit.router import TopKOutput
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows, group_rows_reference, max_rows
 from moekit.runners.base import RunnerError
-from moekit.quant import quantize_experts
 from moekit.runners.cutlass import CutlassRunner, scaled_grouped_mm_torch
 from moekit.runners.torch import TorchRunner, moe_reference_fp64, run_masked
 from moekit.stages import MaskedDispatchOutput, StandardDispatchOutput
 from tests.helpers import TOLERANCE, capture_graph, rel_err
-
 
 # The Triton kernels run on CUDA tensors where there is a GPU, else in the interpreter on CPU.
 KDEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,8 +12,8 @@ import pytest
 
 from moekit.config import ConfigError, MoEConfig
 from moekit.hf_config import from_hf_config, read_hf_config
-from moekit.quant import MXFP4, Fp8W8A8
 from moekit.presets import PRESETS, model_config
+from moekit.quant import MXFP4, Fp8W8A8
 from moekit.tune import shape_for
 
 # The MoE fields of the models' published config.json files (other fields left out).

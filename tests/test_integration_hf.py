@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5")
 
+from helpers import DEVICE, rel_err  # noqa: E402
 from transformers import (  # noqa: E402
     GptOssConfig,
     GptOssForCausalLM,
@@ -18,7 +19,6 @@ from transformers import (  # noqa: E402
     Qwen3MoeForCausalLM,
 )
 
-from helpers import DEVICE, rel_err  # noqa: E402
 from moekit.config import ConfigError  # noqa: E402
 from moekit.integrations import hf  # noqa: E402
 from moekit.layer import fused_moe  # noqa: E402

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig, ParallelConfig, RunnerConfig, fused_moe
-from moekit.layer import RunnerCache, run_experts
 from moekit.config import ConfigError
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import detect
+from moekit.layer import RunnerCache, run_experts
 from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.runners.base import Runner, RunnerCaps

@@ -6,16 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekit import bench, report
+from moekit import bench, report, sweep
 from moekit.bench import Ceilings
 from moekit.config import ConfigError, MoEConfig, ParallelConfig, validate
 from moekit.hardware import Availability
 from moekit.layer import MoE
 from moekit.presets import PRESETS
+from moekit.router import TopKOutput
 from moekit.runners import registry
 from moekit.runners.base import Runner, RunnerCaps
-from moekit.router import TopKOutput
-from moekit import sweep
 from moekit.sweep import (
     SweepSpec,
     cpu_scaled,

@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 from helpers import make_topk  # noqa: E402
 
 from moekit.quant import Int4W4A16, make_spec, quantize_experts  # noqa: E402

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import make_topk, rel_err
 
+import moekit.runners.w4a16 as w4a16_runner
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Platform
 from moekit.quant import Int4W4A16, make_spec, quantize_experts
@@ -25,7 +26,6 @@ from moekit.quant.quantize import QuantizedTensor, dequantize, quantize
 from moekit.runners import registry
 from moekit.runners.base import RunnerError
 from moekit.runners.torch import TorchRunner
-import moekit.runners.w4a16 as w4a16_runner
 from moekit.runners.w4a16 import W4A16Runner, jit, plans
 from moekit.runners.w4a16 import pack as pk
 from moekit.select import Workload, why_not

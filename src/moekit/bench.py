@@ -15,7 +15,6 @@ from typing import Callable, Mapping
 
 import torch
 
-
 # How many input sets (x, routing) one timed point rotates over (`routings_for`): enough that
 # the bytes one replay touches exceed L2_ROTATION_FACTOR L2 caches, at most MAX_INPUT_SETS.
 L2_ROTATION_FACTOR = 4

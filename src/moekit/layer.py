@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from moekit import hardware
+from moekit import hardware, metrics
 from moekit.compiled import run_experts_op
 from moekit.config import (
     INT_DTYPES,
@@ -41,7 +41,6 @@ from moekit.quant.checkpoint import CheckpointFormat, checkpoint_format
 from moekit.router import CustomRoutingFunction, TopKOutput, route
 from moekit.runners.base import Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
-from moekit import metrics
 from moekit.select import Decision, Workload, select_runner
 from moekit.stages import DispatchOutput, StandardDispatchOutput
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from moekit import envs, hardware
-from moekit.presets import model_label
 from moekit.bench import (
     L2_ROTATION_FACTOR,
     MAX_INPUT_SETS,
@@ -29,6 +28,7 @@ from moekit.bench import (
     MIN_SKEWED_ROUTINGS,
     MULTI_ROUTING_MAX_T,
 )
+from moekit.presets import model_label
 from moekit.sweep import TIMED, SweepResult, winners
 
 SCHEMA = 1

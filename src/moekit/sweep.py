@@ -36,8 +36,7 @@ from moekit.bench import (
 )
 from moekit.config import RUNNER_BACKENDS, ConfigError, MoEConfig, ParallelConfig, RunnerConfig
 from moekit.experts import ExpertWeights
-from moekit.layer import MoE, RunnerCache
-from moekit.layer import workload_of
+from moekit.layer import MoE, RunnerCache, workload_of
 from moekit.quant.spec import QuantSpec, format_text, make_spec
 from moekit.router import TopKOutput
 from moekit.runners import registry

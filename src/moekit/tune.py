@@ -461,8 +461,8 @@ class _Point:
     """The inputs of one batch size: R routings, their alignments per block_m, buffers."""
 
     def __init__(self, shape, w, T, device, seed: int, routing: str = "uniform"):
-        from moekit.runners._align import align_block_size
         from moekit.bench import l2_cache_bytes
+        from moekit.runners._align import align_block_size
 
         self._align = align_block_size
         gen = torch.Generator(device=device).manual_seed(seed)

@@ -34,7 +34,8 @@ try:  # Triton is optional: the twins below run everywhere.
     import triton.language as tl
 
     from moekit.quant._act_kernels import div_by_scale
-    from moekit.runners._triton_common import ACT_CODES, activate as activate_tl
+    from moekit.runners._triton_common import ACT_CODES
+    from moekit.runners._triton_common import activate as activate_tl
 
     HAS_TRITON = True
 except Exception:  # noqa: BLE001

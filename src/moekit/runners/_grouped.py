@@ -110,8 +110,8 @@ def group_rows(
 
 
 def _group_rows_triton(ids_TK: torch.Tensor, num_experts: int, align: int) -> GroupedRows:
-    from moekit.runners._cutlass_kernels import rows_layout_triton
     from moekit.runners._align import align_block_size
+    from moekit.runners._cutlass_kernels import rows_layout_triton
 
     ids = ids_TK if ids_TK.dtype == torch.int32 else ids_TK.to(torch.int32)
     lay = align_block_size(ids, num_experts, align, groups=True)

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from moekit.config import ACTIVATIONS
-from moekit.quant.act_quant import EPS, quantize_act, quantize_act_ref, tensor_scale
-from moekit.quant.spec import FP8_DTYPE, FP8_MAX
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import Availability, Platform
+from moekit.quant.act_quant import EPS, quantize_act, quantize_act_ref, tensor_scale
+from moekit.quant.spec import FP8_DTYPE, FP8_MAX
 from moekit.router import TopKOutput
 from moekit.runners import _cutlass_kernels as kernels
 from moekit.runners._grouped import group_rows

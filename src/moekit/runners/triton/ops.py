@@ -26,12 +26,12 @@ import triton
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant.act_quant import quantize_expert_rows
 from moekit.router import TopKOutput
-from moekit.runners._triton_base import interpret_mode
-from moekit.runners._triton_common import ACT_CODES
-from moekit.runners.triton import _kernels as k
 from moekit.runners._align import AlignOutput, align_block_size
 from moekit.runners._shared import expected_experts_used
 from moekit.runners._tables import device_key, quant_tag
+from moekit.runners._triton_base import interpret_mode
+from moekit.runners._triton_common import ACT_CODES
+from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,
