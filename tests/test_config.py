@@ -1,6 +1,7 @@
 """Every validation rule gives a ConfigError naming the option and what is allowed."""
 
 import pytest
+import torch
 
 from moekit.config import (
     ConfigError,
@@ -26,6 +27,7 @@ def moe(**kw):
         (dict(activation="relu"), ["--activation", "relu", "gelu, silu, swiglu_oai"]),
         (dict(scoring_func="tanh"), ["--scoring-func", "sigmoid, softmax"]),
         (dict(dtype="float8"), ["--dtype", "bfloat16"]),
+        (dict(dtype=torch.float8_e4m3fn), ["--dtype", "torch.float8_e4m3fn", "float32"]),
         (dict(weight_format="fp3"), ["--quantization", "mxfp4"]),
         (dict(num_expert_group=4), ["--num-expert-group", "--topk-group"]),
         (dict(num_expert_group=3, topk_group=1), ["--num-expert-group (3)", "divide"]),
@@ -40,6 +42,14 @@ def test_moe_config_errors(kwargs, words):
         moe(**kwargs)
     for w in words:
         assert w in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dtype_given_as_torch_dtype(dtype):
+    """A torch dtype names the same config as its name (equal, hashed alike, same torch_dtype)."""
+    config = moe(dtype=getattr(torch, dtype))
+    assert config == moe(dtype=dtype) and hash(config) == hash(moe(dtype=dtype))
+    assert config.dtype == dtype and config.torch_dtype is getattr(torch, dtype)
 
 
 @pytest.mark.parametrize(

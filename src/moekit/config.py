@@ -125,6 +125,8 @@ class MoEConfig:
     interleaved: w13 rows alternate gate/up instead of all gate rows then all up rows.
     num_shared_experts: shared experts fused as extra routed columns with weight 1 (their
     intermediate size must equal I).
+    dtype: of activations and unquantized weights, 'bfloat16', 'float16' or 'float32' (or the
+    torch dtype, kept as its name).
     """
 
     num_experts: int
@@ -154,6 +156,9 @@ class MoEConfig:
         _check_bools(self, "interleaved", "has_bias", "renormalize", "use_correction_bias")
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("scoring_func", self.scoring_func, SCORING_FUNCS)
+        if isinstance(self.dtype, torch.dtype):  # torch.bfloat16 -> 'bfloat16'
+            name = {d: n for n, d in DTYPES.items()}.get(self.dtype, self.dtype)
+            object.__setattr__(self, "dtype", name)
         check_choice("dtype", self.dtype, set(DTYPES))
         check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
         if self.swiglu_limit <= 0:
