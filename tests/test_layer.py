@@ -365,3 +365,15 @@ def test_runner_run_passes_the_local_share_to_run_standard():
     x, topk = torch.randn(3, 8), helpers.make_topk(3, 2, 4, device="cpu")
     out = Recorder().run(StandardDispatchOutput(x, topk, local_share=0.25), w, ActivationSpec())
     assert torch.equal(out.out, x) and Recorder.shares == [0.25]
+
+
+def test_repr_says_shape_format_backend_and_share():
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32,
+                       dtype="float32")  # fmt: skip
+    text = repr(MoE(config, ParallelConfig(tp_size=2, ep_size=2), tp_rank=1,
+                    weight_format="int8_w8a16", init_weights=False))  # fmt: skip
+    for part in ("num_experts=8", "top_k=2", "hidden_size=64", "intermediate_size=32",
+                 "dtype=float32", "weights=int8_w8a16", "(not loaded)", "backend=auto",
+                 "tp_size=2", "ep_size=2", "tp_rank=1", "local_experts=4"):  # fmt: skip
+        assert part in text, (part, text)
+    assert "not loaded" not in repr(MoE(config))

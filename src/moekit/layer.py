@@ -213,6 +213,18 @@ class MoE(nn.Module):
         if parallel.enable_eplb:
             self.record_expert_load()
 
+    def extra_repr(self) -> str:
+        """What `print(layer)` shows: the shape, format, backend and this rank's share."""
+        c, p = self.config, self.parallel
+        weights = self.quant_spec.describe() if self.quant_spec is not None else "unquantized"
+        held = f"{weights} (not loaded)" if self.w13.is_meta else weights
+        return (f"num_experts={c.num_experts}, top_k={c.top_k}, hidden_size={c.hidden_size}, "
+                f"intermediate_size={c.intermediate_size}, activation={c.activation}, "
+                f"dtype={c.dtype}, weights={held}, "
+                f"backend={self.runners.config.moe_runner_backend}, tp_size={p.tp_size}, "
+                f"ep_size={p.ep_size}, tp_rank={self.tp_rank}, "
+                f"local_experts={self.placement.slots_per_rank}")  # fmt: skip
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Random init like nn.Linear (uniform in +-1/sqrt(fan_in)); biases likewise; the local
