@@ -5,9 +5,8 @@ shards listed by `model.safetensors.index.json`. `CheckpointFiles` opens them by
 reads only what is asked for, so a rank of a 1 TB model reads its own experts of one layer.
 `CheckpointFiles.of` keeps the last directories opened, so that building every layer of a model
 parses its index once. `moe_layers` lists the layers that hold experts; `layer_prefix` finds
-where a layer's MoE block
-lives among the names ('model.layers.3.mlp.', 'model.layers.3.block_sparse_moe.',
-'language_model.model.layers.3.mlp.', ...), and
+where a layer's MoE block lives among the names ('model.layers.3.mlp.',
+'model.layers.3.block_sparse_moe.', 'language_model.model.layers.3.mlp.', ...), and
 `layer_tensors` reads the block's tensors that a rank holding some experts needs: of fused expert
 tensors ([E, ...]: gpt-oss, Llama 4), only those experts' rows.
 `MoE.from_pretrained` puts them together. Needs the `safetensors` package (moekit[hf]).
