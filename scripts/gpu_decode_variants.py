@@ -157,7 +157,7 @@ def looked_up(gemm: str, w, T_local: float, dtype: torch.dtype):
     key = tcfg.TableKey(gemm, E, n, k, ops._TL_DTYPES[dtype], torch.cuda.get_device_name(),
                         triton_version(), quant_tag(w.spec))  # fmt: skip
     table = tcfg.find_table(key)
-    if table is None or T_local > tcfg.QUANT_TABLE_REACH * max(table.configs):
+    if table is None or T_local > tcfg.TABLE_SPAN_REACH * max(table.configs):
         return None
     return Path(table.source), table_key(T_local)
 

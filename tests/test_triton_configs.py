@@ -119,7 +119,13 @@ def test_a_table_of_a_few_batch_sizes_gives_way_beyond_their_reach(dirs, monkeyp
     assert tc.find_table(new).source == str(user / new.filename())  # without T: the first
     (shipped / old.filename()).unlink()
     tc.clear_cache()
-    assert block_m(1024) == 32  # the only table: its nearest entry, however far
+    assert block_m(64) == 32  # the only table: its nearest entry, up to 4x its largest
+    # past TABLE_SPAN_REACH x its largest entry (a table tuned for decode says nothing of
+    # prefill): the heuristic default here, with no other tuned shape to borrow from
+    rows = 1024 * 2 / 8
+    assert tc.get_config("gate_up", 1024, 2, 8, 48, 40, "float32", "cpu") == \
+        tc.default_config("gate_up", rows, 80, 48)
+    assert tc.default_config("gate_up", rows, 80, 48).block_m != 32
 
 
 def test_get_config_uses_table_else_heuristic(dirs):
@@ -216,6 +222,23 @@ def test_transfer_keeps_to_gemm_dtype_format_and_device_family(dirs):
            capability=None)  # fmt: skip
     assert tc.get_config(*want, "Fifth GPU", capability=(9, 0)) != mine
     assert tc.get_config(*want, "Fourth GPU") == mine
+
+
+def test_a_decode_only_table_gives_way_to_a_near_shape_at_prefill(dirs, caplog):
+    """kimi-k2's bf16 table was tuned for T <= 64 (keys up to 8 on an EP8 rank): at T = 4096 its
+    T = 64 entry ran the layer at 5x the floor. Past TABLE_SPAN_REACH x its largest key the
+    shape borrows the nearest tuned shape's entry (here deepseek-v3's E=32 of the same GEMM),
+    and the log says why; within it, its own table still serves."""
+    _, shipped = dirs
+    decode, prefill = GemmConfig(16, 64), GemmConfig(128, 128, 64, 8, 8, 4)
+    _tuned(shipped, "gate_up", 48, 4096, 7168, 8, {0.125: decode, 8: decode})
+    _tuned(shipped, "gate_up", 32, 4096, 7168, 8, {8: decode, 512: prefill})
+    want = ("gate_up", 512, 8, 48, 7168, 2048, "bfloat16", GPU)
+    with caplog.at_level("INFO", logger="moekit"):
+        assert tc.get_config(*want) == prefill
+    assert "batch 512 is past 4 x the largest batch (8)" in caplog.text
+    assert "nearest tuned shape E=32 N=4096 K=7168 top_k=8 at batch 512" in caplog.text
+    assert tc.get_config("gate_up", 32, 8, 48, 7168, 2048, "bfloat16", GPU) == decode
 
 
 def test_quantized_shape_prefers_its_format_then_adapts_the_unquantized(dirs):

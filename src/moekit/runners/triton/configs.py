@@ -14,10 +14,11 @@ another, passing over a table with no entry within `TABLE_REACH` of the call's b
 a later one has one; without a table of its own, the config of the nearest tuned shape
 (`transferred`: same GEMM, dtype and weight format, tuned on this device or one of the same
 compute capability, at the entry whose rows per used expert, output width and K are nearest
-the call's), then the heuristic `default_config`. A quantized format without a table of its own
-or a near one takes the unquantized config of the same shape (tuned, transferred or default)
-through `adapt_config` (also for batch sizes beyond `QUANT_TABLE_REACH` x the largest one its
-table was tuned for). Which one is used is logged once per shape.
+the call's), then the heuristic `default_config`. A table counts as the shape's own only up to
+`TABLE_SPAN_REACH` x the largest batch size it was tuned for (a table tuned for decode batches
+says nothing of prefill's). A quantized format without a table of its own or a near one takes
+the unquantized config of the same shape (tuned, transferred or default) through
+`adapt_config`. Which one is used is logged once per shape.
 File format (written by `moekit tune`):
   {"key": {...}, "configs": {"<T>": {GemmConfig fields}}, "meta": {...}}
 """
@@ -514,9 +515,10 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
     return replace(cfg, tma=False)
 
 
-# A quantized format's tuned table covers batch sizes up to this multiple of its largest key
-# (tables tuned for decode only); beyond, the adapted unquantized config is used.
-QUANT_TABLE_REACH = 4
+# A tuned table covers batch sizes up to this multiple of its largest key (tables tuned for
+# decode only); beyond, the nearest tuned shape's config is used, else the quantized format's
+# adapted unquantized config, else the heuristic default.
+TABLE_SPAN_REACH = 4
 
 
 @functools.lru_cache(maxsize=4096)  # the forward's host path asks twice per call
@@ -540,31 +542,31 @@ def get_config(
     key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
     table = find_table(key, num_tokens)
     what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
-    if table is not None and (
-        quant == "unquantized" or num_tokens <= QUANT_TABLE_REACH * max(table.configs)
-    ):
+    if table is not None and num_tokens <= TABLE_SPAN_REACH * max(table.configs):
         note = version_note(table.source, key.triton)
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
         return table.pick(num_tokens)
+    missing = (f"no tuned config file ({key.filename()})" if table is None else
+               f"batch {num_tokens:g} is past {TABLE_SPAN_REACH} x the largest batch "
+               f"({max(table.configs):g}) of {table.source}")  # fmt: skip
     near = transferred(gemm, num_tokens, top_k, num_experts, n, k, dtype, device, quant,
                        None if capability is None else tuple(capability))  # fmt: skip
     if near is not None:
-        log_once(logging.INFO, f"{what}: no tuned config file ({key.filename()}); using the "
-                 f"{near[1]} (`moekit tune` makes one)")  # fmt: skip
+        log_once(logging.INFO, f"{what}: {missing}; using the {near[1]} (`moekit tune` "
+                 "makes one)")  # fmt: skip
         return near[0]
     if quant != "unquantized":
         log_once(
             logging.INFO,
-            f"{what}: no tuned config file ({key.filename()}); using the unquantized config "
-            "adapted to the format (`moekit tune --quantization` makes one)",
+            f"{what}: {missing}; using the unquantized config adapted to the format "
+            "(`moekit tune --quantization` makes one)",
         )
         base = get_config(gemm, num_tokens, top_k, num_experts, hidden, intermediate, dtype,
                           device, capability=capability)  # fmt: skip
         return adapt_config(base, quant, gemm)
     log_once(
         logging.INFO,
-        f"{what}: no tuned config file ({key.filename()}); using heuristic defaults "
-        "(`moekit tune` makes one)",
+        f"{what}: {missing}; using heuristic defaults (`moekit tune` makes one)",
     )
     rows = max(1.0, num_tokens * top_k / num_experts)
     return default_config(gemm, rows, n, k)
