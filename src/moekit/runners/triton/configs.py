@@ -547,8 +547,8 @@ def get_config(
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
         return table.pick(num_tokens)
     missing = (f"no tuned config file ({key.filename()})" if table is None else
-               f"batch {num_tokens:g} is past {TABLE_SPAN_REACH} x the largest batch "
-               f"({max(table.configs):g}) of {table.source}")  # fmt: skip
+               f"batches past {TABLE_SPAN_REACH} x the largest ({max(table.configs):g}) "
+               f"of {table.source}")  # fmt: skip
     near = transferred(gemm, num_tokens, top_k, num_experts, n, k, dtype, device, quant,
                        None if capability is None else tuple(capability))  # fmt: skip
     if near is not None:
