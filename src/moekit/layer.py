@@ -400,7 +400,7 @@ class MoE(nn.Module):
         from moekit.pretrained import CheckpointFiles, layer_prefix, layer_tensors
 
         hf = load_hf_config(model)
-        files = CheckpointFiles.of(Path(model).parent if Path(model).is_file() else model)
+        files = CheckpointFiles.of(model)
         prefix = layer_prefix(files, layer) if prefix is None else prefix
         moe = cls(replace(hf.config, **config_overrides), parallel, runner, tp_rank=tp_rank,
                   device=device, weight_format=weight_format, state=state, placement=placement,

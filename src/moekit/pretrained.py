@@ -50,13 +50,15 @@ class CheckpointFiles:
         self.names: tuple[str, ...] = tuple(sorted(self.file_of))
 
     @classmethod
-    def of(cls, directory: str | Path) -> CheckpointFiles:
-        """The directory's files, shared with the last calls that opened it while its index (or
-        its single file) has not changed since."""
-        directory = Path(directory).resolve()
+    def of(cls, model: str | Path) -> CheckpointFiles:
+        """The files of a checkpoint directory (or of the one holding `model`, its config.json),
+        shared with the last calls that opened it while its index (or its single file) has not
+        changed since."""
+        directory = Path(model).resolve()
+        directory = directory.parent if directory.is_file() else directory
         listing = directory / INDEX if (directory / INDEX).is_file() else directory / SINGLE
-        stamp = (listing.stat().st_mtime_ns, listing.stat().st_size) if listing.is_file() else None
-        return _opened(directory, stamp)
+        stat = listing.stat() if listing.is_file() else None
+        return _opened(directory, stat and (stat.st_mtime_ns, stat.st_size))
 
     def names_under(self, prefix: str) -> tuple[str, ...]:
         """The names that start with `prefix`, sorted."""
@@ -136,8 +138,7 @@ def moe_layers(model: str | Path) -> list[int]:
     """The layers of a checkpoint directory (or its config.json) that hold experts, ascending:
     the `layer`s `MoE.from_pretrained` takes (dense layers, such as DeepSeek-V3's first three,
     are not among them)."""
-    directory = Path(model).parent if Path(model).is_file() else Path(model)
-    return sorted(CheckpointFiles.of(directory).expert_prefixes)
+    return sorted(CheckpointFiles.of(model).expert_prefixes)
 
 
 def layer_prefix(names: Collection[str] | CheckpointFiles, layer: int) -> str:
