@@ -260,12 +260,34 @@ SWEEP = {
     "T, expected, nearest",
     [(0, "triton", 1), (1, "triton", 1), (3, "triton", 1), (5, "cutlass", 16), (16, "cutlass", 16),
      (60, "cutlass", 16), (70, "deep_gemm", 256), (1500, "deep_gemm", 4096),
-     (100000, "deep_gemm", 4096)],
+     (16384, "deep_gemm", 4096)],
 )
 def test_table_nearest_batch(fakes, T, expected, nearest):
     d = select_runner(shaped(T), RunnerConfig("auto"), H100, tables=[table(SWEEP)])
     assert d.backend == expected
     assert f"nearest measured T={nearest}," in d.reason and "same library versions" in d.reason
+
+
+def test_a_decode_only_table_gives_way_to_a_near_shape_at_prefill(fakes):
+    """A table measured at T = 1-64 serves up to 4x its span (T = 256 on its T = 64 point).
+    Past that, its far points compete with other shapes' near ones by regime: at T = 4096 the
+    E = 64 table's T = 2048 point (the same rows per expert) ranks the backends, and without it
+    the T = 64 point does (distance 6); at T = 16384 (distance 8) nothing is near enough."""
+    decode = table({T: {"triton": 0.01 * T, "deep_gemm": 0.02 * T} for T in (1, 4, 16, 64)},
+                   source="decode")  # fmt: skip
+    prefill = other_shape({2048: {"triton": 2.0, "deep_gemm": 1.0}}, num_experts=64,
+                          source="prefill")  # fmt: skip
+    auto = RunnerConfig("auto")
+    d = select_runner(shaped(256), auto, H100, tables=[decode, prefill])
+    assert d.backend == "triton" and "selection table decode" in d.reason
+    assert "nearest measured T=64," in d.reason
+    d = select_runner(shaped(4096), auto, H100, tables=[decode, prefill])
+    assert d.backend == "deep_gemm" and "from prefill" in d.reason, d.reason
+    assert "selection table decode measured T=1-64, none within 4x of T=4096" in d.reason
+    d = select_runner(shaped(4096), auto, H100, tables=[decode])
+    assert d.backend == "triton" and "from decode" in d.reason and "distance 6.00" in d.reason
+    d = select_runner(shaped(16384), auto, H100, tables=[decode])
+    assert "none within 4x of T=16384" in d.reason and "default preference" in d.reason
 
 
 def test_table_skips_backends_not_usable_here(fakes):

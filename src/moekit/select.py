@@ -10,8 +10,9 @@ How a backend is chosen (`select_runner`):
      (library missing, needs SM100, format not supported, ...).
   3. `auto`: the backends that can run the workload here (hardware, libraries, weight format,
      dispatch format, dtype, shape) are ranked by the measured selection table of this device and
-     shape (`moekit.select_table`; nearest measured batch size); for a shape without a table, by
-     the nearest measured shape's point (same format, weight spec and dtype; this device or its
+     shape (`moekit.select_table`; nearest measured batch size, if within a factor
+     POINT_REACH); for a shape without a table (or past its table's span), by the nearest
+     measured shape's point (same format, weight spec and dtype; this device or its
      compute capability); without any, by the default preference order, which switches at
      the adaptive threshold like rule 1 (and puts deep_gemm first in the masked format, and for
      fp8 block-scaled weights at or above the threshold).
@@ -253,8 +254,8 @@ def _auto(work, config, platform, tables) -> Decision:
             skew = point.skew_note(backend, usable)
             what = "ranked first of the usable" if skew else "the fastest usable"
             if match.transferred:
-                reason = (f"auto: no selection table of this shape; {match.note}; from "
-                          f"{match.table.source}: there {backend} is {what} ({ms:.4g} ms")
+                reason = (f"auto: {match.note}; from {match.table.source}: there {backend} is "
+                          f"{what} ({ms:.4g} ms")
             else:
                 reason = (
                     f"auto: selection table {match.table.source} ({match.note}): at the "
@@ -267,7 +268,9 @@ def _auto(work, config, platform, tables) -> Decision:
                 best = min(faster, key=lambda b: (point.ms[b], b))
                 reason += f"; {best} {point.ms[best]:.4g} ms is not usable: {problems[best]}"
             return Decision(backend, reason + ")")
-        unmeasured = f"none of the measured {', '.join(point.ranking)} is usable here"
+        where = (match.note if match.transferred else
+                 f"selection table {match.table.source} at T={point.num_tokens}")  # fmt: skip
+        unmeasured = f"{where}: none of the measured {', '.join(point.ranking)} is usable here"
     else:
         unmeasured = match.note
     order, why = _preference(work, config)
@@ -275,7 +278,7 @@ def _auto(work, config, platform, tables) -> Decision:
         if backend in usable:
             skipped = [f"{b}: {problems[b]}" for b in order[: order.index(backend)]]
             reason = (
-                f"auto: no selection table ({unmeasured}); default preference for {work.device}, "
+                f"auto: {unmeasured}; default preference for {work.device}, "
                 f"{why}: {' > '.join(order)}"
             )
             if skipped:

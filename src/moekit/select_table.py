@@ -25,7 +25,9 @@ Lookup: the key must match exactly (device name compared case-insensitively); am
 tables the one whose library versions differ least from this process's is used (a library it
 was measured with that is missing here counts only to break ties: its backend is just not
 usable), and the decision says which versions differ. The point used is the measured batch
-size nearest to T in log scale (T = 0 uses the smallest).
+size nearest to T in log scale (T = 0 uses the smallest), if it is within a factor POINT_REACH
+of T; past that (a table measured only for decode batches, asked at prefill), the point is
+found as for a shape without a table.
 
 A shape without a table of its own borrows the ranking of the nearest measured point
 (`nearest_shape`): of a table with the same dispatch format, weight spec and dtype, measured on
@@ -288,8 +290,15 @@ def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platfor
         return nearest_shape(tables, work, platform, usable)
     here = library_versions(platform)
     best = min(found, key=lambda t: _library_rank(t, here))  # stable: earlier tables win ties
-    return Match(best, best.nearest(work.num_tokens),
-                 f"measured on {best.key.device_name}, {_library_note(best, here)}")
+    point = best.nearest(work.num_tokens)
+    gap = abs(math.log2(max(point.num_tokens, 1) / max(work.num_tokens, 1)))
+    if gap <= math.log2(POINT_REACH):
+        return Match(best, point,
+                     f"measured on {best.key.device_name}, {_library_note(best, here)}")
+    sizes = [p.num_tokens for p in best.points]
+    return nearest_shape(tables, work, platform, usable,
+                         why=f"selection table {best.source} measured T={min(sizes)}-{max(sizes)}, "
+                             f"none within {POINT_REACH:g}x of T={work.num_tokens}")  # fmt: skip
 
 
 def _differing(t: SelectionTable, here: dict[str, str | None]) -> list[str]:
@@ -310,6 +319,12 @@ def _library_note(t: SelectionTable, here: dict[str, str | None]) -> str:
 
 
 # ------------------------------------------------------------------ shapes without a table
+
+# A table's nearest point serves a batch size at most this factor away; past it (a table measured
+# for decode batches only, asked at prefill, or the reverse) the point is chosen as for a shape
+# without a table (`nearest_shape`: its own far points compete with other shapes' near ones).
+# The shipped tables' points are 4x apart, so inside a table's span every T is within 2x.
+POINT_REACH = 4.0
 
 # Weights of |log2 rows per local expert|, |log2 H * I| and |log2 E_local| in the regime
 # distance, and the penalties for a table of another device (same compute capability) or another
@@ -339,9 +354,10 @@ def table_local_share(t: SelectionTable) -> float:
 
 
 def nearest_shape(tables: Sequence[SelectionTable], work: "Workload", platform: Platform,
-                  usable: Collection[str] = ()) -> Match:  # fmt: skip
+                  usable: Collection[str] = (), why: str | None = None) -> Match:  # fmt: skip
     """The measured point of another shape nearest `work` (see the module docstring), or a
-    Match without a table saying why none applies."""
+    Match without a table saying why none applies. `why`: why this shape's own table does not
+    serve (default: it has none)."""
     key = key_of(work, platform)
     assert key is not None
     want = key.normalized()
@@ -357,9 +373,10 @@ def nearest_shape(tables: Sequence[SelectionTable], work: "Workload", platform: 
             and tuple(cap) == tuple(platform.capability))  # fmt: skip
 
     family = [t for t in tables if same_family(t)]
-    none = (f"none measured for {platform.device_name}, E={key.num_experts} H={key.hidden_size} "
-            f"I={key.intermediate_size} K={key.top_k}, {key.weight_spec} {key.dtype} "
-            f"{key.activation}{' bias' if key.has_bias else ''} {key.format}")  # fmt: skip
+    none = why or (f"no selection table of this shape: none measured for {platform.device_name}, "
+                   f"E={key.num_experts} H={key.hidden_size} I={key.intermediate_size} "
+                   f"K={key.top_k}, {key.weight_spec} {key.dtype} "
+                   f"{key.activation}{' bias' if key.has_bias else ''} {key.format}")  # fmt: skip
     if not family:
         return Match(None, None, none + "; nor any other shape of this format, dtype and device "
                      "(or compute capability)")  # fmt: skip
