@@ -290,6 +290,18 @@ def test_a_decode_only_table_gives_way_to_a_near_shape_at_prefill(fakes):
     assert "none within 4x of T=16384" in d.reason and "default preference" in d.reason
 
 
+def test_served_ranges_agree_with_lookup(fakes):
+    """`served` lists the batch sizes a table ranks (within 4x of a point), merged where the
+    points' reaches touch; `lookup` uses the table at exactly those."""
+    t = table({T: {"triton": 0.01, "cutlass": 0.02} for T in (1, 64, 4096)})
+    assert t.served() == [(0, 4), (16, 256), (1024, 16384)]
+    assert table(SWEEP).served() == [(0, 16384)]
+    for T in range(0, 20000, 7):
+        match = select_table.lookup([t], shaped(T), H100)
+        own = match.table is t and not match.transferred
+        assert own == any(lo <= T <= hi for lo, hi in t.served()), T
+
+
 def test_table_skips_backends_not_usable_here(fakes):
     d = select_runner(shaped(4096), RunnerConfig("auto"), H100_NO_DG, tables=[table(SWEEP)])
     assert d.backend == "triton_kernel"
@@ -744,6 +756,7 @@ def test_tune_cli_select_flag(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "wrote " in out and "auto picks: T>=2: " in out
+    assert "(this table ranks batch sizes T = 0-8, within 4x of a measured one;" in out
     assert len(list((tmp_path / "x").glob("*.json"))) == 1
 
 

@@ -187,6 +187,20 @@ class SelectionTable:
 
         return min(self.points, key=distance)
 
+    def served(self) -> list[tuple[int, int]]:
+        """The batch-size ranges [lo, hi] this table ranks backends for: those within a factor
+        POINT_REACH of a measured point (T = 0 counts as 1); `lookup` passes others on."""
+        spans: list[tuple[int, int]] = []
+        for p in self.points:  # sorted by num_tokens
+            t = max(p.num_tokens, 1)
+            lo = 0 if t <= POINT_REACH else math.ceil(t / POINT_REACH)
+            hi = math.floor(t * POINT_REACH)
+            if spans and lo <= spans[-1][1] + 1:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+            else:
+                spans.append((lo, hi))
+        return spans
+
     def crossovers(self) -> list[tuple[int, str]]:
         """[(T, first)] at each measured T where the first-ranked backend changes (the first
         point included)."""

@@ -209,6 +209,9 @@ def run_cli(args, sizes: tuple[int, ...]) -> int:
         print("moekit tune --select: no backend could be measured", file=sys.stderr)
         return 1
     crossings = ", ".join(f"T>={t}: {b}" for t, b in report.table.crossovers())
-    print(f"auto picks: {crossings}")
+    served = ", ".join(f"{lo}-{hi}" for lo, hi in report.table.served())
+    print(f"auto picks: {crossings} (this table ranks batch sizes T = {served}, within "
+          f"{select_table.POINT_REACH:g}x of a measured one; others borrow the nearest measured "
+          "shape's point or the default order)")
     print(f"wrote {report.path}")
     return 0
