@@ -289,6 +289,13 @@ def library_versions(platform: Platform) -> dict[str, str | None]:
     return {lib: platform.libraries.get(lib) for lib in LIBRARIES}
 
 
+# A table's nearest point serves a batch size at most this factor away; past it (a table measured
+# for decode batches only, asked at prefill, or the reverse) the point is chosen as for a shape
+# without a table (`nearest_shape`: its own far points compete with other shapes' near ones).
+# The shipped tables' points are 4x apart, so inside a table's span every T is within 2x.
+POINT_REACH = 4.0
+
+
 def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platform,
            usable: Collection[str] = ()) -> Match:  # fmt: skip
     """The table and point for `work` on `platform`: this shape's table and its nearest batch
@@ -333,12 +340,6 @@ def _library_note(t: SelectionTable, here: dict[str, str | None]) -> str:
 
 
 # ------------------------------------------------------------------ shapes without a table
-
-# A table's nearest point serves a batch size at most this factor away; past it (a table measured
-# for decode batches only, asked at prefill, or the reverse) the point is chosen as for a shape
-# without a table (`nearest_shape`: its own far points compete with other shapes' near ones).
-# The shipped tables' points are 4x apart, so inside a table's span every T is within 2x.
-POINT_REACH = 4.0
 
 # Weights of |log2 rows per local expert|, |log2 H * I| and |log2 E_local| in the regime
 # distance, and the penalties for a table of another device (same compute capability) or another
