@@ -22,13 +22,7 @@ BATCHES=${BATCHES:-1,4,16,64,256,1024,4096,16384}
 BACKENDS=${BACKENDS:-triton,auto}
 STEPS=${STEPS:-shipped tune tuned}
 mkdir -p "$CFG/triton"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-if ls .whl/*.whl >/dev/null 2>&1 &&  # deep_gemm's wheels, where carried
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; then
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
+source scripts/gpu_common.sh  # log.txt, carried wheels, versions, has
 bench() {  # bench DIR CONFIG_DIR FORMAT
   echo "== bench $1 ($MODEL $PAR --quantization $3)"
   MOEKIT_CONFIG_DIR=$2 timeout "${BENCH_TIMEOUT_S:-120}" python3 -m moekit.cli.main bench \

@@ -187,9 +187,15 @@ class SelectionTable:
 
         return min(self.points, key=distance)
 
+    def serving(self, num_tokens: int) -> Point | None:
+        """The nearest point, if within a factor POINT_REACH of `num_tokens` (T = 0 counts as
+        1); else None: the table does not rank this batch size."""
+        point = self.nearest(num_tokens)
+        gap = abs(math.log2(max(point.num_tokens, 1) / max(num_tokens, 1)))
+        return point if gap <= math.log2(POINT_REACH) else None
+
     def served(self) -> list[tuple[int, int]]:
-        """The batch-size ranges [lo, hi] this table ranks backends for: those within a factor
-        POINT_REACH of a measured point (T = 0 counts as 1); `lookup` passes others on."""
+        """The batch-size ranges [lo, hi] that `serving` answers, merged."""
         spans: list[tuple[int, int]] = []
         for p in self.points:  # sorted by num_tokens
             t = max(p.num_tokens, 1)
@@ -311,15 +317,14 @@ def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platfor
         return nearest_shape(tables, work, platform, usable)
     here = library_versions(platform)
     best = min(found, key=lambda t: _library_rank(t, here))  # stable: earlier tables win ties
-    point = best.nearest(work.num_tokens)
-    gap = abs(math.log2(max(point.num_tokens, 1) / max(work.num_tokens, 1)))
-    if gap <= math.log2(POINT_REACH):
+    point = best.serving(work.num_tokens)
+    if point is not None:
         return Match(best, point,
                      f"measured on {best.key.device_name}, {_library_note(best, here)}")
-    sizes = [p.num_tokens for p in best.points]
+    lo, hi = best.points[0].num_tokens, best.points[-1].num_tokens  # sorted
     return nearest_shape(tables, work, platform, usable,
-                         why=f"selection table {best.source} measured T={min(sizes)}-{max(sizes)}, "
-                             f"none within {POINT_REACH:g}x of T={work.num_tokens}")  # fmt: skip
+                         why=f"selection table {best.source} measured T={lo}-{hi}, none within "
+                             f"{POINT_REACH:g}x of T={work.num_tokens}")  # fmt: skip
 
 
 def _differing(t: SelectionTable, here: dict[str, str | None]) -> list[str]:
