@@ -188,19 +188,16 @@ class SelectionTable:
         return min(self.points, key=distance)
 
     def serving(self, num_tokens: int) -> Point | None:
-        """The nearest point, if within a factor POINT_REACH of `num_tokens` (T = 0 counts as
-        1); else None: the table does not rank this batch size."""
+        """The nearest point, if `num_tokens` lies in its `reach`; else None: the table does not
+        rank this batch size."""
         point = self.nearest(num_tokens)
-        gap = abs(math.log2(max(point.num_tokens, 1) / max(num_tokens, 1)))
-        return point if gap <= math.log2(POINT_REACH) else None
+        lo, hi = reach(point)
+        return point if lo <= num_tokens <= hi else None
 
     def served(self) -> list[tuple[int, int]]:
-        """The batch-size ranges [lo, hi] that `serving` answers, merged."""
+        """The batch-size ranges [lo, hi] that `serving` answers: its points' reaches, merged."""
         spans: list[tuple[int, int]] = []
-        for p in self.points:  # sorted by num_tokens
-            t = max(p.num_tokens, 1)
-            lo = 0 if t <= POINT_REACH else math.ceil(t / POINT_REACH)
-            hi = math.floor(t * POINT_REACH)
+        for lo, hi in map(reach, self.points):  # points sorted by num_tokens
             if spans and lo <= spans[-1][1] + 1:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
             else:
@@ -300,6 +297,14 @@ def library_versions(platform: Platform) -> dict[str, str | None]:
 # without a table (`nearest_shape`: its own far points compete with other shapes' near ones).
 # The shipped tables' points are 4x apart, so inside a table's span every T is within 2x.
 POINT_REACH = 4.0
+
+
+def reach(point: Point) -> tuple[int, int]:
+    """The batch sizes [lo, hi] a measured point may serve: within a factor POINT_REACH of its T
+    (T = 0 counts as 1, so a point at T <= POINT_REACH also serves T = 0)."""
+    t = max(point.num_tokens, 1)
+    lo = 0 if t <= POINT_REACH else math.ceil(t / POINT_REACH)
+    return lo, math.floor(t * POINT_REACH)
 
 
 def lookup(tables: Iterable[SelectionTable], work: "Workload", platform: Platform,
