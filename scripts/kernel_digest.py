@@ -2,15 +2,18 @@
 write one digest of each compiled kernel's PTX: a change to the kernels' source whose
 digests all stay the same leaves the GPU code, and so its speed, as it was.
 
-The calls are the runner's own (`ops.fused_moe` / `ops.fused_moe_masked` with the shipped
-H100 tables' configs, each preset shape, format and batch size), made with every Triton
-launch turned into a compile-only warmup. Weights are uninitialised tensors of the real
-shapes: nothing runs, so no value is read.
+The calls are the runner's own (`ops.fused_moe` with the configs of the shipped tables of
+--devices, for each preset shape, format and batch size; `ops.fused_moe_masked` on EP
+shapes), made with every Triton launch turned into a compile-only warmup. Weights are
+uninitialised tensors of the real shapes: nothing runs, so no value is read. OUT.json holds
+{"kernels": {kernel key: PTX digest}, "calls": {call: [kernel keys it launched]}}; --ptx DIR
+also writes each kernel's PTX (source locations and comments dropped) as DIR/DIGEST.ptx.
 
   python scripts/kernel_digest.py OUT.json [--models M,..] [--formats F,..] [--batches T,..]
-  python scripts/kernel_digest.py --compare BEFORE.json AFTER.json
+                                           [--devices h100,h200] [--ptx DIR]
+  python scripts/kernel_digest.py --compare BEFORE.json AFTER.json   (exit 1: a change)
 
-ptxas: $TRITON_PTXAS_PATH, else the one on PATH (CUDA 12.8+ for sm_90a).
+ptxas: $TRITON_PTXAS_PATH, else the one on PATH.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ MODELS = {"qwen3-30b-a3b": (1, 1), "mixtral-8x7b": (2, 1), "deepseek-v3": (8, 8)
           "gpt-oss-120b": (1, 1), "kimi-k2": (8, 8), "qwen3-235b-a22b": (8, 8)}  # fmt: skip
 BATCHES = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 MASKED_CAPACITIES = (8, 64, 512)
-DEVICES = (("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA H200", (9, 0)))  # whose tables are read
+DEVICES = {"h100": ("NVIDIA H100 80GB HBM3", (9, 0)), "h200": ("NVIDIA H200", (9, 0))}
 
 
-def _compile_only() -> dict:
-    """Point Triton at an sm_90 target with no driver, make every launch a warmup (compile,
-    no run) and return the dict each compiled kernel's (name, key) -> kernel is added to."""
+def _compile_only(calls: dict) -> dict:
+    """Point Triton at an sm_90 target with no driver and make every launch a warmup (compile,
+    no run). Returns the dict each compiled kernel is added to under its key (name and
+    specialization); each launch also appends that key to calls[calls["now"]]."""
     if not os.environ.get("TRITON_PTXAS_PATH") and shutil.which("ptxas"):
         os.environ["TRITON_PTXAS_PATH"] = shutil.which("ptxas")
     from triton.backends.compiler import GPUTarget
@@ -77,8 +81,9 @@ def _compile_only() -> dict:
     def warmup_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         cache = self.device_caches[0][0]
-        key = next(key for key, value in cache.items() if value is kernel)
-        compiled[f"{self.fn.__qualname__} {key}"] = kernel
+        key = f"{self.fn.__qualname__} {next(k for k, v in cache.items() if v is kernel)}"
+        compiled[key] = kernel
+        calls.setdefault(calls["now"], []).append(key)
         return kernel
 
     JITFunction.run = warmup_only
@@ -118,14 +123,15 @@ def _weights(model: str, fmt: str):
     return shape, replace(one, **grown)
 
 
-def _calls(models, formats, batches) -> int:
+def _calls(models, formats, batches, devices, calls: dict) -> None:
+    """The runner's calls; calls["now"] names the one being made: 'MODEL FORMAT T=n DEVICE'
+    or 'MODEL FORMAT masked C=n'."""
     from moekit.runners.triton import ops
     from moekit.runners.triton.configs import get_config
     from moekit.runners.triton.ops import quant_tag
     from moekit.tune import uniform_topk
 
     ops.decode_pdl = lambda x, pairs: pairs <= ops.PIPELINE.decode_max_pairs and ops.PIPELINE.pdl
-    n = 0
     for model in models:
         for fmt in formats:
             try:
@@ -135,21 +141,20 @@ def _calls(models, formats, batches) -> int:
                 continue
             E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
             quant = quant_tag(w.spec)
-            for (dev, cap), T in itertools.product(DEVICES, batches):
+            for (dev, cap), T in itertools.product(devices, batches):
                 key = T * shape.local_share
                 cfgs = tuple(get_config(g, key, K, E, H, I, "bfloat16", dev, quant, cap)
                              for g in ("gate_up", "down"))  # fmt: skip
                 x = torch.empty(T, H, dtype=torch.bfloat16)
                 topk = uniform_topk(T, E, K, "cpu")
+                calls["now"] = f"{model} {fmt} T={T} {dev}"
                 ops.fused_moe(x, topk, w, shape.act, cfgs, local_share=shape.local_share)
-                n += 1
             if shape.local_share < 1:
                 for C in MASKED_CAPACITIES:
                     x = torch.empty(E, C, H, dtype=torch.bfloat16)
+                    calls["now"] = f"{model} {fmt} masked C={C}"
                     ops.fused_moe_masked(x, torch.zeros(E, dtype=torch.int32), w, shape.act)
-                    n += 1
             print(f"{model} {fmt}: done", file=sys.stderr, flush=True)
-    return n
 
 
 def main(argv=None) -> int:
@@ -158,12 +163,14 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--devices", default=",".join(DEVICES), help="whose shipped tables give the "
+                   "configs")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     p.add_argument("--ptx", metavar="DIR", help="also write each kernel's PTX there, named by "
                    "its digest")
     a = p.parse_args(argv)
     if a.compare:
-        before, after = (json.load(open(f)) for f in a.compare)
+        before, after = (json.load(open(f))["kernels"] for f in a.compare)
         changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
         only = sorted(before.keys() ^ after.keys())
         for k in changed:
@@ -173,10 +180,12 @@ def main(argv=None) -> int:
         print(f"{len(before.keys() & after.keys()) - len(changed)} same, {len(changed)} changed, "
               f"{len(only)} in one file only")  # fmt: skip
         return 1 if changed or only else 0
-    compiled = _compile_only()
+    calls: dict = {"now": None}
+    compiled = _compile_only(calls)
     t0 = time.time()
-    calls = _calls(a.models.split(","), a.formats.split(","),
-                   [int(t) for t in a.batches.split(",")])  # fmt: skip
+    _calls(a.models.split(","), a.formats.split(","), [int(t) for t in a.batches.split(",")],
+           [DEVICES[d] for d in a.devices.split(",")], calls)  # fmt: skip
+    del calls["now"]
     digests = {}
     for name, kern in sorted(compiled.items()):
         code = ptx_code(kern.asm["ptx"])
@@ -186,8 +195,8 @@ def main(argv=None) -> int:
             with open(os.path.join(a.ptx, digests[name] + ".ptx"), "w") as f:
                 f.write(code)
     with open(a.out, "w") as f:
-        json.dump(digests, f, indent=1, sort_keys=True)
-    print(f"{calls} calls, {len(digests)} kernels compiled in {time.time() - t0:.0f} s "
+        json.dump({"kernels": digests, "calls": calls}, f, indent=1, sort_keys=True)
+    print(f"{len(calls)} calls, {len(digests)} kernels compiled in {time.time() - t0:.0f} s "
           f"-> {a.out}", file=sys.stderr)  # fmt: skip
     return 0
 
