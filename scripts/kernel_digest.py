@@ -6,11 +6,12 @@ The calls are the runner's own (`ops.fused_moe` with the configs of the shipped 
 --devices, for each preset shape, format and batch size; `ops.fused_moe_masked` on EP
 shapes), made with every Triton launch turned into a compile-only warmup. Weights are
 uninitialised tensors of the real shapes: nothing runs, so no value is read. OUT.json holds
-{"kernels": {kernel key: PTX digest}, "calls": {call: [kernel keys it launched]}}; --ptx DIR
+{"kernels": {kernel key: PTX digest}, "calls": {call: [kernel keys it launched]},
+"resources": {kernel key: {"REG": n, "STACK": bytes, ...}} (with --resources)}; --ptx DIR
 also writes each kernel's PTX (source locations and comments dropped) as DIR/DIGEST.ptx.
 
   python scripts/kernel_digest.py OUT.json [--models M,..] [--formats F,..] [--batches T,..]
-                                           [--devices h100,h200] [--ptx DIR]
+                                           [--devices h100,h200] [--ptx DIR] [--resources]
   python scripts/kernel_digest.py --compare BEFORE.json AFTER.json   (exit 1: a change)
 
 ptxas: $TRITON_PTXAS_PATH, else the one on PATH.
@@ -25,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -99,6 +101,23 @@ def ptx_code(ptx: str) -> str:
     return "\n".join(ln for ln in ptx.splitlines() if not _NOISE.match(ln))
 
 
+def resource_usage(cubin: bytes) -> dict:
+    """{'REG': n, 'STACK': bytes, 'SHARED': bytes, ...} of a one-kernel cubin (cuobjdump)."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump") or "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    return {k: int(v) for k, v in re.findall(r"([A-Z]+):(\d+)", line)}
+
+
 def _weights(model: str, fmt: str):
     """Uninitialised ExpertWeights of `model`'s per-rank shape in format `fmt`: one expert
     quantized for real (the tensors' dtypes and shapes), then E experts' empty tensors."""
@@ -131,6 +150,7 @@ def _calls(models, formats, batches, devices, calls: dict) -> None:
     from moekit.runners.triton.ops import quant_tag
     from moekit.tune import uniform_topk
 
+    # as on an sm_90 GPU (the runner's own answer is no for CPU tensors)
     ops.decode_pdl = lambda x, pairs: pairs <= ops.PIPELINE.decode_max_pairs and ops.PIPELINE.pdl
     for model in models:
         for fmt in formats:
@@ -168,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     p.add_argument("--ptx", metavar="DIR", help="also write each kernel's PTX there, named by "
                    "its digest")
+    p.add_argument("--resources", action="store_true", help="also record each kernel's "
+                   "registers, stack (spills) and static (cuobjdump) and dynamic shared memory")
     a = p.parse_args(argv)
     if a.compare:
         before, after = (json.load(open(f))["kernels"] for f in a.compare)
@@ -186,8 +208,11 @@ def main(argv=None) -> int:
     _calls(a.models.split(","), a.formats.split(","), [int(t) for t in a.batches.split(",")],
            [DEVICES[d] for d in a.devices.split(",")], calls)  # fmt: skip
     del calls["now"]
-    digests = {}
+    digests, resources = {}, {}
     for name, kern in sorted(compiled.items()):
+        if a.resources:
+            resources[name] = resource_usage(kern.asm["cubin"]) | {
+                "SHARED_DYNAMIC": kern.metadata.shared}
         code = ptx_code(kern.asm["ptx"])
         digests[name] = hashlib.sha256(code.encode()).hexdigest()[:16]
         if a.ptx:
@@ -195,7 +220,8 @@ def main(argv=None) -> int:
             with open(os.path.join(a.ptx, digests[name] + ".ptx"), "w") as f:
                 f.write(code)
     with open(a.out, "w") as f:
-        json.dump({"kernels": digests, "calls": calls}, f, indent=1, sort_keys=True)
+        json.dump({"kernels": digests, "calls": calls, "resources": resources}, f, indent=1,
+                  sort_keys=True)  # fmt: skip
     print(f"{len(calls)} calls, {len(digests)} kernels compiled in {time.time() - t0:.0f} s "
           f"-> {a.out}", file=sys.stderr)  # fmt: skip
     return 0

@@ -646,6 +646,54 @@ def _block_rows(b, row_map_ptr, num_pairs, BLOCK_M: tl.constexpr, FOLD: tl.const
 
 
 @triton.jit
+def _run_row_block(
+    BLOCK: tl.constexpr,
+    block_args,
+    pid_m,
+    row_ok,
+    row_map_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    num_pairs,
+    align_m,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TAIL_LEVELS: tl.constexpr,
+    FOLD: tl.constexpr,
+    FOLD_LEVELS: tl.constexpr,
+):
+    """The work of a GEMM program on its live row block pid_m (row_ok: which of its BLOCK_M
+    rows are valid): BLOCK(*block_args, BM, SIDE), BLOCK `_gate_up_block` or
+    `_down_block`, whose last two parameters are these. The kernels' TAIL_LEVELS and FOLD
+    schedules, written once. Sorted rows with FOLD > 0: a block that is a folded tail
+    (`_folded_tail`) does nothing; a block followed by one also takes that tail's first
+    SIDE = FOLD / 2^j rows, the fewest that hold them (j < FOLD_LEVELS). Sorted rows with
+    TAIL_LEVELS > 0: BM = BLOCK_M / 2^j, the fewest rows (j <= TAIL_LEVELS) holding the
+    valid ones. Otherwise BM = BLOCK_M, SIDE = 0. (The kernels write block_args as a tuple in
+    the call: a tuple assigned to a name first would hold its constants as values.)"""
+    fold_next = False
+    if FOLD > 0:
+        if _folded_tail(pid_m, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m,
+                        BLOCK_M, FOLD):  # fmt: skip
+            return
+        fold_next = _folded_tail(pid_m + 1, row_map_ptr, block_expert_ptr, num_rows_ptr,
+                                 num_pairs, align_m, BLOCK_M, FOLD)  # fmt: skip
+    if fold_next:
+        if FOLD > 0:  # (fold_next is a constant False otherwise: nothing to compile here)
+            n_side = _block_rows(pid_m + 1, row_map_ptr, num_pairs, BLOCK_M, FOLD)
+            for level in tl.static_range(FOLD_LEVELS):
+                if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
+                    BLOCK(*block_args, BLOCK_M, FOLD >> (FOLD_LEVELS - 1 - level))
+    elif TAIL_LEVELS > 0 and ROWS == 0:
+        n_ok = tl.sum(row_ok.to(tl.int32))
+        for level in tl.static_range(TAIL_LEVELS + 1):
+            if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
+                BLOCK(*block_args, BLOCK_M >> (TAIL_LEVELS - level), 0)
+    else:
+        BLOCK(*block_args, BLOCK_M, 0)
+
+
+@triton.jit
 def _gate_up_block(
     x_ptr,
     w_ptr,
@@ -682,6 +730,10 @@ def _gate_up_block(
     stride_wse,
     stride_wsn,
     stride_xs,
+    pid_m,
+    pid_n,
+    split,
+    pid,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -704,16 +756,12 @@ def _gate_up_block(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    pid_m,
-    pid_n,
-    split,
-    pid,
     ROW_BLOCK: tl.constexpr,
+    DIRECT_P: tl.constexpr,
+    QUANT_H: tl.constexpr,
+    H_GROUP: tl.constexpr,
     BM: tl.constexpr,
-    DIRECT_P: tl.constexpr = 1,
-    SIDE: tl.constexpr = 0,
-    QUANT_H: tl.constexpr = False,
-    H_GROUP: tl.constexpr = 128,
+    SIDE: tl.constexpr,
 ):
     """The work of one gate_up program (see `_gate_up_kernel`) on the first BM rows of its
     row block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there).
@@ -1063,55 +1111,18 @@ def _gate_up_kernel(
     )  # fmt: skip
     if not first_ok:
         return
-    fold_next = False
-    if FOLD > 0:
-        if _folded_tail(pid_m, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m,
-                        BLOCK_M, FOLD):  # fmt: skip
-            return
-        fold_next = _folded_tail(pid_m + 1, row_map_ptr, block_expert_ptr, num_rows_ptr,
-                                 num_pairs, align_m, BLOCK_M, FOLD)  # fmt: skip
-    if fold_next:
-        if FOLD > 0:  # (fold_next is a constant False otherwise: nothing to compile here)
-            n_side = _block_rows(pid_m + 1, row_map_ptr, num_pairs, BLOCK_M, FOLD)
-            for level in tl.static_range(FOLD_LEVELS):
-                if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
-                    _gate_up_block(
-                        x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
-                        block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-                        blocks_per_expert, align_m, N, K, stride_xm, stride_we, stride_wn,
-                        stride_be, stride_hm,
-                        part_ptr, part_stride, count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr,
-                        xs_ptr, stride_wse, stride_wsn, stride_xs, ACT, HAS_BIAS, INTERLEAVED,
-                        ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-                        HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
-                        BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P,
-                        FOLD >> (FOLD_LEVELS - 1 - level), QUANT_H=QUANT_H, H_GROUP=H_GROUP,
-                    )  # fmt: skip
-    elif TAIL_LEVELS > 0 and ROWS == 0:
-        n_ok = tl.sum(row_ok.to(tl.int32))
-        for level in tl.static_range(TAIL_LEVELS + 1):
-            if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
-                _gate_up_block(
-                    x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr,
-                    block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-                    blocks_per_expert, align_m, N, K,
-                    stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride,
-                    count_ptr, alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn,
-                    stride_xs, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
-                    WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
-                    DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split, pid, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,
-                )  # fmt: skip
-    else:
-        _gate_up_block(
-            x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr, block_expert_ptr,
-            counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
-            stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr,
-            alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, ACT,
-            HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO,
-            PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K,
-            pid_m, pid_n, split, pid, BLOCK_M, BLOCK_M, DIRECT_P, QUANT_H=QUANT_H, H_GROUP=H_GROUP,
-        )  # fmt: skip
+    _run_row_block(
+        _gate_up_block,
+        (x_ptr, w_ptr, w_desc, b_ptr, h_ptr, hq_ptr, hs_ptr, row_map_ptr, block_expert_ptr,
+         counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert, align_m, N, K,
+         stride_xm, stride_we, stride_wn, stride_be, stride_hm, part_ptr, part_stride, count_ptr,
+         alpha, limit, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, pid_m,
+         pid_n, split, pid, ACT, HAS_BIAS, INTERLEAVED, ROWS, SPLIT_K, QUANT, ASCALE, WSCALE,
+         WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, USE_TMA, EVEN_K, SWAP_AB,
+         DOT_PRECISION, BLOCK_N, BLOCK_K, BLOCK_M, DIRECT_P, QUANT_H, H_GROUP),
+        pid_m, row_ok, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m, ROWS,
+        BLOCK_M, TAIL_LEVELS, FOLD, FOLD_LEVELS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -1146,6 +1157,9 @@ def _down_block(
     stride_wse,
     stride_wsn,
     stride_xs,
+    pid_m,
+    pid_n,
+    split,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     ATOMIC: tl.constexpr,
@@ -1167,13 +1181,10 @@ def _down_block(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    pid_m,
-    pid_n,
-    split,
     ROW_BLOCK: tl.constexpr,
+    DIRECT_P: tl.constexpr,
     BM: tl.constexpr,
-    DIRECT_P: tl.constexpr = 1,
-    SIDE: tl.constexpr = 0,
+    SIDE: tl.constexpr,
 ):
     """The work of one down program (see `_down_kernel`) on the first BM rows of its row
     block of ROW_BLOCK rows (BM < ROW_BLOCK: a block whose valid rows all lie there; its h
@@ -1376,52 +1387,17 @@ def _down_kernel(
     )  # fmt: skip
     if not first_ok:
         return
-    fold_next = False
-    if FOLD > 0:
-        if _folded_tail(pid_m, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m,
-                        BLOCK_M, FOLD):  # fmt: skip
-            return
-        fold_next = _folded_tail(pid_m + 1, row_map_ptr, block_expert_ptr, num_rows_ptr,
-                                 num_pairs, align_m, BLOCK_M, FOLD)  # fmt: skip
-    if fold_next:
-        if FOLD > 0:  # (fold_next is a constant False otherwise: nothing to compile here)
-            n_side = _block_rows(pid_m + 1, row_map_ptr, num_pairs, BLOCK_M, FOLD)
-            for level in tl.static_range(FOLD_LEVELS):
-                if _tail_level_fits(n_side, level, FOLD, FOLD_LEVELS - 1):
-                    _down_block(
-                        h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr,
-                        row_map_ptr, block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts,
-                        capacity, blocks_per_expert, align_m, N, K, stride_hm, stride_we,
-                        stride_wn, stride_be, stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr,
-                        stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE,
-                        WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT, SPLIT_K,
-                        USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n,
-                        split, BLOCK_M, BLOCK_M, DIRECT_P, FOLD >> (FOLD_LEVELS - 1 - level),
-                    )  # fmt: skip
-    elif TAIL_LEVELS > 0 and ROWS == 0:
-        n_ok = tl.sum(row_ok.to(tl.int32))
-        for level in tl.static_range(TAIL_LEVELS + 1):
-            if _tail_level_fits(n_ok, level, BLOCK_M, TAIL_LEVELS):
-                _down_block(
-                    h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
-                    block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-                    blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be,
-                    stride_om, ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs,
-                    HAS_BIAS, ROWS, ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK,
-                    HALF, ASM, INT_DOT, SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N,
-                    BLOCK_K, pid_m, pid_n, split, BLOCK_M,
-                    BLOCK_M >> (TAIL_LEVELS - level), DIRECT_P,
-                )  # fmt: skip
-    else:
-        _down_block(
-            h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
-            block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity,
-            blocks_per_expert, align_m, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_om,
-            ws_ptr, wz_ptr, wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, HAS_BIAS, ROWS,
-            ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
-            SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, pid_m, pid_n, split,
-            BLOCK_M, BLOCK_M, DIRECT_P,
-        )  # fmt: skip
+    _run_row_block(
+        _down_block,
+        (h_ptr, h_desc, w_ptr, w_desc, b_ptr, out_ptr, topk_weights_ptr, row_map_ptr,
+         block_expert_ptr, counts_ptr, num_pairs, top_k, num_experts, capacity, blocks_per_expert,
+         align_m, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_om, ws_ptr, wz_ptr,
+         wg_ptr, xs_ptr, stride_wse, stride_wsn, stride_xs, pid_m, pid_n, split, HAS_BIAS, ROWS,
+         ATOMIC, QUANT, ASCALE, WSCALE, WROWS, GROUP, SG, HAS_ZERO, PACK, HALF, ASM, INT_DOT,
+         SPLIT_K, USE_TMA, EVEN_K, SWAP_AB, DOT_PRECISION, BLOCK_N, BLOCK_K, BLOCK_M, DIRECT_P),
+        pid_m, row_ok, row_map_ptr, block_expert_ptr, num_rows_ptr, num_pairs, align_m, ROWS,
+        BLOCK_M, TAIL_LEVELS, FOLD, FOLD_LEVELS,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
