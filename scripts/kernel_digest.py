@@ -10,8 +10,8 @@ uninitialised tensors of the real shapes: nothing runs, so no value is read. OUT
 "resources": {kernel key: {"REG": n, "STACK": bytes, ...}} (with --resources)}; --ptx DIR
 also writes each kernel's PTX (source locations and comments dropped) as DIR/DIGEST.ptx.
 
-  python scripts/kernel_digest.py OUT.json [--models M,..] [--formats F,..] [--batches T,..]
-                                           [--devices h100,h200] [--ptx DIR] [--resources]
+  python scripts/kernel_digest.py OUT.json [--models M ..] [--formats F ..] [--batches T ..]
+                                           [--devices h100 h200] [--ptx DIR] [--resources]
   python scripts/kernel_digest.py --compare BEFORE.json AFTER.json   (exit 1: a change)
 
 ptxas: $TRITON_PTXAS_PATH, else the one on PATH.
@@ -130,10 +130,9 @@ def _weights(model: str, fmt: str):
     shape = shape_for(model, tp, ep)
     one = random_weights(replace(shape, num_experts=1), "cpu")
     if fmt != "unquantized":
-        spec = make_spec(fmt)
-        one = quantize_experts(one, spec)
-        if spec.act_scheme == "static_tensor":  # calibrated activation scales [E]
-            one = replace(one, a13_scale=torch.ones(1), a2_scale=torch.ones(1))
+        static = make_spec(fmt).act_scheme == "static_tensor"  # calibrated scales needed
+        one = quantize_experts(one, fmt, **dict.fromkeys(("a13_scale", "a2_scale"),
+                                                         1.0 if static else None))  # fmt: skip
     grown = {}
     for f in fields(one):
         t = getattr(one, f.name)
@@ -180,11 +179,11 @@ def _calls(models, formats, batches, devices, calls: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?")
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--formats", default=",".join(FORMATS))
-    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    p.add_argument("--devices", default=",".join(DEVICES), help="whose shipped tables give the "
-                   "configs")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), help="--quantization specs")
+    p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument("--devices", nargs="+", default=list(DEVICES), choices=list(DEVICES),
+                   help="whose shipped tables give the configs")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     p.add_argument("--ptx", metavar="DIR", help="also write each kernel's PTX there, named by "
                    "its digest")
@@ -205,8 +204,7 @@ def main(argv=None) -> int:
     calls: dict = {"now": None}
     compiled = _compile_only(calls)
     t0 = time.time()
-    _calls(a.models.split(","), a.formats.split(","), [int(t) for t in a.batches.split(",")],
-           [DEVICES[d] for d in a.devices.split(",")], calls)  # fmt: skip
+    _calls(a.models, a.formats, a.batches, [DEVICES[d] for d in a.devices], calls)
     del calls["now"]
     digests, resources = {}, {}
     for name, kern in sorted(compiled.items()):

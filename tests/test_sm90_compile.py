@@ -34,7 +34,7 @@ def test_kernels_build_for_sm90_as_hopper_code(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_digest.py"), str(tmp_path / "d.json"),
-           "--models", MODEL, "--formats", ",".join(OPERANDS), "--batches", "1,4096",
+           "--models", MODEL, "--formats", *OPERANDS, "--batches", "1", "4096",
            "--devices", "h100", "--ptx", str(tmp_path / "ptx")]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
