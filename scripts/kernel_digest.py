@@ -201,6 +201,8 @@ def main(argv=None) -> int:
         print(f"{len(before.keys() & after.keys()) - len(changed)} same, {len(changed)} changed, "
               f"{len(only)} in one file only")  # fmt: skip
         return 1 if changed or only else 0
+    if not a.out:
+        p.error("OUT.json: where to write the digests (or --compare BEFORE.json AFTER.json)")
     calls: dict = {"now": None}
     compiled = _compile_only(calls)
     t0 = time.time()
