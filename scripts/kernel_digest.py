@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,10 +44,19 @@ MASKED_CAPACITIES = (8, 64, 512)
 DEVICES = {"h100": ("NVIDIA H100 80GB HBM3", (9, 0)), "h200": ("NVIDIA H200", (9, 0))}
 
 
-def _compile_only(calls: dict) -> dict:
+@dataclass
+class Launches:
+    """What the runner launched: each compiled kernel under its key (name and
+    specialization), and per call (named by `now` while it runs) the keys it launched."""
+
+    now: str = ""
+    kernels: dict = field(default_factory=dict)
+    calls: dict = field(default_factory=dict)
+
+
+def _compile_only() -> Launches:
     """Point Triton at an sm_90 target with no driver and make every launch a warmup (compile,
-    no run). Returns the dict each compiled kernel is added to under its key (name and
-    specialization); each launch also appends that key to calls[calls["now"]]."""
+    no run), recorded in the Launches returned."""
     if not os.environ.get("TRITON_PTXAS_PATH") and shutil.which("ptxas"):
         os.environ["TRITON_PTXAS_PATH"] = shutil.which("ptxas")
     from triton.backends.compiler import GPUTarget
@@ -77,19 +87,19 @@ def _compile_only(calls: dict) -> dict:
             return 0
 
     driver.set_active(Sm90NoDriver())
-    compiled: dict = {}
+    seen = Launches()
     run = JITFunction.run
 
     def warmup_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         cache = self.device_caches[0][0]
         key = f"{self.fn.__qualname__} {next(k for k, v in cache.items() if v is kernel)}"
-        compiled[key] = kernel
-        calls.setdefault(calls["now"], []).append(key)
+        seen.kernels[key] = kernel
+        seen.calls.setdefault(seen.now, []).append(key)
         return kernel
 
     JITFunction.run = warmup_only
-    return compiled
+    return seen
 
 
 _NOISE = re.compile(r"^\s*(\.loc|\.file|//|\$L__tmp\d+:)")
@@ -141,9 +151,9 @@ def _weights(model: str, fmt: str):
     return shape, replace(one, **grown)
 
 
-def _calls(models, formats, batches, devices, calls: dict) -> None:
-    """The runner's calls; calls["now"] names the one being made: 'MODEL FORMAT T=n DEVICE'
-    or 'MODEL FORMAT masked C=n'."""
+def _calls(models, formats, batches, devices, seen: Launches) -> None:
+    """The runner's calls, each named in seen.now while it runs: 'MODEL FORMAT T=n DEVICE' or
+    'MODEL FORMAT masked C=n'."""
     from moekit.runners.triton import ops
     from moekit.runners.triton.configs import get_config
     from moekit.runners.triton.ops import quant_tag
@@ -166,12 +176,12 @@ def _calls(models, formats, batches, devices, calls: dict) -> None:
                              for g in ("gate_up", "down"))  # fmt: skip
                 x = torch.empty(T, H, dtype=torch.bfloat16)
                 topk = uniform_topk(T, E, K, "cpu")
-                calls["now"] = f"{model} {fmt} T={T} {dev}"
+                seen.now = f"{model} {fmt} T={T} {dev}"
                 ops.fused_moe(x, topk, w, shape.act, cfgs, local_share=shape.local_share)
             if shape.local_share < 1:
                 for C in MASKED_CAPACITIES:
                     x = torch.empty(E, C, H, dtype=torch.bfloat16)
-                    calls["now"] = f"{model} {fmt} masked C={C}"
+                    seen.now = f"{model} {fmt} masked C={C}"
                     ops.fused_moe_masked(x, torch.zeros(E, dtype=torch.int32), w, shape.act)
             print(f"{model} {fmt}: done", file=sys.stderr, flush=True)
 
@@ -203,13 +213,11 @@ def main(argv=None) -> int:
         return 1 if changed or only else 0
     if not a.out:
         p.error("OUT.json: where to write the digests (or --compare BEFORE.json AFTER.json)")
-    calls: dict = {"now": None}
-    compiled = _compile_only(calls)
+    seen = _compile_only()
     t0 = time.time()
-    _calls(a.models, a.formats, a.batches, [DEVICES[d] for d in a.devices], calls)
-    del calls["now"]
+    _calls(a.models, a.formats, a.batches, [DEVICES[d] for d in a.devices], seen)
     digests, resources = {}, {}
-    for name, kern in sorted(compiled.items()):
+    for name, kern in sorted(seen.kernels.items()):
         if a.resources:
             resources[name] = resource_usage(kern.asm["cubin"]) | {
                 "SHARED_DYNAMIC": kern.metadata.shared}
@@ -220,9 +228,9 @@ def main(argv=None) -> int:
             with open(os.path.join(a.ptx, digests[name] + ".ptx"), "w") as f:
                 f.write(code)
     with open(a.out, "w") as f:
-        json.dump({"kernels": digests, "calls": calls, "resources": resources}, f, indent=1,
-                  sort_keys=True)  # fmt: skip
-    print(f"{len(calls)} calls, {len(digests)} kernels compiled in {time.time() - t0:.0f} s "
+        json.dump({"kernels": digests, "calls": seen.calls, "resources": resources}, f,
+                  indent=1, sort_keys=True)  # fmt: skip
+    print(f"{len(seen.calls)} calls, {len(digests)} kernels compiled in {time.time() - t0:.0f} s "
           f"-> {a.out}", file=sys.stderr)  # fmt: skip
     return 0
 
