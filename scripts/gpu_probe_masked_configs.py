@@ -1,0 +1,84 @@
+"""The `triton` runner's configs for the masked format (x [E, C, H] with counts [E]) timed in
+turns against each other: the heuristic (`ops.masked_configs`) and candidate tiles for one GEMM
+at a time, the other GEMM kept at the heuristic's. deepseek-v3 EP8's local shape (E=32, H=7168,
+I=2048), fp8 block-wise weights (whose heuristic tiles spill registers at C = 64 and 512:
+benchmarks/triton_notes.md, session 70) and bf16. CUDA-graph replay; each config's output is
+checked against the heuristic's on the valid rows.
+
+Usage (repo root, device machine): OUT=dir python scripts/gpu_probe_masked_configs.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+
+import torch
+
+from moekit.bench import time_ms_interleaved
+from moekit.experts import ActivationSpec, ExpertWeights
+from moekit.quant import quantize_experts
+from moekit.report import metadata
+from moekit.runners.triton import ops
+
+E, H, I = 32, 7168, 2048
+CASES = [(1, 64), (16, 64), (64, 128), (256, 512)]  # (mean rows per expert, capacity C)
+# (block_m, block_n, num_warps) per GEMM; block_m above C is skipped
+TILES = {
+    "gate_up": [(64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 64, 4), (64, 128, 8), (128, 64, 8),
+                (128, 32, 8)],
+    "down": [(64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 64, 8),
+             (64, 256, 8)],
+}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    act = ActivationSpec("silu")
+    base = ExpertWeights((torch.randn(E, 2 * I, H, device="cuda") / H**0.5).bfloat16(),
+                         (torch.randn(E, H, I, device="cuda") / I**0.5).bfloat16())  # fmt: skip
+    out = {"meta": metadata(command=" ".join(["python", *sys.argv]))}
+    for fmt in ("fp8_w8a8", "unquantized"):
+        w = base if fmt == "unquantized" else quantize_experts(base, "fp8_w8a8")
+        for mean, C in CASES:
+            counts = torch.poisson(torch.full((E,), float(mean))).clamp(max=C).int().cuda()
+            x = torch.randn(E, C, H, device="cuda").bfloat16()
+            valid = torch.arange(C, device="cuda")[None, :] < counts[:, None]
+            heur = ops.masked_configs(C, w)
+            ref = ops.fused_moe_masked(x, counts, w, act, heur).float()[valid]
+            pairs = {"heuristic": heur}
+            for i, gemm in enumerate(("gate_up", "down")):
+                for bm, bn, warps in TILES[gemm]:
+                    if bm > max(C, 64):
+                        continue
+                    cfg = replace(heur[i], block_m=bm, block_n=bn, num_warps=warps,
+                                  num_stages=4 if bm <= 64 else 3)  # fmt: skip
+                    if cfg != heur[i]:
+                        pairs[f"{gemm} {bm}x{bn} w{warps}"] = (
+                            (cfg, heur[1]) if i == 0 else (heur[0], cfg))
+            fns, errs = {}, {}
+            for name, cfgs in pairs.items():
+                try:
+                    got = ops.fused_moe_masked(x, counts, w, act, cfgs).float()[valid]
+                except Exception as e:  # noqa: BLE001 - a tile that does not build says why
+                    errs[name] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+                    continue
+                errs[name] = ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                fns[name] = lambda a=(x, counts, w, act, cfgs): ops.fused_moe_masked(*a)
+            ms = time_ms_interleaved(fns, "cuda")
+            key = f"{fmt} mean={mean} C={C} rows={int(counts.sum())}"
+            out[key] = {n: {"ms": ms.get(n), "diff": errs[n],
+                            "configs": [asdict(c) for c in pairs[n]]} for n in pairs}  # fmt: skip
+            print(key, flush=True)
+            for n in pairs:
+                rel = f"{ms[n] / ms['heuristic']:.3f}" if n in ms else "-"
+                print(f"  {n:24s} {ms.get(n, float('nan')):.4f} ms  x{rel}  diff {errs[n]}",
+                      flush=True)  # fmt: skip
+    with open(os.path.join(os.environ.get("OUT", "."), "masked_configs.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
