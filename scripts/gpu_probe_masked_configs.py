@@ -1,9 +1,10 @@
 """The `triton` runner's configs for the masked format (x [E, C, H] with counts [E]) timed in
-turns against each other: the heuristic (`ops.masked_configs`) and candidate tiles for one GEMM
-at a time, the other GEMM kept at the heuristic's. deepseek-v3 EP8's local shape (E=32, H=7168,
-I=2048), fp8 block-wise weights (whose heuristic tiles spill registers at C = 64 and 512:
-benchmarks/triton_notes.md, session 70) and bf16. CUDA-graph replay; each config's output is
-checked against the heuristic's on the valid rows.
+turns against each other: the heuristic (`ops.masked_configs`), candidate tiles for one GEMM
+at a time (the other GEMM kept at the heuristic's), and the shape's tuned tables of the standard
+format looked up at the capacity's or the mean's rows per expert. deepseek-v3 EP8's local
+shape (E=32, H=7168, I=2048), fp8 block-wise weights (whose heuristic tiles spill registers at
+C = 64 and 512: benchmarks/triton_notes.md, session 70) and bf16. CUDA-graph replay; each
+config's output is checked against the heuristic's on the valid rows.
 
 Usage (repo root, device machine): OUT=dir python scripts/gpu_probe_masked_configs.py
 """
@@ -21,9 +22,12 @@ from moekit.bench import time_ms_interleaved
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant import quantize_experts
 from moekit.report import metadata
+from moekit.runners._tables import device_key
 from moekit.runners.triton import ops
+from moekit.runners.triton.configs import get_config
+from moekit.runners.triton.ops import quant_tag
 
-E, H, I = 32, 7168, 2048
+E, K, H, I = 32, 8, 7168, 2048
 CASES = [(1, 64), (16, 64), (64, 128), (256, 512)]  # (mean rows per expert, capacity C)
 # (block_m, block_n, num_warps) per GEMM; block_m above C is skipped
 TILES = {
@@ -58,6 +62,14 @@ def main() -> None:
                     if cfg != heur[i]:
                         pairs[f"{gemm} {bm}x{bn} w{warps}"] = (
                             (cfg, heur[1]) if i == 0 else (heur[0], cfg))
+            # the shape's tuned tables (standard format), looked up as if every expert had
+            # `rows` rows: the capacity (known on the host) or the mean (an oracle)
+            dev, cap = device_key(x.device)
+            for what, rows in (("table at C", C), ("table at mean", mean)):
+                cfgs = tuple(get_config(g, rows * E / K, K, E, H, I, "bfloat16", dev,
+                                        quant_tag(w.spec), cap) for g in ("gate_up", "down"))
+                if min(c.block_m for c in cfgs) >= 16:  # block_m 1 is the direct rows' mode
+                    pairs[what] = cfgs
             fns, errs = {}, {}
             for name, cfgs in pairs.items():
                 try:
