@@ -1,7 +1,8 @@
 """The `triton` runner's configs for the masked format (x [E, C, H] with counts [E]) timed in
 turns against each other: the heuristic (`ops.masked_configs`), candidate tiles for one GEMM
 at a time (the other GEMM kept at the heuristic's), and the shape's tuned tables of the standard
-format looked up at the capacity's or the mean's rows per expert. deepseek-v3 EP8's local
+format looked up at the capacity's or the mean's rows per expert; deep_gemm's masked GEMMs with
+`expected_m` the capacity (its default) or the mean, for comparison. deepseek-v3 EP8's local
 shape (E=32, H=7168, I=2048), fp8 block-wise weights (whose heuristic tiles spill registers at
 C = 64 and 512: benchmarks/triton_notes.md, session 70) and bf16. CUDA-graph replay; each
 config's output is checked against the heuristic's on the valid rows.
@@ -22,19 +23,21 @@ from moekit.bench import time_ms_interleaved
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant import quantize_experts
 from moekit.report import metadata
+from moekit.runners import registry
 from moekit.runners._tables import device_key
 from moekit.runners.triton import ops
 from moekit.runners.triton.configs import get_config
 from moekit.runners.triton.ops import quant_tag
+from moekit.stages import MaskedDispatchOutput
 
 E, K, H, I = 32, 8, 7168, 2048
-CASES = [(1, 64), (16, 64), (64, 128), (256, 512)]  # (mean rows per expert, capacity C)
+# (mean rows per expert, capacity C); a low-latency all-to-all's C is ranks x its per-rank
+# token cap (8 x 128), far above the mean rows at decode batches
+CASES = [(4, 1024), (16, 1024), (1, 64), (16, 64), (64, 128), (256, 512)]
 # (block_m, block_n, num_warps) per GEMM; block_m above C is skipped
 TILES = {
-    "gate_up": [(64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 64, 4), (64, 128, 8), (128, 64, 8),
-                (128, 32, 8)],
-    "down": [(64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 64, 8),
-             (64, 256, 8)],
+    "gate_up": [(64, 64, 8), (64, 32, 4), (64, 128, 8)],
+    "down": [(64, 128, 4), (128, 64, 8), (64, 256, 8)],
 }
 
 
@@ -71,7 +74,21 @@ def main() -> None:
                 if min(c.block_m for c in cfgs) >= 16:  # block_m 1 is the direct rows' mode
                     pairs[what] = cfgs
             fns, errs = {}, {}
+            for what, m in (("deep_gemm at C", None), ("deep_gemm at mean", mean)):
+                dg = registry.runner_class("deep_gemm")(expected_m=m)
+                d = MaskedDispatchOutput(x, counts)
+                try:
+                    got = dg.run(d, w, act).out.float()[valid]
+                except Exception as e:  # noqa: BLE001 - not installed here: say why
+                    errs[what] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+                    pairs[what] = ()
+                    continue
+                pairs[what] = ()
+                errs[what] = ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                fns[what] = lambda a=(dg, d, w, act): a[0].run(*a[1:])
             for name, cfgs in pairs.items():
+                if not cfgs:
+                    continue
                 try:
                     got = ops.fused_moe_masked(x, counts, w, act, cfgs).float()[valid]
                 except Exception as e:  # noqa: BLE001 - a tile that does not build says why
