@@ -1,5 +1,6 @@
 """The `triton` runner's configs for the masked format (x [E, C, H] with counts [E]) timed in
-turns against each other: the heuristic (`ops.masked_configs`), candidate tiles for one GEMM
+turns against each other: the heuristic (`ops.masked_configs`, at C and at the mean rows per
+expert), candidate tiles for one GEMM
 at a time (the other GEMM kept at the heuristic's), and the shape's tuned tables of the standard
 format looked up at the capacity's or the mean's rows per expert; deep_gemm's masked GEMMs with
 `expected_m` the capacity (its default) or the mean, for comparison. deepseek-v3 EP8's local
@@ -55,7 +56,7 @@ def main() -> None:
             valid = torch.arange(C, device="cuda")[None, :] < counts[:, None]
             heur = ops.masked_configs(C, w)
             ref = ops.fused_moe_masked(x, counts, w, act, heur).float()[valid]
-            pairs = {"heuristic": heur}
+            pairs = {"heuristic": heur, "heuristic at mean": ops.masked_configs(mean, w)}
             for i, gemm in enumerate(("gate_up", "down")):
                 for bm, bn, warps in TILES[gemm]:
                     if bm > max(C, 64):
