@@ -1,12 +1,12 @@
 """The `triton` runner's configs for the masked format (x [E, C, H] with counts [E]) timed in
 turns against each other: the heuristic (`ops.masked_configs`, at C and at the mean rows per
-expert), candidate tiles for one GEMM
-at a time (the other GEMM kept at the heuristic's), and the shape's tuned tables of the standard
-format looked up at the capacity's or the mean's rows per expert; deep_gemm's masked GEMMs with
-`expected_m` the capacity (its default) or the mean, for comparison. deepseek-v3 EP8's local
-shape (E=32, H=7168, I=2048), fp8 block-wise weights (whose heuristic tiles spill registers at
-C = 64 and 512: benchmarks/triton_notes.md, session 70) and bf16. CUDA-graph replay; each
-config's output is checked against the heuristic's on the valid rows.
+expert), candidate tiles for one GEMM at a time (the other GEMM kept at the heuristic's), and
+the shape's tuned tables of the standard format looked up at the capacity's or the mean's rows
+per expert; deep_gemm's masked GEMMs with `expected_m` the capacity (its default) or the mean,
+for comparison. deepseek-v3 EP8's local shape (E=32, H=7168, I=2048), fp8 block-wise weights
+(whose heuristic tiles spill registers at C = 64 and 512: benchmarks/triton_notes.md, session
+70) and bf16. CUDA-graph replay; each config's output is checked against the heuristic's on
+the valid rows.
 
 Usage (repo root, device machine): OUT=dir python scripts/gpu_probe_masked_configs.py
 """
