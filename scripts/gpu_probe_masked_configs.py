@@ -1,12 +1,13 @@
 """The `triton` runner's configs for the masked format (x [E, C, H] with counts [E]) timed in
-turns against each other: the heuristic (`ops.masked_configs`, at C and at the mean rows per
-expert), candidate tiles for one GEMM at a time (the other GEMM kept at the heuristic's), and
-the shape's tuned tables of the standard format looked up at the capacity's or the mean's rows
-per expert; deep_gemm's masked GEMMs with `expected_m` the capacity (its default) or the mean,
-for comparison. deepseek-v3 EP8's local shape (E=32, H=7168, I=2048), fp8 block-wise weights
-(whose heuristic tiles spill registers at C = 64 and 512: benchmarks/triton_notes.md, session
-70) and bf16. CUDA-graph replay; each config's output is checked against the heuristic's on
-the valid rows.
+turns against each other: the heuristic (`default_config` adapted to the format, at C and at
+the mean rows per expert), the runner's choice (`ops.masked_configs`: the shape's tuned table
+at C rows per expert since session 71), the tuned table looked up at the mean rows per expert
+(an oracle), and with PROBE_TILES=1 candidate tiles for one GEMM at a time (the other GEMM kept
+at the heuristic's); deep_gemm's masked GEMMs with `expected_m` the capacity (its default) or
+the mean, for comparison. deepseek-v3 EP8's local shape (E=32, H=7168, I=2048), fp8 block-wise
+weights (whose heuristic tiles spill registers at C = 64 and 512: benchmarks/triton_notes.md,
+session 70) and bf16. CUDA-graph replay; each config's output is checked against the
+heuristic's on the valid rows.
 
 Usage (repo root, device machine): OUT=dir python scripts/gpu_probe_masked_configs.py
 """
@@ -27,7 +28,7 @@ from moekit.report import metadata
 from moekit.runners import registry
 from moekit.runners._tables import device_key
 from moekit.runners.triton import ops
-from moekit.runners.triton.configs import get_config
+from moekit.runners.triton.configs import adapt_config, default_config, get_config
 from moekit.runners.triton.ops import quant_tag
 from moekit.stages import MaskedDispatchOutput
 
@@ -42,6 +43,13 @@ TILES = {
 }
 
 
+def heuristic(rows: float, w: ExpertWeights) -> tuple:
+    """The heuristic configs at `rows` rows per expert (the runner's choice before session 71)."""
+    quant = quant_tag(w.spec)
+    return tuple(adapt_config(default_config(g, rows, n, k), quant, g)
+                 for g, n, k in (("gate_up", 2 * I, H), ("down", H, I)))  # fmt: skip
+
+
 def main() -> None:
     torch.manual_seed(0)
     act = ActivationSpec("silu")
@@ -54,11 +62,12 @@ def main() -> None:
             counts = torch.poisson(torch.full((E,), float(mean))).clamp(max=C).int().cuda()
             x = torch.randn(E, C, H, device="cuda").bfloat16()
             valid = torch.arange(C, device="cuda")[None, :] < counts[:, None]
-            heur = ops.masked_configs(C, w)
+            heur = heuristic(C, w)
             ref = ops.fused_moe_masked(x, counts, w, act, heur).float()[valid]
-            pairs = {"heuristic": heur, "heuristic at mean": ops.masked_configs(mean, w)}
+            pairs = {"heuristic": heur, "heuristic at mean": heuristic(mean, w),
+                     "runner's choice": ops.masked_configs(C, w, x.dtype, x.device)}  # fmt: skip
             for i, gemm in enumerate(("gate_up", "down")):
-                for bm, bn, warps in TILES[gemm]:
+                for bm, bn, warps in TILES[gemm] if os.environ.get("PROBE_TILES") == "1" else ():
                     if bm > max(C, 64):
                         continue
                     cfg = replace(heur[i], block_m=bm, block_n=bn, num_warps=warps,

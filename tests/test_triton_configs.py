@@ -224,6 +224,36 @@ def test_transfer_keeps_to_gemm_dtype_format_and_device_family(dirs):
     assert tc.get_config(*want, "Fourth GPU") == mine
 
 
+def test_masked_format_takes_its_tuned_entry_at_c_rows_per_expert(dirs, caplog):
+    """The masked format looks its shape's table up at C rows per expert (T = C * E / the
+    table's top_k), only for entries with MMA row blocks and within the table's span; otherwise
+    (and without top_k in the table's meta) the heuristic at C rows, adapted to the format."""
+    _, shipped = dirs
+    E, H, I = 32, 256, 128
+    decode, mid, big = GemmConfig(1, 64), GemmConfig(32, 64), GemmConfig(128, 128)
+    _tuned(shipped, "down", E, H, I, 8, {1: decode, 64: mid, 4096: big})
+    look = lambda c, quant="unquantized": tc.masked_config(  # noqa: E731
+        "down", c, E, H, I, "bfloat16", GPU, quant)
+    with caplog.at_level("INFO", logger="moekit"):
+        assert look(16) == mid  # T = 16 * 32 / 8 = 64
+    assert "triton runner masked down E=32 N=256 K=128" in caplog.text
+    assert look(1024) == big  # T = 4096
+    assert look(256) == big  # T = 1024: log2 distance 4 from 64, 2 from 4096
+    # the nearest entry is the standard format's one-pair-per-program mode: the heuristic
+    assert look(1) == tc.default_config("down", 1, H, I)
+    # past TABLE_SPAN_REACH x the largest key: the heuristic
+    assert look(4096 * tc.TABLE_SPAN_REACH) == tc.default_config("down", 16384, H, I)
+    # another format has no table of its own: its heuristic, adapted
+    fp8 = "fp8_w8a8-block128x128-token_group"
+    assert look(16, fp8) == tc.adapt_config(tc.default_config("down", 16, H, I), fp8, "down")
+    # a table whose meta does not name its top_k cannot map C to a batch size
+    key = TableKey("gate_up", E, 2 * I, H, "bfloat16", GPU, tc.triton_version())
+    tc.write_table(shipped / key.filename(), key, {64: mid}, {})
+    tc.clear_cache()
+    got = tc.masked_config("gate_up", 16, E, H, I, "bfloat16", GPU)
+    assert got == tc.default_config("gate_up", 16, 2 * I, H) != mid
+
+
 def test_a_decode_only_table_gives_way_to_a_near_shape_at_prefill(dirs, caplog):
     """kimi-k2's bf16 table was tuned for T <= 64 (keys up to 8 on an EP8 rank): at T = 4096 its
     T = 64 entry ran the layer at 5x the floor. Past TABLE_SPAN_REACH x its largest key the

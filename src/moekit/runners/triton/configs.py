@@ -276,10 +276,12 @@ def gemm_shape(gemm: str, hidden: int, intermediate: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Table:
-    """Configs per batch size, and where they came from."""
+    """Configs per batch size, where they came from, and the tuned shape's top_k (None where
+    the file's meta does not say)."""
 
     configs: dict[int | float, GemmConfig]
     source: str
+    top_k: int | None = None
 
     def pick(self, num_tokens: float) -> GemmConfig:
         """The config of the batch size nearest to num_tokens (`nearest_batch`)."""
@@ -295,7 +297,8 @@ def read_table(path: Path, data: dict | None = None) -> Table:
         raise ValueError(f"bad triton config file {path}: {err}") from err
     if not configs:
         raise ValueError(f"bad triton config file {path}: no batch-size keys")
-    return Table(configs, str(path))
+    top_k = data.get("meta", {}).get("top_k")
+    return Table(configs, str(path), int(top_k) if top_k else None)
 
 
 def write_table(path: Path, key: TableKey, configs: dict[int, GemmConfig], meta: dict) -> None:
@@ -345,6 +348,7 @@ def find_table(key: TableKey, num_tokens: float | None = None) -> Table | None:
 
 def clear_cache() -> None:
     get_config.cache_clear()
+    masked_config.cache_clear()
     find_table.cache_clear()
     tuned_shapes.cache_clear()
 
@@ -570,3 +574,44 @@ def get_config(
     )
     rows = max(1.0, num_tokens * top_k / num_experts)
     return default_config(gemm, rows, n, k)
+
+
+# The masked format takes a tuned entry only with MMA row blocks (block_m 1 is the standard
+# format's decode mode, one pair per program).
+MASKED_MIN_BLOCK_M = 16
+
+
+@functools.lru_cache(maxsize=256)
+def masked_config(
+    gemm: str,
+    capacity: int,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    dtype: str,
+    device: str,
+    quant: str = "unquantized",
+) -> GemmConfig:
+    """The config for one GEMM of the masked format (x [E, C, *], at most C = `capacity` rows
+    per expert): the entry of the shape's own tuned table whose rows per expert (T * top_k / E,
+    the table's top_k) are nearest C, where the table names its top_k, covers C and the entry
+    has block_m >= MASKED_MIN_BLOCK_M; else the heuristic at C rows, adapted to `quant`. The
+    grid spans C rows per expert whatever the counts, so C sets the tile, not the counts' mean
+    (H100, deepseek-v3 EP8 local shape, six (mean, C) cases: the table at C ran 0.58-0.94x the
+    heuristic's time in fp8 block-wise, 0.72-1.01x in bf16; benchmarks/triton_notes.md,
+    session 71)."""
+    n, k = gemm_shape(gemm, hidden, intermediate)
+    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
+    what = f"triton runner masked {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
+    table = find_table(key)
+    if table is not None and table.top_k:  # the version nearest the batch size, as get_config
+        table = find_table(key, capacity * num_experts / table.top_k)
+    if table is not None and table.top_k:
+        tokens = capacity * num_experts / table.top_k
+        cfg = table.pick(tokens)
+        if tokens <= TABLE_SPAN_REACH * max(table.configs) and cfg.block_m >= MASKED_MIN_BLOCK_M:
+            log_once(logging.INFO, f"{what}: tuned configs from {table.source}")
+            return cfg
+    log_once(logging.INFO, f"{what}: no tuned entry with row blocks for C={capacity}; "
+             "heuristic defaults")  # fmt: skip
+    return adapt_config(default_config(gemm, capacity, n, k), quant, gemm)

@@ -35,9 +35,8 @@ from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.configs import (
     PIPELINE,
     GemmConfig,
-    adapt_config,
-    default_config,
     get_config,
+    masked_config,
 )
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -785,14 +784,15 @@ def fused_moe(
     return sum_topk(y, ids, w.num_experts, torch.empty_like(x_TH))
 
 
-def masked_configs(capacity: int, w: ExpertWeights) -> tuple[GemmConfig, GemmConfig]:
-    """Heuristic configs for the masked format: capacity is the row count per expert."""
-    H, I = w.hidden_size, w.intermediate_size
-    quant = quant_tag(w.spec)
-    return (
-        adapt_config(default_config("gate_up", capacity, 2 * I, H), quant, "gate_up"),
-        adapt_config(default_config("down", capacity, H, I), quant, "down"),
-    )
+def masked_configs(
+    capacity: int, w: ExpertWeights, dtype: torch.dtype, device: torch.device
+) -> tuple[GemmConfig, GemmConfig]:
+    """(gate_up config, down config) for the masked format with `capacity` rows per expert
+    (`configs.masked_config`: the shape's tuned table at C rows per expert, else a heuristic)."""
+    dev, _ = device_key(device)
+    E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+    return tuple(masked_config(g, capacity, E, H, I, _TL_DTYPES[dtype], dev, quant_tag(w.spec))
+                 for g in ("gate_up", "down"))  # fmt: skip
 
 
 def fused_moe_masked(
@@ -816,7 +816,7 @@ def fused_moe_masked(
     if x.stride(-1) != 1 or x.stride(0) != H:
         x = x.contiguous()
     counts = counts_E.to(device=x.device, dtype=torch.int32).contiguous()
-    cfg1, cfg2 = configs or masked_configs(C, w)
+    cfg1, cfg2 = configs or masked_configs(C, w, x_ECH.dtype, x_ECH.device)
     rows = Rows.masked(counts, C, E)
     h = gate_up(x, rows, w, act, cfg1, 1)
     down(h, rows, w, cfg2, out.view(E * C, H))
