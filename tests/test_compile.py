@@ -4,6 +4,8 @@ batch size (empty batches included), and layers alike share one compiled graph. 
 aot_eager (the graph and its fake-tensor shapes, no Inductor); GPU: Inductor, and CUDA graphs
 through mode="reduce-overhead"."""
 
+import math
+
 import pytest
 import torch
 
@@ -51,6 +53,45 @@ def test_layer_compiles_whole_and_matches_eager(runner):
         assert rel_err(out, ref) < TOLERANCE[DTYPE], T
 
 
+def _counting(graphs: list):
+    """A torch.compile backend that runs each graph eagerly and keeps it in `graphs`."""
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def test_dynamic_shapes_trace_one_graph():
+    """torch.compile(dynamic=True): the activation's float fields reach the experts op as a
+    literal (traced floats would be symbols), and a masked dispatch's expected_rows computed
+    from the symbolic batch size stays a symbol: one graph serves every batch size."""
+    m = layer("torch", activation="swiglu_oai", interleaved=True)
+    graphs: list = []
+    compiled = torch.compile(m, fullgraph=True, backend=_counting(graphs), dynamic=True)
+    for T in (3, 5, 9):
+        x, logits = inputs(m, T)
+        with torch.no_grad():
+            assert rel_err(compiled(x, logits), m(x, logits)) < TOLERANCE[DTYPE], T
+    assert len(graphs) == 1
+    weights, act, E, H = m.expert_weights, m.act, 8, m.config.hidden_size
+
+    def step(x, counts):
+        hint = math.ceil(x.shape[1] * 2.5 / E)
+        d = MaskedDispatchOutput(x, counts, expected_rows=hint)
+        return run_experts(d, weights, act, m.runners).out
+
+    masked: list = []
+    compiled = torch.compile(step, fullgraph=True, backend=_counting(masked), dynamic=True)
+    for C in (4, 6, 9):
+        counts = torch.randint(0, C + 1, (E,), dtype=torch.int32, device=DEVICE)
+        x = torch.randn(E, C, H, device=DEVICE, dtype=DTYPE)
+        valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
+        assert rel_err(compiled(x, counts)[valid], step(x, counts)[valid]) < TOLERANCE[DTYPE]
+    assert len(masked) == 1
+
+
 @pytest.mark.parametrize("fmt", ["fp8_w8a8", "int4_w4a16", "mxfp4"])
 def test_quantized_layer_compiles(fmt):
     """The spec travels into the op by value (its fields), the scales in the tensor list."""
@@ -90,7 +131,9 @@ def test_fused_moe_functional_compiles():
     assert rel_err(step(x, w, ids), ref) < TOLERANCE[DTYPE]
 
 
-def test_masked_format_compiles():
+@pytest.mark.parametrize("hint", [None, 2])
+def test_masked_format_compiles(hint):
+    """hint: the dispatcher's expected rows per expert, a constant of the graph."""
     m = layer("torch")
     weights, act = m.expert_weights, m.act
     E, C, H = 8, 4, m.config.hidden_size
@@ -98,7 +141,8 @@ def test_masked_format_compiles():
     x = torch.randn(E, C, H, device=DEVICE, dtype=DTYPE)
 
     def step(x, counts):
-        return run_experts(MaskedDispatchOutput(x, counts), weights, act, m.runners).out
+        d = MaskedDispatchOutput(x, counts, expected_rows=hint)
+        return run_experts(d, weights, act, m.runners).out
 
     out = torch.compile(step, fullgraph=True, backend=BACKEND)(x, counts)
     ref = step(x, counts)

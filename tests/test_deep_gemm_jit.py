@@ -76,3 +76,18 @@ def test_build_needs_the_toolchain(monkeypatch):
     jit.library.cache_clear()
     with pytest.raises(RuntimeError, match="needs nvcc"):
         jit.library(_cfg())
+
+
+def test_masked_expected_m_prefers_the_override_then_the_dispatchers_hint():
+    """The masked GEMMs' expected_m: the runner's own setting, else the dispatcher's expected
+    rows per expert, else the capacity; always within [1, C]. With the hint, a decode batch in
+    a wide capacity gets the 64-row tile."""
+    from moekit.runners.deep_gemm import masked_expected_m
+
+    assert masked_expected_m(1024, None, None) == 1024
+    assert masked_expected_m(1024, None, 4) == 4
+    assert masked_expected_m(1024, 200, 4) == 200
+    assert masked_expected_m(16, None, 40) == 16  # never past C
+    assert masked_expected_m(16, None, 0) == 16  # an empty batch's hint says nothing
+    assert jit.row_tile(True, masked_expected_m(1024, None, 4)) == 64
+    assert jit.row_tile(True, masked_expected_m(1024, None, None)) == 128

@@ -135,15 +135,17 @@ def test_masked_off_grid_shape(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("C", [16, 128])
-def test_masked(C, fp8):
+@pytest.mark.parametrize("C, hint", [(16, None), (128, None), (128, 4)])
+def test_masked(C, hint, fp8):
+    """hint: the dispatcher's expected rows per expert (4 in C = 128: the 64-row tile, the
+    counts still up to C)."""
     E, K, H, I = SHAPES["deepseek-v3-ep8"]
     w = _weights(E, H, I, fp8)
     x = torch.randn(E, C, H, device="cuda").to(torch.bfloat16)
     counts = torch.randint(0, C + 1, (E,), device="cuda", dtype=torch.int32)
     counts[0], counts[1] = 0, C
     act = ActivationSpec("silu")
-    out = _runner().run(MaskedDispatchOutput(x, counts), w, act).out
+    out = _runner().run(MaskedDispatchOutput(x, counts, expected_rows=hint), w, act).out
     ref = TorchRunner().run(MaskedDispatchOutput(x, counts), w, act).out
     valid = torch.arange(C, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
     tol = FP8_VS_REFERENCE if fp8 else TOLERANCE[torch.bfloat16]

@@ -4,6 +4,7 @@ gloo ranks; the same cases on GPUs with NCCL, plus CUDA-graph capture of low-lat
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, replace
 
@@ -335,6 +336,20 @@ def test_reference_twin_matches_dense_moe(routing):
         assert rel_err(masked[s], expected[s]) < 1e-5
 
 
+def test_masked_expected_rows_is_the_mean_count_under_uniform_routing():
+    """expected_rows (the runners' size hint) is the mean rows per local expert of uniformly
+    routed tokens, redundant copies included: rank 0 holds two of expert 0's three copies."""
+    R, E, K, H, T = 2, 4, 2, 8, 3000
+    placement = ExpertPlacement(torch.tensor([0, 1, 2, 0, 3, 4, 5, 0]), R)
+    ref = ReferenceAllToAll(placement)
+    assert ref.local_share(0) == pytest.approx((2 / 3 + 2) / 6)
+    xs, topks = ep_inputs(2, (T, T), 6, K, H)
+    for r, m in enumerate(ref.dispatch_masked(xs, topks, T)):
+        mean = m.counts.float().mean().item()
+        assert m.expected_rows == math.ceil(R * T * K * ref.local_share(r) / E)
+        assert abs(mean - m.expected_rows) < 0.05 * m.expected_rows, (r, mean)
+
+
 def test_single_rank_dispatcher_and_capacity_error():
     E, K, H, I = 6, 2, 16, 8
     placement = ExpertPlacement.contiguous(E)
@@ -546,6 +561,7 @@ def run_a2a_case(case: A2A, device_type: str = "cpu") -> str:
         ref_d = ref.dispatch_masked(xs, topks, case.capacity)
         assert out.x.shape == (n, R * case.capacity, case.H)
         assert torch.equal(out.counts.cpu(), ref_d[me].counts)
+        assert out.expected_rows == ref_d[me].expected_rows
         for e, c in enumerate(ref_d[me].counts.tolist()):
             assert same_rows(out.x[e, :c], ref_d[me].x[e, :c]), f"expert {e} rows"
         ref_y = [runner.run(ref_d[r], local[r], act).out for r in range(R)]

@@ -9,14 +9,17 @@ The op runs `moekit.layer.run_experts` itself, so `auto` decides per batch size 
 mode (once per shape; under CUDA graphs, when the graph for that size is recorded).
 
 What is not a tensor (the layer's RunnerConfig, the weight format and its spec, the
-activation) travels as an int naming an interned context of their values; the tensors of
-`ExpertWeights` travel as a list. Decisions of compiled calls are cached per RunnerConfig (not
+activation, whose floats come as a literal string: `torch.compile(dynamic=True)` would trace
+them as symbols) travels as an int naming an interned context of their values; the tensors of
+`ExpertWeights` travel as a list, and a masked dispatch's `expected_rows` as an int (a symbol
+where the batch size is one). Decisions of compiled calls are cached per RunnerConfig (not
 in the layer's own `runners`), so every layer alike shares one compiled graph. Calls replayed
 from CUDA graphs run no Python, so `moekit.metrics` counts only the recorded ones.
 """
 
 from __future__ import annotations
 
+from ast import literal_eval
 from dataclasses import fields
 from typing import TYPE_CHECKING, Optional
 
@@ -49,10 +52,10 @@ _RESOLVED: list[tuple] = []  # (RunnerCache, format, QuantSpec | None, Activatio
 
 
 @torch.compiler.assume_constant_result
-def _context(runner: tuple, fmt: str, spec: tuple, act: tuple) -> int:
+def _context(runner: tuple, fmt: str, spec: tuple, act: str) -> int:
     """The interned context of (RunnerConfig fields, format, spec fields, ActivationSpec
-    fields); under dynamo evaluated while tracing, so the int is a constant of the graph and
-    registered before the graph first runs."""
+    fields as a literal); under dynamo evaluated while tracing, so the int is a constant of the
+    graph and registered before the graph first runs."""
     key = (runner, fmt, spec, act)
     ctx = _CONTEXT_IDS.get(key)
     if ctx is None:
@@ -78,7 +81,7 @@ def _resolve_context(ctx: int) -> tuple:
         if config not in _RUNNERS:
             _RUNNERS[config] = RunnerCache(config)
         spec = make_spec(fmt, **dict(spec)) if fmt != "unquantized" else None
-        _RESOLVED.append((_RUNNERS[config], fmt, spec, ActivationSpec(*act)))
+        _RESOLVED.append((_RUNNERS[config], fmt, spec, ActivationSpec(*literal_eval(act))))
     return _RESOLVED[ctx]
 
 
@@ -107,18 +110,23 @@ def _experts_fake(x, topk_weights, topk_ids, tensors, ctx, local_share):
 
 @torch.library.custom_op("moekit::experts_masked", mutates_args=())
 def experts_masked(
-    x: torch.Tensor, counts: torch.Tensor, tensors: list[Optional[torch.Tensor]], ctx: int
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    tensors: list[Optional[torch.Tensor]],
+    ctx: int,
+    expected_rows: Optional[int],
 ) -> torch.Tensor:
     """Masked format: x [E, C, H], counts [E] int32 -> [E, C, H] unweighted (rows at or past
     an expert's count undefined)."""
     from moekit.layer import run_experts
 
     runners, weights, act = _resolve(tensors, ctx)
-    return run_experts(MaskedDispatchOutput(x, counts), weights, act, runners).out
+    d = MaskedDispatchOutput(x, counts, expected_rows=expected_rows)
+    return run_experts(d, weights, act, runners).out
 
 
 @experts_masked.register_fake
-def _experts_masked_fake(x, counts, tensors, ctx):
+def _experts_masked_fake(x, counts, tensors, ctx, expected_rows):
     return x.new_empty(x.shape)
 
 
@@ -132,10 +140,11 @@ def run_experts_op(
         (cfg.moe_runner_backend, cfg.enable_adaptive_moe, cfg.adaptive_moe_batch_threshold),
         weights.format,
         () if spec is None else tuple((f.name, getattr(spec, f.name)) for f in fields(spec)),
-        (act.name, act.interleaved, act.alpha, act.limit),
+        act.literal,
     )
     if isinstance(d, MaskedDispatchOutput):
-        return MaskedRunnerOutput(experts_masked(d.x, d.counts, tensors, ctx))
+        out = experts_masked(d.x, d.counts, tensors, ctx, d.expected_rows)
+        return MaskedRunnerOutput(out)
     topk = d.topk
     return StandardRunnerOutput(
         experts(d.x, topk.weights, topk.ids, tensors, ctx, float(d.local_share))

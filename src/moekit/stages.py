@@ -40,11 +40,17 @@ class StandardDispatchOutput:
 
 @dataclass
 class MaskedDispatchOutput:
-    """x [E_local, C, H]; counts [E_local] int32 valid rows per expert; handle for combine."""
+    """x [E_local, C, H]; counts [E_local] int32 valid rows per expert; handle for combine.
+
+    expected_rows: the mean of counts under uniform routing, rounded up (the dispatcher knows it
+    on the host; the counts are on the device), a size hint for kernels tuned to the rows they
+    will see (deep_gemm's `expected_m`); None: not known (C stands in). An int, so that under
+    torch.compile a batch size traced as a symbol stays one. Results never depend on it."""
 
     x: torch.Tensor
     counts: torch.Tensor
     handle: Any = None
+    expected_rows: int | None = None
     format: ClassVar[str] = MASKED
 
 

@@ -61,6 +61,7 @@ fp8_dispatch: the token rows travel as float8_e4m3fn with one float32 scale per 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -632,7 +633,9 @@ class AllToAllDispatcher(Dispatcher):
         x_masked = layout.unpack_scatter(layout.payload_view(recv), dest, E * RC,
                                          self.impl).view(E, RC, H)
         handle = LowLatencyHandle(T, dest, weights, rows_TR, x_TH.dtype)
-        return MaskedDispatchOutput(x_masked, counts, handle)
+        # mean rows per local expert under uniform routing, every rank sending T tokens
+        expected = math.ceil(R * T * K * self.slots.local_share(self.ep_rank) / E)
+        return MaskedDispatchOutput(x_masked, counts, handle, expected_rows=expected)
 
     def combine_low_latency(self, out_ECH: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:
         """out_ECH [E, R*C, H] unweighted expert outputs -> [T, H] for this rank's tokens."""

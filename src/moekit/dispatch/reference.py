@@ -15,6 +15,7 @@ c_{t % n} for token t (spread) or c_0.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,15 @@ class ReferenceAllToAll:
         return torch.tensor([[self.slot(t, e) for e in row] for t, row in enumerate(ids)],
                             dtype=torch.int32).reshape(topk.ids.shape)
 
+    def local_share(self, r: int) -> float:
+        """The share of uniformly routed pairs whose slot is on rank r: each logical expert
+        counts 1 / L, split evenly over its copies (spread) or all on its first copy."""
+        share = 0.0
+        for slots in self.copies.values():
+            here = [s // self.E == r for s in slots]
+            share += sum(here) / len(slots) if self.spread else float(here[0])
+        return share / len(self.copies)
+
     def _local(self, t: int, ids_row: list[int], w_row: list[float], r: int):
         ids, ws = [], []
         for e, w in zip(ids_row, w_row):
@@ -112,7 +122,9 @@ class ReferenceAllToAll:
 
     def dispatch_masked(self, xs: list[torch.Tensor], topks: list[TopKOutput], capacity: int):
         """-> list over ranks of MaskedDispatchOutput, x [E, R * capacity, H] with zero padding
-        (handle: RefMaskedHandle, shared). Raises ValueError when a rank has > capacity tokens."""
+        (handle: RefMaskedHandle, shared), expected_rows the mean count per expert of rank r
+        under uniform routing if every rank sent rank r's token count, rounded up. Raises
+        ValueError when a rank has > capacity tokens."""
         H = xs[0].shape[1]
         for s, x in enumerate(xs):
             if x.shape[0] > capacity:
@@ -130,7 +142,9 @@ class ReferenceAllToAll:
                             xm[e, len(handle.pairs[r][e])] = x[t]
                             handle.pairs[r][e].append((s, t, wk))
             counts = torch.tensor([len(p) for p in handle.pairs[r]], dtype=torch.int32)
-            outs.append(MaskedDispatchOutput(xm, counts, handle))
+            sent = self.R * xs[r].shape[0] * topks[r].ids.shape[1]  # pairs, if all sent as r
+            outs.append(MaskedDispatchOutput(xm, counts, handle,
+                                             math.ceil(sent * self.local_share(r) / self.E)))
         return outs
 
     def combine_masked(self, outs: list[torch.Tensor], handle: RefMaskedHandle):

@@ -153,13 +153,15 @@ class Runner(ABC):
         masked format -> MaskedRunnerOutput [E, C, H] (unweighted).
 
         By default: check, then `run_standard(x, topk, weights, act, local_share)` or
-        `run_masked(x, counts, weights, act)`, which a runner defines for the formats it
-        declares; a runner with more to do around them overrides `run` itself. local_share
-        (the dispatcher's expected share of local pairs) may size launches; results do not
-        depend on it."""
+        `run_masked(x, counts, weights, act, expected_rows)`, which a runner defines for the
+        formats it declares; a runner with more to do around them overrides `run` itself.
+        local_share (the dispatcher's expected share of local pairs) and expected_rows (its
+        expected rows per expert, rounded up, or None) may size launches; results do not
+        depend on them."""
         self.check(dispatch_out, weights, act)
         if isinstance(dispatch_out, MaskedDispatchOutput):
-            out = self.run_masked(dispatch_out.x, dispatch_out.counts, weights, act)
+            out = self.run_masked(dispatch_out.x, dispatch_out.counts, weights, act,
+                                  dispatch_out.expected_rows)  # fmt: skip
             return MaskedRunnerOutput(out)
         return StandardRunnerOutput(self.run_standard(
             dispatch_out.x, dispatch_out.topk, weights, act, dispatch_out.local_share))  # fmt: skip

@@ -298,10 +298,11 @@ class CutlassRunner(Runner):
         )
 
     def run_masked(
-        self, x_ECH: torch.Tensor, counts_E: torch.Tensor, w: ExpertWeights, act: ActivationSpec
+        self, x_ECH: torch.Tensor, counts_E: torch.Tensor, w: ExpertWeights, act: ActivationSpec,
+        expected_rows: int | None = None,
     ) -> torch.Tensor:
         """x [E, C, H], counts [E] -> unweighted expert outputs [E, C, H] (rows past counts
-        undefined)."""
+        undefined). expected_rows is not used: the grouped GEMMs take no size hint."""
         if w.is_quantized:
             return self._run_masked_fp8(x_ECH, counts_E, w, act)
         self._check_shapes(x_ECH, w)

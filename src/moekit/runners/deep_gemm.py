@@ -14,8 +14,9 @@ weight_scale='block'; DeepGEMM's 1d2d kernel). Layouts:
               the kernel gets each expert's end row and visits only the tiles that hold pairs;
   masked   -> DeepGEMM's masked layout (decode, what a low-latency all-to-all delivers):
               x [E, C, H] with counts [E]; C is padded to the kernel's row tile (64 when
-              `expected_m` <= 64, else 128). `expected_m` (rows per expert to tune for) defaults
-              to C.
+              `expected_m` <= 64, else 128). `expected_m` (rows per expert to tune for) is the
+              dispatcher's expected rows per expert where it gives them, else C
+              (`masked_expected_m`).
 Each GEMM's input rows (the gather of x; the activation of h with b13) and their fp8
 quantization come from one Triton kernel (`_cutlass_kernels.gemm_rows`), the weighted top-k sum
 (+ b2) from the cutlass runner's.
@@ -95,6 +96,17 @@ def shape_problem(hidden: int | None, intermediate: int | None) -> str | None:
     return None
 
 
+def masked_expected_m(capacity: int, override: int | None, expected_rows: int | None) -> int:
+    """The rows per expert the masked GEMMs are tuned for (DeepGEMM's `expected_m`, which picks
+    the row tile: `jit.row_tile`): the runner's `expected_m` when set, else the dispatcher's
+    expected rows per expert (0: an empty batch, no hint), else the capacity; within
+    [1, capacity]. (H100,
+    deepseek-v3 EP8's local shape at C = 1024 with 4 / 16 rows per expert: the mean instead of C
+    took 3-4% off fp8 and bf16; level at C = 64-512; benchmarks/triton_notes.md, session 71.)"""
+    m = override or expected_rows or capacity
+    return max(1, min(capacity, m))
+
+
 @register
 class DeepGemmRunner(Runner):
     """DeepGEMM grouped GEMMs (SM90): contiguous layout for the standard format, masked layout for
@@ -116,7 +128,7 @@ class DeepGemmRunner(Runner):
 
     def __init__(self, *, expected_m: int | None = None) -> None:
         """expected_m: DeepGEMM's hint of the typical rows per expert in the masked layout
-        (default: the capacity C)."""
+        (default: the dispatcher's `expected_rows`, else the capacity C)."""
         self.expected_m = expected_m
 
     @classmethod
@@ -223,15 +235,18 @@ class DeepGemmRunner(Runner):
             y, rows.row_TK, topk.weights, topk.ids, w.b2, H, x_TH.dtype, use_triton=tri
         )
 
-    def run_masked(self, x_ECH, counts_E, w: ExpertWeights, act: ActivationSpec) -> torch.Tensor:
+    def run_masked(
+        self, x_ECH, counts_E, w: ExpertWeights, act: ActivationSpec,
+        expected_rows: int | None = None,
+    ) -> torch.Tensor:
         """x [E, C, H] bf16, counts [E] int32 -> unweighted [E, C, H] (rows past counts
-        undefined)."""
+        undefined). expected_rows: the dispatcher's mean rows per expert (`masked_expected_m`)."""
         fp8 = self._check(x_ECH, w)
         E, C, _ = x_ECH.shape
         if (empty := self.empty_masked(x_ECH, w)) is not None:
             return empty
         counts = counts_E.to(torch.int32).clamp(max=C).contiguous()
-        expected_m = max(1, min(C, self.expected_m or C))
+        expected_m = masked_expected_m(C, self.expected_m, expected_rows)
         tile = jit.row_tile(True, expected_m)
         Cp = -(-C // tile) * tile  # the kernel stores whole row tiles: pad C to one
         x = x_ECH if Cp == C else torch.nn.functional.pad(x_ECH, (0, 0, 0, Cp - C))
