@@ -77,7 +77,11 @@ ADAPTIVE_SMALL, ADAPTIVE_LARGE = "triton", "triton_kernel"
 #   shape at 1-64 rows per expert (scripts/gpu_probe_masked.py, results/
 #   20261122T0610Z_H100_masked_probe.json, ..._T0630Z_H200_masked_probe.json): fp8 4-25%
 #   (H100) and 18-34% (H200) faster than `triton`; bf16 within 1.5% to 8% faster (H100) and
-#   10-21% faster (H200).
+#   10-21% faster (H200). Since `triton` takes its tuned tables in the masked format (session
+#   71, H100, results/ab/s71/20261207T1306Z_H100_masked_configs_runner_choice.json), deep_gemm
+#   with expected_m the mean takes, of `triton`'s time: fp8 0.89-0.99x at 1-64 rows per expert
+#   and 0.58x at 256; bf16 0.98-1.01x at C = 64 / 128, 0.87x at 256 rows, but 1.02-1.03x at
+#   C = 1024 with 4 / 16 rows.
 DEEP_GEMM_FIRST = "deep_gemm"
 # Where w4a16 leads without a table: 4-bit weights (int4_w4a16, mxfp4, nvfp4) at T <= 16
 # tokens, where it was faster than the 4-bit `triton` at 32 of 33 points of the four presets on
