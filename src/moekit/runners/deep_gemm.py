@@ -100,9 +100,9 @@ def masked_expected_m(capacity: int, override: int | None, expected_rows: int | 
     """The rows per expert the masked GEMMs are tuned for (DeepGEMM's `expected_m`, which picks
     the row tile: `jit.row_tile`): the runner's `expected_m` when set, else the dispatcher's
     expected rows per expert (0: an empty batch, no hint), else the capacity; within
-    [1, capacity]. (H100,
-    deepseek-v3 EP8's local shape at C = 1024 with 4 / 16 rows per expert: the mean instead of C
-    took 3-4% off fp8 and bf16; level at C = 64-512; benchmarks/triton_notes.md, session 71.)"""
+    [1, capacity]. (H100, deepseek-v3 EP8's local shape at C = 1024 with 4 / 16 rows per
+    expert: the mean instead of C took 3% off fp8 and 4-5% off bf16; level at C = 64-512;
+    benchmarks/triton_notes.md, session 71.)"""
     m = override or expected_rows or capacity
     return max(1, min(capacity, m))
 
