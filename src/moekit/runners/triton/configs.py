@@ -496,7 +496,9 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
     (at most 256). With per-group scales (block weights / token-group activations) the K step
     is one group (128), and each step keeps a float32 partial product beside the
     accumulators, so the tile is cut to half the accumulator area the bf16 config may use
-    (at most 64 x 128 per 4 warps: no register spills). Weight-only formats keep the tile (the
+    (at most 64 x 128 per 4 warps; sm_90's ptxas still spills a few of these tiles: gate_up
+    64 x (2 x 64) at 4 warps, down 128 x 128 at 8, which the tuned tables avoid; see
+    benchmarks/triton_notes.md, sessions 70 and 71). Weight-only formats keep the tile (the
     dequantized tile is what the registers hold) and load through pointers; the packed 4-bit
     ones (int4_w4a16, mxfp4, nvfp4) also leave swap_ab off: their weights then reach the MMA
     through ldmatrix in 4-byte pieces, while swapped they are read 2 bytes at a time and
