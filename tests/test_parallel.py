@@ -135,6 +135,7 @@ class LayerCase:
     dense_tp: int | None = None
     compiled: bool = False  # through torch.compile (dynamo + aot_eager)
     fullgraph: bool = False  # ... as one graph
+    dynamic: bool | None = None  # torch.compile's `dynamic`
     dtype: str = "float32"
 
 
@@ -176,7 +177,8 @@ def run_layer_case(case: LayerCase):
     x, logits = torch.randn(T, H, generator=gi), torch.randn(T, E, generator=gi)
     call = layer
     if case.compiled:
-        call = torch.compile(layer, backend="aot_eager", fullgraph=case.fullgraph)
+        call = torch.compile(layer, backend="aot_eager", fullgraph=case.fullgraph,
+                             dynamic=case.dynamic)  # fmt: skip
     dtype = getattr(torch, case.dtype)
     x = x.to(dtype)
     out = call(x.to(state.device), logits.to(state.device))
@@ -204,6 +206,10 @@ def _layer_cases_2():
                   tokens=(5, 20), compiled=True),
         LayerCase("compiled-alltoall-tp2-ll", 2, 2, backend="alltoall", mode="low_latency",
                   tokens=(3, 7), compiled=True, fullgraph=True),
+        LayerCase("compiled-dynamic-alltoall-tp2-ll", 2, 2, backend="alltoall",
+                  mode="low_latency", tokens=(3, 7), compiled=True, fullgraph=True, dynamic=True),
+        LayerCase("compiled-dynamic-none-tp2-ep2", 2, 2, compiled=True, fullgraph=True,
+                  dynamic=True),
         # bf16 rows packed into the byte send buffer through a bf16 view of it
         LayerCase("compiled-alltoall-tp2-normal-bf16", 2, 2, backend="alltoall", mode="normal",
                   tokens=(5, 20), compiled=True, dtype="bfloat16"),
