@@ -64,9 +64,11 @@ def _counting(graphs: list):
 
 
 def test_dynamic_shapes_trace_one_graph():
-    """torch.compile(dynamic=True): the activation's float fields reach the experts op as a
-    literal (traced floats would be symbols), and a masked dispatch's expected_rows computed
-    from the symbolic batch size stays a symbol: one graph serves every batch size."""
+    """torch.compile(dynamic=True): the activation's float fields (traced as symbols) reach the
+    experts op as float arguments, not in its constant context, and a masked dispatch's
+    expected_rows computed from the symbolic batch size stays a symbol: one graph serves every
+    batch size. `fused_moe` with the floats as arguments of the compiled function: one graph
+    per alpha (the op's float argument specialises)."""
     m = layer("torch", activation="swiglu_oai", interleaved=True)
     graphs: list = []
     compiled = torch.compile(m, fullgraph=True, backend=_counting(graphs), dynamic=True)
@@ -90,6 +92,21 @@ def test_dynamic_shapes_trace_one_graph():
         valid = torch.arange(C, device=DEVICE)[None, :] < counts[:, None]
         assert rel_err(compiled(x, counts)[valid], step(x, counts)[valid]) < TOLERANCE[DTYPE]
     assert len(masked) == 1
+
+    def functional(x, w, ids, alpha):
+        return fused_moe(x, weights.w13, weights.w2, w, ids, activation="swiglu_oai",
+                         interleaved=True, swiglu_alpha=alpha, moe_runner_backend="torch")
+
+    calls: list = []
+    compiled = torch.compile(functional, fullgraph=True, backend=_counting(calls), dynamic=True)
+    for T, alpha in ((3, 1.702), (5, 1.702), (9, 1.5)):
+        x = torch.randn(T, H, device=DEVICE, dtype=DTYPE)
+        ids = torch.rand(T, E, device=DEVICE).argsort(1)[:, :2].to(torch.int32)
+        w = torch.rand(T, 2, device=DEVICE)
+        want = functional(x, w, ids, alpha)  # eager first: it makes the backend's runners
+        got = compiled(x, w, ids, alpha)
+        assert rel_err(got, want) < TOLERANCE[DTYPE], (T, alpha)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("fmt", ["fp8_w8a8", "int4_w4a16", "mxfp4"])

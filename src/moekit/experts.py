@@ -8,7 +8,7 @@ tensor layouts per format are in `moekit.quant.spec`).
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,9 +45,6 @@ class ActivationSpec:
         check_choice("activation", self.name, ACTIVATIONS)
         if self.name == "swiglu_oai" and not self.limit > 0:
             raise ConfigError(f"--swiglu-limit must be > 0, got {self.limit}")
-        # the fields as a literal, made here: torch.compile(dynamic=True) traces the float
-        # fields as symbols but a string as a constant (`moekit.compiled`)
-        object.__setattr__(self, "literal", repr(astuple(self)))
 
     @classmethod
     def from_config(cls, config: MoEConfig) -> "ActivationSpec":
