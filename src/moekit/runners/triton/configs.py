@@ -360,13 +360,17 @@ def clear_cache() -> None:
 
 @dataclass(frozen=True)
 class TunedShape:
-    """A table with what its configs were tuned for: its key, the shape's top_k and the compute
-    capability of its device (`meta`; None where the file does not say)."""
+    """A table with what its configs were tuned for: its key, the shape's top_k (the table's,
+    from its meta) and the compute capability of its device (None where the file does not
+    say)."""
 
     key: TableKey
-    top_k: int
     capability: tuple[int, int] | None
     table: Table
+
+    @property
+    def top_k(self) -> int:
+        return self.table.top_k
 
 
 @functools.cache
@@ -379,11 +383,11 @@ def tuned_shapes() -> tuple[TunedShape, ...]:
         for path in sorted(directory.glob("*.json")):
             try:
                 data = json.loads(path.read_text())
-                meta = data.get("meta", {})
-                cap = meta.get("capability")
-                out.append(TunedShape(TableKey(**data["key"]), int(meta["top_k"]),
-                                      tuple(cap) if cap else None,
-                                      read_table(path, data)))  # fmt: skip
+                table = read_table(path, data)
+                cap = data.get("meta", {}).get("capability")
+                if table.top_k:
+                    out.append(TunedShape(TableKey(**data["key"]), tuple(cap) if cap else None,
+                                          table))  # fmt: skip
             except (OSError, ValueError, KeyError, TypeError):
                 continue
     return tuple(out)
