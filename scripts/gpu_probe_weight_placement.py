@@ -11,8 +11,9 @@ memory is the cause; if they agree, it is something of the process or the GPU's 
     PYTHONPATH=src python3 scripts/gpu_probe_weight_placement.py [--job 'qwen3-30b-a3b 1 1']
         [--batch 1] [--copies 4] [--expandable 2] [--backend triton]
 
-Writes $OUT/weight_placement_<model>_T<batch>.json: us per call for each copy, and the w13 / w2
-addresses' offsets within 2 MiB, 32 MiB and 1 GiB.
+Writes $OUT/weight_placement_<model>_T<batch>.json: us per call for each copy (the layer, and
+`read:` a plain sum over the experts the input sets touch), and the w13 / w2 addresses' offsets
+within 2 MiB, 32 MiB and 1 GiB.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ def _offsets(t: torch.Tensor) -> dict[str, int]:
             "mod_1GiB_in_MiB": (p % (1024 * MIB)) // MIB}  # fmt: skip
 
 
+def _read(m, touched: list[list[int]]):
+    """A plain read (sum) of the experts each input set touches: the same bytes as the layer."""
+
+    def fn():
+        for experts in touched:
+            for e in experts:
+                m.w13[e].sum()
+                m.w2[e].sum()
+
+    return fn
+
+
 def main() -> None:
     model, tp, ep = option("--job", "qwen3-30b-a3b 1 1").split()
     T = int(option("--batch", "1"))
@@ -50,30 +63,37 @@ def main() -> None:
     layers = {}
     for i in range(copies):
         layers[f"default{i}"] = build_layer(spec)
-    if expandable:
+    if expandable and spec.device == "cuda":
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         for i in range(expandable):
             layers[f"expandable{i}"] = build_layer(spec)
     gen = torch.Generator().manual_seed(spec.seed)
-    sets, _, _ = _input_sets(spec, layers["default0"], T, gen, l2_cache_bytes("cuda"))
+    l2 = l2_cache_bytes(spec.device)
+    sets, _, ids = _input_sets(spec, layers["default0"], T, gen, l2)
+    touched = [sorted({int(e) for e in i.flatten().tolist() if e >= 0}) for i in ids]
     fns = {}
     for name, m in layers.items():
         cache = RunnerCache(RunnerConfig(backend))
         fns[name] = layer_over_sets(m, sets, lambda m=m, c=cache: _runners(m, c))
         fns[name]()  # compile / choose before the timing
-    ms = time_ms_interleaved(fns, "cuda", rounds=8, samples=32)
+        fns[f"read:{name}"] = _read(m, touched)
+    ms = time_ms_interleaved(fns, spec.device, rounds=8, samples=32)
     res = {"job": f"{model} tp{tp} ep{ep}", "T": T, "backend": backend, "input_sets": len(sets),
            "us": {}, "placement": {}}  # fmt: skip
     for name, t in ms.items():
         us = t * 1e3 / len(sets)
         res["us"][name] = round(us, 2)
+        if name.startswith("read:"):
+            print(f"{name:20s} {us:9.2f} us")
+            continue
         m = layers[name]
         res["placement"][name] = {"w13": _offsets(m.w13), "w2": _offsets(m.w2)}
-        print(f"{name:14s} {us:9.2f} us  w13 {res['placement'][name]['w13']}  "
+        print(f"{name:20s} {us:9.2f} us  w13 {res['placement'][name]['w13']}  "
               f"w2 {res['placement'][name]['w2']}")
-    vals = list(res["us"].values())
-    res["max_over_min"] = round(max(vals) / min(vals), 4)
-    print(f"max / min over the copies: {res['max_over_min']}")
+    for kind in ("layer", "read"):
+        vals = [v for k, v in res["us"].items() if k.startswith("read:") == (kind == "read")]
+        res[f"{kind}_max_over_min"] = round(max(vals) / min(vals), 4)
+        print(f"{kind}: max / min over the copies: {res[f'{kind}_max_over_min']}")
     write_probe(f"weight_placement_{model}_T{T}.json", res)
 
 
