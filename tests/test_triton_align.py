@@ -14,7 +14,9 @@ from moekit.runners._align import (  # noqa: E402
     AlignTuning,
     align_block_size,
     align_block_size_torch,
+    cdiv,
     max_blocks,
+    next_pow2,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,6 +138,17 @@ def test_max_blocks_is_tight():
     ids = torch.arange(8, dtype=torch.int32, device=DEVICE).view(1, 8)
     out = align_block_size(ids, 128, 16)
     assert int(out.num_rows.item()) == out.max_blocks * 16
+
+
+def test_host_sizes_agree_with_triton():
+    """cdiv / next_pow2 (the launch wrappers' host twins of triton.cdiv / next_power_of_2)."""
+    import triton
+
+    for n in range(1, 5000, 7):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d)
+    assert next_pow2(0) == 1 and cdiv(0, 64) == 0
 
 
 def test_bad_arguments():

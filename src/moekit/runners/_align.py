@@ -74,7 +74,15 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    """The smallest power of two >= n (1 for n <= 1). The launch wrappers use these two on the
+    host rather than triton.next_power_of_2 / triton.cdiv, which Triton 3.9 makes constexpr
+    functions: about 2 us a host call."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0."""
+    return -(-a // b)
 
 
 def pairs_per_chunk(num_pairs: int, min_chunk: int, max_chunks: int,
@@ -82,7 +90,7 @@ def pairs_per_chunk(num_pairs: int, min_chunk: int, max_chunks: int,
     """Pairs per program of a chunked sort of `num_pairs` pairs (both Triton runners'): the
     power of two that cuts them into at most `max_chunks` chunks, at least `min_chunk` (and at
     most `max_chunk`, where given)."""
-    chunk = max(min_chunk, next_pow2(-(-num_pairs // max_chunks)))
+    chunk = max(min_chunk, next_pow2(cdiv(num_pairs, max_chunks)))
     return chunk if max_chunk is None else min(max_chunk, chunk)
 
 
@@ -127,8 +135,6 @@ def align_block_size(
     `groups`: also the per-expert counts and padded ends. `pdl`: a single-kernel alignment
     runs as a programmatic dependent launch that lets the next kernel be placed at once (the
     triton runner's decode chain, `moekit.runners.triton.ops.decode_pdl`)."""
-    import triton
-
     from moekit.runners import _align_kernels as k
 
     tuning = tuning or ALIGN_TUNING
@@ -155,7 +161,7 @@ def align_block_size(
         )  # fmt: skip
         return out
     chunk = tuning.chunk(P)
-    C = triton.cdiv(P, chunk)
+    C = cdiv(P, chunk)
     dev = ids.device
     expert = torch.empty(C * chunk, dtype=torch.int32, device=dev)
     pair = torch.empty_like(expert)
@@ -176,7 +182,7 @@ def align_block_size(
         )  # fmt: skip
     k._align_scatter_kernel[(C,)](
         expert, pair, rank, hist, base, pad_end, out.sorted_ids, out.block_expert, out.num_rows,
-        counts, ends, C, P, E, out.max_blocks, triton.cdiv(out.max_blocks, C),
+        counts, ends, C, P, E, out.max_blocks, cdiv(out.max_blocks, C),
         BLOCK_M=block_m, CHUNK=chunk, EP=EP, BLOCKS_STEP=blocks_step, PAD_STEP=pad_step,
         CB=cb, GROUPS=groups, SCAN=scan_here, num_warps=warps,
     )  # fmt: skip

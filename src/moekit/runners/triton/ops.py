@@ -21,12 +21,11 @@ import functools
 from dataclasses import replace
 
 import torch
-import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant.act_quant import quantize_expert_rows
 from moekit.router import TopKOutput
-from moekit.runners._align import AlignOutput, align_block_size
+from moekit.runners._align import AlignOutput, align_block_size, cdiv, next_pow2
 from moekit.runners._shared import expected_experts_used
 from moekit.runners._tables import device_key, quant_tag
 from moekit.runners._triton_base import interpret_mode
@@ -404,7 +403,7 @@ class Rows:
         """The GEMM kernels' constexprs of this mode: DIRECT_P (direct rows), the number of
         pairs rounded up to a power of two (`_kernels._tile_rows`)."""
         if self.mode == k.ROWS_DIRECT:
-            return {"DIRECT_P": triton.next_power_of_2(max(self.ids.numel(), 1))}
+            return {"DIRECT_P": next_pow2(max(self.ids.numel(), 1))}
         return {}
 
     def args(self, block_m: int, top_k: int) -> tuple:
@@ -422,7 +421,7 @@ class Rows:
         if self.mode == k.ROWS_DIRECT:
             ids, P = self.ids, self.ids.numel()
             return (ids, ids, ids, ids, P, top_k, E, 0, 1, 1, P)
-        bpe = triton.cdiv(self.capacity, block_m)
+        bpe = cdiv(self.capacity, block_m)
         c = self.counts
         return (c, c, c, c, 0, 1, E, self.capacity, bpe, block_m, bpe * E)
 
@@ -540,7 +539,7 @@ def gate_up(
                 f"{spec.describe() if spec else 'unquantized weights'}"
             )
         hq = torch.empty(rows.slots(), I, dtype=quant_h, device=x.device)
-        hs = torch.empty(rows.slots(), triton.cdiv(I, h_group), dtype=torch.float32,
+        hs = torch.empty(rows.slots(), cdiv(I, h_group), dtype=torch.float32,
                          device=x.device)  # fmt: skip
         out = x  # h_ptr: unwritten, its dtype (x's) the one h is rounded to before quantizing
     if out is None:
@@ -557,7 +556,7 @@ def gate_up(
         if rows.mode != k.ROWS_MASKED:
             top_k = 1  # x is quantized into the pairs' rows: row p is pair p
     row_args = rows.args(cfg.block_m, top_k)
-    tiles = row_args[-1] * triton.cdiv(I, cfg.block_n)
+    tiles = row_args[-1] * cdiv(I, cfg.block_n)
     grid = (tiles * split,)
     if grid[0] == 0:
         if zero is not None:
@@ -655,7 +654,7 @@ def down(
         )
     split_k = cfg.split_k if atomic else 1
     row_args = rows.args(cfg.block_m, top_k)
-    grid = (row_args[-1] * triton.cdiv(H, cfg.block_n) * split_k,)
+    grid = (row_args[-1] * cdiv(H, cfg.block_n) * split_k,)
     if grid[0] == 0:
         return out
     hs = h if h_scales is None else h_scales
@@ -697,9 +696,9 @@ def sum_topk(y_PH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, out: to
     H = y_PH.shape[1]
     if T == 0:
         return out
-    block_h = min(1024, triton.next_power_of_2(H))
+    block_h = min(1024, next_pow2(H))
     block_t = max(1, 2048 // block_h)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    grid = (cdiv(T, block_t), cdiv(H, block_h))
     k._sum_topk_kernel[grid](
         y_PH, ids_TK, out, T, H, K, num_experts, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4
     )

@@ -27,6 +27,7 @@ from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.log import log_once
 from moekit.quant.spec import FP8_DTYPE
+from moekit.runners._align import cdiv
 from moekit.runners._tables import device_key, version_tuple
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import tma_ok
@@ -376,7 +377,7 @@ def gate_up(x: torch.Tensor, r, w: ExpertWeights, act: ActivationSpec, cfg: Gluo
     b13 = w.b13 if w.b13 is not None else w.w13
     if zero is not None and not (zero.is_contiguous() and zero.nbytes % 16 == 0):
         raise ValueError("gate_up(zero=...): needs a contiguous tensor of a multiple of 16 bytes")
-    grid = _grid(x.device, r.max_tiles * triton.cdiv(I, bn))
+    grid = _grid(x.device, r.max_tiles * cdiv(I, bn))
     tail = dict(ACT=ACT_CODES[act.name], HAS_BIAS=w.b13 is not None, INTERLEAVED=act.interleaved,
                 STAGES=cfg.gate_up_stages, GROUP_M=cfg.group_m, CONSUMERS=cfg.consumers,
                 FOLD=_fold(r, cfg, w), EVICT_W=cfg.evict_weights, num_warps=cfg.num_warps,
@@ -416,7 +417,7 @@ def down(h: torch.Tensor, r, w: ExpertWeights, cfg: GluonConfig, topk_weights: t
     h_desc = _desc(h, [h.shape[0], I], [I, 1], [gk.BLOCK_M, bk])
     w_desc = _desc(w.w2, [E * H, I], [I, 1], [bn, bk])
     b2 = w.b2 if w.b2 is not None else w.w2
-    grid = _grid(h.device, r.max_tiles * triton.cdiv(H, bn))
+    grid = _grid(h.device, r.max_tiles * cdiv(H, bn))
     fold = _fold(r, cfg, w)
     gk.down_kernel[grid](
         h_desc, _side_desc(h, fold, bk, h_desc), w_desc, b2, out, topk_weights, r.sorted_pairs,

@@ -17,11 +17,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.router import TopKOutput
+from moekit.runners._align import cdiv
 from moekit.runners._tables import device_key
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import (  # shared with the triton runner
@@ -100,7 +100,7 @@ def gate_up(x: torch.Tensor, r: Routing, w: ExpertWeights, act: ActivationSpec,
     t = cfg.gate_up
     if out is None:
         out = torch.empty(r.num_pairs, I, dtype=x.dtype, device=x.device)
-    grid = (num_programs(x.device, cfg, r.max_tiles * triton.cdiv(I, t.block_n), t.persistent),)
+    grid = (num_programs(x.device, cfg, r.max_tiles * cdiv(I, t.block_n), t.persistent),)
     one_tile = act.interleaved and cfg.interleaved_one_tile
     rows_per_tile = 2 * t.block_n if one_tile else t.block_n
     use_tma = cfg.tma and rows_per_tile <= 256 and _tma_ok(w.w13)
@@ -148,7 +148,7 @@ def down(h: torch.Tensor, r: Routing, w: ExpertWeights, cfg: KernelConfig,
         if atomic:
             raise ValueError("down with reduce='atomic' needs out: a zeroed [T, H] tensor")
         out = torch.empty(r.num_pairs, H, dtype=h.dtype, device=h.device)
-    grid = (num_programs(h.device, cfg, r.max_tiles * triton.cdiv(H, t.block_n), t.persistent),)
+    grid = (num_programs(h.device, cfg, r.max_tiles * cdiv(H, t.block_n), t.persistent),)
     use_tma = cfg.tma and _tma_ok(w.w2, h)
     h_desc = w_desc = None
     if use_tma:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from moekit.runners._align import cdiv, next_pow2
 from moekit.runners.triton_kernel.configs import ROUTING
 
 
@@ -101,13 +101,13 @@ def route(ids_TK: torch.Tensor, num_experts: int, block_m: int, fold: int = 0) -
         return r
     from moekit.runners.triton_kernel import _kernels as k
 
-    EP = triton.next_power_of_2(E + 1)
+    EP = next_pow2(E + 1)
     chunk = ROUTING.chunk(P)
-    nc = triton.cdiv(P, chunk)
+    nc = cdiv(P, chunk)
     hist = torch.empty(nc, EP, dtype=torch.int32, device=ids.device)
     warps = ROUTING.num_warps
     k._chunk_hist_kernel[(nc,)](ids, hist, P, E, CHUNK=chunk, EP=EP, num_warps=warps)
-    block_c = max(1, min(triton.next_power_of_2(nc), ROUTING.scan_elems // EP))
+    block_c = max(1, min(next_pow2(nc), ROUTING.scan_elems // EP))
     scan_here = ROUTING.sums_in_scatter(nc)
     base = hist if scan_here else torch.empty_like(hist)  # (not read when summed in scatter)
     if not scan_here:
@@ -115,8 +115,8 @@ def route(ids_TK: torch.Tensor, num_experts: int, block_m: int, fold: int = 0) -
             hist, base, r.counts, r.offsets, r.num_tiles, P, E, nc,
             BLOCK_M=block_m, EP=EP, BLOCK_C=block_c, FOLD=fold, num_warps=warps,
         )  # fmt: skip
-    per_program = triton.cdiv(r.max_tiles, nc)
-    block_t = max(16, min(triton.next_power_of_2(per_program), ROUTING.scan_elems // EP))
+    per_program = cdiv(r.max_tiles, nc)
+    block_t = max(16, min(next_pow2(per_program), ROUTING.scan_elems // EP))
     k._scatter_kernel[(nc,)](
         ids, hist, base, r.counts, r.offsets, r.num_tiles, r.sorted_pairs, r.tile_expert,
         r.tile_row0, r.tile_rows, P, E, nc, per_program, r.max_tiles,
