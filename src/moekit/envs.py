@@ -34,6 +34,12 @@ MOEKIT_TRITON_KERNEL_ENGINE = EnvVar(
     "the triton_kernel runner's GEMMs: auto (Gluon warp-specialized kernels on sm_90 with Triton "
     ">= 3.9 at large batches, else Triton's), triton, or gluon (an error where it cannot run)",
 )
+MOEKIT_FUSED_ROUTER = EnvVar(
+    "MOEKIT_FUSED_ROUTER",
+    "0",
+    "1: the layer routes with one Triton kernel (moekit.router.select_experts_fused) where it can "
+    "run (CUDA tensors, no custom routing function, not while compiling), instead of PyTorch ops",
+)
 MOEKIT_GIT_COMMIT = EnvVar(
     "MOEKIT_GIT_COMMIT",
     "",
@@ -46,5 +52,6 @@ ALL: tuple[EnvVar, ...] = (
     MOEKIT_CONFIG_DIR,
     MOEKIT_DISABLE_TRITON,
     MOEKIT_TRITON_KERNEL_ENGINE,
+    MOEKIT_FUSED_ROUTER,
     MOEKIT_GIT_COMMIT,
 )

@@ -1,6 +1,8 @@
 """Top-k routing: router logits -> `TopKOutput` (weights float32, ids int32).
 
-Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph.
+Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph:
+`select_experts` in PyTorch ops (the reference), `select_experts_fused` as one Triton kernel
+(the layer takes it with MOEKIT_FUSED_ROUTER=1).
 """
 
 from __future__ import annotations
@@ -9,7 +11,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from moekit import envs
 from moekit.config import INT_DTYPES, MoEConfig, check_routing
+
+# the fused kernel's widest row: E experts rounded up to a power of two
+FUSED_MAX_EXPERTS = 1024
 
 
 class TopKOutput(NamedTuple):
@@ -139,6 +145,84 @@ def _select(
     return TopKOutput(weights.contiguous(), ids.contiguous())
 
 
+def fused_problem(router_logits_TE: torch.Tensor, custom_routing_function=None) -> str | None:
+    """Why `select_experts_fused` cannot route these logits (None: it can)."""
+    from moekit.runners._triton_base import interpret_mode
+
+    if custom_routing_function is not None:
+        return "a custom routing function runs as it is"
+    if router_logits_TE.device.type != "cuda" and not interpret_mode():
+        return "needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if not router_logits_TE.dtype.is_floating_point:
+        return f"needs float logits, got {router_logits_TE.dtype}"
+    if router_logits_TE.shape[-1] > FUSED_MAX_EXPERTS:
+        return f"at most {FUSED_MAX_EXPERTS} experts, got {router_logits_TE.shape[-1]}"
+    return None
+
+
+def select_experts_fused(
+    router_logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = True,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    correction_bias_E: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    num_fused_shared_experts: int = 0,
+) -> TopKOutput:
+    """`select_experts` (its twin, same arguments but a custom routing function) in one Triton
+    launch: a program routes a block of tokens, its [tokens, E] scores in registers. Ties in the
+    choice may pick another of the tied experts than torch.topk."""
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {list(router_logits_TE.shape)}")
+    E = router_logits_TE.shape[1]
+    check_routing(E, top_k, num_expert_group, topk_group, num_fused_shared_experts)
+    if correction_bias_E is not None and correction_bias_E.shape != (E,):
+        raise ValueError(
+            f"correction_bias must be [E] = [{E}], got {list(correction_bias_E.shape)}"
+        )
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: unknown {scoring_func!r}; allowed: softmax, sigmoid")
+    problem = fused_problem(router_logits_TE)
+    if problem:
+        raise ValueError(f"select_experts_fused: {problem}")
+    return _select_fused(router_logits_TE, top_k, scoring_func, renormalize, num_expert_group,
+                         topk_group, correction_bias_E, routed_scaling_factor,
+                         num_fused_shared_experts)  # fmt: skip
+
+
+def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group, topk_group,
+                  correction_bias_E, routed_scaling_factor, num_shared) -> TopKOutput:
+    """`select_experts_fused` on checked options."""
+    from moekit import _router_kernels as k
+    from moekit.runners._align import cdiv, next_pow2
+
+    T, E = logits_TE.shape
+    width = top_k + num_shared
+    weights = torch.empty(T, width, dtype=torch.float32, device=logits_TE.device)
+    ids = torch.empty(T, width, dtype=torch.int32, device=logits_TE.device)
+    if T == 0:
+        return TopKOutput(weights, ids)
+    logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
+    bias = None if correction_bias_E is None else correction_bias_E.float().contiguous()
+    groups = num_expert_group if num_expert_group and num_expert_group > 1 else 1
+    EP = next_pow2(E)
+    block_t = max(1, min(next_pow2(T), 4096 // EP))
+    k._route_kernel[(cdiv(T, block_t),)](
+        logits, logits if bias is None else bias, weights, ids, T, E, logits.stride(0),
+        float(routed_scaling_factor), K=top_k, S=num_shared,
+        SCORE=k.SCORE_SOFTMAX if scoring_func == "softmax" else k.SCORE_SIGMOID,
+        HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
+        TOPK_GROUP=topk_group if groups > 1 else 1,
+        TOP2=bias is not None and E // groups >= 2, BLOCK_T=block_t, EP=EP,
+        KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
+        num_warps=4,
+    )  # fmt: skip
+    return TopKOutput(weights, ids)
+
+
 def route(
     router_logits_TE: torch.Tensor,
     config: MoEConfig,
@@ -147,7 +231,17 @@ def route(
 ) -> TopKOutput:
     """`select_experts` with the routing options of a `MoEConfig`, which checked them when it
     was made (the layer's forward checks the logits' shape, so nothing is checked twice a call):
-    router_logits [T, config.num_experts], correction_bias [config.num_experts]."""
+    router_logits [T, config.num_experts], correction_bias [config.num_experts]. With
+    MOEKIT_FUSED_ROUTER=1, `select_experts_fused` where it can run (not while compiling)."""
+    if (
+        envs.MOEKIT_FUSED_ROUTER.get_bool()
+        and not torch.compiler.is_compiling()
+        and fused_problem(router_logits_TE, custom_routing_function) is None
+    ):  # fmt: skip
+        return _select_fused(router_logits_TE, config.top_k, config.scoring_func,
+                             config.renormalize, config.num_expert_group, config.topk_group,
+                             correction_bias_E, config.routed_scaling_factor,
+                             config.num_shared_experts)  # fmt: skip
     return _select(router_logits_TE, config.top_k, config.scoring_func, config.renormalize,
                    config.num_expert_group, config.topk_group, correction_bias_E,
                    config.routed_scaling_factor, config.num_shared_experts,

@@ -1,0 +1,145 @@
+"""The fused routing kernel (`select_experts_fused`) against its twin `select_experts` (which
+test_router checks against a per-token reference); on the CPU under the Triton interpreter
+(float32 / float16 logits), bf16 and CUDA-graph capture on the GPU."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_router import CASES  # noqa: E402
+
+from moekit import envs  # noqa: E402
+from moekit.config import MoEConfig  # noqa: E402
+from moekit.router import (  # noqa: E402
+    FUSED_MAX_EXPERTS,
+    fused_problem,
+    route,
+    select_experts,
+    select_experts_fused,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# the shapes of the presets' routing, beside test_router's small cases
+PRESET_CASES = [
+    dict(E=128, K=8, scoring="softmax", renorm=True),  # qwen3-30b-a3b
+    dict(E=8, K=2, scoring="softmax", renorm=True),  # mixtral-8x7b
+    dict(E=256, K=8, scoring="sigmoid", renorm=True, groups=8, topk_group=4, bias=True,
+         scale=2.5),  # deepseek-v3  # fmt: skip
+    dict(E=384, K=8, scoring="sigmoid", renorm=True, bias=True, scale=2.827),  # kimi-k2
+    dict(E=128, K=4, scoring="softmax", renorm=True),  # gpt-oss-120b
+    dict(E=60, K=4, scoring="softmax", renorm=False, shared=2),
+]
+
+
+def _kwargs(case, bias):
+    return dict(
+        scoring_func=case["scoring"],
+        renormalize=case["renorm"],
+        num_expert_group=case.get("groups"),
+        topk_group=case.get("topk_group"),
+        correction_bias_E=bias,
+        routed_scaling_factor=case.get("scale", 1.0),
+        num_fused_shared_experts=case.get("shared", 0),
+    )
+
+
+def _separated_logits(T, E, K, dtype, gap=1e-3):
+    """Fresh random logits whose K-th and (K+1)-th largest differ by more than `gap` in every
+    row (so that the choice has no near-tie for rounding to flip), drawn until they do."""
+    while True:
+        logits = torch.randn(T, E, device=DEVICE).to(dtype)
+        if K >= E:
+            return logits
+        top = logits.float().topk(K + 1, dim=-1).values
+        if T == 0 or bool(((top[:, K - 1] - top[:, K]) > gap).all()):
+            return logits
+
+
+@pytest.mark.parametrize("case", CASES + PRESET_CASES,
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))  # fmt: skip
+@pytest.mark.parametrize("T", [0, 1, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_router_matches_twin(case, T, dtype):
+    E, K = case["E"], case["K"]
+    bias = torch.randn(E, device=DEVICE) * 0.1 if case.get("bias") else None
+    logits = _separated_logits(T, E, K, dtype)
+    ref = select_experts(logits, K, **_kwargs(case, bias))
+    out = select_experts_fused(logits, K, **_kwargs(case, bias))
+    assert out.weights.dtype == torch.float32 and out.ids.dtype == torch.int32
+    assert out.ids.shape == ref.ids.shape == (T, K + case.get("shared", 0))
+    # the same experts per token (in any order) with the same weights; a bias or the groups
+    # can leave a near-tie the logits' separation does not rule out: one token of 37 at most
+    got_ids, order = out.ids.sort(dim=-1)
+    ref_ids, ref_order = ref.ids.sort(dim=-1)
+    same = (got_ids == ref_ids).all(dim=-1)
+    assert int((~same).sum()) <= (1 if (case.get("bias") or case.get("groups")) else 0)
+    torch.testing.assert_close(out.weights.gather(1, order)[same],
+                               ref.weights.gather(1, ref_order)[same], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_router_strided_logits_and_one_expert_every_token():
+    logits = torch.randn(9, 2 * 16, device=DEVICE)[:, ::2]  # a column stride of 2
+    logits[:, 5] = 50.0  # every token's first choice
+    out = select_experts_fused(logits, 3)
+    ref = select_experts(logits, 3)
+    assert (out.ids[:, 0] == 5).all() and (ref.ids[:, 0] == 5).all()
+    assert torch.equal(out.ids.sort(-1).values, ref.ids.sort(-1).values)
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(9, device=DEVICE))
+
+
+def test_layer_routes_with_the_fused_kernel_when_asked(monkeypatch):
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=8, intermediate_size=8,
+                    scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                    use_correction_bias=True, routed_scaling_factor=2.0, num_shared_experts=1)
+    logits = _separated_logits(11, 16, 4, torch.float32)
+    bias = torch.zeros(16, device=DEVICE)
+    calls = []
+    import moekit.router as router
+
+    real = router._select_fused
+    monkeypatch.setattr(router, "_select_fused", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "0")
+    plain = route(logits, cfg, bias)
+    assert not calls
+    monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "1")
+    fused = route(logits, cfg, bias)
+    assert calls == [1]
+    assert torch.equal(fused.ids.sort(-1).values, plain.ids.sort(-1).values)
+    assert (fused.ids[:, 4] == 16).all() and (fused.weights[:, 4] == 1.0).all()
+    # a custom routing function runs as it is, fused router or not
+    out = route(logits, cfg, bias, custom_routing_function=lambda lg, k, r: (
+        torch.ones(lg.shape[0], k), torch.arange(k).expand(lg.shape[0], k)))  # fmt: skip
+    assert calls == [1] and out.ids[:, :4].tolist() == [[0, 1, 2, 3]] * 11
+
+
+def test_fused_router_says_what_it_cannot_route():
+    too_wide = torch.randn(2, FUSED_MAX_EXPERTS + 1, device=DEVICE)
+    assert "at most 1024 experts" in fused_problem(too_wide)
+    with pytest.raises(ValueError, match="select_experts_fused: at most 1024 experts"):
+        select_experts_fused(too_wide, 2)
+    with pytest.raises(ValueError, match="needs float logits"):
+        select_experts_fused(torch.ones(2, 8, dtype=torch.int32, device=DEVICE), 2)
+    with pytest.raises(ValueError, match=r"--top-k \(9\) must be at most --num-experts \(8\)"):
+        select_experts_fused(torch.randn(2, 8, device=DEVICE), 9)
+    with pytest.raises(ValueError, match="scoring_func: unknown 'relu'"):
+        select_experts_fused(torch.randn(2, 8, device=DEVICE), 2, scoring_func="relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PRESET_CASES[:4], ids=["qwen3", "mixtral", "deepseek", "kimi"])
+def test_fused_router_bf16_and_cuda_graph(case):
+    E, K = case["E"], case["K"]
+    bias = torch.randn(E, device="cuda") * 0.1 if case.get("bias") else None
+    logits = _separated_logits(200, E, K, torch.bfloat16)
+    ref = select_experts(logits, K, **_kwargs(case, bias))
+    eager = select_experts_fused(logits, K, **_kwargs(case, bias))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select_experts_fused(logits, K, **_kwargs(case, bias))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.ids, eager.ids) and torch.equal(captured.weights, eager.weights)
+    same = (eager.ids.sort(-1).values == ref.ids.sort(-1).values).all(-1)
+    assert int((~same).sum()) <= 2
