@@ -47,15 +47,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("T", [0, 1, 13])
-def test_router_matches_per_token_reference(case, T):
-    E, K = case["E"], case["K"]
-    logits = torch.randn(T, E, dtype=torch.bfloat16)
-    bias = torch.randn(E) * 0.1 if case.get("bias") else None
-    out = select_experts(
-        logits,
-        K,
+def routing_kwargs(case: dict, bias) -> dict:
+    """select_experts' keyword arguments for a case of CASES."""
+    return dict(
         scoring_func=case["scoring"],
         renormalize=case["renorm"],
         num_expert_group=case.get("groups"),
@@ -64,6 +58,15 @@ def test_router_matches_per_token_reference(case, T):
         routed_scaling_factor=case.get("scale", 1.0),
         num_fused_shared_experts=case.get("shared", 0),
     )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("T", [0, 1, 13])
+def test_router_matches_per_token_reference(case, T):
+    E, K = case["E"], case["K"]
+    logits = torch.randn(T, E, dtype=torch.bfloat16)
+    bias = torch.randn(E) * 0.1 if case.get("bias") else None
+    out = select_experts(logits, K, **routing_kwargs(case, bias))
     assert out.weights.dtype == torch.float32 and out.ids.dtype == torch.int32
     assert out.ids.shape == (T, K + case.get("shared", 0))
     for t in range(T):

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_router import CASES  # noqa: E402
+from test_router import CASES, routing_kwargs  # noqa: E402
 
 from moekit import envs  # noqa: E402
 from moekit.config import MoEConfig  # noqa: E402
@@ -33,18 +33,6 @@ PRESET_CASES = [
 ]
 
 
-def _kwargs(case, bias):
-    return dict(
-        scoring_func=case["scoring"],
-        renormalize=case["renorm"],
-        num_expert_group=case.get("groups"),
-        topk_group=case.get("topk_group"),
-        correction_bias_E=bias,
-        routed_scaling_factor=case.get("scale", 1.0),
-        num_fused_shared_experts=case.get("shared", 0),
-    )
-
-
 def _separated_logits(T, E, K, dtype, gap=1e-3):
     """Fresh random logits whose K-th and (K+1)-th largest differ by more than `gap` in every
     row (so that the choice has no near-tie for rounding to flip), drawn until they do."""
@@ -65,8 +53,8 @@ def test_fused_router_matches_twin(case, T, dtype):
     E, K = case["E"], case["K"]
     bias = torch.randn(E, device=DEVICE) * 0.1 if case.get("bias") else None
     logits = _separated_logits(T, E, K, dtype)
-    ref = select_experts(logits, K, **_kwargs(case, bias))
-    out = select_experts_fused(logits, K, **_kwargs(case, bias))
+    ref = select_experts(logits, K, **routing_kwargs(case, bias))
+    out = select_experts_fused(logits, K, **routing_kwargs(case, bias))
     assert out.weights.dtype == torch.float32 and out.ids.dtype == torch.int32
     assert out.ids.shape == ref.ids.shape == (T, K + case.get("shared", 0))
     # the same experts per token (in any order) with the same weights; a bias or the groups
@@ -133,11 +121,11 @@ def test_fused_router_bf16_and_cuda_graph(case):
     E, K = case["E"], case["K"]
     bias = torch.randn(E, device="cuda") * 0.1 if case.get("bias") else None
     logits = _separated_logits(200, E, K, torch.bfloat16)
-    ref = select_experts(logits, K, **_kwargs(case, bias))
-    eager = select_experts_fused(logits, K, **_kwargs(case, bias))
+    ref = select_experts(logits, K, **routing_kwargs(case, bias))
+    eager = select_experts_fused(logits, K, **routing_kwargs(case, bias))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = select_experts_fused(logits, K, **_kwargs(case, bias))
+        captured = select_experts_fused(logits, K, **routing_kwargs(case, bias))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.ids, eager.ids) and torch.equal(captured.weights, eager.weights)

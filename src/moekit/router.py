@@ -62,6 +62,21 @@ def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_group: int, biase
     return keep_TG.unsqueeze(-1).expand_as(grouped).reshape(T, E)
 
 
+def _check_arguments(router_logits_TE, top_k, scoring_func, num_expert_group, topk_group,
+                     correction_bias_E, num_fused_shared_experts) -> None:
+    """The checks of select_experts and select_experts_fused: ValueError naming the option."""
+    if router_logits_TE.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {list(router_logits_TE.shape)}")
+    E = router_logits_TE.shape[1]
+    check_routing(E, top_k, num_expert_group, topk_group, num_fused_shared_experts)
+    if correction_bias_E is not None and correction_bias_E.shape != (E,):
+        raise ValueError(
+            f"correction_bias must be [E] = [{E}], got {list(correction_bias_E.shape)}"
+        )
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: unknown {scoring_func!r}; allowed: softmax, sigmoid")
+
+
 def select_experts(
     router_logits_TE: torch.Tensor,
     top_k: int,
@@ -84,14 +99,8 @@ def select_experts(
     experts are appended as columns with ids E, E+1, ... and weight 1.
     Returns TopKOutput with K = top_k + num_fused_shared_experts columns.
     """
-    if router_logits_TE.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got {list(router_logits_TE.shape)}")
-    E = router_logits_TE.shape[1]
-    check_routing(E, top_k, num_expert_group, topk_group, num_fused_shared_experts)
-    if correction_bias_E is not None and correction_bias_E.shape != (E,):
-        raise ValueError(
-            f"correction_bias must be [E] = [{E}], got {list(correction_bias_E.shape)}"
-        )
+    _check_arguments(router_logits_TE, top_k, scoring_func, num_expert_group, topk_group,
+                     correction_bias_E, num_fused_shared_experts)  # fmt: skip
     return _select(router_logits_TE, top_k, scoring_func, renormalize, num_expert_group,
                    topk_group, correction_bias_E, routed_scaling_factor,
                    num_fused_shared_experts, custom_routing_function)  # fmt: skip
@@ -175,16 +184,8 @@ def select_experts_fused(
     """`select_experts` (its twin, same arguments but a custom routing function) in one Triton
     launch: a program routes a block of tokens, its [tokens, E] scores in registers. Ties in the
     choice may pick another of the tied experts than torch.topk."""
-    if router_logits_TE.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got {list(router_logits_TE.shape)}")
-    E = router_logits_TE.shape[1]
-    check_routing(E, top_k, num_expert_group, topk_group, num_fused_shared_experts)
-    if correction_bias_E is not None and correction_bias_E.shape != (E,):
-        raise ValueError(
-            f"correction_bias must be [E] = [{E}], got {list(correction_bias_E.shape)}"
-        )
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring_func: unknown {scoring_func!r}; allowed: softmax, sigmoid")
+    _check_arguments(router_logits_TE, top_k, scoring_func, num_expert_group, topk_group,
+                     correction_bias_E, num_fused_shared_experts)  # fmt: skip
     problem = fused_problem(router_logits_TE)
     if problem:
         raise ValueError(f"select_experts_fused: {problem}")
