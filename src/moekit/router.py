@@ -235,8 +235,8 @@ def route(
     router_logits [T, config.num_experts], correction_bias [config.num_experts]. With
     MOEKIT_FUSED_ROUTER=1, `select_experts_fused` where it can run (not while compiling)."""
     if (
-        envs.MOEKIT_FUSED_ROUTER.get_bool()
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()  # first: a compiled layer never reads the variable
+        and envs.MOEKIT_FUSED_ROUTER.get_bool()
         and fused_problem(router_logits_TE, custom_routing_function) is None
     ):  # fmt: skip
         return _select_fused(router_logits_TE, config.top_k, config.scoring_func,
