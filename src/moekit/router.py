@@ -46,8 +46,8 @@ def _scores(logits_TE: torch.Tensor, scoring_func: str) -> torch.Tensor:
     raise ValueError(f"scoring_func: unknown {scoring_func!r}; allowed: softmax, sigmoid")
 
 
-def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_group: int, biased: bool):
-    """Mask [T, E] keeping only the experts of the `topk_group` best groups.
+def _group_keep(choice_TE: torch.Tensor, num_groups: int, topk_group: int, biased: bool):
+    """[T, G] bool: the `topk_group` best of each token's `num_groups` expert groups.
 
     A group's score is its best expert (or, with a correction bias, the sum of its best two, as
     in DeepSeek-V3)."""
@@ -58,8 +58,7 @@ def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_group: int, biase
     else:
         group_scores = grouped.max(dim=-1).values
     best_groups = group_scores.topk(topk_group, dim=-1).indices
-    keep_TG = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-    return keep_TG.unsqueeze(-1).expand_as(grouped).reshape(T, E)
+    return torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
 
 
 def _check_arguments(router_logits_TE, top_k, scoring_func, num_expert_group, topk_group,
@@ -136,11 +135,14 @@ def _select(
         scores = _scores(router_logits_TE, scoring_func)
         choice = scores if correction_bias_E is None else scores + correction_bias_E.float()
         if num_expert_group is not None and num_expert_group > 1:
-            keep = _group_mask(choice, num_expert_group, topk_group, correction_bias_E is not None)
-            choice = choice.masked_fill(~keep, float("-inf"))
-        ids64 = choice.topk(top_k, dim=-1).indices
-        weights = scores.gather(1, ids64)
-        ids = ids64.to(torch.int32)
+            keep_TG = _group_keep(choice, num_expert_group, topk_group,
+                                  correction_bias_E is not None)  # fmt: skip
+            grouped = choice.view(T, num_expert_group, E // num_expert_group)
+            choice = torch.where(keep_TG.unsqueeze(-1), grouped, float("-inf")).view(T, E)
+        picked = choice.topk(top_k, dim=-1)
+        # the chosen scores: topk's own values where the choice is the scores (one op less)
+        weights = picked.values if choice is scores else scores.gather(1, picked.indices)
+        ids = picked.indices.to(torch.int32)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     if routed_scaling_factor != 1.0:
