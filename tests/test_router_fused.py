@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from test_router import CASES, routing_kwargs  # noqa: E402
 
-from moekit import envs  # noqa: E402
+from moekit import MoE, envs  # noqa: E402
 from moekit.config import MoEConfig  # noqa: E402
 from moekit.router import (  # noqa: E402
     FUSED_MAX_EXPERTS,
@@ -88,16 +88,20 @@ def test_layer_routes_with_the_fused_kernel_when_asked(monkeypatch):
 
     real = router._select_fused
     monkeypatch.setattr(router, "_select_fused", lambda *a: calls.append(1) or real(*a))
+    layers = {}
+    for flag in ("0", "1"):  # the layer reads the variable once, when it is built
+        monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, flag)
+        layers[flag] = MoE(cfg, device=DEVICE, init_weights=False)
+        layers[flag].correction_bias.copy_(bias)
     monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "0")
-    plain = route(logits, cfg, bias)
+    plain = layers["0"].route(logits)
     assert not calls
-    monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "1")
-    fused = route(logits, cfg, bias)
+    fused = layers["1"].route(logits)
     assert calls == [1]
     assert torch.equal(fused.ids.sort(-1).values, plain.ids.sort(-1).values)
     assert (fused.ids[:, 4] == 16).all() and (fused.weights[:, 4] == 1.0).all()
     # a custom routing function runs as it is, fused router or not
-    out = route(logits, cfg, bias, custom_routing_function=lambda lg, k, r: (
+    out = route(logits, cfg, bias, fused=True, custom_routing_function=lambda lg, k, r: (
         torch.ones(lg.shape[0], k), torch.arange(k).expand(lg.shape[0], k)))  # fmt: skip
     assert calls == [1] and out.ids[:, :4].tolist() == [[0, 1, 2, 3]] * 11
 

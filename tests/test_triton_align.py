@@ -10,13 +10,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from moekit._triton_host import cdiv, next_pow2  # noqa: E402
 from moekit.runners._align import (  # noqa: E402
     AlignTuning,
     align_block_size,
     align_block_size_torch,
-    cdiv,
     max_blocks,
-    next_pow2,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

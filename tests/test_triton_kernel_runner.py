@@ -14,10 +14,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 from helpers import TOLERANCE, capture_graph, make_topk, make_weights, rel_err  # noqa: E402
 
+from moekit._triton_host import interpret_mode  # noqa: E402
 from moekit.experts import ActivationSpec, ExpertWeights  # noqa: E402
 from moekit.hardware import Platform  # noqa: E402
 from moekit.router import TopKOutput  # noqa: E402
-from moekit.runners._triton_base import interpret_mode  # noqa: E402
 from moekit.runners.base import RunnerError  # noqa: E402
 from moekit.runners.registry import runner_class  # noqa: E402
 from moekit.runners.torch import moe_reference_fp64, run_standard  # noqa: E402

@@ -37,8 +37,9 @@ MOEKIT_TRITON_KERNEL_ENGINE = EnvVar(
 MOEKIT_FUSED_ROUTER = EnvVar(
     "MOEKIT_FUSED_ROUTER",
     "0",
-    "1: the layer routes with one Triton kernel (moekit.router.select_experts_fused) where it can "
-    "run (CUDA tensors, no custom routing function, not while compiling), instead of PyTorch ops",
+    "1: layers built from now on route with one Triton kernel (moekit.router.select_experts_fused) "
+    "where it can run (CUDA tensors, no custom routing function, not while compiling), instead of "
+    "PyTorch ops",
 )
 MOEKIT_GIT_COMMIT = EnvVar(
     "MOEKIT_GIT_COMMIT",

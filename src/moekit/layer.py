@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from moekit import hardware, metrics
+from moekit import envs, hardware, metrics
 from moekit.compiled import run_experts_op
 from moekit.config import (
     INT_DTYPES,
@@ -176,6 +176,7 @@ class MoE(nn.Module):
         self.act = ActivationSpec.from_config(config)
         self.runners = RunnerCache(runner)
         self.custom_routing_function = custom_routing_function
+        self.fused_router = envs.MOEKIT_FUSED_ROUTER.get_bool()  # read once: not per call
         self.quant_spec: QuantSpec | None = None
         # static fp8 scales calibrated for N(0, 1) inputs, not given: redone for new weights
         self._standard_normal_scales = False
@@ -336,7 +337,8 @@ class MoE(nn.Module):
         return self.placement.local_experts(self.ep_rank)
 
     def route(self, router_logits_TE: torch.Tensor) -> TopKOutput:
-        return route(router_logits_TE, self.config, self.correction_bias, self.custom_routing_function)
+        return route(router_logits_TE, self.config, self.correction_bias,
+                     self.custom_routing_function, fused=self.fused_router)  # fmt: skip
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [..., H], router_logits [..., E] (the same leading shape) -> [..., H]."""

@@ -2,7 +2,7 @@
 
 Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph:
 `select_experts` in PyTorch ops (the reference), `select_experts_fused` as one Triton kernel
-(the layer takes it with MOEKIT_FUSED_ROUTER=1).
+(a layer built with MOEKIT_FUSED_ROUTER=1 takes it).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moekit import envs
+from moekit._triton_host import cdiv, interpret_mode, next_pow2
 from moekit.config import INT_DTYPES, MoEConfig, check_routing
 
 # the fused kernel's widest row: E experts rounded up to a power of two
@@ -158,8 +158,6 @@ def _select(
 
 def fused_problem(router_logits_TE: torch.Tensor, custom_routing_function=None) -> str | None:
     """Why `select_experts_fused` cannot route these logits (None: it can)."""
-    from moekit.runners._triton_base import interpret_mode
-
     if custom_routing_function is not None:
         return "a custom routing function runs as it is"
     if router_logits_TE.device.type != "cuda" and not interpret_mode():
@@ -200,7 +198,6 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
                   correction_bias_E, routed_scaling_factor, num_shared) -> TopKOutput:
     """`select_experts_fused` on checked options."""
     from moekit import _router_kernels as k
-    from moekit.runners._align import cdiv, next_pow2
 
     T, E = logits_TE.shape
     width = top_k + num_shared
@@ -231,14 +228,16 @@ def route(
     config: MoEConfig,
     correction_bias_E: torch.Tensor | None = None,
     custom_routing_function: CustomRoutingFunction | None = None,
+    fused: bool = False,
 ) -> TopKOutput:
     """`select_experts` with the routing options of a `MoEConfig`, which checked them when it
     was made (the layer's forward checks the logits' shape, so nothing is checked twice a call):
-    router_logits [T, config.num_experts], correction_bias [config.num_experts]. With
-    MOEKIT_FUSED_ROUTER=1, `select_experts_fused` where it can run (not while compiling)."""
+    router_logits [T, config.num_experts], correction_bias [config.num_experts]. `fused`:
+    `select_experts_fused` where it can run (not while compiling; the layer's
+    MOEKIT_FUSED_ROUTER)."""
     if (
-        not torch.compiler.is_compiling()  # first: a compiled layer never reads the variable
-        and envs.MOEKIT_FUSED_ROUTER.get_bool()
+        fused
+        and not torch.compiler.is_compiling()
         and fused_problem(router_logits_TE, custom_routing_function) is None
     ):  # fmt: skip
         return _select_fused(router_logits_TE, config.top_k, config.scoring_func,

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from moekit._triton_host import interpret_mode
 from moekit.config import DTYPES, ConfigError
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.router import TopKOutput
@@ -435,16 +436,10 @@ class PointResult:
         }
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def precompile(launches: Sequence[Callable[[], object]], workers: int = 16) -> None:
     """Compile kernels in parallel threads: each callable launches its kernel with
     warmup=True. Errors are ignored here (the timed launch reports them)."""
-    if _interpreting() or not launches:
+    if interpret_mode() or not launches:
         return
     from triton.runtime._async_compile import AsyncCompileMode
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._triton_host import cdiv, next_pow2
+
 
 @dataclass(frozen=True)
 class AlignTuning:
@@ -71,18 +73,6 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     sum_e ceil(c_e / BM) <= n + (P - n) // BM with n = min(E, P) experts in use."""
     n = min(num_experts, num_pairs)
     return n + (num_pairs - n) // block_m
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1). The launch wrappers use these two on the
-    host rather than triton.next_power_of_2 / triton.cdiv, which Triton 3.9 makes constexpr
-    functions: about 2 us a host call."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints, b > 0."""
-    return -(-a // b)
 
 
 def pairs_per_chunk(num_pairs: int, min_chunk: int, max_chunks: int,

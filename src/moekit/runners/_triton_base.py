@@ -3,17 +3,11 @@ TRITON_INTERPRET=1 is set before Triton is imported) and the interpreter's bfloa
 
 from __future__ import annotations
 
-import os
-
+from moekit._triton_host import interpret_mode
 from moekit.hardware import Availability, Platform
 from moekit.runners.base import Runner
 
 MIN_CAPABILITY = (8, 0)
-
-
-def interpret_mode() -> bool:
-    """True when Triton kernels run in the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_devices() -> frozenset[str]:

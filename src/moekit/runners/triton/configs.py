@@ -531,6 +531,14 @@ def adapt_config(cfg: GemmConfig, quant: str, gemm: str = "down") -> GemmConfig:
 TABLE_SPAN_REACH = 4
 
 
+def _table_key(gemm, num_experts, hidden, intermediate, dtype, device, quant):
+    """(N, K, the TableKey under this Triton version, the shape as the log lines name it) of
+    one GEMM: what get_config and masked_config look up."""
+    n, k = gemm_shape(gemm, hidden, intermediate)
+    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
+    return n, k, key, f"{gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
+
+
 @functools.lru_cache(maxsize=4096)  # the forward's host path asks twice per call
 def get_config(
     gemm: str,
@@ -548,10 +556,9 @@ def get_config(
     nearest tuned shape, else default; see the module docstring) for weight format `quant` (a
     `quant_tag`) on `device` of compute `capability` (None: no transfer from other devices).
     Cached per arguments; `clear_cache()` after writing new files."""
-    n, k = gemm_shape(gemm, hidden, intermediate)
-    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
+    n, k, key, shape = _table_key(gemm, num_experts, hidden, intermediate, dtype, device, quant)
     table = find_table(key, num_tokens)
-    what = f"triton runner {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
+    what = f"triton runner {shape}"
     if table is not None and num_tokens <= TABLE_SPAN_REACH * max(table.configs):
         note = version_note(table.source, key.triton)
         log_once(logging.INFO, f"{what}: tuned configs from {table.source}{note}")
@@ -606,9 +613,8 @@ def masked_config(
     (H100, deepseek-v3 EP8 local shape, six (mean, C) cases: the table at C ran 0.58-0.94x the
     heuristic's time in fp8 block-wise, 0.72-1.01x in bf16; benchmarks/triton_notes.md,
     session 71)."""
-    n, k = gemm_shape(gemm, hidden, intermediate)
-    key = TableKey(gemm, num_experts, n, k, dtype, device, triton_version(), quant)
-    what = f"triton runner masked {gemm} E={num_experts} N={n} K={k} {dtype} {quant} on {device}"
+    n, k, key, shape = _table_key(gemm, num_experts, hidden, intermediate, dtype, device, quant)
+    what = f"triton runner masked {shape}"
     table = find_table(key)
     if table is not None and table.top_k:  # the version nearest the batch size, as get_config
         table = find_table(key, capacity * num_experts / table.top_k)

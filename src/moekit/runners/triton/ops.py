@@ -22,13 +22,13 @@ from dataclasses import replace
 
 import torch
 
+from moekit._triton_host import cdiv, interpret_mode, next_pow2
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant.act_quant import quantize_expert_rows
 from moekit.router import TopKOutput
-from moekit.runners._align import AlignOutput, align_block_size, cdiv, next_pow2
+from moekit.runners._align import AlignOutput, align_block_size
 from moekit.runners._shared import expected_experts_used
 from moekit.runners._tables import device_key, quant_tag
-from moekit.runners._triton_base import interpret_mode
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton import _kernels as k
 from moekit.runners.triton.configs import (

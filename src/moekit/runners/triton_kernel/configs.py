@@ -18,8 +18,9 @@ import logging
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from moekit._triton_host import next_pow2
 from moekit.log import log_once
-from moekit.runners._align import next_pow2, pairs_per_chunk
+from moekit.runners._align import pairs_per_chunk
 from moekit.runners._tables import (
     device_slug,
     nearest_batch,

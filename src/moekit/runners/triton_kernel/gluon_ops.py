@@ -23,11 +23,11 @@ import torch
 import triton
 
 from moekit import envs
+from moekit._triton_host import cdiv
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.log import log_once
 from moekit.quant.spec import FP8_DTYPE
-from moekit.runners._align import cdiv
 from moekit.runners._tables import device_key, version_tuple
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import tma_ok

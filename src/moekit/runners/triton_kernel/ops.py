@@ -18,10 +18,10 @@ import functools
 
 import torch
 
+from moekit._triton_host import cdiv
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.hardware import sm_count
 from moekit.router import TopKOutput
-from moekit.runners._align import cdiv
 from moekit.runners._tables import device_key
 from moekit.runners._triton_common import ACT_CODES
 from moekit.runners.triton.ops import (  # shared with the triton runner

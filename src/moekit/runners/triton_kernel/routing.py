@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.runners._align import cdiv, next_pow2
+from moekit._triton_host import cdiv, next_pow2
 from moekit.runners.triton_kernel.configs import ROUTING
 
 
