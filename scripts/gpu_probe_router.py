@@ -8,6 +8,11 @@ reports us per call of each, their ratio, and the tokens whose experts differ (n
     PYTHONPATH=src python3 scripts/gpu_probe_router.py [--batches 1,4,16,64,256,1024,4096,16384]
         [--models qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b]
 
+With `--layers qwen3-30b-a3b:1:1,deepseek-v3:8:8` (model:tp:ep) it also times the whole
+`MoE.forward` (routing from logits + dispatch + experts + combine, rank 0 of the layout, the
+`auto` runner) with `fused_router` off and on, in turns, at `--layer-batches`; what a user's
+layer call gains from the fused routing.
+
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
 
@@ -24,6 +29,8 @@ from probe_out import option, write_probe
 from moekit.bench import time_ms_interleaved
 from moekit.presets import PRESETS
 from moekit.router import select_experts, select_experts_fused
+from moekit.select_tune import sweep_spec
+from moekit.sweep import build_layer
 
 
 def _kwargs(cfg, bias) -> dict:
@@ -62,7 +69,40 @@ def main() -> None:
             rows.append(row)
             print(f"{name:16s} T={T:6d}  torch {row['torch_us']:8.2f} us  fused "
                   f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.2f}  differ {differ}")
-    write_probe("router.json", {"rows": rows})
+    layer_rows = []
+    layers = option("--layers", "")
+    layer_batches = option("--layer-batches", "1,16,256,4096" if on_gpu else "1,5")
+    for job in filter(None, layers.split(",")):
+        layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu)
+    write_probe("router.json", {"rows": rows, "layers": layer_rows})
+
+
+def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool) -> list[dict]:
+    """MoE.forward with the routing in PyTorch ops, then fused, in turns, per batch size."""
+    model, tp, ep = job.split(":")
+    spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), batch_sizes=tuple(batches))
+    module = build_layer(spec)
+    cfg = module.config
+    rows = []
+    for T in batches:
+        x = torch.randn(T, cfg.hidden_size, device=dev, dtype=cfg.torch_dtype)
+        logits = torch.randn(T, cfg.num_experts, device=dev, dtype=cfg.torch_dtype)
+
+        def call(fused: bool, x=x, logits=logits):
+            module.fused_router = fused
+            return module(x, logits)
+
+        ref, out = call(False), call(True)
+        err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-9))
+        ms = time_ms_interleaved({"torch": lambda: call(False), "fused": lambda: call(True)},
+                                 dev, cuda_graph=on_gpu, rounds=8, samples=32)  # fmt: skip
+        row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
+               "fused_us": round(ms["fused"] * 1e3, 2),
+               "torch_over_fused": round(ms["torch"] / ms["fused"], 3), "max_rel_diff": err}
+        rows.append(row)
+        print(f"layer {row['job']:22s} T={T:6d}  torch-routed {row['torch_us']:8.2f} us  fused "
+              f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.3f}  diff {err:.2e}")
+    return rows
 
 
 if __name__ == "__main__":
