@@ -93,7 +93,8 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool) -> list[di
             return module(x, logits)
 
         ref, out = call(False), call(True)
-        err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-9))
+        ref, out = ref.float(), out.float()
+        err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9))
         ms = time_ms_interleaved({"torch": lambda: call(False), "fused": lambda: call(True)},
                                  dev, cuda_graph=on_gpu, rounds=8, samples=32)  # fmt: skip
         row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
