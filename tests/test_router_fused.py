@@ -10,9 +10,10 @@ pytest.importorskip("triton")
 from test_router import CASES, routing_kwargs  # noqa: E402
 
 from moekit import MoE, envs  # noqa: E402
-from moekit.config import MoEConfig  # noqa: E402
+from moekit.config import ConfigError, MoEConfig  # noqa: E402
 from moekit.router import (  # noqa: E402
     FUSED_MAX_EXPERTS,
+    fused_mode,
     fused_problem,
     route,
     select_experts,
@@ -93,21 +94,32 @@ def test_layer_routes_with_the_fused_kernel_when_asked(monkeypatch):
     real = router._select_fused
     monkeypatch.setattr(router, "_select_fused", lambda *a: calls.append(1) or real(*a))
     layers = {}
-    for flag in ("0", "1"):  # the layer reads the variable once, when it is built
+    for flag in ("0", "1", "auto"):  # the layer reads the variable once, when it is built
         monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, flag)
         layers[flag] = MoE(cfg, device=DEVICE, init_weights=False)
         layers[flag].correction_bias.copy_(bias)
     monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "0")
     plain = layers["0"].route(logits)
     assert not calls
+    layers["auto"].route(logits)  # auto: the kernel for CUDA logits only
+    assert calls == ([1] if DEVICE == "cuda" else [])
+    calls.clear()
     fused = layers["1"].route(logits)
     assert calls == [1]
     assert torch.equal(fused.ids.sort(-1).values, plain.ids.sort(-1).values)
     assert (fused.ids[:, 4] == 16).all() and (fused.weights[:, 4] == 1.0).all()
     # a custom routing function runs as it is, fused router or not
-    out = route(logits, cfg, bias, fused=True, custom_routing_function=lambda lg, k, r: (
+    out = route(logits, cfg, bias, fused="on", custom_routing_function=lambda lg, k, r: (
         torch.ones(lg.shape[0], k), torch.arange(k).expand(lg.shape[0], k)))  # fmt: skip
     assert calls == [1] and out.ids[:, :4].tolist() == [[0, 1, 2, 3]] * 11
+
+
+def test_fused_router_modes():
+    assert envs.MOEKIT_FUSED_ROUTER.default == "auto"
+    assert [fused_mode(v) for v in ("auto", " AUTO", "1", "true", "on", "0", "no", "off")] == [
+        "auto", "auto", "on", "on", "on", "off", "off", "off"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"MOEKIT_FUSED_ROUTER='fast'; allowed: auto .*, 1 / on"):
+        fused_mode("fast")
 
 
 def test_fused_router_says_what_it_cannot_route():

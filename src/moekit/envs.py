@@ -36,10 +36,11 @@ MOEKIT_TRITON_KERNEL_ENGINE = EnvVar(
 )
 MOEKIT_FUSED_ROUTER = EnvVar(
     "MOEKIT_FUSED_ROUTER",
-    "0",
-    "1: layers built from now on route with one Triton kernel (moekit.router.select_experts_fused) "
-    "where it can run (CUDA tensors, no custom routing function, not while compiling), instead of "
-    "PyTorch ops",
+    "auto",
+    "how layers built from now on route: auto (one Triton kernel, "
+    "moekit.router.select_experts_fused, for CUDA logits where it can run: no custom routing "
+    "function, at most 1024 experts, not while compiling), 1 (also under the CPU interpreter) or "
+    "0 (PyTorch ops, moekit.router.select_experts)",
 )
 MOEKIT_GIT_COMMIT = EnvVar(
     "MOEKIT_GIT_COMMIT",

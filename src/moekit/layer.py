@@ -38,7 +38,7 @@ from moekit.quant import (
 )
 from moekit.quant.calibrate import random_experts_scales, standard_normal_scales
 from moekit.quant.checkpoint import CheckpointFormat, checkpoint_format
-from moekit.router import CustomRoutingFunction, TopKOutput, route
+from moekit.router import CustomRoutingFunction, TopKOutput, fused_mode, route
 from moekit.runners.base import Runner, RunnerError, input_problem
 from moekit.runners.registry import runner_class
 from moekit.select import Decision, Workload, select_runner
@@ -176,7 +176,7 @@ class MoE(nn.Module):
         self.act = ActivationSpec.from_config(config)
         self.runners = RunnerCache(runner)
         self.custom_routing_function = custom_routing_function
-        self.fused_router = envs.MOEKIT_FUSED_ROUTER.get_bool()  # read once: not per call
+        self.fused_router = fused_mode(envs.MOEKIT_FUSED_ROUTER.get())  # read once: not per call
         self.quant_spec: QuantSpec | None = None
         # static fp8 scales calibrated for N(0, 1) inputs, not given: redone for new weights
         self._standard_normal_scales = False

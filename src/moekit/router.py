@@ -2,7 +2,7 @@
 
 Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph:
 `select_experts` in PyTorch ops (the reference), `select_experts_fused` as one Triton kernel
-(a layer built with MOEKIT_FUSED_ROUTER=1 takes it).
+(a layer takes it for CUDA logits unless built with MOEKIT_FUSED_ROUTER=0).
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from moekit import envs
 from moekit._triton_host import cdiv, interpret_mode, next_pow2
-from moekit.config import INT_DTYPES, MoEConfig, check_routing
+from moekit.config import INT_DTYPES, ConfigError, MoEConfig, check_routing
 
 # the fused kernel's widest row: E experts rounded up to a power of two
 FUSED_MAX_EXPERTS = 1024
+# where `route` takes the fused kernel: CUDA logits / also the CPU interpreter / never
+FUSED_MODES = ("auto", "on", "off")
 
 
 class TopKOutput(NamedTuple):
@@ -156,6 +159,21 @@ def _select(
     return TopKOutput(weights.contiguous(), ids.contiguous())
 
 
+def fused_mode(value: str) -> str:
+    """A MOEKIT_FUSED_ROUTER value as one of FUSED_MODES."""
+    v = value.strip().lower()
+    if v == "auto":
+        return "auto"
+    if v in ("1", "true", "yes", "on"):
+        return "on"
+    if v in ("0", "false", "no", "off"):
+        return "off"
+    raise ConfigError(
+        f"{envs.MOEKIT_FUSED_ROUTER.name}={value!r}; allowed: auto (the fused routing kernel for "
+        f"CUDA logits), 1 / on (also under the CPU interpreter), 0 / off (PyTorch ops)"
+    )
+
+
 def fused_problem(router_logits_TE: torch.Tensor, custom_routing_function=None) -> str | None:
     """Why `select_experts_fused` cannot route these logits (None: it can)."""
     if custom_routing_function is not None:
@@ -228,15 +246,15 @@ def route(
     config: MoEConfig,
     correction_bias_E: torch.Tensor | None = None,
     custom_routing_function: CustomRoutingFunction | None = None,
-    fused: bool = False,
+    fused: str = "off",
 ) -> TopKOutput:
     """`select_experts` with the routing options of a `MoEConfig`, which checked them when it
     was made (the layer's forward checks the logits' shape, so nothing is checked twice a call):
-    router_logits [T, config.num_experts], correction_bias [config.num_experts]. `fused`:
-    `select_experts_fused` where it can run (not while compiling; the layer's
-    MOEKIT_FUSED_ROUTER)."""
+    router_logits [T, config.num_experts], correction_bias [config.num_experts]. `fused` (one of
+    FUSED_MODES; a layer's MOEKIT_FUSED_ROUTER): `select_experts_fused` for CUDA logits ('auto')
+    or wherever it can run ('on'), never while compiling."""
     if (
-        fused
+        (fused == "on" or (fused == "auto" and router_logits_TE.is_cuda))
         and not torch.compiler.is_compiling()
         and fused_problem(router_logits_TE, custom_routing_function) is None
     ):  # fmt: skip
