@@ -135,6 +135,21 @@ def test_fused_router_says_what_it_cannot_route():
         select_experts_fused(torch.randn(2, 8, device=DEVICE), 2, scoring_func="relu")
 
 
+def test_fused_router_without_triton_routes_with_the_twin(monkeypatch):
+    import moekit.router as router
+    from moekit.hardware import Platform
+
+    monkeypatch.setattr(router.hardware, "detect", lambda: Platform("cpu", "cpu", libraries={}))
+    logits = torch.randn(5, 8, device=DEVICE)
+    assert "needs Triton (not importable, or MOEKIT_DISABLE_TRITON=1)" in fused_problem(logits)
+    with pytest.raises(ValueError, match="select_experts_fused: needs Triton"):
+        select_experts_fused(logits, 2)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8)
+    monkeypatch.setattr(router, "_select_fused", lambda *a: pytest.fail("took the kernel"))
+    out = route(logits, cfg, fused="on")
+    assert torch.equal(out.ids, select_experts(logits, 2).ids)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PRESET_CASES[:4], ids=["qwen3", "mixtral", "deepseek", "kimi"])
 def test_fused_router_bf16_and_cuda_graph(case):

@@ -26,7 +26,9 @@ MOEKIT_CONFIG_DIR = EnvVar(
     "user directory for tuned kernel configs and selection tables; overrides the shipped ones",
 )
 MOEKIT_DISABLE_TRITON = EnvVar(
-    "MOEKIT_DISABLE_TRITON", "0", "1: report the Triton runners as unavailable (debugging)"
+    "MOEKIT_DISABLE_TRITON",
+    "0",
+    "1: report Triton as unavailable: its runners and the fused routing (debugging)",
 )
 MOEKIT_TRITON_KERNEL_ENGINE = EnvVar(
     "MOEKIT_TRITON_KERNEL_ENGINE",

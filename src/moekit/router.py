@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moekit import envs
+from moekit import envs, hardware
 from moekit._triton_host import cdiv, interpret_mode, next_pow2
 from moekit.config import INT_DTYPES, ConfigError, MoEConfig, check_routing
 
@@ -180,6 +180,8 @@ def fused_problem(router_logits_TE: torch.Tensor, custom_routing_function=None) 
         return "a custom routing function runs as it is"
     if router_logits_TE.device.type != "cuda" and not interpret_mode():
         return "needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if not hardware.detect().has("triton"):
+        return f"needs Triton (not importable, or {envs.MOEKIT_DISABLE_TRITON.name}=1)"
     if not router_logits_TE.dtype.is_floating_point:
         return f"needs float logits, got {router_logits_TE.dtype}"
     if router_logits_TE.shape[-1] > FUSED_MAX_EXPERTS:
