@@ -54,9 +54,11 @@ def test_env_explain(capsys):
     assert ex["workload"]["experts_local"] == 64 and ex["workload"]["num_tokens"] == 4
     chosen = [b["name"] for b in ex["backends"] if b["status"] == "chosen"]
     assert chosen == [ex["decision"]["backend"]]
+    on_gpu = torch.cuda.is_available()
+    assert ex["routing"].startswith("one Triton kernel" if on_gpu else "PyTorch ops")
     assert main(["env", "--explain", "--model", "mixtral-8x7b"]) == 0
     out = capsys.readouterr().out
-    assert "picked:" in out and "each runner for this workload" in out
+    assert "picked:" in out and "each runner for this workload" in out and "routing: " in out
 
 
 def test_env_explain_bad_preset(capsys):

@@ -13,6 +13,7 @@ from moekit import MoE, envs  # noqa: E402
 from moekit.config import ConfigError, MoEConfig  # noqa: E402
 from moekit.router import (  # noqa: E402
     FUSED_MAX_EXPERTS,
+    explain_routing,
     fused_mode,
     fused_problem,
     route,
@@ -120,6 +121,19 @@ def test_fused_router_modes():
         "auto", "auto", "on", "on", "on", "off", "off", "off"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"MOEKIT_FUSED_ROUTER='fast'; allowed: auto .*, 1 / on"):
         fused_mode("fast")
+
+
+def test_explain_routing():
+    from moekit.hardware import Platform
+
+    gpu = Platform("cuda", "H100", (9, 0), 1, libraries={"triton": "3.6.0"})
+    assert explain_routing("auto", gpu, 256).startswith("one Triton kernel (select_experts_fused")
+    assert explain_routing("off", gpu, 256) == "PyTorch ops (select_experts): MOEKIT_FUSED_ROUTER=0"
+    assert "at most 1024 experts, got 2048" in explain_routing("on", gpu, 2048)
+    cpu = Platform("cpu", "cpu", libraries={"triton": "3.6.0"})
+    assert "auto takes the kernel for CUDA logits only" in explain_routing("auto", cpu, 8)
+    no_triton = Platform("cuda", "H100", (9, 0), 1, libraries={"triton": None})
+    assert "the fused kernel needs Triton" in explain_routing("auto", no_triton, 8)
 
 
 def test_fused_router_says_what_it_cannot_route():

@@ -178,15 +178,37 @@ def fused_problem(router_logits_TE: torch.Tensor, custom_routing_function=None) 
     """Why `select_experts_fused` cannot route these logits (None: it can)."""
     if custom_routing_function is not None:
         return "a custom routing function runs as it is"
-    if router_logits_TE.device.type != "cuda" and not interpret_mode():
+    return _fused_problem(router_logits_TE.device.type, router_logits_TE.dtype,
+                          router_logits_TE.shape[-1], lambda: hardware.detect().has("triton"))
+
+
+def _fused_problem(device: str, dtype: torch.dtype, num_experts: int,
+                   has_triton: Callable[[], bool]) -> str | None:
+    if device != "cuda" and not interpret_mode():
         return "needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)"
-    if not hardware.detect().has("triton"):
+    if not has_triton():
         return f"needs Triton (not importable, or {envs.MOEKIT_DISABLE_TRITON.name}=1)"
-    if not router_logits_TE.dtype.is_floating_point:
-        return f"needs float logits, got {router_logits_TE.dtype}"
-    if router_logits_TE.shape[-1] > FUSED_MAX_EXPERTS:
-        return f"at most {FUSED_MAX_EXPERTS} experts, got {router_logits_TE.shape[-1]}"
+    if not dtype.is_floating_point:
+        return f"needs float logits, got {dtype}"
+    if num_experts > FUSED_MAX_EXPERTS:
+        return f"at most {FUSED_MAX_EXPERTS} experts, got {num_experts}"
     return None
+
+
+def explain_routing(mode: str, platform: hardware.Platform, num_experts: int) -> str:
+    """Which routing a layer built under `mode` (one of FUSED_MODES) takes for float logits of
+    `num_experts` experts on `platform`'s device, and why (`moekit env --explain`)."""
+    name = envs.MOEKIT_FUSED_ROUTER.name
+    if mode == "off":
+        return f"PyTorch ops (select_experts): {name}=0"
+    if mode == "auto" and not platform.is_cuda:
+        return f"PyTorch ops (select_experts): {name}=auto takes the kernel for CUDA logits only"
+    problem = _fused_problem(platform.device, torch.float32, num_experts,
+                             lambda: platform.has("triton"))  # fmt: skip
+    if problem:
+        return f"PyTorch ops (select_experts): the fused kernel {problem}"
+    return (f"one Triton kernel (select_experts_fused; {name}={mode}); the PyTorch ops under "
+            f"torch.compile or with a custom routing function")
 
 
 def select_experts_fused(

@@ -23,6 +23,7 @@ from moekit.config import (
 )
 from moekit.dispatch import registry as dispatch_registry
 from moekit.presets import PRESETS, QUANTIZATION_DEFAULT, model_and_format
+from moekit.router import explain_routing, fused_mode
 from moekit.runners import registry as runner_registry
 from moekit.select import explain, select_runner, workload_for
 
@@ -152,6 +153,8 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
         },
         "requested": args.moe_runner_backend,
         "decision": decision,
+        "routing": explain_routing(fused_mode(envs.MOEKIT_FUSED_ROUTER.get()), plat,
+                                   cfg.num_experts),
         "backends": [{"name": n, "status": s} for n, s in explain(work, config, plat)],
     }
 
@@ -224,6 +227,7 @@ def _render(doc: dict) -> None:
             console.print(f"picked: [bold green]{dec['backend']}[/bold green] ({dec['reason']})")
         else:
             console.print(f"[red]no runner: {dec['reason']}[/red]")
+        console.print(f"routing: {ex['routing']}")
         t = Table(title="each runner for this workload", title_justify="left")
         t.add_column("backend")
         t.add_column("status")
