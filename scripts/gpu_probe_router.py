@@ -88,14 +88,14 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool) -> list[di
         x = torch.randn(T, cfg.hidden_size, device=dev, dtype=cfg.torch_dtype)
         logits = torch.randn(T, cfg.num_experts, device=dev, dtype=cfg.torch_dtype)
 
-        def call(fused: bool, x=x, logits=logits):
-            module.fused_router = fused
+        def call(fused: str, x=x, logits=logits):
+            module.fused_router = fused  # the layer's MOEKIT_FUSED_ROUTER mode
             return module(x, logits)
 
-        ref, out = call(False), call(True)
+        ref, out = call("off"), call("on")
         ref, out = ref.float(), out.float()
         err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9))
-        ms = time_ms_interleaved({"torch": lambda: call(False), "fused": lambda: call(True)},
+        ms = time_ms_interleaved({"torch": lambda: call("off"), "fused": lambda: call("on")},
                                  dev, cuda_graph=on_gpu, rounds=8, samples=32)  # fmt: skip
         row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
                "fused_us": round(ms["fused"] * 1e3, 2),

@@ -121,6 +121,9 @@ def test_fused_router_modes():
         "auto", "auto", "on", "on", "on", "off", "off", "off"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"MOEKIT_FUSED_ROUTER='fast'; allowed: auto .*, 1 / on"):
         fused_mode("fast")
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8)
+    with pytest.raises(ValueError, match="route: fused must be one of auto, on, off, got True"):
+        route(torch.randn(3, 8, device=DEVICE), cfg, fused=True)
 
 
 def test_explain_routing():

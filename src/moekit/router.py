@@ -277,6 +277,8 @@ def route(
     router_logits [T, config.num_experts], correction_bias [config.num_experts]. `fused` (one of
     FUSED_MODES; a layer's MOEKIT_FUSED_ROUTER): `select_experts_fused` for CUDA logits ('auto')
     or wherever it can run ('on'), never while compiling."""
+    if fused not in FUSED_MODES:
+        raise ValueError(f"route: fused must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
     if (
         (fused == "on" or (fused == "auto" and router_logits_TE.is_cuda))
         and not torch.compiler.is_compiling()
