@@ -8,6 +8,9 @@ reports us per call of each, their ratio, and the tokens whose experts differ (n
     PYTHONPATH=src python3 scripts/gpu_probe_router.py [--batches 1,4,16,64,256,1024,4096,16384]
         [--models qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b]
 
+With `--tile-caps 1,4` it also times the fused kernel with at most 1, 4 tokens a program (more,
+smaller programs than `router.tokens_per_program` gives), checked to route the same.
+
 With `--layers qwen3-30b-a3b:1:1,deepseek-v3:8:8` (model:tp:ep) it also times the whole
 `MoE.forward` (routing from logits + dispatch + experts + combine, rank 0 of the layout, the
 `auto` runner) with `fused_router` off and on, in turns, at `--layer-batches`; what a user's
@@ -26,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option, write_probe
 
+from moekit import router
 from moekit.bench import time_ms_interleaved
 from moekit.presets import PRESETS
 from moekit.router import select_experts, select_experts_fused
@@ -46,6 +50,7 @@ def main() -> None:
     default = "1,4,16,64,256,1024,4096,16384" if on_gpu else "1,5"
     batches = [int(b) for b in option("--batches", default).split(",")]
     models = option("--models", "qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b")
+    caps = [int(c) for c in filter(None, option("--tile-caps", "").split(","))]
     rows = []
     for name in models.split(","):
         cfg = PRESETS[name]
@@ -57,24 +62,44 @@ def main() -> None:
             ref = select_experts(logits, K, **kw)
             out = select_experts_fused(logits, K, **kw)
             differ = int((ref.ids.sort(-1).values != out.ids.sort(-1).values).any(-1).sum())
-            ms = time_ms_interleaved(
-                {"torch": lambda lg=logits, k=K, kw=kw: select_experts(lg, k, **kw),
-                 "fused": lambda lg=logits, k=K, kw=kw: select_experts_fused(lg, k, **kw)},
-                dev, cuda_graph=on_gpu, rounds=8, samples=32,
-            )  # fmt: skip
+            fns = {"torch": lambda lg=logits, k=K, kw=kw: select_experts(lg, k, **kw),
+                   "fused": lambda lg=logits, k=K, kw=kw: select_experts_fused(lg, k, **kw)}
+            for cap in caps:
+                fns[f"fused_cap{cap}"] = _capped(cap, fns["fused"])
+                got = fns[f"fused_cap{cap}"]()
+                if not (torch.equal(got.ids, out.ids) and torch.equal(got.weights, out.weights)):
+                    raise AssertionError(f"{name} T={T}: tile cap {cap} changed the routing")
+            ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
             row = {"model": name, "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
                    "fused_us": round(ms["fused"] * 1e3, 2),
                    "torch_over_fused": round(ms["torch"] / ms["fused"], 3),
                    "tokens_differing": differ}  # fmt: skip
+            row.update({f"{n}_us": round(ms[n] * 1e3, 2) for n in fns if n.startswith("fused_cap")})
             rows.append(row)
+            capped = "".join(f"  cap{c} {row[f'fused_cap{c}_us']:8.2f}" for c in caps)
             print(f"{name:16s} T={T:6d}  torch {row['torch_us']:8.2f} us  fused "
-                  f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.2f}  differ {differ}")
+                  f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.2f}  differ {differ}"
+                  f"{capped}")
     layer_rows = []
     layers = option("--layers", "")
     layer_batches = option("--layer-batches", "1,16,256,4096" if on_gpu else "1,5")
     for job in filter(None, layers.split(",")):
         layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
+
+
+def _capped(cap: int, fused):
+    """`fused` with the kernel's tokens per program capped at `cap` (more, smaller programs)."""
+    default = router.tokens_per_program
+
+    def run():
+        router.tokens_per_program = lambda T, EP: min(default(T, EP), cap)
+        try:
+            return fused()
+        finally:
+            router.tokens_per_program = default
+
+    return run
 
 
 def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool) -> list[dict]:

@@ -251,7 +251,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     bias = None if correction_bias_E is None else correction_bias_E.float().contiguous()
     groups = num_expert_group if num_expert_group and num_expert_group > 1 else 1
     EP = next_pow2(E)
-    block_t = max(1, min(next_pow2(T), 4096 // EP))
+    block_t = tokens_per_program(T, EP)
     k._route_kernel[(cdiv(T, block_t),)](
         logits, logits if bias is None else bias, weights, ids, T, E, logits.stride(0),
         float(routed_scaling_factor), K=top_k, S=num_shared,
@@ -263,6 +263,12 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         num_warps=4,
     )  # fmt: skip
     return TopKOutput(weights, ids)
+
+
+def tokens_per_program(T: int, EP: int) -> int:
+    """Tokens one program of the fused routing kernel takes: its [tokens, EP] tile holds at most
+    4096 scores (EP: the experts rounded up to a power of two)."""
+    return max(1, min(next_pow2(T), 4096 // EP))
 
 
 def route(
