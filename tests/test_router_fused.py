@@ -115,6 +115,30 @@ def test_layer_routes_with_the_fused_kernel_when_asked(monkeypatch):
     assert calls == [1] and out.ids[:, :4].tolist() == [[0, 1, 2, 3]] * 11
 
 
+def test_layer_forward_is_the_same_with_either_routing(monkeypatch):
+    """The whole layer (DeepSeek-style choice, a fused shared expert) with the fused routing
+    against the same layer with the twin's: the same experts, so the same output."""
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=32, intermediate_size=16,
+                    scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                    use_correction_bias=True, routed_scaling_factor=2.0, num_shared_experts=1,
+                    dtype="float32")  # fmt: skip
+    import moekit.router as router
+
+    calls = []
+    real = router._select_fused
+    monkeypatch.setattr(router, "_select_fused", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "1")
+    layer = MoE(cfg, device=DEVICE)
+    layer.correction_bias.copy_(torch.randn(16, device=DEVICE) * 0.1)
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    logits = _separated_logits(10, 16, 4, torch.float32).view(2, 5, 16)
+    fused = layer(x, logits)
+    layer.fused_router = "off"
+    twin = layer(x, logits)
+    assert calls == [1]
+    torch.testing.assert_close(fused, twin, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_router_modes():
     assert envs.MOEKIT_FUSED_ROUTER.default == "auto"
     assert [fused_mode(v) for v in ("auto", " AUTO", "1", "true", "on", "0", "no", "off")] == [
