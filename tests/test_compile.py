@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moekit import MoE, MoEConfig, RunnerConfig, fused_moe
+from moekit import MoE, MoEConfig, RunnerConfig, envs, fused_moe
 from moekit.layer import run_experts
 from moekit.runners.torch import moe_reference_fp64
 from moekit.stages import MaskedDispatchOutput
@@ -107,6 +107,26 @@ def test_dynamic_shapes_trace_one_graph():
         got = compiled(x, w, ids, alpha)
         assert rel_err(got, want) < TOLERANCE[DTYPE], (T, alpha)
     assert len(calls) == 2
+
+
+def test_fused_routing_compiles_as_one_op(monkeypatch):
+    """A layer that routes with the fused kernel (on CUDA by default; on the CPU under the
+    interpreter when asked) keeps it compiled, as the op `moekit::route`, in one dynamic graph
+    without a break, and gives the eager outputs (empty batch included)."""
+    monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "auto" if DEVICE == "cuda" else "1")
+    m = layer("torch", num_experts=16, top_k=4, scoring_func="sigmoid", num_expert_group=4,
+              topk_group=2, use_correction_bias=True, routed_scaling_factor=2.5,
+              num_shared_experts=1)  # fmt: skip
+    m.correction_bias.copy_(torch.randn(16, device=DEVICE) * 0.1)
+    graphs: list = []
+    compiled = torch.compile(m, fullgraph=True, backend=_counting(graphs), dynamic=True)
+    for T in (3, 5, 0, 9):
+        x, logits = inputs(m, T)
+        with torch.no_grad():
+            out, ref = compiled(x, logits), m(x, logits)
+        assert out.shape == ref.shape and rel_err(out, ref) < TOLERANCE[DTYPE], T
+    assert len(graphs) == 2  # T = 0 specialises
+    assert all("moekit.route" in gm.code and "topk" not in gm.code for gm in graphs)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_w8a8", "int4_w4a16", "mxfp4"])

@@ -41,8 +41,8 @@ MOEKIT_FUSED_ROUTER = EnvVar(
     "auto",
     "how layers built from now on route: auto (one Triton kernel, "
     "moekit.router.select_experts_fused, for CUDA logits where it can run: no custom routing "
-    "function, at most 1024 experts, not while compiling), 1 (also under the CPU interpreter) or "
-    "0 (PyTorch ops, moekit.router.select_experts)",
+    "function, at most 1024 experts; compiled as the op moekit::route), 1 (also under the CPU "
+    "interpreter) or 0 (PyTorch ops, moekit.router.select_experts)",
 )
 MOEKIT_GIT_COMMIT = EnvVar(
     "MOEKIT_GIT_COMMIT",

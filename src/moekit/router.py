@@ -2,12 +2,13 @@
 
 Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph:
 `select_experts` in PyTorch ops (the reference), `select_experts_fused` as one Triton kernel
-(a layer takes it for CUDA logits unless built with MOEKIT_FUSED_ROUTER=0).
+(a layer takes it for CUDA logits unless built with MOEKIT_FUSED_ROUTER=0; under torch.compile
+as the custom op `moekit::route`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -179,7 +180,13 @@ def fused_problem(router_logits_TE: torch.Tensor, custom_routing_function=None) 
     if custom_routing_function is not None:
         return "a custom routing function runs as it is"
     return _fused_problem(router_logits_TE.device.type, router_logits_TE.dtype,
-                          router_logits_TE.shape[-1], lambda: hardware.detect().has("triton"))
+                          router_logits_TE.shape[-1], _has_triton)
+
+
+@torch.compiler.assume_constant_result
+def _has_triton() -> bool:
+    """Triton is importable and not turned off (a constant of a compiled graph)."""
+    return hardware.detect().has("triton")
 
 
 def _fused_problem(device: str, dtype: torch.dtype, num_experts: int,
@@ -207,8 +214,8 @@ def explain_routing(mode: str, platform: hardware.Platform, num_experts: int) ->
                              lambda: platform.has("triton"))  # fmt: skip
     if problem:
         return f"PyTorch ops (select_experts): the fused kernel {problem}"
-    return (f"one Triton kernel (select_experts_fused; {name}={mode}); the PyTorch ops under "
-            f"torch.compile or with a custom routing function")
+    return (f"one Triton kernel (select_experts_fused; {name}={mode}; under torch.compile the "
+            f"op moekit::route); the PyTorch ops with a custom routing function")
 
 
 def select_experts_fused(
@@ -282,19 +289,51 @@ def route(
     was made (the layer's forward checks the logits' shape, so nothing is checked twice a call):
     router_logits [T, config.num_experts], correction_bias [config.num_experts]. `fused` (one of
     FUSED_MODES; a layer's MOEKIT_FUSED_ROUTER): `select_experts_fused` for CUDA logits ('auto')
-    or wherever it can run ('on'), never while compiling."""
+    or wherever it can run ('on'); under torch.compile as one custom op, `moekit::route`."""
     if fused not in FUSED_MODES:
         raise ValueError(f"route: fused must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
+    c = config
     if (
         (fused == "on" or (fused == "auto" and router_logits_TE.is_cuda))
-        and not torch.compiler.is_compiling()
         and fused_problem(router_logits_TE, custom_routing_function) is None
     ):  # fmt: skip
-        return _select_fused(router_logits_TE, config.top_k, config.scoring_func,
-                             config.renormalize, config.num_expert_group, config.topk_group,
-                             correction_bias_E, config.routed_scaling_factor,
-                             config.num_shared_experts)  # fmt: skip
-    return _select(router_logits_TE, config.top_k, config.scoring_func, config.renormalize,
-                   config.num_expert_group, config.topk_group, correction_bias_E,
-                   config.routed_scaling_factor, config.num_shared_experts,
+        if torch.compiler.is_compiling():
+            weights, ids = route_op(
+                router_logits_TE, correction_bias_E, c.top_k, c.scoring_func, c.renormalize,
+                c.num_expert_group or 1, c.topk_group or 1, float(c.routed_scaling_factor),
+                c.num_shared_experts,
+            )  # fmt: skip
+            return TopKOutput(weights, ids)
+        return _select_fused(router_logits_TE, c.top_k, c.scoring_func, c.renormalize,
+                             c.num_expert_group, c.topk_group, correction_bias_E,
+                             c.routed_scaling_factor, c.num_shared_experts)  # fmt: skip
+    return _select(router_logits_TE, c.top_k, c.scoring_func, c.renormalize, c.num_expert_group,
+                   c.topk_group, correction_bias_E, c.routed_scaling_factor, c.num_shared_experts,
                    custom_routing_function)  # fmt: skip
+
+
+@torch.library.custom_op("moekit::route", mutates_args=())
+def route_op(
+    router_logits_TE: torch.Tensor,
+    correction_bias_E: Optional[torch.Tensor],
+    top_k: int,
+    scoring_func: str,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    num_shared: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused routing as a custom op, for torch.compile: (weights [T, K + S] float32, ids
+    [T, K + S] int32); num_expert_group / topk_group 1 where the routing has no groups."""
+    out = _select_fused(router_logits_TE, top_k, scoring_func, renormalize, num_expert_group,
+                        topk_group, correction_bias_E, routed_scaling_factor, num_shared)
+    return out.weights, out.ids
+
+
+@route_op.register_fake
+def _route_op_fake(router_logits_TE, correction_bias_E, top_k, scoring_func, renormalize,
+                   num_expert_group, topk_group, routed_scaling_factor, num_shared):
+    shape = (router_logits_TE.shape[0], top_k + num_shared)
+    return (router_logits_TE.new_empty(shape, dtype=torch.float32),
+            router_logits_TE.new_empty(shape, dtype=torch.int32))  # fmt: skip
