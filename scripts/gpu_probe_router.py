@@ -14,7 +14,8 @@ smaller programs than `router.tokens_per_program` gives), checked to route the s
 With `--layers qwen3-30b-a3b:1:1,deepseek-v3:8:8` (model:tp:ep) it also times the whole
 `MoE.forward` (routing from logits + dispatch + experts + combine, rank 0 of the layout, the
 `auto` runner) with `fused_router` off and on, in turns, at `--layer-batches`; what a user's
-layer call gains from the fused routing.
+layer call gains from the fused routing. `--compiled` adds the same layer under torch.compile
+with each routing (the PyTorch ops as Inductor compiles them, against the op moekit::route).
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -84,7 +85,8 @@ def main() -> None:
     layers = option("--layers", "")
     layer_batches = option("--layer-batches", "1,16,256,4096" if on_gpu else "1,5")
     for job in filter(None, layers.split(",")):
-        layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu)
+        layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu,
+                                  compiled="--compiled" in sys.argv)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
 
 
@@ -102,34 +104,49 @@ def _capped(cap: int, fused):
     return run
 
 
-def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool) -> list[dict]:
-    """MoE.forward with the routing in PyTorch ops, then fused, in turns, per batch size."""
+def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
+                compiled: bool) -> list[dict]:
+    """MoE.forward with the routing in PyTorch ops, then fused, in turns, per batch size; with
+    `compiled`, also the layer under torch.compile (Inductor, no CUDA graphs of its own: the
+    timing captures them) with each routing: Inductor's code for the PyTorch ops against the op
+    moekit::route."""
     model, tp, ep = job.split(":")
     spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), batch_sizes=tuple(batches))
     module = build_layer(spec)
+    step = torch.compile(module, fullgraph=True, dynamic=False) if compiled else None
     cfg = module.config
     rows = []
     for T in batches:
         x = torch.randn(T, cfg.hidden_size, device=dev, dtype=cfg.torch_dtype)
         logits = torch.randn(T, cfg.num_experts, device=dev, dtype=cfg.torch_dtype)
 
-        def call(fused: str, x=x, logits=logits):
+        def call(fused: str, layer=module, x=x, logits=logits):
             module.fused_router = fused  # the layer's MOEKIT_FUSED_ROUTER mode
-            return module(x, logits)
+            return layer(x, logits)
 
         ref, out = call("off"), call("on")
         ref, out = ref.float(), out.float()
         err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9))
-        ms = time_ms_interleaved({"torch": lambda: call("off"), "fused": lambda: call("on")},
-                                 dev, cuda_graph=on_gpu, rounds=8, samples=32)  # fmt: skip
-        row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
-               "fused_us": round(ms["fused"] * 1e3, 2),
-               "torch_over_fused": round(ms["torch"] / ms["fused"], 3), "max_rel_diff": err}
+        fns = {"torch": lambda: call("off"), "fused": lambda: call("on")}
+        if step is not None:
+            fns["compiled_torch"] = lambda: call("off", step)
+            fns["compiled_fused"] = lambda: call("on", step)
+        ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
+        us = {name: round(t * 1e3, 2) for name, t in ms.items()}
+        row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": us["torch"],
+               "fused_us": us["fused"], "torch_over_fused": round(ms["torch"] / ms["fused"], 3),
+               "max_rel_diff": err}  # fmt: skip
+        line = (f"layer {row['job']:22s} T={T:6d}  torch-routed {us['torch']:8.2f} us  fused "
+                f"{us['fused']:8.2f} us  x{row['torch_over_fused']:.3f}  diff {err:.2e}")
+        if step is not None:
+            ratio = round(ms["compiled_torch"] / ms["compiled_fused"], 3)
+            row.update(compiled_torch_us=us["compiled_torch"],
+                       compiled_fused_us=us["compiled_fused"], compiled_torch_over_fused=ratio)
+            line += (f"  | compiled: torch-routed {us['compiled_torch']:8.2f} fused "
+                     f"{us['compiled_fused']:8.2f} x{row['compiled_torch_over_fused']:.3f}")
         rows.append(row)
-        print(f"layer {row['job']:22s} T={T:6d}  torch-routed {row['torch_us']:8.2f} us  fused "
-              f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.3f}  diff {err:.2e}")
+        print(line)
     return rows
-
 
 if __name__ == "__main__":
     main()
