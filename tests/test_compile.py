@@ -109,15 +109,23 @@ def test_dynamic_shapes_trace_one_graph():
     assert len(calls) == 2
 
 
-def test_fused_routing_compiles_as_one_op(monkeypatch):
+ROUTINGS = {
+    "deepseek": dict(num_experts=16, top_k=4, scoring_func="sigmoid", num_expert_group=4,
+                     topk_group=2, use_correction_bias=True, routed_scaling_factor=2.5,
+                     num_shared_experts=1),
+    "softmax": dict(num_experts=16, top_k=4, renormalize=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_fused_routing_compiles_as_one_op(monkeypatch, routing):
     """A layer that routes with the fused kernel (on CUDA by default; on the CPU under the
     interpreter when asked) keeps it compiled, as the op `moekit::route`, in one dynamic graph
     without a break, and gives the eager outputs (empty batch included)."""
     monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "auto" if DEVICE == "cuda" else "1")
-    m = layer("torch", num_experts=16, top_k=4, scoring_func="sigmoid", num_expert_group=4,
-              topk_group=2, use_correction_bias=True, routed_scaling_factor=2.5,
-              num_shared_experts=1)  # fmt: skip
-    m.correction_bias.copy_(torch.randn(16, device=DEVICE) * 0.1)
+    m = layer("torch", **ROUTINGS[routing])
+    if m.correction_bias is not None:
+        m.correction_bias.copy_(torch.randn(16, device=DEVICE) * 0.1)
     graphs: list = []
     compiled = torch.compile(m, fullgraph=True, backend=_counting(graphs), dynamic=True)
     for T in (3, 5, 0, 9):

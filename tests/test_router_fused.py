@@ -163,6 +163,19 @@ def test_explain_routing():
     assert "the fused kernel needs Triton" in explain_routing("auto", no_triton, 8)
 
 
+
+def test_explain_routing_on_the_cpu(monkeypatch):
+    import moekit.router as router
+    from moekit.hardware import Platform
+
+    cpu = Platform("cpu", "cpu", libraries={"triton": "3.6.0"})
+    monkeypatch.setattr(router, "interpret_mode", lambda: True)
+    assert explain_routing("on", cpu, 8).startswith("one Triton kernel")
+    monkeypatch.setattr(router, "interpret_mode", lambda: False)
+    assert "the fused kernel needs CUDA tensors (or TRITON_INTERPRET=1" in explain_routing(
+        "on", cpu, 8)  # fmt: skip
+
+
 def test_fused_router_says_what_it_cannot_route():
     too_wide = torch.randn(2, FUSED_MAX_EXPERTS + 1, device=DEVICE)
     assert "at most 1024 experts" in fused_problem(too_wide)
