@@ -139,6 +139,33 @@ def test_layer_forward_is_the_same_with_either_routing(monkeypatch):
     torch.testing.assert_close(fused, twin, rtol=1e-5, atol=1e-5)
 
 
+def _nonfinite_rows_route_to_valid_experts(dtype):
+    """Rows of NaN, +inf and -inf logits (a broken model's) still pick K distinct experts in
+    [0, E): ids outside would be read as slots by the dispatch. A single NaN ranks first, as in
+    torch.topk."""
+    for case in PRESET_CASES[:4] + [dict(E=10, K=3, scoring="sigmoid", renorm=True, bias=True)]:
+        E, K = case["E"], case["K"]
+        bias = torch.randn(E, device=DEVICE) * 0.1 if case.get("bias") else None
+        logits = torch.randn(6, E, device=DEVICE)
+        logits[0] = float("nan")
+        logits[1, 3] = float("nan")
+        logits[2] = float("inf")
+        logits[3] = float("-inf")
+        logits[4, 2] = float("inf")
+        logits[5, ::2] = float("nan")
+        out = select_experts_fused(logits.to(dtype), K, **routing_kwargs(case, bias))
+        ids = out.ids[:, :K].long()
+        assert ((ids >= 0) & (ids < E)).all(), (case, out.ids)
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), (case, out.ids)  # distinct
+        if case["scoring"] == "sigmoid":  # softmax spreads a NaN over the row
+            assert 3 in ids[1].tolist() and 2 in ids[4].tolist(), (case, out.ids)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, interpreting NaN rows
+def test_fused_router_nonfinite_logits():
+    _nonfinite_rows_route_to_valid_experts(torch.float32)
+
+
 def test_fused_router_modes():
     assert envs.MOEKIT_FUSED_ROUTER.default == "auto"
     assert [fused_mode(v) for v in ("auto", " AUTO", "1", "true", "on", "0", "no", "off")] == [
@@ -202,6 +229,11 @@ def test_fused_router_without_triton_routes_with_the_twin(monkeypatch):
     monkeypatch.setattr(router, "_select_fused", lambda *a: pytest.fail("took the kernel"))
     out = route(logits, cfg, fused="on")
     assert torch.equal(out.ids, select_experts(logits, 2).ids)
+
+
+@pytest.mark.gpu
+def test_fused_router_nonfinite_logits_bf16():
+    _nonfinite_rows_route_to_valid_experts(torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -55,7 +55,9 @@ def _route_kernel(
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    choice = tl.where(ok, choice, float("-inf"))
+    # NaN scores rank first, as in torch.topk (and argmax never meets a NaN, whose comparisons
+    # could hand it a padding column or an expert already taken); padding stays -inf
+    choice = tl.where(ok, tl.where(choice != choice, float("inf"), choice), float("-inf"))
     if G > 1:
         # a group's score: its best expert, or with a bias the sum of its best two
         width = E // G
