@@ -16,6 +16,8 @@ With `--layers qwen3-30b-a3b:1:1,deepseek-v3:8:8` (model:tp:ep) it also times th
 `auto` runner) with `fused_router` off and on, in turns, at `--layer-batches`; what a user's
 layer call gains from the fused routing. `--compiled` adds the same layer under torch.compile
 with each routing (the PyTorch ops as Inductor compiles them, against the op moekit::route).
+`--record` adds the layer with its expert load recorded (EPLB): counted inside the routing
+kernel (`forward`), and counted after it with `count_experts` (`forward_topk`, as before).
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -32,6 +34,7 @@ from probe_out import option, write_probe
 
 from moekit import router
 from moekit.bench import time_ms_interleaved
+from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.presets import PRESETS
 from moekit.router import select_experts, select_experts_fused
 from moekit.select_tune import sweep_spec
@@ -86,7 +89,8 @@ def main() -> None:
     layer_batches = option("--layer-batches", "1,16,256,4096" if on_gpu else "1,5")
     for job in filter(None, layers.split(",")):
         layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu,
-                                  compiled="--compiled" in sys.argv)
+                                  compiled="--compiled" in sys.argv,
+                                  record="--record" in sys.argv)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
 
 
@@ -105,7 +109,7 @@ def _capped(cap: int, fused):
 
 
 def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
-                compiled: bool) -> list[dict]:
+                compiled: bool, record: bool) -> list[dict]:
     """MoE.forward with the routing in PyTorch ops, then fused, in turns, per batch size; with
     `compiled`, also the layer under torch.compile (Inductor, no CUDA graphs of its own: the
     timing captures them) with each routing: Inductor's code for the PyTorch ops against the op
@@ -131,6 +135,16 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
         if step is not None:
             fns["compiled_torch"] = lambda: call("off", step)
             fns["compiled_fused"] = lambda: call("on", step)
+        if record:
+            rec = ExpertLoadRecorder(cfg.total_experts, dev)
+            fns["fused_counting"] = lambda: _recorded(module, rec, lambda: call("on"))
+
+
+            def then_count(x=x, logits=logits):
+                module.fused_router = "on"
+                return module.forward_topk(x, module.route(logits))
+
+            fns["fused_then_count"] = lambda: _recorded(module, rec, then_count)
         ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
         us = {name: round(t * 1e3, 2) for name, t in ms.items()}
         row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": us["torch"],
@@ -144,9 +158,23 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
                        compiled_fused_us=us["compiled_fused"], compiled_torch_over_fused=ratio)
             line += (f"  | compiled: torch-routed {us['compiled_torch']:8.2f} fused "
                      f"{us['compiled_fused']:8.2f} x{row['compiled_torch_over_fused']:.3f}")
+        if record:
+            row.update(fused_counting_us=us["fused_counting"],
+                       fused_then_count_us=us["fused_then_count"])
+            line += (f"  | recorded: in-kernel {us['fused_counting']:8.2f} after "
+                     f"{us['fused_then_count']:8.2f}")
         rows.append(row)
         print(line)
     return rows
+
+
+def _recorded(layer, recorder, fn):
+    """fn() with the layer's expert load recorded by `recorder` (made once, outside captures)."""
+    layer.expert_load = recorder
+    try:
+        return fn()
+    finally:
+        layer.expert_load = None
 
 if __name__ == "__main__":
     main()

@@ -126,6 +126,7 @@ def test_recorder_counts_routed_pairs_and_skips_masked_ids():
     ids = torch.tensor([[0, 3], [3, -1], [4, 0]], dtype=torch.int32)
     rec.record(ids)
     rec.record(ids[:1])
+    rec.record(torch.tensor([[5, -2]]))  # outside [0, E): not counted either
     assert rec.counts.tolist() == [3, 0, 0, 3, 1]
     assert rec.total().tolist() == [3, 0, 0, 3, 1]
     rec.reset()

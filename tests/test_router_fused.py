@@ -13,6 +13,7 @@ from moekit import MoE, envs  # noqa: E402
 from moekit.config import ConfigError, MoEConfig  # noqa: E402
 from moekit.router import (  # noqa: E402
     FUSED_MAX_EXPERTS,
+    count_experts,
     explain_routing,
     fused_mode,
     fused_problem,
@@ -137,6 +138,65 @@ def test_layer_forward_is_the_same_with_either_routing(monkeypatch):
     twin = layer(x, logits)
     assert calls == [1]
     torch.testing.assert_close(fused, twin, rtol=1e-5, atol=1e-5)
+
+
+def _config(case) -> MoEConfig:
+    """The routing of a test case as a layer's config."""
+    return MoEConfig(num_experts=case["E"], top_k=case["K"], hidden_size=8, intermediate_size=8,
+                     scoring_func=case["scoring"], renormalize=case["renorm"],
+                     num_expert_group=case.get("groups"), topk_group=case.get("topk_group"),
+                     use_correction_bias=bool(case.get("bias")),
+                     routed_scaling_factor=case.get("scale", 1.0),
+                     num_shared_experts=case.get("shared", 0))  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PRESET_CASES, ids=["qwen3", "mixtral", "deepseek", "kimi",
+                                                    "gptoss", "shared2"])  # fmt: skip
+@pytest.mark.parametrize("T", [0, 1, 37, 300])
+def test_fused_router_counts_what_it_routes(case, T):
+    """The kernel adds its routed pairs per expert (the shared experts' too) to the load counts
+    (several programs at T = 37 / 300 for the wider rows), on top of what they held: what
+    count_experts (the twin) adds for the kernel's ids; and route's twin path counts its own."""
+    cfg = _config(case)
+    bias = torch.randn(case["E"], device=DEVICE) * 0.1 if case.get("bias") else None
+    logits = torch.randn(T, case["E"], device=DEVICE)
+    held = torch.randint(0, 1000, (cfg.total_experts,), device=DEVICE)
+    for fused in ("on", "off"):
+        counts = held.clone()
+        out = route(logits, cfg, bias, fused=fused, counts_N=counts)
+        want = held.clone()
+        count_experts(out.ids, want)
+        assert torch.equal(counts, want), fused
+        assert int((counts - held).sum()) == T * (cfg.top_k + cfg.num_shared_experts)
+
+
+def test_count_experts_skips_masked_and_foreign_ids():
+    counts = torch.zeros(4, dtype=torch.int64)
+    count_experts(torch.tensor([[0, -1], [3, 4], [3, 2]], dtype=torch.int32), counts)
+    assert counts.tolist() == [1, 0, 1, 2]
+    count_experts(torch.zeros(0, 2, dtype=torch.int32), counts)  # an empty batch
+    assert counts.tolist() == [1, 0, 1, 2]
+
+
+def test_layer_counts_its_load_once_a_call_with_either_routing(monkeypatch):
+    """forward counts inside the routing (the kernel), forward_topk with count_experts: each
+    call adds its pairs once, the fused shared expert's included."""
+    cfg = _config(dict(E=16, K=4, scoring="sigmoid", renorm=True, groups=4, topk_group=2,
+                       bias=True, scale=2.0, shared=1))  # fmt: skip
+    monkeypatch.setenv(envs.MOEKIT_FUSED_ROUTER.name, "1")
+    layer = MoE(cfg, device=DEVICE)
+    rec = layer.record_expert_load()
+    x = torch.randn(11, 8, device=DEVICE, dtype=torch.bfloat16)
+    logits = _separated_logits(11, 16, 4, torch.float32)
+    layer(x, logits)
+    topk = layer.route(logits)  # counts nothing
+    want = torch.bincount(topk.ids.flatten().long(), minlength=17)
+    assert torch.equal(rec.counts, want) and int(want[16]) == 11
+    layer.forward_topk(x, topk)
+    assert torch.equal(rec.counts, 2 * want)
+    layer.fused_router = "off"
+    layer(x, logits)
+    assert torch.equal(rec.counts, 3 * want)
 
 
 def _nonfinite_rows_route_to_valid_experts(dtype):

@@ -1,6 +1,7 @@
 """The fused routing kernel (`moekit.router.select_experts_fused`): scores, optional correction
 bias and grouped top-k, top-k, renormalisation, scaling and the fused shared-expert columns of a
-block of tokens in one launch. Private: launched only by moekit.router.
+block of tokens in one launch, and optionally the routed pairs per expert added to a load
+counter (EPLB's recorder). Private: launched only by moekit.router.
 
 Vocabulary: T tokens, E experts (EP: E rounded up to a power of two, the tile's width), K routed
 columns (KP: K rounded up), S fused shared experts (SP), G expert groups of E / G experts (GP).
@@ -20,6 +21,7 @@ def _route_kernel(
     bias_ptr,  # [E] float32 (read when HAS_BIAS)
     weights_ptr,  # [T, K + S] float32 out
     ids_ptr,  # [T, K + S] int32 out
+    counts_ptr,  # [E + S] int64, pairs per expert added to (when COUNT)
     T,
     E,
     stride_t,
@@ -32,6 +34,7 @@ def _route_kernel(
     G: tl.constexpr,  # expert groups (1: no grouped top-k)
     TOPK_GROUP: tl.constexpr,
     TOP2: tl.constexpr,  # a group's score is the sum of its best two (else its best)
+    COUNT: tl.constexpr,
     GP: tl.constexpr,  # G rounded up to a power of two
     BLOCK_T: tl.constexpr,
     EP: tl.constexpr,
@@ -95,6 +98,9 @@ def _route_kernel(
         w = tl.where(kcols[None, :] == k, wk[:, None], w)
         ids = tl.where(kcols[None, :] == k, best[:, None].to(tl.int32), ids)
         choice = tl.where(hit, float("-inf"), choice)
+        if COUNT:
+            one = tl.full([BLOCK_T], 1, tl.int64)
+            tl.atomic_add(counts_ptr + best, one, mask=row_ok, sem="relaxed")
     if RENORM:
         w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
     w = w * scale
@@ -110,3 +116,7 @@ def _route_kernel(
         shared = tl.zeros([BLOCK_T, SP], dtype=tl.int32) + E + scols[None, :]
         tl.store(ids_ptr + sout, shared, mask=smask)
         tl.store(weights_ptr + sout, tl.full([BLOCK_T, SP], 1.0, tl.float32), mask=smask)
+        if COUNT:
+            rows_here = tl.sum(row_ok.to(tl.int64), axis=0)
+            tl.atomic_add(counts_ptr + E + scols, tl.zeros([SP], tl.int64) + rows_here,
+                          mask=scols < S, sem="relaxed")  # fmt: skip

@@ -336,9 +336,13 @@ class MoE(nn.Module):
         """Logical expert id of each local slot [E_local]."""
         return self.placement.local_experts(self.ep_rank)
 
-    def route(self, router_logits_TE: torch.Tensor) -> TopKOutput:
+    def route(self, router_logits_TE: torch.Tensor,
+              counts_N: torch.Tensor | None = None) -> TopKOutput:
+        """router_logits [T, E] -> TopKOutput (logical ids); with counts [total_experts] int64,
+        the routed pairs per expert are also added to it (`moekit.router.route`)."""
         return route(router_logits_TE, self.config, self.correction_bias,
-                     self.custom_routing_function, fused=self.fused_router)  # fmt: skip
+                     self.custom_routing_function, fused=self.fused_router,
+                     counts_N=counts_N)  # fmt: skip
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [..., H], router_logits [..., E] (the same leading shape) -> [..., H]."""
@@ -351,8 +355,10 @@ class MoE(nn.Module):
                 f"{list(router_logits.shape)}"
             )
         x_TH = x.reshape(-1, H)
-        topk = self.route(router_logits.reshape(x_TH.shape[0], E))
-        return self.forward_topk(x_TH, topk).view(shape)
+        logits_TE = router_logits.reshape(x_TH.shape[0], E)
+        load = self.expert_load  # counted by the routing (inside the fused kernel)
+        topk = self.route(logits_TE, None if load is None else load.counts_on(logits_TE.device))
+        return self._run_experts(x_TH, topk).view(shape)
 
     def record_expert_load(self, enabled: bool = True) -> ExpertLoadRecorder | None:
         """Count the pairs routed to each logical expert from now on (`expert_load`, on the
@@ -367,6 +373,10 @@ class MoE(nn.Module):
         """The layer after routing: x [T, H] and a TopKOutput with logical ids -> [T, H]."""
         if self.expert_load is not None:
             self.expert_load.record(topk.ids)
+        return self._run_experts(x_TH, topk)
+
+    def _run_experts(self, x_TH: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        """Dispatch, run the experts, combine: x [T, H] -> [T, H]."""
         dispatched = self.dispatcher.dispatch(x_TH, topk)
         result = run_experts(dispatched, self.expert_weights, self.act, self.runners)
         return self.dispatcher.combine(result, dispatched)

@@ -3,7 +3,8 @@
 Pure tensor code with no host synchronisation, so it can be captured in a CUDA graph:
 `select_experts` in PyTorch ops (the reference), `select_experts_fused` as one Triton kernel
 (a layer takes it for CUDA logits unless built with MOEKIT_FUSED_ROUTER=0; under torch.compile
-as the custom op `moekit::route`).
+as the custom op `moekit::route`). `route` can also count the routed pairs per expert (EPLB's
+load recorder): inside the kernel, else with `count_experts`.
 """
 
 from __future__ import annotations
@@ -160,6 +161,14 @@ def _select(
     return TopKOutput(weights.contiguous(), ids.contiguous())
 
 
+def count_experts(ids_TK: torch.Tensor, counts_N: torch.Tensor) -> None:
+    """Add the pairs of ids [T, K] per expert to counts [N] int64, in place (no host
+    synchronisation); ids outside [0, N) (-1: a masked slot) are not counted."""
+    ids = ids_TK.reshape(-1).to(torch.int64)
+    inside = (ids >= 0) & (ids < counts_N.shape[0])
+    counts_N.index_add_(0, ids.clamp(0, counts_N.shape[0] - 1), inside.to(torch.int64))
+
+
 def fused_mode(value: str) -> str:
     """A MOEKIT_FUSED_ROUTER value as one of FUSED_MODES."""
     v = value.strip().lower()
@@ -244,8 +253,10 @@ def select_experts_fused(
 
 
 def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group, topk_group,
-                  correction_bias_E, routed_scaling_factor, num_shared) -> TopKOutput:
-    """`select_experts_fused` on checked options."""
+                  correction_bias_E, routed_scaling_factor, num_shared,
+                  counts=None) -> TopKOutput:
+    """`select_experts_fused` on checked options; with counts [E + S] int64 (on the logits'
+    device) the kernel also adds its pairs per expert to them (what `count_experts` adds)."""
     from moekit import _router_kernels as k
 
     T, E = logits_TE.shape
@@ -260,12 +271,14 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     EP = next_pow2(E)
     block_t = tokens_per_program(T, EP)
     k._route_kernel[(cdiv(T, block_t),)](
-        logits, logits if bias is None else bias, weights, ids, T, E, logits.stride(0),
+        logits, logits if bias is None else bias, weights, ids,
+        weights if counts is None else counts, T, E, logits.stride(0),
         float(routed_scaling_factor), K=top_k, S=num_shared,
         SCORE=k.SCORE_SOFTMAX if scoring_func == "softmax" else k.SCORE_SIGMOID,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
         TOPK_GROUP=topk_group if groups > 1 else 1,
-        TOP2=bias is not None and E // groups >= 2, BLOCK_T=block_t, EP=EP,
+        TOP2=bias is not None and E // groups >= 2, COUNT=counts is not None,
+        BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
         num_warps=4,
     )  # fmt: skip
@@ -284,12 +297,15 @@ def route(
     correction_bias_E: torch.Tensor | None = None,
     custom_routing_function: CustomRoutingFunction | None = None,
     fused: str = "off",
+    counts_N: torch.Tensor | None = None,
 ) -> TopKOutput:
     """`select_experts` with the routing options of a `MoEConfig`, which checked them when it
     was made (the layer's forward checks the logits' shape, so nothing is checked twice a call):
     router_logits [T, config.num_experts], correction_bias [config.num_experts]. `fused` (one of
     FUSED_MODES; a layer's MOEKIT_FUSED_ROUTER): `select_experts_fused` for CUDA logits ('auto')
-    or wherever it can run ('on'); under torch.compile as one custom op, `moekit::route`."""
+    or wherever it can run ('on'); under torch.compile as one custom op, `moekit::route`.
+    counts [config.total_experts] int64 on the logits' device: the routed pairs per expert are
+    added to it (by the kernel itself where it runs eagerly, else by `count_experts`)."""
     if fused not in FUSED_MODES:
         raise ValueError(f"route: fused must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
     c = config
@@ -297,19 +313,24 @@ def route(
         (fused == "on" or (fused == "auto" and router_logits_TE.is_cuda))
         and fused_problem(router_logits_TE, custom_routing_function) is None
     ):  # fmt: skip
-        if torch.compiler.is_compiling():
-            weights, ids = route_op(
-                router_logits_TE, correction_bias_E, c.top_k, c.scoring_func, c.renormalize,
-                c.num_expert_group or 1, c.topk_group or 1, float(c.routed_scaling_factor),
-                c.num_shared_experts,
-            )  # fmt: skip
-            return TopKOutput(weights, ids)
-        return _select_fused(router_logits_TE, c.top_k, c.scoring_func, c.renormalize,
-                             c.num_expert_group, c.topk_group, correction_bias_E,
-                             c.routed_scaling_factor, c.num_shared_experts)  # fmt: skip
-    return _select(router_logits_TE, c.top_k, c.scoring_func, c.renormalize, c.num_expert_group,
-                   c.topk_group, correction_bias_E, c.routed_scaling_factor, c.num_shared_experts,
-                   custom_routing_function)  # fmt: skip
+        if not torch.compiler.is_compiling():
+            return _select_fused(router_logits_TE, c.top_k, c.scoring_func, c.renormalize,
+                                 c.num_expert_group, c.topk_group, correction_bias_E,
+                                 c.routed_scaling_factor, c.num_shared_experts, counts_N)  # fmt: skip
+        weights, ids = route_op(
+            router_logits_TE, correction_bias_E, c.top_k, c.scoring_func, c.renormalize,
+            c.num_expert_group or 1, c.topk_group or 1, float(c.routed_scaling_factor),
+            c.num_shared_experts,
+        )  # fmt: skip
+        out = TopKOutput(weights, ids)
+    else:
+        out = _select(router_logits_TE, c.top_k, c.scoring_func, c.renormalize,
+                      c.num_expert_group, c.topk_group, correction_bias_E,
+                      c.routed_scaling_factor, c.num_shared_experts,
+                      custom_routing_function)  # fmt: skip
+    if counts_N is not None:
+        count_experts(out.ids, counts_N)
+    return out
 
 
 @torch.library.custom_op("moekit::route", mutates_args=())

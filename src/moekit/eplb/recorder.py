@@ -1,7 +1,8 @@
 """Expert load as the layer sees it: tokens routed to each logical expert, counted on the device.
 
-`record` adds one routing's counts with one scatter-add into a fixed buffer (no host
-synchronisation, so it runs inside CUDA graphs and under torch.compile); `counts` reads them.
+The layer's routing adds each call's counts into the recorder's fixed buffer (inside the fused
+routing kernel where it runs, else with `router.count_experts`, one index-add); no host
+synchronisation, so it runs inside CUDA graphs and under torch.compile. `counts` reads them.
 On an expert-parallel layer each rank counts its own tokens: sum the counts over the ranks that
 hold different tokens (`total`) before balancing. `save_load` / `read_load` keep a load [L, E]
 (one row per layer) in a file, for `moekit eplb --load`.
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moekit.router import count_experts
+
 
 class ExpertLoadRecorder:
     """counts [E] int64 on `device`: routed (token, expert) pairs per logical expert since the
@@ -24,21 +27,23 @@ class ExpertLoadRecorder:
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         self.num_experts = num_experts
-        self._buf = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)  # last: -1
+        self._counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+
+    def counts_on(self, device: torch.device) -> torch.Tensor:
+        """The live counts [E] on `device`, for the routing to add to; they follow the layer
+        to its device (a layer moved with .to() after its recorder was made)."""
+        if self._counts.device != device:
+            self._counts = self._counts.to(device)
+        return self._counts
 
     def record(self, ids_TK: torch.Tensor) -> None:
-        """Count ids [T, K] (logical expert ids, -1 = masked). The counts follow the ids to
-        their device (a layer moved with .to() after its recorder was made)."""
-        if self._buf.device != ids_TK.device:
-            self._buf = self._buf.to(ids_TK.device)
-        ids = ids_TK.reshape(-1).to(torch.int64)
-        ids = torch.where((ids >= 0) & (ids < self.num_experts), ids, self.num_experts)
-        self._buf.scatter_add_(0, ids, torch.ones_like(ids))
+        """Count ids [T, K] (logical expert ids, -1 = masked)."""
+        count_experts(ids_TK, self.counts_on(ids_TK.device))
 
     @property
     def counts(self) -> torch.Tensor:
-        """[E] int64 (a view of the live buffer)."""
-        return self._buf[: self.num_experts]
+        """[E] int64 (the live buffer)."""
+        return self._counts
 
     def total(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """The counts summed over `group`'s ranks (a copy; this rank's own when None)."""
@@ -48,7 +53,7 @@ class ExpertLoadRecorder:
         return out
 
     def reset(self) -> None:
-        self._buf.zero_()
+        self._counts.zero_()
 
 
 def save_load(path: str | Path, load_LE: torch.Tensor) -> None:
