@@ -137,14 +137,15 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
             fns["compiled_fused"] = lambda: call("on", step)
         if record:
             rec = ExpertLoadRecorder(cfg.total_experts, dev)
-            fns["fused_counting"] = lambda: _recorded(module, rec, lambda: call("on"))
 
+            def counting(rec=rec):
+                return _recorded(module, rec, lambda: call("on"))
 
-            def then_count(x=x, logits=logits):
+            def then_count(rec=rec, x=x, logits=logits):
                 module.fused_router = "on"
-                return module.forward_topk(x, module.route(logits))
+                return _recorded(module, rec, lambda: module.forward_topk(x, module.route(logits)))
 
-            fns["fused_then_count"] = lambda: _recorded(module, rec, then_count)
+            fns["fused_counting"], fns["fused_then_count"] = counting, then_count
         ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
         us = {name: round(t * 1e3, 2) for name, t in ms.items()}
         row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": us["torch"],

@@ -316,7 +316,8 @@ def route(
         if not torch.compiler.is_compiling():
             return _select_fused(router_logits_TE, c.top_k, c.scoring_func, c.renormalize,
                                  c.num_expert_group, c.topk_group, correction_bias_E,
-                                 c.routed_scaling_factor, c.num_shared_experts, counts_N)  # fmt: skip
+                                 c.routed_scaling_factor, c.num_shared_experts,
+                                 counts_N)  # fmt: skip
         weights, ids = route_op(
             router_logits_TE, correction_bias_E, c.top_k, c.scoring_func, c.renormalize,
             c.num_expert_group or 1, c.topk_group or 1, float(c.routed_scaling_factor),
