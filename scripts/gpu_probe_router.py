@@ -16,8 +16,10 @@ With `--layers qwen3-30b-a3b:1:1,deepseek-v3:8:8` (model:tp:ep) it also times th
 `auto` runner) with `fused_router` off and on, in turns, at `--layer-batches`; what a user's
 layer call gains from the fused routing. `--compiled` adds the same layer under torch.compile
 with each routing (the PyTorch ops as Inductor compiles them, against the op moekit::route).
-`--record` adds the layer with its expert load recorded (EPLB): counted inside the routing
-kernel (`forward`), and counted after it with `count_experts` (`forward_topk`, as before).
+`--record` adds the kernel counting its pairs per expert (EPLB's load; also on logits where
+every token picks expert 0, so that one counter takes every token's atomic add), and the layer
+with its expert load recorded: counted inside the routing kernel (`forward`), and counted after
+it with `count_experts` (`forward_topk`, as before).
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -68,6 +70,13 @@ def main() -> None:
             differ = int((ref.ids.sort(-1).values != out.ids.sort(-1).values).any(-1).sum())
             fns = {"torch": lambda lg=logits, k=K, kw=kw: select_experts(lg, k, **kw),
                    "fused": lambda lg=logits, k=K, kw=kw: select_experts_fused(lg, k, **kw)}
+            if "--record" in sys.argv:  # the kernel also counting, on these logits and on
+                # logits where every token picks expert 0 (its counter takes all T atomics)
+                counts = torch.zeros(E + cfg.num_shared_experts, dtype=torch.int64, device=dev)
+                hot = logits.clone()
+                hot[:, 0] += 30
+                for n, lg in (("fused_count", logits), ("fused_count_hot", hot)):
+                    fns[n] = lambda lg=lg, c=counts, kw=kw, k=K: _counting(lg, k, kw, c)
             for cap in caps:
                 fns[f"fused_cap{cap}"] = _capped(cap, fns["fused"])
                 got = fns[f"fused_cap{cap}"]()
@@ -78,9 +87,10 @@ def main() -> None:
                    "fused_us": round(ms["fused"] * 1e3, 2),
                    "torch_over_fused": round(ms["torch"] / ms["fused"], 3),
                    "tokens_differing": differ}  # fmt: skip
-            row.update({f"{n}_us": round(ms[n] * 1e3, 2) for n in fns if n.startswith("fused_cap")})
+            extra = [n for n in fns if n.startswith(("fused_cap", "fused_count"))]
+            row.update({f"{n}_us": round(ms[n] * 1e3, 2) for n in extra})
             rows.append(row)
-            capped = "".join(f"  cap{c} {row[f'fused_cap{c}_us']:8.2f}" for c in caps)
+            capped = "".join(f"  {n[6:]} {row[f'{n}_us']:8.2f}" for n in extra)
             print(f"{name:16s} T={T:6d}  torch {row['torch_us']:8.2f} us  fused "
                   f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.2f}  differ {differ}"
                   f"{capped}")
@@ -92,6 +102,14 @@ def main() -> None:
                                   compiled="--compiled" in sys.argv,
                                   record="--record" in sys.argv)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
+
+
+def _counting(logits, top_k, kw, counts):
+    """The fused routing with the kernel adding its pairs per expert to counts."""
+    return router._select_fused(logits, top_k, kw["scoring_func"], kw["renormalize"],
+                                kw["num_expert_group"], kw["topk_group"], kw["correction_bias_E"],
+                                kw["routed_scaling_factor"], kw["num_fused_shared_experts"],
+                                counts)  # fmt: skip
 
 
 def _capped(cap: int, fused):
