@@ -14,7 +14,7 @@ for step in ${ROUTER_STEPS:-tests probe}; do
              tests/test_router_fused.py tests/test_router.py tests/test_compile.py \
              tests/test_layer.py tests/test_eplb.py --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
-             --batches 1,16,256,4096,16384 --tile-caps 1,4 \
+             --batches 1,16,256,4096,16384 --tile-caps 1,2,4 \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,16,256,4096 \
              --compiled --record 2>&1 | grep -v INFO ;;
   esac
