@@ -4,15 +4,18 @@
 # and compiled: moekit::route against Inductor's code for the PyTorch ops), and the kernel with
 # fewer tokens a program (--tile-caps). One device call; results under $OUT.
 #   ROUTER_STEPS="tests probe" bash scripts/gpu_router.sh
-#   steps: tests (GPU tests: router, fused router, compile, layer, eplb), probe (scripts/gpu_probe_router.py)
+#   steps: tests (fused router on CUDA; GPU tests: router, compile, layer, eplb), probe (scripts/gpu_probe_router.py)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
 export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 for step in ${ROUTER_STEPS:-tests probe}; do
   case $step in
-    tests) timeout "${ROUTER_TEST_TIMEOUT:-300}" python3 -m pytest -q -n 2 -p no:benchmark -m gpu \
-             tests/test_router_fused.py tests/test_router.py tests/test_compile.py \
-             tests/test_layer.py tests/test_eplb.py --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
+    tests) # all of test_router_fused on CUDA (its unmarked tests too), then the GPU tests
+           timeout 90 python3 -m pytest -q -n 2 -p no:benchmark tests/test_router_fused.py \
+             --junitxml="$OUT/junit_router_fused.xml" 2>&1 | tail -8
+           timeout "${ROUTER_TEST_TIMEOUT:-300}" python3 -m pytest -q -n 2 -p no:benchmark -m gpu \
+             tests/test_router.py tests/test_compile.py tests/test_layer.py tests/test_eplb.py \
+             --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,256,4096,16384 --tile-caps 1,2,4 \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,16,256,4096 \
