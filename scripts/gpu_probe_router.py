@@ -8,8 +8,8 @@ reports us per call of each, their ratio, and the tokens whose experts differ (n
     PYTHONPATH=src python3 scripts/gpu_probe_router.py [--batches 1,4,16,64,256,1024,4096,16384]
         [--models qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b]
 
-With `--tile-caps 1,4` it also times the fused kernel with at most 1, 4 tokens a program (more,
-smaller programs than `router.tokens_per_program` gives), checked to route the same.
+With `--tiles 1,4,16` it also times the fused kernel with 1, 4, 16 tokens a program (fewer
+where T is smaller) instead of what `router.tokens_per_program` gives, checked to route the same.
 
 With `--layers qwen3-30b-a3b:1:1,deepseek-v3:8:8` (model:tp:ep) it also times the whole
 `MoE.forward` (routing from logits + dispatch + experts + combine, rank 0 of the layout, the
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from probe_out import option, write_probe
 
 from moekit import router
+from moekit._triton_host import next_pow2
 from moekit.bench import time_ms_interleaved
 from moekit.eplb.recorder import ExpertLoadRecorder
 from moekit.presets import PRESETS
@@ -56,7 +57,7 @@ def main() -> None:
     default = "1,4,16,64,256,1024,4096,16384" if on_gpu else "1,5"
     batches = [int(b) for b in option("--batches", default).split(",")]
     models = option("--models", "qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b")
-    caps = [int(c) for c in filter(None, option("--tile-caps", "").split(","))]
+    tiles = [int(c) for c in filter(None, option("--tiles", "").split(","))]
     rows = []
     for name in models.split(","):
         cfg = PRESETS[name]
@@ -77,17 +78,18 @@ def main() -> None:
                 hot[:, 0] += 30
                 for n, lg in (("fused_count", logits), ("fused_count_hot", hot)):
                     fns[n] = lambda lg=lg, c=counts, kw=kw, k=K: _counting(lg, k, kw, c)
-            for cap in caps:
-                fns[f"fused_cap{cap}"] = _capped(cap, fns["fused"])
-                got = fns[f"fused_cap{cap}"]()
-                if not (torch.equal(got.ids, out.ids) and torch.equal(got.weights, out.weights)):
-                    raise AssertionError(f"{name} T={T}: tile cap {cap} changed the routing")
+            for n in tiles:
+                fns[f"fused_tile{n}"] = _tiled(n, fns["fused"])
+                got = fns[f"fused_tile{n}"]()
+                if not (torch.equal(got.ids, out.ids)
+                        and torch.allclose(got.weights, out.weights, rtol=1e-5, atol=1e-6)):
+                    raise AssertionError(f"{name} T={T}: {n} tokens a program changed the routing")
             ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
             row = {"model": name, "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
                    "fused_us": round(ms["fused"] * 1e3, 2),
                    "torch_over_fused": round(ms["torch"] / ms["fused"], 3),
                    "tokens_differing": differ}  # fmt: skip
-            extra = [n for n in fns if n.startswith(("fused_cap", "fused_count"))]
+            extra = [n for n in fns if n.startswith(("fused_tile", "fused_count"))]
             row.update({f"{n}_us": round(ms[n] * 1e3, 2) for n in extra})
             rows.append(row)
             capped = "".join(f"  {n[6:]} {row[f'{n}_us']:8.2f}" for n in extra)
@@ -112,12 +114,12 @@ def _counting(logits, top_k, kw, counts):
                                 counts)  # fmt: skip
 
 
-def _capped(cap: int, fused):
-    """`fused` with the kernel's tokens per program capped at `cap` (more, smaller programs)."""
+def _tiled(n: int, fused):
+    """`fused` with the kernel taking n tokens a program (fewer where T is smaller)."""
     default = router.tokens_per_program
 
     def run():
-        router.tokens_per_program = lambda T, EP: min(default(T, EP), cap)
+        router.tokens_per_program = lambda T, EP: max(1, min(next_pow2(T), n))
         try:
             return fused()
         finally:
@@ -135,6 +137,9 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
     model, tp, ep = job.split(":")
     spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), batch_sizes=tuple(batches))
     module = build_layer(spec)
+    # one graph per batch size and routing (the probe flips the layer's mode between calls)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               4 * len(batches))
     step = torch.compile(module, fullgraph=True, dynamic=False) if compiled else None
     cfg = module.config
     rows = []

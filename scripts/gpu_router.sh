@@ -2,7 +2,7 @@
 # The fused routing on a GPU (sessions 72-73): its GPU tests and those of the layers that now
 # route with it by default, then the routing and the layer timed with either routing (eager,
 # and compiled: moekit::route against Inductor's code for the PyTorch ops), and the kernel with
-# fewer tokens a program (--tile-caps). One device call; results under $OUT.
+# other tokens a program (--tiles). One device call; results under $OUT.
 #   ROUTER_STEPS="tests probe" bash scripts/gpu_router.sh
 #   steps: tests (fused router on CUDA; GPU tests: router, compile, layer, eplb), probe (scripts/gpu_probe_router.py)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
@@ -17,7 +17,7 @@ for step in ${ROUTER_STEPS:-tests probe}; do
              tests/test_router.py tests/test_compile.py tests/test_layer.py tests/test_eplb.py \
              --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
-             --batches 1,16,256,4096,16384 --tile-caps 1,2,4 \
+             --batches 1,16,256,4096,16384 --tiles 1,2,4,8,16 \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,16,256,4096 \
              --compiled --record 2>&1 | grep -v INFO ;;
   esac
