@@ -19,7 +19,8 @@ with each routing (the PyTorch ops as Inductor compiles them, against the op moe
 `--record` adds the kernel counting its pairs per expert (EPLB's load; also on logits where
 every token picks expert 0, so that one counter takes every token's atomic add), and the layer
 with its expert load recorded: counted inside the routing kernel (`forward`), and counted after
-it with `count_experts` (`forward_topk`, as before).
+it with `count_experts` (`forward_topk`, as before); with `--compiled` also the compiled layer
+counting inside `moekit::route`.
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -169,6 +170,9 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
                 return _recorded(module, rec, lambda: module.forward_topk(x, module.route(logits)))
 
             fns["fused_counting"], fns["fused_then_count"] = counting, then_count
+            if step is not None:  # compiled, counting inside moekit::route
+                fns["compiled_counting"] = lambda rec=rec: _recorded(
+                    module, rec, lambda: call("on", step))
         ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
         us = {name: round(t * 1e3, 2) for name, t in ms.items()}
         row = {"job": f"{model} tp{tp} ep{ep}", "T": T, "torch_us": us["torch"],
@@ -187,6 +191,9 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
                        fused_then_count_us=us["fused_then_count"])
             line += (f"  | recorded: in-kernel {us['fused_counting']:8.2f} after "
                      f"{us['fused_then_count']:8.2f}")
+            if step is not None:
+                row.update(compiled_counting_us=us["compiled_counting"])
+                line += f" compiled {us['compiled_counting']:8.2f}"
         rows.append(row)
         print(line)
     return rows

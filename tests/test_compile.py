@@ -11,6 +11,7 @@ import torch
 
 from moekit import MoE, MoEConfig, RunnerConfig, envs, fused_moe
 from moekit.layer import run_experts
+from moekit.router import count_experts
 from moekit.runners.torch import moe_reference_fp64
 from moekit.stages import MaskedDispatchOutput
 from tests.helpers import DEVICE, TOLERANCE, rel_err
@@ -126,6 +127,8 @@ def test_fused_routing_compiles_as_one_op(monkeypatch, routing):
     m = layer("torch", **ROUTINGS[routing])
     if m.correction_bias is not None:
         m.correction_bias.copy_(torch.randn(16, device=DEVICE) * 0.1)
+    rec = m.record_expert_load()  # counted inside the op, compiled or not
+    want = torch.zeros_like(rec.counts)
     graphs: list = []
     compiled = torch.compile(m, fullgraph=True, backend=_counting(graphs), dynamic=True)
     for T in (3, 5, 0, 9):
@@ -133,8 +136,11 @@ def test_fused_routing_compiles_as_one_op(monkeypatch, routing):
         with torch.no_grad():
             out, ref = compiled(x, logits), m(x, logits)
         assert out.shape == ref.shape and rel_err(out, ref) < TOLERANCE[DTYPE], T
+        count_experts(m.route(logits).ids.repeat(2, 1), want)  # the compiled and eager calls
     assert len(graphs) == 2  # T = 0 specialises
     assert all("moekit.route" in gm.code and "topk" not in gm.code for gm in graphs)
+    assert all("index_add" not in gm.code for gm in graphs)
+    assert torch.equal(rec.counts, want)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_w8a8", "int4_w4a16", "mxfp4"])

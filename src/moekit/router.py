@@ -307,7 +307,7 @@ def route(
     FUSED_MODES; a layer's MOEKIT_FUSED_ROUTER): `select_experts_fused` for CUDA logits ('auto')
     or wherever it can run ('on'); under torch.compile as one custom op, `moekit::route`.
     counts [config.total_experts] int64 on the logits' device: the routed pairs per expert are
-    added to it (by the kernel itself where it runs eagerly, else by `count_experts`)."""
+    added to it (by the kernel itself where it runs, else by `count_experts`)."""
     if fused not in FUSED_MODES:
         raise ValueError(f"route: fused must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
     c = config
@@ -323,20 +323,18 @@ def route(
         weights, ids = route_op(
             router_logits_TE, correction_bias_E, c.top_k, c.scoring_func, c.renormalize,
             c.num_expert_group or 1, c.topk_group or 1, float(c.routed_scaling_factor),
-            c.num_shared_experts,
+            c.num_shared_experts, counts_N,
         )  # fmt: skip
-        out = TopKOutput(weights, ids)
-    else:
-        out = _select(router_logits_TE, c.top_k, c.scoring_func, c.renormalize,
-                      c.num_expert_group, c.topk_group, correction_bias_E,
-                      c.routed_scaling_factor, c.num_shared_experts,
-                      custom_routing_function)  # fmt: skip
+        return TopKOutput(weights, ids)
+    out = _select(router_logits_TE, c.top_k, c.scoring_func, c.renormalize, c.num_expert_group,
+                  c.topk_group, correction_bias_E, c.routed_scaling_factor, c.num_shared_experts,
+                  custom_routing_function)  # fmt: skip
     if counts_N is not None:
         count_experts(out.ids, counts_N)
     return out
 
 
-@torch.library.custom_op("moekit::route", mutates_args=())
+@torch.library.custom_op("moekit::route", mutates_args=("counts_N",))
 def route_op(
     router_logits_TE: torch.Tensor,
     correction_bias_E: Optional[torch.Tensor],
@@ -347,17 +345,20 @@ def route_op(
     topk_group: int,
     routed_scaling_factor: float,
     num_shared: int,
+    counts_N: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused routing as a custom op, for torch.compile: (weights [T, K + S] float32, ids
-    [T, K + S] int32); num_expert_group / topk_group 1 where the routing has no groups."""
+    [T, K + S] int32); num_expert_group / topk_group 1 where the routing has no groups; the
+    pairs per expert added to counts [E + S] int64 when given."""
     out = _select_fused(router_logits_TE, top_k, scoring_func, renormalize, num_expert_group,
-                        topk_group, correction_bias_E, routed_scaling_factor, num_shared)
+                        topk_group, correction_bias_E, routed_scaling_factor, num_shared,
+                        counts_N)  # fmt: skip
     return out.weights, out.ids
 
 
 @route_op.register_fake
 def _route_op_fake(router_logits_TE, correction_bias_E, top_k, scoring_func, renormalize,
-                   num_expert_group, topk_group, routed_scaling_factor, num_shared):
+                   num_expert_group, topk_group, routed_scaling_factor, num_shared, counts_N):
     shape = (router_logits_TE.shape[0], top_k + num_shared)
     return (router_logits_TE.new_empty(shape, dtype=torch.float32),
             router_logits_TE.new_empty(shape, dtype=torch.int32))  # fmt: skip
