@@ -93,10 +93,10 @@ def main() -> None:
             extra = [n for n in fns if n.startswith(("fused_tile", "fused_count"))]
             row.update({f"{n}_us": round(ms[n] * 1e3, 2) for n in extra})
             rows.append(row)
-            capped = "".join(f"  {n[6:]} {row[f'{n}_us']:8.2f}" for n in extra)
+            shown = "".join(f"  {n[6:]} {row[f'{n}_us']:8.2f}" for n in extra)
             print(f"{name:16s} T={T:6d}  torch {row['torch_us']:8.2f} us  fused "
                   f"{row['fused_us']:8.2f} us  x{row['torch_over_fused']:.2f}  differ {differ}"
-                  f"{capped}")
+                  f"{shown}")
     layer_rows = []
     layers = option("--layers", "")
     layer_batches = option("--layer-batches", "1,16,256,4096" if on_gpu else "1,5")
@@ -206,6 +206,7 @@ def _recorded(layer, recorder, fn):
         return fn()
     finally:
         layer.expert_load = None
+
 
 if __name__ == "__main__":
     main()
