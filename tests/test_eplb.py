@@ -519,6 +519,30 @@ def test_recorder_counts_inside_cuda_graph_replays():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recorder_keeps_reduce_overhead_graphs():
+    """Recording under torch.compile(mode='reduce-overhead'): the counts are a static address,
+    so Inductor keeps its CUDA graphs (it skips a graph that mutates another input), and each
+    call, warm-up, recording and replays, counts once."""
+    from torch._dynamo.utils import counters
+
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128)
+    layer = MoE(cfg, device="cuda")
+    rec = layer.record_expert_load()
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(32, 16, device="cuda", dtype=torch.bfloat16)
+    counters.clear()
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for _ in range(4):
+            compiled(x, logits)
+    torch.cuda.synchronize()
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    want = torch.bincount(layer.route(logits).ids.flatten().long(), minlength=16)
+    assert torch.equal(rec.counts, 4 * want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend,fmt", [("triton", None), ("triton_kernel", None),
                                          ("cutlass", None), ("w4a16", "int4_w4a16")])  # fmt: skip
 def test_cuda_graph_captured_before_a_rebalance_runs_the_new_placement(backend, fmt):

@@ -27,13 +27,13 @@ class ExpertLoadRecorder:
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         self.num_experts = num_experts
-        self._counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self._counts = _static(torch.zeros(num_experts, dtype=torch.int64, device=device))
 
     def counts_on(self, device: torch.device) -> torch.Tensor:
         """The live counts [E] on `device`, for the routing to add to; they follow the layer
         to its device (a layer moved with .to() after its recorder was made)."""
         if self._counts.device != device:
-            self._counts = self._counts.to(device)
+            self._counts = _static(self._counts.to(device))
         return self._counts
 
     def record(self, ids_TK: torch.Tensor) -> None:
@@ -54,6 +54,14 @@ class ExpertLoadRecorder:
 
     def reset(self) -> None:
         self._counts.zero_()
+
+
+def _static(counts: torch.Tensor) -> torch.Tensor:
+    """counts, marked as a tensor whose address stays put: torch.compile's CUDA graphs
+    (mode="reduce-overhead") then update it in place, where they would skip a graph that
+    mutates any other input."""
+    torch._dynamo.mark_static_address(counts)
+    return counts
 
 
 def save_load(path: str | Path, load_LE: torch.Tensor) -> None:
