@@ -78,7 +78,8 @@ def main() -> None:
                 hot = logits.clone()
                 hot[:, 0] += 30
                 for n, lg in (("fused_count", logits), ("fused_count_hot", hot)):
-                    fns[n] = lambda lg=lg, c=counts, kw=kw, k=K: _counting(lg, k, kw, c)
+                    fns[n] = lambda lg=lg, c=counts, cfg=cfg, b=bias: router.route(
+                        lg, cfg, b, fused="on", counts_N=c)
             for n in tiles:
                 fns[f"fused_tile{n}"] = _tiled(n, fns["fused"])
                 got = fns[f"fused_tile{n}"]()
@@ -105,14 +106,6 @@ def main() -> None:
                                   compiled="--compiled" in sys.argv,
                                   record="--record" in sys.argv)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
-
-
-def _counting(logits, top_k, kw, counts):
-    """The fused routing with the kernel adding its pairs per expert to counts."""
-    return router._select_fused(logits, top_k, kw["scoring_func"], kw["renormalize"],
-                                kw["num_expert_group"], kw["topk_group"], kw["correction_bias_E"],
-                                kw["routed_scaling_factor"], kw["num_fused_shared_experts"],
-                                counts)  # fmt: skip
 
 
 def _tiled(n: int, fused):
