@@ -20,7 +20,8 @@ with each routing (the PyTorch ops as Inductor compiles them, against the op moe
 every token picks expert 0, so that one counter takes every token's atomic add), and the layer
 with its expert load recorded: counted inside the routing kernel (`forward`), and counted after
 it with `count_experts` (`forward_topk`, as before); with `--compiled` also the compiled layer
-counting inside `moekit::route`.
+counting inside `moekit::route`. `--gdc` adds the layer with the routing kernel not letting the
+runner's first kernel start while it runs (`router.launches_dependents` off).
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -104,7 +105,7 @@ def main() -> None:
     for job in filter(None, layers.split(",")):
         layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu,
                                   compiled="--compiled" in sys.argv,
-                                  record="--record" in sys.argv)
+                                  record="--record" in sys.argv, gdc="--gdc" in sys.argv)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
 
 
@@ -123,7 +124,7 @@ def _tiled(n: int, fused):
 
 
 def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
-                compiled: bool, record: bool) -> list[dict]:
+                compiled: bool, record: bool, gdc: bool) -> list[dict]:
     """MoE.forward with the routing in PyTorch ops, then fused, in turns, per batch size; with
     `compiled`, also the layer under torch.compile (Inductor, no CUDA graphs of its own: the
     timing captures them) with each routing: Inductor's code for the PyTorch ops against the op
@@ -131,9 +132,11 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
     model, tp, ep = job.split(":")
     spec = sweep_spec(model, tp_size=int(tp), ep_size=int(ep), batch_sizes=tuple(batches))
     module = build_layer(spec)
-    # one graph per batch size and routing (the probe flips the layer's mode between calls)
+    # one graph per batch size, routing and recorder (the probe flips the layer's mode between
+    # calls); the graphs of the job before are dropped, since both layers run one `forward`
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               4 * len(batches))
+                                               8 * len(batches))
     step = torch.compile(module, fullgraph=True, dynamic=False) if compiled else None
     cfg = module.config
     rows = []
@@ -149,6 +152,8 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
         ref, out = ref.float(), out.float()
         err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9))
         fns = {"torch": lambda: call("off"), "fused": lambda: call("on")}
+        if gdc:  # the routing kernel without letting the runner's first kernel start early
+            fns["fused_no_gdc"] = _without_gdc(lambda: call("on"))
         if step is not None:
             fns["compiled_torch"] = lambda: call("off", step)
             fns["compiled_fused"] = lambda: call("on", step)
@@ -179,6 +184,10 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
                        compiled_fused_us=us["compiled_fused"], compiled_torch_over_fused=ratio)
             line += (f"  | compiled: torch-routed {us['compiled_torch']:8.2f} fused "
                      f"{us['compiled_fused']:8.2f} x{row['compiled_torch_over_fused']:.3f}")
+        if gdc:
+            row.update(fused_no_gdc_us=us["fused_no_gdc"],
+                       no_gdc_over_fused=round(ms["fused_no_gdc"] / ms["fused"], 3))
+            line += f"  | no gdc {us['fused_no_gdc']:8.2f} x{row['no_gdc_over_fused']:.3f}"
         if record:
             row.update(fused_counting_us=us["fused_counting"],
                        fused_then_count_us=us["fused_then_count"])
@@ -190,6 +199,20 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
         rows.append(row)
         print(line)
     return rows
+
+
+def _without_gdc(fn):
+    """fn() with the routing kernel not letting the next kernel start early."""
+    default = router.launches_dependents
+
+    def run():
+        router.launches_dependents = lambda device: False
+        try:
+            return fn()
+        finally:
+            router.launches_dependents = default
+
+    return run
 
 
 def _recorded(layer, recorder, fn):

@@ -18,7 +18,7 @@ for step in ${ROUTER_STEPS:-tests probe}; do
              --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,256,4096,16384 --tiles 1,2,4,8,16 \
-             --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,16,256,4096 \
-             --compiled --record 2>&1 | grep -v INFO ;;
+             --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
+             --compiled --record --gdc 2>&1 | grep -v INFO ;;
   esac
 done

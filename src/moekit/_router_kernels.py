@@ -35,12 +35,16 @@ def _route_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP2: tl.constexpr,  # a group's score is the sum of its best two (else its best)
     COUNT: tl.constexpr,
+    GDC_LAUNCH: tl.constexpr,  # let the next kernel, if a programmatic dependent launch, start
     GP: tl.constexpr,  # G rounded up to a power of two
     BLOCK_T: tl.constexpr,
     EP: tl.constexpr,
     KP: tl.constexpr,
     SP: tl.constexpr,
 ):
+    if GDC_LAUNCH:
+        # its programs may be placed now; they wait on the GPU for this kernel's writes
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     row_ok = rows < T
@@ -91,6 +95,7 @@ def _route_kernel(
     kcols = tl.arange(0, KP)
     w = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    taken = tl.zeros([BLOCK_T, EP], dtype=tl.int1)  # the experts picked (COUNT)
     for k in tl.static_range(K):
         best = tl.argmax(choice, axis=1)
         hit = cols[None, :] == best[:, None]
@@ -99,8 +104,11 @@ def _route_kernel(
         ids = tl.where(kcols[None, :] == k, best[:, None].to(tl.int32), ids)
         choice = tl.where(hit, float("-inf"), choice)
         if COUNT:
-            one = tl.full([BLOCK_T], 1, tl.int64)
-            tl.atomic_add(counts_ptr + best, one, mask=row_ok, sem="relaxed")
+            taken = taken | hit
+    if COUNT:
+        # one add per expert the block's tokens picked, not one per pair
+        per_expert = tl.sum((taken & row_ok[:, None]).to(tl.int64), axis=0)
+        tl.atomic_add(counts_ptr + cols, per_expert, mask=(per_expert > 0) & col_ok, sem="relaxed")
     if RENORM:
         w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
     w = w * scale
