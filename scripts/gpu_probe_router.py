@@ -20,8 +20,8 @@ with each routing (the PyTorch ops as Inductor compiles them, against the op moe
 every token picks expert 0, so that one counter takes every token's atomic add), and the layer
 with its expert load recorded: counted inside the routing kernel (`forward`), and counted after
 it with `count_experts` (`forward_topk`, as before); with `--compiled` also the compiled layer
-counting inside `moekit::route`. `--gdc` adds the layer with the routing kernel not letting the
-runner's first kernel start while it runs (`router.launches_dependents` off).
+counting inside `moekit::route`. `--gdc` adds the layer with the routing kernel (and the EP rank's
+local-ids kernel) not letting the runner's first kernel start while it runs (`pdl_capable` off).
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -202,15 +202,18 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
 
 
 def _without_gdc(fn):
-    """fn() with the routing kernel not letting the next kernel start early."""
-    default = router.launches_dependents
+    """fn() with the routing kernel (and an EP rank's local-ids kernel) not letting the next
+    kernel start early: the chain of programmatic dependent launches from the runner on only."""
+    from moekit.dispatch import _kernels as dispatch_kernels
+
+    default = router.pdl_capable
 
     def run():
-        router.launches_dependents = lambda device: False
+        router.pdl_capable = dispatch_kernels.pdl_capable = lambda device: False
         try:
             return fn()
         finally:
-            router.launches_dependents = default
+            router.pdl_capable = dispatch_kernels.pdl_capable = default
 
     return run
 

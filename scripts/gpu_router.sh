@@ -15,6 +15,7 @@ for step in ${ROUTER_STEPS:-tests probe}; do
              --junitxml="$OUT/junit_router_fused.xml" 2>&1 | tail -8
            timeout "${ROUTER_TEST_TIMEOUT:-300}" python3 -m pytest -q -n 2 -p no:benchmark -m gpu \
              tests/test_router.py tests/test_compile.py tests/test_layer.py tests/test_eplb.py \
+             tests/test_dispatch_alltoall.py tests/test_triton_runner.py -k "not test_triton_runner or pdl" \
              --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,256,4096,16384 --tiles 1,2,4,8,16 \

@@ -309,6 +309,35 @@ def test_local_ids_kernel_matches_torch_twin(T, spread):
         assert torch.equal(hits, (topk.ids >= 0).int())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 300])
+def test_local_ids_kernel_after_the_routing_kernel_gpu(T):
+    """On sm_90+ the routing kernel lets the local-ids kernel start early and that one waits
+    on the GPU for the ids (programmatic dependent launches): the ids it maps are the new ones,
+    eagerly and in a CUDA graph replayed on other logits."""
+    from moekit.router import select_experts_fused
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    placement = ExpertPlacement(torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 6]), ep_size=2)
+    slots = SlotMap(placement, 7)
+    logits = torch.randn(T, 7, device="cuda")
+
+    def step():
+        return slots.local_ids(select_experts_fused(logits, 3).ids, 1)
+
+    assert torch.equal(step(), slots.local_ids_torch(select_experts_fused(logits, 3).ids, 1))
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        want = slots.local_ids_torch(select_experts_fused(logits, 3).ids, 1)
+        assert torch.equal(out, want)
+
+
 def _global_weights(seed: int, E: int, H: int, I: int, dtype, p2l: torch.Tensor):
     """Logical experts from `seed`, laid out per physical slot (copies share weights)."""
     g = torch.Generator().manual_seed(seed + 7)

@@ -9,13 +9,12 @@ load recorder): inside the kernel, else with `count_experts`.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from moekit import envs, hardware
-from moekit._triton_host import cdiv, interpret_mode, next_pow2
+from moekit._triton_host import cdiv, interpret_mode, next_pow2, pdl_capable
 from moekit.config import INT_DTYPES, ConfigError, MoEConfig, check_routing
 
 # the fused kernel's widest row: E experts rounded up to a power of two
@@ -279,7 +278,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
         TOPK_GROUP=topk_group if groups > 1 else 1,
         TOP2=bias is not None and E // groups >= 2, COUNT=counts is not None,
-        GDC_LAUNCH=launches_dependents(logits.device), BLOCK_T=block_t, EP=EP,
+        GDC_LAUNCH=pdl_capable(logits.device), BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
         num_warps=4,
     )  # fmt: skip
@@ -293,19 +292,6 @@ def tokens_per_program(T: int, EP: int) -> int:
     programs beat few wide ones (deepseek-v3 at T = 16: 5.9 us with 4 tokens a program, 23
     with 16), down to that tile (qwen3 at T = 16384, H100: 18.4 us with 8, 22.5 with 4)."""
     return max(1, min(next_pow2(T), 8, 1024 // EP))
-
-
-@functools.cache
-def _gdc_capable(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def launches_dependents(device: torch.device) -> bool:
-    """Whether the routing kernel lets the kernel after it start while it runs: on CUDA GPUs of
-    compute capability 9.0+, where the next kernel may be a programmatic dependent launch (the
-    `triton` runner's decode GEMMs are), which waits on the GPU for the routing's writes. A
-    kernel launched the usual way still starts after the routing ends."""
-    return device.type == "cuda" and not interpret_mode() and _gdc_capable(device)
 
 
 def route(

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit._triton_host import pdl_capable
+
 
 @triton.jit
 def _gather_reduce_kernel(
@@ -118,9 +120,14 @@ def _physical_slots(ids_ptr, table_ptr, copies_ptr, t, k, K, L, W, mask, SPREAD:
 
 @triton.jit
 def _local_ids_kernel(ids_ptr, table_ptr, copies_ptr, out_ptr, T, L, W, start, E,
-                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr):
+                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program b maps tokens b*BT .. b*BT + BT-1: out = physical slot - start where the slot is
-    on this rank (in [start, start + E)), -1 elsewhere and for masked ids."""
+    on this rank (in [start, start + E)), -1 elsewhere and for masked ids. PDL (launched as a
+    programmatic dependent launch): let the next kernel be placed, then wait for the ids."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
     k = tl.arange(0, BK)[None, :]
     mask = (t < T) & (k < K)
@@ -134,9 +141,11 @@ def launch_local_ids(ids, table, copies, spread, out, start, E):
     T, K = ids.shape
     BK = max(2, triton.next_power_of_2(K))
     BT = max(1, 1024 // BK)
+    pdl = pdl_capable(ids.device)  # chained between the routing and the runner's kernels
     _local_ids_kernel[(triton.cdiv(T, BT),)](
         ids, table, copies, out, T, table.shape[0] - 1, table.shape[1], start, E,
-        K=K, BT=BT, BK=BK, SPREAD=spread, num_warps=4,
+        K=K, BT=BT, BK=BK, SPREAD=spread, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

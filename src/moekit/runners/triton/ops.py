@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from moekit._triton_host import cdiv, interpret_mode, next_pow2
+from moekit._triton_host import cdiv, interpret_mode, next_pow2, pdl_capable
 from moekit.experts import ActivationSpec, ExpertWeights
 from moekit.quant.act_quant import quantize_expert_rows
 from moekit.router import TopKOutput
@@ -316,9 +316,7 @@ def decode_pdl(x: torch.Tensor, num_pairs: int) -> bool:
     for the writes of the kernel before it. On CUDA GPUs of compute capability 9.0+."""
     if not PIPELINE.pdl or num_pairs > PIPELINE.decode_max_pairs:
         return False
-    if x.device.type != "cuda" or interpret_mode():
-        return False
-    return device_key(x.device)[1] >= (9, 0)
+    return pdl_capable(x.device)
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
