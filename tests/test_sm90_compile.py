@@ -60,3 +60,44 @@ def test_kernels_build_for_sm90_as_hopper_code(tmp_path):
                 if T == 4096 and fmt == "unquantized" and "cp.async.bulk.tensor" not in code:
                     wrong.append(f"{fmt} T={T} {name}: no TMA load")
     assert not wrong, "\n".join(wrong)
+
+
+# Built in a child process: kernel_digest points Triton at an sm_90 target for the process.
+_CHAIN = """
+import json, re, sys, torch
+sys.path.insert(0, sys.argv[1])
+from kernel_digest import _compile_only
+seen = _compile_only()
+from moekit import router
+from moekit.dispatch import _kernels as dispatch_kernels
+from moekit.dispatch.slots import SlotMap
+from moekit.placement import ExpertPlacement
+router.pdl_capable = dispatch_kernels.pdl_capable = lambda device: True  # as on sm_90
+seen.now = "route"
+router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
+                     None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
+seen.now = "local_ids"
+table, copies = SlotMap(ExpertPlacement(torch.arange(8), ep_size=2), 8)._on(torch.device("cpu"))
+ids = torch.zeros(16, 2, dtype=torch.int32)
+dispatch_kernels.launch_local_ids(ids, table, copies, False, torch.empty_like(ids), 4, 4)
+print(json.dumps({call: seen.kernels[keys[0]].asm["ptx"] for call, keys in seen.calls.items()}))
+"""
+
+
+def test_routing_and_local_ids_build_for_sm90_as_pdl_links():
+    """The routing kernel (counting, 8 tokens a program) lets the next kernel start before it
+    reads anything and adds its counts without a returned value (`red`); the EP local-ids
+    kernel lets the next start, then waits for the routing's writes before its first load."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _CHAIN, str(ROOT / "scripts")], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    ptx = json.loads(run.stdout.strip().splitlines()[-1])
+    route, local = ptx["route"], ptx["local_ids"]
+    assert route.index("griddepcontrol.launch_dependents") < route.index("ld.global")
+    assert "griddepcontrol.wait" not in route
+    assert set(re.findall(r"\b(?:atom|red)\.[\w.]+", route)) == {"red.global.gpu.relaxed.add.u64"}
+    first_load = local.index("ld.global")
+    assert local.index("griddepcontrol.launch_dependents") < local.index("griddepcontrol.wait")
+    assert local.index("griddepcontrol.wait") < first_load
