@@ -22,6 +22,8 @@ with its expert load recorded: counted inside the routing kernel (`forward`), an
 it with `count_experts` (`forward_topk`, as before); with `--compiled` also the compiled layer
 counting inside `moekit::route`. `--gdc` adds the layer with the routing kernel (and the EP rank's
 local-ids kernel) not letting the runner's first kernel start while it runs (`pdl_capable` off).
+`--variants "group_tile=1;num_warps=0"` adds the kernel (and the layers) with `router.ROUTE_KERNEL`
+changed so, each checked to route the same, in turns with the default.
 
 Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
@@ -60,6 +62,7 @@ def main() -> None:
     batches = [int(b) for b in option("--batches", default).split(",")]
     models = option("--models", "qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b")
     tiles = [int(c) for c in filter(None, option("--tiles", "").split(","))]
+    variants = list(filter(None, option("--variants", "").split(";")))
     rows = []
     for name in models.split(","):
         cfg = PRESETS[name]
@@ -87,12 +90,18 @@ def main() -> None:
                 if not (torch.equal(got.ids, out.ids)
                         and torch.allclose(got.weights, out.weights, rtol=1e-5, atol=1e-6)):
                     raise AssertionError(f"{name} T={T}: {n} tokens a program changed the routing")
+            for spec in variants:
+                fns[f"fused_v_{spec}"] = _variant(spec, fns["fused"])
+                got = fns[f"fused_v_{spec}"]()
+                if not (torch.equal(got.ids, out.ids)
+                        and torch.allclose(got.weights, out.weights, rtol=1e-5, atol=1e-6)):
+                    raise AssertionError(f"{name} T={T}: kernel variant {spec} changed the routing")
             ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
             row = {"model": name, "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
                    "fused_us": round(ms["fused"] * 1e3, 2),
                    "torch_over_fused": round(ms["torch"] / ms["fused"], 3),
                    "tokens_differing": differ}  # fmt: skip
-            extra = [n for n in fns if n.startswith(("fused_tile", "fused_count"))]
+            extra = [n for n in fns if n.startswith(("fused_tile", "fused_count", "fused_v_"))]
             row.update({f"{n}_us": round(ms[n] * 1e3, 2) for n in extra})
             rows.append(row)
             shown = "".join(f"  {n[6:]} {row[f'{n}_us']:8.2f}" for n in extra)
@@ -105,7 +114,8 @@ def main() -> None:
     for job in filter(None, layers.split(",")):
         layer_rows += _time_layer(job, [int(b) for b in layer_batches.split(",")], dev, on_gpu,
                                   compiled="--compiled" in sys.argv,
-                                  record="--record" in sys.argv, gdc="--gdc" in sys.argv)
+                                  record="--record" in sys.argv, gdc="--gdc" in sys.argv,
+                                  variants=variants)
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
 
 
@@ -124,7 +134,7 @@ def _tiled(n: int, fused):
 
 
 def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
-                compiled: bool, record: bool, gdc: bool) -> list[dict]:
+                compiled: bool, record: bool, gdc: bool, variants: list[str]) -> list[dict]:
     """MoE.forward with the routing in PyTorch ops, then fused, in turns, per batch size; with
     `compiled`, also the layer under torch.compile (Inductor, no CUDA graphs of its own: the
     timing captures them) with each routing: Inductor's code for the PyTorch ops against the op
@@ -154,6 +164,8 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
         fns = {"torch": lambda: call("off"), "fused": lambda: call("on")}
         if gdc:  # the routing kernel without letting the runner's first kernel start early
             fns["fused_no_gdc"] = _without_gdc(lambda: call("on"))
+        for spec in variants:
+            fns[f"fused_v_{spec}"] = _variant(spec, lambda: call("on"))
         if step is not None:
             fns["compiled_torch"] = lambda: call("off", step)
             fns["compiled_fused"] = lambda: call("on", step)
@@ -188,6 +200,10 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
             row.update(fused_no_gdc_us=us["fused_no_gdc"],
                        no_gdc_over_fused=round(ms["fused_no_gdc"] / ms["fused"], 3))
             line += f"  | no gdc {us['fused_no_gdc']:8.2f} x{row['no_gdc_over_fused']:.3f}"
+        for spec in variants:
+            ratio = round(ms[f"fused_v_{spec}"] / ms["fused"], 3)
+            row[f"v_{spec}_over_fused"] = ratio
+            line += f"  | {spec} {us[f'fused_v_{spec}']:8.2f} x{ratio:.3f}"
         if record:
             row.update(fused_counting_us=us["fused_counting"],
                        fused_then_count_us=us["fused_then_count"])
@@ -199,6 +215,23 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
         rows.append(row)
         print(line)
     return rows
+
+
+def _variant(spec: str, fn):
+    """fn() with `router.ROUTE_KERNEL` changed as spec says ('group_tile=1,num_warps=0')."""
+    from dataclasses import replace
+
+    fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    changed = replace(router.ROUTE_KERNEL, **fields)
+
+    def run():
+        default, router.ROUTE_KERNEL = router.ROUTE_KERNEL, changed
+        try:
+            return fn()
+        finally:
+            router.ROUTE_KERNEL = default
+
+    return run
 
 
 def _without_gdc(fn):

@@ -18,7 +18,8 @@ for step in ${ROUTER_STEPS:-tests probe}; do
              tests/test_dispatch_alltoall.py tests/test_triton_runner.py -k "not test_triton_runner or pdl" \
              --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
-             --batches 1,16,256,4096,16384 --tiles 1,2,4,8,16 \
+             --batches 1,16,256,4096,16384 --tiles 4,8,16 \
+             --variants "group_tile=1;num_warps=0;group_tile=1,num_warps=0" \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
              --compiled --record --gdc 2>&1 | grep -v INFO ;;
   esac

@@ -74,6 +74,30 @@ def test_fused_router_matches_twin(case, T, dtype):
                                ref.weights.gather(1, ref_order)[same], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("variant", [dict(group_tile=True), dict(num_warps=1),
+                                     dict(num_warps=0, group_tile=True)], ids=str)
+@pytest.mark.parametrize("case", CASES + PRESET_CASES + [
+    dict(E=32, K=4, scoring="softmax", renorm=False, groups=4, topk_group=2),  # no bias: best
+    dict(E=64, K=6, scoring="sigmoid", renorm=True, groups=2, topk_group=1, bias=True),
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))  # fmt: skip
+def test_route_kernel_variants_route_the_same(case, variant, monkeypatch):
+    """`RouteKernelConfig`'s alternatives (warps a program, the groups scored from a
+    [tokens, G, E / G] view) pick the same experts as the default kernel, in the same order,
+    on fresh logits with ties left in (the same ties broken the same way)."""
+    from dataclasses import replace
+
+    import moekit.router as router
+
+    E, K = case["E"], case["K"]
+    bias = torch.randn(E, device=DEVICE) * 0.1 if case.get("bias") else None
+    logits = torch.randn(37, E, device=DEVICE).to(torch.float16)
+    ref = select_experts_fused(logits, K, **routing_kwargs(case, bias))
+    monkeypatch.setattr(router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, **variant))
+    out = select_experts_fused(logits, K, **routing_kwargs(case, bias))
+    assert torch.equal(out.ids, ref.ids)
+    torch.testing.assert_close(out.weights, ref.weights, rtol=1e-6, atol=1e-7)
+
+
 def test_fused_router_strided_logits_and_one_expert_every_token():
     logits = torch.randn(9, 2 * 16, device=DEVICE)[:, ::2]  # a column stride of 2
     logits[:, 5] = 50.0  # every token's first choice

@@ -34,6 +34,7 @@ def _route_kernel(
     G: tl.constexpr,  # expert groups (1: no grouped top-k)
     TOPK_GROUP: tl.constexpr,
     TOP2: tl.constexpr,  # a group's score is the sum of its best two (else its best)
+    GROUP_TILE: tl.constexpr,  # group scores from a [BLOCK_T, G, EP // G] view (E == EP, G == GP)
     COUNT: tl.constexpr,
     GDC_LAUNCH: tl.constexpr,  # let the next kernel, if a programmatic dependent launch, start
     GP: tl.constexpr,  # G rounded up to a power of two
@@ -70,27 +71,40 @@ def _route_kernel(
         width = E // G
         group = cols // width
         gcols = tl.arange(0, GP)
-        gscore = tl.full([BLOCK_T, GP], float("-inf"), tl.float32)
-        for g in tl.static_range(G):
-            in_g = (group == g)[None, :] & ok
-            c = tl.where(in_g, choice, float("-inf"))
-            best = tl.max(c, axis=1)
-            s = best
+        if GROUP_TILE:  # E == EP, G == GP: the row is exactly G groups of EP // G columns
+            c3 = tl.reshape(choice, [BLOCK_T, G, EP // G])
+            gscore = tl.max(c3, axis=2)
             if TOP2:
-                first = tl.argmax(c, axis=1)
-                second = tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), c), axis=1)
-                s = best + second
-            gscore = tl.where(gcols[None, :] == g, s[:, None], gscore)
+                first = tl.argmax(c3, axis=2)
+                within = tl.arange(0, EP // G)[None, None, :]
+                c3 = tl.where(within == first[:, :, None], float("-inf"), c3)
+                gscore = gscore + tl.max(c3, axis=2)
+        else:  # one masked pass over the row per group
+            gscore = tl.full([BLOCK_T, GP], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                in_g = (group == g)[None, :] & ok
+                c = tl.where(in_g, choice, float("-inf"))
+                best = tl.max(c, axis=1)
+                s = best
+                if TOP2:
+                    first = tl.argmax(c, axis=1)
+                    c = tl.where(cols[None, :] == first[:, None], float("-inf"), c)
+                    s = best + tl.max(c, axis=1)
+                gscore = tl.where(gcols[None, :] == g, s[:, None], gscore)
         keep = tl.zeros([BLOCK_T, GP], dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
             gbest = tl.argmax(gscore, axis=1)
             hit = gcols[None, :] == gbest[:, None]
             keep = keep | hit
             gscore = tl.where(hit, float("-inf"), gscore)
-        kept = tl.zeros([BLOCK_T, EP], dtype=tl.int1)
-        for g in tl.static_range(G):
-            g_kept = tl.max(tl.where(gcols[None, :] == g, keep.to(tl.int32), 0), axis=1) > 0
-            kept = kept | (g_kept[:, None] & (group == g)[None, :])
+        if GROUP_TILE:
+            kept = tl.reshape(tl.broadcast_to(keep[:, :, None], [BLOCK_T, G, EP // G]),
+                              [BLOCK_T, EP])  # fmt: skip
+        else:
+            kept = tl.zeros([BLOCK_T, EP], dtype=tl.int1)
+            for g in tl.static_range(G):
+                g_kept = tl.max(tl.where(gcols[None, :] == g, keep.to(tl.int32), 0), axis=1) > 0
+                kept = kept | (g_kept[:, None] & (group == g)[None, :])
         choice = tl.where(kept, choice, float("-inf"))
     kcols = tl.arange(0, KP)
     w = tl.zeros([BLOCK_T, KP], dtype=tl.float32)

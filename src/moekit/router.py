@@ -9,6 +9,7 @@ load recorder): inside the kernel, else with `count_experts`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -252,6 +253,26 @@ def select_experts_fused(
                          num_fused_shared_experts)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class RouteKernelConfig:
+    """Launch choices of the fused routing kernel that do not change its result.
+
+    num_warps: warps a program, its [tokens, E] tile spread over them; 0: one a token, at most
+    4. Where a program has fewer tokens than warps, a row spans warps and each of the top-k's
+    row reductions goes through shared memory (built for sm_90: about 45 barriers a program at
+    T = 1 with 4 warps, none with 1). group_tile: grouped top-k (G > 1) scores the groups
+    from a [tokens, G, E / G] view of the row, three reductions in all, instead of three per
+    group over the whole row; where E and G are powers of two. Both as timed on the H100 in
+    sessions 74-75 (4 warps, one pass per group); session 75 added the alternatives untimed,
+    for `scripts/gpu_probe_router.py --variants`."""
+
+    num_warps: int = 4
+    group_tile: bool = False
+
+
+ROUTE_KERNEL = RouteKernelConfig()
+
+
 def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group, topk_group,
                   correction_bias_E, routed_scaling_factor, num_shared,
                   counts=None) -> TopKOutput:
@@ -278,9 +299,11 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
         TOPK_GROUP=topk_group if groups > 1 else 1,
         TOP2=bias is not None and E // groups >= 2, COUNT=counts is not None,
+        GROUP_TILE=ROUTE_KERNEL.group_tile and groups > 1 and E == EP
+        and groups == next_pow2(groups),
         GDC_LAUNCH=pdl_capable(logits.device), BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
-        num_warps=4,
+        num_warps=ROUTE_KERNEL.num_warps or min(4, block_t),
     )  # fmt: skip
     return TopKOutput(weights, ids)
 
