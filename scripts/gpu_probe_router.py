@@ -84,18 +84,14 @@ def main() -> None:
                 for n, lg in (("fused_count", logits), ("fused_count_hot", hot)):
                     fns[n] = lambda lg=lg, c=counts, cfg=cfg, b=bias: router.route(
                         lg, cfg, b, fused="on", counts_N=c)
-            for n in tiles:
-                fns[f"fused_tile{n}"] = _tiled(n, fns["fused"])
-                got = fns[f"fused_tile{n}"]()
+            other = {f"fused_tile{n}": _tiled(n, fns["fused"]) for n in tiles}
+            other.update({f"fused_v_{spec}": _variant(spec, fns["fused"]) for spec in variants})
+            for n, fn in other.items():  # each routes as the kernel does
+                got = fn()
                 if not (torch.equal(got.ids, out.ids)
                         and torch.allclose(got.weights, out.weights, rtol=1e-5, atol=1e-6)):
-                    raise AssertionError(f"{name} T={T}: {n} tokens a program changed the routing")
-            for spec in variants:
-                fns[f"fused_v_{spec}"] = _variant(spec, fns["fused"])
-                got = fns[f"fused_v_{spec}"]()
-                if not (torch.equal(got.ids, out.ids)
-                        and torch.allclose(got.weights, out.weights, rtol=1e-5, atol=1e-6)):
-                    raise AssertionError(f"{name} T={T}: kernel variant {spec} changed the routing")
+                    raise AssertionError(f"{name} T={T}: {n[6:]} changed the routing")
+            fns.update(other)
             ms = time_ms_interleaved(fns, dev, cuda_graph=on_gpu, rounds=8, samples=32)
             row = {"model": name, "T": T, "torch_us": round(ms["torch"] * 1e3, 2),
                    "fused_us": round(ms["fused"] * 1e3, 2),
@@ -119,18 +115,26 @@ def main() -> None:
     write_probe("router.json", {"rows": rows, "layers": layer_rows})
 
 
-def _tiled(n: int, fused):
-    """`fused` with the kernel taking n tokens a program (fewer where T is smaller)."""
-    default = router.tokens_per_program
+def _patched(fn, *changes):
+    """fn() with each (object, attribute, value) of `changes` set while it runs."""
 
     def run():
-        router.tokens_per_program = lambda T, EP: max(1, min(next_pow2(T), n))
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in changes]
+        for obj, attr, value in changes:
+            setattr(obj, attr, value)
         try:
-            return fused()
+            return fn()
         finally:
-            router.tokens_per_program = default
+            for obj, attr, value in saved:
+                setattr(obj, attr, value)
 
     return run
+
+
+def _tiled(n: int, fused):
+    """`fused` with the kernel taking n tokens a program (fewer where T is smaller)."""
+    return _patched(fused, (router, "tokens_per_program",
+                            lambda T, EP: max(1, min(next_pow2(T), n))))
 
 
 def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
@@ -222,16 +226,7 @@ def _variant(spec: str, fn):
     from dataclasses import replace
 
     fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-    changed = replace(router.ROUTE_KERNEL, **fields)
-
-    def run():
-        default, router.ROUTE_KERNEL = router.ROUTE_KERNEL, changed
-        try:
-            return fn()
-        finally:
-            router.ROUTE_KERNEL = default
-
-    return run
+    return _patched(fn, (router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, **fields)))
 
 
 def _without_gdc(fn):
@@ -239,16 +234,10 @@ def _without_gdc(fn):
     kernel start early: the chain of programmatic dependent launches from the runner on only."""
     from moekit.dispatch import _kernels as dispatch_kernels
 
-    default = router.pdl_capable
+    def off(device):
+        return False
 
-    def run():
-        router.pdl_capable = dispatch_kernels.pdl_capable = lambda device: False
-        try:
-            return fn()
-        finally:
-            router.pdl_capable = dispatch_kernels.pdl_capable = default
-
-    return run
+    return _patched(fn, (router, "pdl_capable", off), (dispatch_kernels, "pdl_capable", off))
 
 
 def _recorded(layer, recorder, fn):
