@@ -1,10 +1,13 @@
 #!/bin/bash
-# The fused routing on a GPU (sessions 72-73): its GPU tests and those of the layers that now
-# route with it by default, then the routing and the layer timed with either routing (eager,
-# and compiled: moekit::route against Inductor's code for the PyTorch ops), and the kernel with
-# other tokens a program (--tiles). One device call; results under $OUT.
+# The fused routing on a GPU (sessions 72-75): its GPU tests and those of the layers that now
+# route with it by default (and of the PDL chain it heads: the EP local ids, the runner's decode
+# kernels), then the routing and the layer timed with either routing (eager, and compiled:
+# moekit::route against Inductor's code for the PyTorch ops), the kernel with other tokens a
+# program (--tiles) and other launch choices (--variants: router.RouteKernelConfig), the layer
+# without the routing's PDL trigger (--gdc). One device call (about 7 min); results under $OUT.
 #   ROUTER_STEPS="tests probe" bash scripts/gpu_router.sh
-#   steps: tests (fused router on CUDA; GPU tests: router, compile, layer, eplb), probe (scripts/gpu_probe_router.py)
+#   steps: tests (fused router on CUDA; GPU tests: router, compile, layer, eplb, local ids, the
+#          runner's PDL), probe (scripts/gpu_probe_router.py)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
 export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
@@ -17,9 +20,9 @@ for step in ${ROUTER_STEPS:-tests probe}; do
              tests/test_router.py tests/test_compile.py tests/test_layer.py tests/test_eplb.py \
              tests/test_dispatch_alltoall.py tests/test_triton_runner.py -k "not test_triton_runner or pdl" \
              --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
-    probe) timeout "${ROUTER_PROBE_TIMEOUT:-240}" python3 scripts/gpu_probe_router.py \
+    probe) timeout "${ROUTER_PROBE_TIMEOUT:-380}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,256,4096,16384 --tiles 4,8,16 \
-             --variants "group_tile=1;num_warps=0;group_tile=1,num_warps=0" \
+             --variants "group_tile=1;num_warps=0;num_warps=1;group_tile=1,num_warps=0" \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
              --compiled --record --gdc 2>&1 | grep -v INFO ;;
   esac
