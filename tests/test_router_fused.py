@@ -79,6 +79,7 @@ def test_fused_router_matches_twin(case, T, dtype):
 @pytest.mark.parametrize("case", CASES + PRESET_CASES + [
     dict(E=32, K=4, scoring="softmax", renorm=False, groups=4, topk_group=2),  # no bias: best
     dict(E=64, K=6, scoring="sigmoid", renorm=True, groups=2, topk_group=1, bias=True),
+    dict(E=8, K=2, scoring="sigmoid", renorm=True, groups=8, topk_group=4, bias=True),  # 1 a group
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))  # fmt: skip
 def test_route_kernel_variants_route_the_same(case, variant, monkeypatch):
     """`RouteKernelConfig`'s alternatives (warps a program, the groups scored from a
