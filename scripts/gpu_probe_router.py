@@ -22,10 +22,15 @@ with its expert load recorded: counted inside the routing kernel (`forward`), an
 it with `count_experts` (`forward_topk`, as before); with `--compiled` also the compiled layer
 counting inside `moekit::route`. `--gdc` adds the layer with the routing kernel (and the EP rank's
 local-ids kernel) not letting the runner's first kernel start while it runs (`pdl_capable` off).
-`--variants "group_tile=1;num_warps=0"` adds the kernel (and the layers) with `router.ROUTE_KERNEL`
-changed so, each checked to route the same, in turns with the default.
+`--variants "group_tile=1;num_warps=0;tokens=1,num_warps=1"` adds the kernel (and the layers) with
+`router.ROUTE_KERNEL` changed so (tokens=n: also n tokens a program), each checked to route the
+same, in turns with the default.
 
-Writes $OUT/router.json. Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
+`--logits-dtype float32`: the kernel timings route float32 logits (default bfloat16; with 16-byte
+loads a warp then covers 128 scores of a row, not 256, so deepseek-v3's rows span two warps).
+
+Writes $OUT/router.json (router_float32.json for float32 logits). Runs on the CPU too
+(interpreter; a smoke test, no timing worth reading).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ def main() -> None:
     models = option("--models", "qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,kimi-k2,gpt-oss-120b")
     tiles = [int(c) for c in filter(None, option("--tiles", "").split(","))]
     variants = list(filter(None, option("--variants", "").split(";")))
+    logits_dtype = getattr(torch, option("--logits-dtype", "bfloat16"))
     rows = []
     for name in models.split(","):
         cfg = PRESETS[name]
@@ -70,7 +76,7 @@ def main() -> None:
         bias = torch.randn(E, device=dev) * 0.01 if cfg.use_correction_bias else None
         kw = _kwargs(cfg, bias)
         for T in batches:
-            logits = torch.randn(T, E, device=dev, dtype=torch.bfloat16)
+            logits = torch.randn(T, E, device=dev, dtype=logits_dtype)
             ref = select_experts(logits, K, **kw)
             out = select_experts_fused(logits, K, **kw)
             differ = int((ref.ids.sort(-1).values != out.ids.sort(-1).values).any(-1).sum())
@@ -112,7 +118,9 @@ def main() -> None:
                                   compiled="--compiled" in sys.argv,
                                   record="--record" in sys.argv, gdc="--gdc" in sys.argv,
                                   variants=variants)
-    write_probe("router.json", {"rows": rows, "layers": layer_rows})
+    dtype_name = str(logits_dtype).removeprefix("torch.")
+    name = "router.json" if logits_dtype == torch.bfloat16 else f"router_{dtype_name}.json"
+    write_probe(name, {"logits_dtype": str(logits_dtype), "rows": rows, "layers": layer_rows})
 
 
 def _patched(fn, *changes):
@@ -222,10 +230,13 @@ def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,
 
 
 def _variant(spec: str, fn):
-    """fn() with `router.ROUTE_KERNEL` changed as spec says ('group_tile=1,num_warps=0')."""
+    """fn() with `router.ROUTE_KERNEL` changed as spec says ('group_tile=1,num_warps=0'); a
+    field tokens=n also sets n tokens a program (fewer where T is smaller), as `_tiled`."""
     from dataclasses import replace
 
     fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    n = fields.pop("tokens", None)
+    fn = fn if n is None else _tiled(n, fn)
     return _patched(fn, (router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, **fields)))
 
 
