@@ -26,6 +26,7 @@ local-ids kernel) not letting the runner's first kernel start while it runs (`pd
 `router.ROUTE_KERNEL` changed so (tokens=n: also n tokens a program), each checked to route the
 same, in turns with the default.
 
+`--count-variants "count=1;count=2"` (with --record): the counting kernel changed so, as --variants.
 `--logits-dtype float32`: the kernel timings route float32 logits (default bfloat16; with 16-byte
 loads a warp then covers 128 scores of a row, not 256, so deepseek-v3's rows span two warps).
 
@@ -69,6 +70,7 @@ def main() -> None:
     tiles = [int(c) for c in filter(None, option("--tiles", "").split(","))]
     variants = list(filter(None, option("--variants", "").split(";")))
     logits_dtype = getattr(torch, option("--logits-dtype", "bfloat16"))
+    count_variants = list(filter(None, option("--count-variants", "").split(";")))
     rows = []
     for name in models.split(","):
         cfg = PRESETS[name]
@@ -92,6 +94,9 @@ def main() -> None:
                         lg, cfg, b, fused="on", counts_N=c)
             other = {f"fused_tile{n}": _tiled(n, fns["fused"]) for n in tiles}
             other.update({f"fused_v_{spec}": _variant(spec, fns["fused"]) for spec in variants})
+            if "fused_count" in fns:  # the counting kernel changed so ('count=1')
+                fns.update({f"fused_count_v_{spec}": _variant(spec, fns["fused_count"])
+                            for spec in count_variants})  # fmt: skip
             for n, fn in other.items():  # each routes as the kernel does
                 got = fn()
                 if not (torch.equal(got.ids, out.ids)

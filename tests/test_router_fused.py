@@ -74,17 +74,18 @@ def test_fused_router_matches_twin(case, T, dtype):
                                ref.weights.gather(1, ref_order)[same], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", [dict(group_tile=True), dict(num_warps=1),
-                                     dict(num_warps=0, group_tile=True)], ids=str)
+@pytest.mark.parametrize("variant", [dict(group_tile=False, num_warps=4), dict(num_warps=1),
+                                     dict(num_warps=2, group_tile=False)], ids=str)
 @pytest.mark.parametrize("case", CASES + PRESET_CASES + [
     dict(E=32, K=4, scoring="softmax", renorm=False, groups=4, topk_group=2),  # no bias: best
     dict(E=64, K=6, scoring="sigmoid", renorm=True, groups=2, topk_group=1, bias=True),
     dict(E=8, K=2, scoring="sigmoid", renorm=True, groups=8, topk_group=4, bias=True),  # 1 a group
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))  # fmt: skip
 def test_route_kernel_variants_route_the_same(case, variant, monkeypatch):
-    """`RouteKernelConfig`'s alternatives (warps a program, the groups scored from a
-    [tokens, G, E / G] view) pick the same experts as the default kernel, in the same order,
-    on fresh logits with ties left in (the same ties broken the same way)."""
+    """`RouteKernelConfig`'s alternatives (warps a program, the groups scored in a pass over the
+    row each instead of from a [tokens, G, E / G] view) pick the same experts as the default
+    kernel, in the same order, on fresh logits with ties left in (the same ties broken the
+    same way)."""
     from dataclasses import replace
 
     import moekit.router as router
@@ -178,10 +179,17 @@ def _config(case) -> MoEConfig:
 @pytest.mark.parametrize("case", PRESET_CASES, ids=["qwen3", "mixtral", "deepseek", "kimi",
                                                     "gptoss", "shared2"])  # fmt: skip
 @pytest.mark.parametrize("T", [0, 1, 37, 300])
-def test_fused_router_counts_what_it_routes(case, T):
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_fused_router_counts_what_it_routes(case, T, count, monkeypatch):
     """The kernel adds its routed pairs per expert (the shared experts' too) to the load counts
     (several programs at T = 37 / 300 for the wider rows), on top of what they held: what
-    count_experts (the twin) adds for the kernel's ids; and route's twin path counts its own."""
+    count_experts (the twin) adds for the kernel's ids, with an add per pair, per expert a
+    program, or the default's choice; and route's twin path counts its own."""
+    from dataclasses import replace
+
+    import moekit.router as router
+
+    monkeypatch.setattr(router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, count=count))
     cfg = _config(case)
     bias = torch.randn(case["E"], device=DEVICE) * 0.1 if case.get("bias") else None
     logits = torch.randn(T, case["E"], device=DEVICE)
@@ -197,7 +205,8 @@ def test_fused_router_counts_what_it_routes(case, T):
 
 def test_tokens_per_program_keeps_programs_narrow():
     """The rule the H200 and H100 timings chose (sessions 74-75): at most 8 tokens and 1024
-    scores a program, at least one token, never more than T rounded up."""
+    scores a program, one for rows of 512 or more, at least one token, never more than T
+    rounded up."""
     from moekit._triton_host import next_pow2
     from moekit.router import tokens_per_program
 
@@ -205,7 +214,7 @@ def test_tokens_per_program_keeps_programs_narrow():
         for T in (1, 2, 3, 16, 4096):
             n = tokens_per_program(T, EP)
             assert 1 <= n <= 8 and (n * EP <= 1024 or n == 1) and n <= next_pow2(T), (T, EP)
-    assert tokens_per_program(16, 256) == 4 and tokens_per_program(16, 512) == 2
+    assert tokens_per_program(16, 256) == 4 and tokens_per_program(16, 512) == 1
     assert tokens_per_program(16, 128) == 8 and tokens_per_program(3, 8) == 4
 
 

@@ -80,8 +80,8 @@ seen.now = "local_ids"
 table, copies = SlotMap(ExpertPlacement(torch.arange(8), ep_size=2), 8)._on(torch.device("cpu"))
 ids = torch.zeros(16, 2, dtype=torch.int32)
 dispatch_kernels.launch_local_ids(ids, table, copies, False, torch.empty_like(ids), 4, 4)
-seen.now = "grouped_one_warp"  # deepseek-v3's routing of one token, warps as its tokens
-router.ROUTE_KERNEL = router.RouteKernelConfig(num_warps=0, group_tile=True)
+seen.now = "grouped_one_warp"  # deepseek-v3's routing of one token, by the defaults
+router.ROUTE_KERNEL = router.RouteKernelConfig()
 router._select_fused(torch.empty(1, 256, dtype=torch.bfloat16), 8, "sigmoid", True, 8, 4,
                      torch.empty(256), 2.5, 0)
 print(json.dumps({call: seen.kernels[keys[0]].asm["ptx"] for call, keys in seen.calls.items()}))
@@ -92,8 +92,8 @@ def test_routing_and_local_ids_build_for_sm90():
     """The routing kernel (counting, 8 tokens a program) lets the next kernel start before it
     reads anything and adds its counts without a returned value (`red`); the EP local-ids
     kernel lets the next start, then waits for the routing's writes before its first load.
-    With a warp a token and the grouped view, one token's grouped routing builds with no
-    barrier: every row reduction stays inside the warp."""
+    By the defaults (one warp for one token, the grouped view), one token's grouped routing
+    builds with no barrier: every row reduction stays inside the warp."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _CHAIN, str(ROOT / "scripts")], env=env,

@@ -21,7 +21,7 @@ def _route_kernel(
     bias_ptr,  # [E] float32 (read when HAS_BIAS)
     weights_ptr,  # [T, K + S] float32 out
     ids_ptr,  # [T, K + S] int32 out
-    counts_ptr,  # [E + S] int64, pairs per expert added to (when COUNT)
+    counts_ptr,  # [E + S] int64, pairs per expert added to (COUNT > 0)
     T,
     E,
     stride_t,
@@ -35,7 +35,7 @@ def _route_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP2: tl.constexpr,  # a group's score is the sum of its best two (else its best)
     GROUP_TILE: tl.constexpr,  # group scores from a [BLOCK_T, G, EP // G] view (E == EP, G == GP)
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr,  # 0: no counting, 1: an atomic add per pair, 2: per expert a program
     GDC_LAUNCH: tl.constexpr,  # let the next kernel, if a programmatic dependent launch, start
     GP: tl.constexpr,  # G rounded up to a power of two
     BLOCK_T: tl.constexpr,
@@ -109,7 +109,7 @@ def _route_kernel(
     kcols = tl.arange(0, KP)
     w = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
-    taken = tl.zeros([BLOCK_T, EP], dtype=tl.int1)  # the experts picked (COUNT)
+    taken = tl.zeros([BLOCK_T, EP], dtype=tl.int1)  # the experts picked (COUNT 2)
     for k in tl.static_range(K):
         best = tl.argmax(choice, axis=1)
         hit = cols[None, :] == best[:, None]
@@ -117,9 +117,12 @@ def _route_kernel(
         w = tl.where(kcols[None, :] == k, wk[:, None], w)
         ids = tl.where(kcols[None, :] == k, best[:, None].to(tl.int32), ids)
         choice = tl.where(hit, float("-inf"), choice)
-        if COUNT:
+        if COUNT == 1:
+            one = tl.full([BLOCK_T], 1, tl.int64)
+            tl.atomic_add(counts_ptr + best, one, mask=row_ok, sem="relaxed")
+        if COUNT == 2:
             taken = taken | hit
-    if COUNT:
+    if COUNT == 2:
         # one add per expert the block's tokens picked, not one per pair
         per_expert = tl.sum((taken & row_ok[:, None]).to(tl.int64), axis=0)
         tl.atomic_add(counts_ptr + cols, per_expert, mask=(per_expert > 0) & col_ok, sem="relaxed")
@@ -138,7 +141,7 @@ def _route_kernel(
         shared = tl.zeros([BLOCK_T, SP], dtype=tl.int32) + E + scols[None, :]
         tl.store(ids_ptr + sout, shared, mask=smask)
         tl.store(weights_ptr + sout, tl.full([BLOCK_T, SP], 1.0, tl.float32), mask=smask)
-        if COUNT:
+        if COUNT > 0:
             rows_here = tl.sum(row_ok.to(tl.int64), axis=0)
             tl.atomic_add(counts_ptr + E + scols, tl.zeros([SP], tl.int64) + rows_here,
                           mask=scols < S, sem="relaxed")  # fmt: skip

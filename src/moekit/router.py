@@ -255,19 +255,21 @@ def select_experts_fused(
 
 @dataclass(frozen=True)
 class RouteKernelConfig:
-    """Launch choices of the fused routing kernel that do not change its result.
+    """Launch choices of the fused routing kernel that do not change its result, as timed on
+    the H100 (session 75, benchmarks/integration_notes.md).
 
-    num_warps: warps a program, its [tokens, E] tile spread over them; 0: one a token, at most
-    4. Where a program has fewer tokens than warps, a row spans warps and each of the top-k's
-    row reductions goes through shared memory (built for sm_90: about 45 barriers a program at
-    T = 1 with 4 warps, none with 1). group_tile: grouped top-k (G > 1) scores the groups
-    from a [tokens, G, E / G] view of the row, three reductions in all, instead of three per
-    group over the whole row; where E and G are powers of two. Both as timed on the H100 in
-    sessions 74-75 (4 warps, one pass per group); session 75 added the alternatives untimed,
-    for `scripts/gpu_probe_router.py --variants`."""
+    num_warps: warps a program; 0: one for a one-token program (its row reductions then stay
+    inside the warp: deepseek-v3 at T = 1 9.6 -> 5.9 us), else 4. group_tile: grouped top-k
+    (G > 1) scores the groups from a [tokens, G, E / G] view of the row, three reductions in
+    all, instead of three per group over the whole row, where E and G are powers of two
+    (deepseek-v3: 1.3-1.8x at every T). count: how the EPLB load is added (with counts): 1 an
+    atomic add per pair, in the top-k loop; 2 one add per expert a program picked (fewer adds
+    where a program's pairs share experts: mixtral, qwen3); 0 picks 2 for at most 128 experts,
+    else 1."""
 
-    num_warps: int = 4
-    group_tile: bool = False
+    num_warps: int = 0
+    group_tile: bool = True
+    count: int = 0
 
 
 ROUTE_KERNEL = RouteKernelConfig()
@@ -291,6 +293,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     groups = num_expert_group if num_expert_group and num_expert_group > 1 else 1
     EP = next_pow2(E)
     block_t = tokens_per_program(T, EP)
+    cfg = ROUTE_KERNEL
     k._route_kernel[(cdiv(T, block_t),)](
         logits, logits if bias is None else bias, weights, ids,
         weights if counts is None else counts, T, E, logits.stride(0),
@@ -298,23 +301,25 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         SCORE=k.SCORE_SOFTMAX if scoring_func == "softmax" else k.SCORE_SIGMOID,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
         TOPK_GROUP=topk_group if groups > 1 else 1,
-        TOP2=bias is not None and E // groups >= 2, COUNT=counts is not None,
-        GROUP_TILE=ROUTE_KERNEL.group_tile and groups > 1 and E == EP
-        and groups == next_pow2(groups),
+        TOP2=bias is not None and E // groups >= 2,
+        COUNT=0 if counts is None else (cfg.count or (2 if EP <= 128 else 1)),
+        GROUP_TILE=cfg.group_tile and groups > 1 and E == EP and groups == next_pow2(groups),
         GDC_LAUNCH=pdl_capable(logits.device), BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
-        num_warps=ROUTE_KERNEL.num_warps or min(4, block_t),
+        num_warps=cfg.num_warps or (1 if block_t == 1 else 4),
     )  # fmt: skip
     return TopKOutput(weights, ids)
 
 
 def tokens_per_program(T: int, EP: int) -> int:
     """Tokens one program of the fused routing kernel takes: at most 8, and its [tokens, EP]
-    tile at most 1024 scores (EP: the experts rounded up to a power of two). Measured on an
-    H200 and an H100 (sessions 74-75): the top-k is a chain of row reductions, so many small
-    programs beat few wide ones (deepseek-v3 at T = 16: 5.9 us with 4 tokens a program, 23
-    with 16), down to that tile (qwen3 at T = 16384, H100: 18.4 us with 8, 22.5 with 4)."""
-    return max(1, min(next_pow2(T), 8, 1024 // EP))
+    tile at most 1024 scores (EP: the experts rounded up to a power of two); one for rows of
+    512 or more. Measured on an H200 and an H100 (sessions 74-75): the top-k is a chain of row
+    reductions, so many small programs beat few wide ones (deepseek-v3 at T = 16: 5.9 us with
+    4 tokens a program, 23 with 16), down to that tile (qwen3 at T = 16384, H100: 18.4 us with
+    8, 22.5 with 4); kimi-k2's 384 experts route 1.04-1.07x faster one token (and warp) a
+    program than two."""
+    return 1 if EP >= 512 else max(1, min(next_pow2(T), 8, 1024 // EP))
 
 
 def route(
