@@ -23,14 +23,14 @@ for step in ${ROUTER_STEPS:-tests probe probe32}; do
              --junitxml="$OUT/junit_router_default.xml" 2>&1 | tail -15 ;;
     probe) timeout "${ROUTER_PROBE_TIMEOUT:-380}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,256,4096,16384 --tiles 4,8,16 \
-             --variants "group_tile=1;num_warps=0;num_warps=1;tokens=1,num_warps=1;group_tile=1,num_warps=1" \
+             --variants "group_tile=0,num_warps=4;num_warps=4;num_warps=1;tokens=2,num_warps=4" \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
-             --compiled --record --gdc 2>&1 | grep -v INFO ;;
+             --count-variants "count=1;count=2" --compiled --record --gdc 2>&1 | grep -v INFO ;;
     probe32) # the kernel alone on float32 logits (rows of 256+ scores span warps there)
            timeout "${ROUTER_PROBE32_TIMEOUT:-90}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,4096 --models deepseek-v3,kimi-k2,qwen3-30b-a3b \
              --logits-dtype float32 --tiles 1,2 \
-             --variants "group_tile=1;num_warps=0;num_warps=1;tokens=1,num_warps=1;group_tile=1,num_warps=1" \
+             --variants "group_tile=0,num_warps=4;num_warps=4;num_warps=1;tokens=2,num_warps=4" \
              2>&1 | grep -v INFO ;;
   esac
 done
