@@ -2,7 +2,7 @@
 Triton kernel), timed in turns under CUDA-graph replay, with the picks compared.
 
 For each preset's routing (softmax top-k, or DeepSeek-V3 / Kimi-K2's sigmoid with a correction
-bias and grouped top-k) and each batch size, both functions route the same bf16 logits; the probe
+bias and grouped top-k) and each batch size, both functions route the same logits; the probe
 reports us per call of each, their ratio, and the tokens whose experts differ (near-ties only).
 
     PYTHONPATH=src python3 scripts/gpu_probe_router.py [--batches 1,4,16,64,256,1024,4096,16384]
@@ -22,7 +22,7 @@ with its expert load recorded: counted inside the routing kernel (`forward`), an
 it with `count_experts` (`forward_topk`, as before); with `--compiled` also the compiled layer
 counting inside `moekit::route`. `--gdc` adds the layer with the routing kernel (and the EP rank's
 local-ids kernel) not letting the runner's first kernel start while it runs (`pdl_capable` off).
-`--variants "group_tile=1;num_warps=0;tokens=1,num_warps=1"` adds the kernel (and the layers) with
+`--variants "group_tile=0,num_warps=4;tokens=2,num_warps=4"` adds the kernel (and the layers) with
 `router.ROUTE_KERNEL` changed so (tokens=n: also n tokens a program), each checked to route the
 same, in turns with the default.
 
