@@ -74,6 +74,15 @@ def test_fused_router_matches_twin(case, T, dtype):
                                ref.weights.gather(1, ref_order)[same], rtol=1e-5, atol=1e-6)
 
 
+def _set_route_kernel(monkeypatch, **fields):
+    """The routing kernel launched with these `RouteKernelConfig` fields for the test."""
+    from dataclasses import replace
+
+    import moekit.router as router
+
+    monkeypatch.setattr(router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, **fields))
+
+
 @pytest.mark.parametrize("variant", [dict(group_tile=False, num_warps=4), dict(num_warps=1),
                                      dict(num_warps=2, group_tile=False)], ids=str)
 @pytest.mark.parametrize("case", CASES + PRESET_CASES + [
@@ -86,15 +95,11 @@ def test_route_kernel_variants_route_the_same(case, variant, monkeypatch):
     row each instead of from a [tokens, G, E / G] view) pick the same experts as the default
     kernel, in the same order, on fresh logits with ties left in (the same ties broken the
     same way)."""
-    from dataclasses import replace
-
-    import moekit.router as router
-
     E, K = case["E"], case["K"]
     bias = torch.randn(E, device=DEVICE) * 0.1 if case.get("bias") else None
     logits = torch.randn(37, E, device=DEVICE).to(torch.float16)
     ref = select_experts_fused(logits, K, **routing_kwargs(case, bias))
-    monkeypatch.setattr(router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, **variant))
+    _set_route_kernel(monkeypatch, **variant)
     out = select_experts_fused(logits, K, **routing_kwargs(case, bias))
     assert torch.equal(out.ids, ref.ids)
     torch.testing.assert_close(out.weights, ref.weights, rtol=1e-6, atol=1e-7)
@@ -185,11 +190,7 @@ def test_fused_router_counts_what_it_routes(case, T, count, monkeypatch):
     (several programs at T = 37 / 300 for the wider rows), on top of what they held: what
     count_experts (the twin) adds for the kernel's ids, with an add per pair, per expert a
     program, or the default's choice; and route's twin path counts its own."""
-    from dataclasses import replace
-
-    import moekit.router as router
-
-    monkeypatch.setattr(router, "ROUTE_KERNEL", replace(router.ROUTE_KERNEL, count=count))
+    _set_route_kernel(monkeypatch, count=count)
     cfg = _config(case)
     bias = torch.randn(case["E"], device=DEVICE) * 0.1 if case.get("bias") else None
     logits = torch.randn(T, case["E"], device=DEVICE)
@@ -299,7 +300,6 @@ def test_explain_routing():
     assert "auto takes the kernel for CUDA logits only" in explain_routing("auto", cpu, 8)
     no_triton = Platform("cuda", "H100", (9, 0), 1, libraries={"triton": None})
     assert "the fused kernel needs Triton" in explain_routing("auto", no_triton, 8)
-
 
 
 def test_explain_routing_on_the_cpu(monkeypatch):

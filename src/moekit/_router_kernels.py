@@ -34,7 +34,7 @@ def _route_kernel(
     G: tl.constexpr,  # expert groups (1: no grouped top-k)
     TOPK_GROUP: tl.constexpr,
     TOP2: tl.constexpr,  # a group's score is the sum of its best two (else its best)
-    GROUP_TILE: tl.constexpr,  # group scores from a [BLOCK_T, G, EP // G] view (E == EP, G == GP)
+    GROUP_TILE: tl.constexpr,  # group scores from a [BLOCK_T, G, EP // G] view (E == EP)
     COUNT: tl.constexpr,  # 0: no counting, 1: an atomic add per pair, 2: per expert a program
     GDC_LAUNCH: tl.constexpr,  # let the next kernel, if a programmatic dependent launch, start
     GP: tl.constexpr,  # G rounded up to a power of two
@@ -71,7 +71,7 @@ def _route_kernel(
         width = E // G
         group = cols // width
         gcols = tl.arange(0, GP)
-        if GROUP_TILE:  # E == EP, G == GP: the row is exactly G groups of EP // G columns
+        if GROUP_TILE:  # E == EP (so G, dividing it, == GP): G groups of EP // G columns
             c3 = tl.reshape(choice, [BLOCK_T, G, EP // G])
             gscore = tl.max(c3, axis=2)
             if TOP2:

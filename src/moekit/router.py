@@ -303,7 +303,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         TOPK_GROUP=topk_group if groups > 1 else 1,
         TOP2=bias is not None and E // groups >= 2,
         COUNT=0 if counts is None else (cfg.count or (2 if EP <= 128 else 1)),
-        GROUP_TILE=cfg.group_tile and groups > 1 and E == EP and groups == next_pow2(groups),
+        GROUP_TILE=cfg.group_tile and groups > 1 and E == EP,  # G divides E: a power of two
         GDC_LAUNCH=pdl_capable(logits.device), BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
         num_warps=cfg.num_warps or (1 if block_t == 1 else 4),
