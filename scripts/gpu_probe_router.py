@@ -147,7 +147,7 @@ def _patched(fn, *changes):
 def _tiled(n: int, fused):
     """`fused` with the kernel taking n tokens a program (fewer where T is smaller)."""
     return _patched(fused, (router, "tokens_per_program",
-                            lambda T, EP: max(1, min(next_pow2(T), n))))
+                            lambda T, EP, score_bytes=2: max(1, min(next_pow2(T), n))))
 
 
 def _time_layer(job: str, batches: list[int], dev: str, on_gpu: bool,

@@ -205,18 +205,22 @@ def test_fused_router_counts_what_it_routes(case, T, count, monkeypatch):
 
 
 def test_tokens_per_program_keeps_programs_narrow():
-    """The rule the H200 and H100 timings chose (sessions 74-75): at most 8 tokens and 1024
-    scores a program, one for rows of 512 or more, at least one token, never more than T
-    rounded up."""
+    """The rule the H200 and H100 timings chose (sessions 74-76): at most 8 tokens and 1024
+    scores a program, one where a row of logits spans more than a warp's 16-byte loads (512
+    bytes), at least one token, never more than T rounded up."""
     from moekit._triton_host import next_pow2
     from moekit.router import tokens_per_program
 
-    for EP in (8, 128, 256, 512, 1024):
-        for T in (1, 2, 3, 16, 4096):
-            n = tokens_per_program(T, EP)
-            assert 1 <= n <= 8 and (n * EP <= 1024 or n == 1) and n <= next_pow2(T), (T, EP)
+    for score_bytes in (2, 4):
+        for EP in (8, 128, 256, 512, 1024):
+            for T in (1, 2, 3, 16, 4096):
+                n = tokens_per_program(T, EP, score_bytes)
+                assert 1 <= n <= 8 and n <= next_pow2(T), (T, EP, score_bytes)
+                assert n * EP <= 1024 or n == 1, (T, EP, score_bytes)
+                assert n == 1 or EP * score_bytes <= 512, (T, EP, score_bytes)
     assert tokens_per_program(16, 256) == 4 and tokens_per_program(16, 512) == 1
     assert tokens_per_program(16, 128) == 8 and tokens_per_program(3, 8) == 4
+    assert tokens_per_program(16, 256, 4) == 1 and tokens_per_program(16, 128, 4) == 8
 
 
 def test_count_experts_skips_masked_and_foreign_ids():

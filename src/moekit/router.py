@@ -292,7 +292,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     bias = None if correction_bias_E is None else correction_bias_E.float().contiguous()
     groups = num_expert_group if num_expert_group and num_expert_group > 1 else 1
     EP = next_pow2(E)
-    block_t = tokens_per_program(T, EP)
+    block_t = tokens_per_program(T, EP, logits.element_size())
     cfg = ROUTE_KERNEL
     k._route_kernel[(cdiv(T, block_t),)](
         logits, logits if bias is None else bias, weights, ids,
@@ -311,15 +311,19 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     return TopKOutput(weights, ids)
 
 
-def tokens_per_program(T: int, EP: int) -> int:
+def tokens_per_program(T: int, EP: int, score_bytes: int = 2) -> int:
     """Tokens one program of the fused routing kernel takes: at most 8, and its [tokens, EP]
-    tile at most 1024 scores (EP: the experts rounded up to a power of two); one for rows of
-    512 or more. Measured on an H200 and an H100 (sessions 74-75): the top-k is a chain of row
-    reductions, so many small programs beat few wide ones (deepseek-v3 at T = 16: 5.9 us with
-    4 tokens a program, 23 with 16), down to that tile (qwen3 at T = 16384, H100: 18.4 us with
-    8, 22.5 with 4); kimi-k2's 384 experts route 1.04-1.07x faster one token (and warp) a
-    program than two."""
-    return 1 if EP >= 512 else max(1, min(next_pow2(T), 8, 1024 // EP))
+    tile at most 1024 scores (EP: the experts rounded up to a power of two); one where a row
+    of logits is wider than one warp's 16-byte loads (EP x score_bytes > 512: 512+ experts in
+    bf16, 256+ in float32), whose row reductions would otherwise cross warps. Measured on an
+    H200 and an H100 (sessions 74-76): the top-k is a chain of row reductions, so many small
+    programs beat few wide ones (deepseek-v3 at T = 16: 5.9 us with 4 tokens a program, 23
+    with 16), down to that tile (qwen3 at T = 16384, H100: 18.4 us with 8, 22.5 with 4);
+    kimi-k2's 384 experts route 1.04-1.07x faster one token (and warp) a program than two,
+    and deepseek-v3's float32 logits 1.4-1.5x faster at T = 16 and 4096."""
+    if EP * score_bytes > 512:
+        return 1
+    return max(1, min(next_pow2(T), 8, 1024 // EP))
 
 
 def route(
