@@ -264,8 +264,7 @@ class RouteKernelConfig:
     all, instead of three per group over the whole row, where E and G are powers of two
     (deepseek-v3: 1.3-1.8x at every T). count: how the EPLB load is added (with counts): 1 an
     atomic add per pair, in the top-k loop; 2 one add per expert a program picked (fewer adds
-    where a program's pairs share experts: mixtral, qwen3); 0 picks 2 for at most 128 experts,
-    else 1."""
+    where a program's pairs share experts: mixtral, qwen3); 0: `count_mode`'s choice."""
 
     num_warps: int = 0
     group_tile: bool = True
@@ -302,7 +301,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
         TOPK_GROUP=topk_group if groups > 1 else 1,
         TOP2=bias is not None and E // groups >= 2,
-        COUNT=0 if counts is None else (cfg.count or (2 if EP <= 128 else 1)),
+        COUNT=0 if counts is None else (cfg.count or count_mode(T, EP, top_k, block_t)),
         GROUP_TILE=cfg.group_tile and groups > 1 and E == EP,  # G divides E: a power of two
         GDC_LAUNCH=pdl_capable(logits.device), BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
@@ -313,17 +312,32 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
 
 def tokens_per_program(T: int, EP: int, score_bytes: int = 2) -> int:
     """Tokens one program of the fused routing kernel takes: at most 8, and its [tokens, EP]
-    tile at most 1024 scores (EP: the experts rounded up to a power of two); one where a row
-    of logits is wider than one warp's 16-byte loads (EP x score_bytes > 512: 512+ experts in
-    bf16, 256+ in float32), whose row reductions would otherwise cross warps. Measured on an
-    H200 and an H100 (sessions 74-76): the top-k is a chain of row reductions, so many small
-    programs beat few wide ones (deepseek-v3 at T = 16: 5.9 us with 4 tokens a program, 23
-    with 16), down to that tile (qwen3 at T = 16384, H100: 18.4 us with 8, 22.5 with 4);
-    kimi-k2's 384 experts route 1.04-1.07x faster one token (and warp) a program than two,
-    and deepseek-v3's float32 logits 1.4-1.5x faster at T = 16 and 4096."""
-    if EP * score_bytes > 512:
+    tile at most 2 KiB of logits (EP: the experts rounded up to a power of two), so that each
+    of its 4 warps holds whole rows (a warp's 16-byte loads cover 512 bytes); one token (and
+    warp) where a row is wider than that (512+ experts in bf16, 256+ in float32), whose row
+    reductions would otherwise cross warps. Measured on an H200 and an H100 (sessions 74-76):
+    the top-k is a chain of row reductions, so many small programs beat few wide ones
+    (deepseek-v3 at T = 16: 5.9 us with 4 tokens a program, 23 with 16), down to that tile
+    (qwen3 at T = 16384, H100: 18.4 us with 8, 22.5 with 4); kimi-k2's 384 experts route
+    1.04-1.07x faster one token a program than two; on float32 logits, deepseek-v3 1.4x faster
+    one token a program than four, qwen3 and gpt-oss 1.3-1.4x (T = 16) four than eight."""
+    row = EP * score_bytes
+    if row > 512:
         return 1
-    return max(1, min(next_pow2(T), 8, 1024 // EP))
+    return max(1, min(next_pow2(T), 8, 2048 // row))
+
+
+def count_mode(T: int, EP: int, K: int, block_t: int) -> int:
+    """The routing kernel's EPLB counting for T tokens of K routed pairs over EP experts (a
+    power of two), block_t tokens a program: 2 (one add per expert a program picked) for at
+    most 128 experts where a program takes one token (its K adds in one) or where the counters
+    contend (256+ pairs each on average); else 1 (an atomic add per pair, in the top-k loop:
+    no [tokens, EP] sum across warps). On the H100 (session 76), qwen3 / gpt-oss at T = 4 ...
+    1024 count 0.2-0.9 us faster per pair; mixtral at T = 4096 1.6x and gpt-oss at T = 16384
+    1.13x faster per expert."""
+    if EP > 128:
+        return 1
+    return 2 if block_t == 1 or T * K >= 256 * EP else 1
 
 
 def route(
