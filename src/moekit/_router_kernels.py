@@ -117,11 +117,12 @@ def _route_kernel(
         w = tl.where(kcols[None, :] == k, wk[:, None], w)
         ids = tl.where(kcols[None, :] == k, best[:, None].to(tl.int32), ids)
         choice = tl.where(hit, float("-inf"), choice)
-        if COUNT == 1:
-            one = tl.full([BLOCK_T], 1, tl.int64)
-            tl.atomic_add(counts_ptr + best, one, mask=row_ok, sem="relaxed")
         if COUNT == 2:
             taken = taken | hit
+    kmask = row_ok[:, None] & (kcols < K)[None, :]
+    if COUNT == 1:  # the block's pairs in one add: no layout change per pick
+        one = tl.full([BLOCK_T, KP], 1, tl.int64)
+        tl.atomic_add(counts_ptr + ids, one, mask=kmask, sem="relaxed")
     if COUNT == 2:
         # one add per expert the block's tokens picked, not one per pair
         per_expert = tl.sum((taken & row_ok[:, None]).to(tl.int64), axis=0)
@@ -131,7 +132,6 @@ def _route_kernel(
     w = w * scale
     width_out = K + S
     out = rows[:, None] * width_out + kcols[None, :]
-    kmask = row_ok[:, None] & (kcols < K)[None, :]
     tl.store(weights_ptr + out, w, mask=kmask)
     tl.store(ids_ptr + out, ids, mask=kmask)
     if S > 0:

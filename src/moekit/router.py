@@ -263,8 +263,9 @@ class RouteKernelConfig:
     (G > 1) scores the groups from a [tokens, G, E / G] view of the row, three reductions in
     all, instead of three per group over the whole row, where E and G are powers of two
     (deepseek-v3: 1.3-1.8x at every T). count: how the EPLB load is added (with counts): 1 an
-    atomic add per pair, in the top-k loop; 2 one add per expert a program picked (fewer adds
-    where a program's pairs share experts: mixtral, qwen3); 0: `count_mode`'s choice."""
+    atomic add per pair (a program's pairs in one vector add after its top-k); 2 one add per
+    expert a program picked (fewer adds where a program's pairs share experts: mixtral, qwen3);
+    0: `count_mode`'s choice."""
 
     num_warps: int = 0
     group_tile: bool = True
@@ -331,8 +332,8 @@ def count_mode(T: int, EP: int, K: int, block_t: int) -> int:
     """The routing kernel's EPLB counting for T tokens of K routed pairs over EP experts (a
     power of two), block_t tokens a program: 2 (one add per expert a program picked) for at
     most 128 experts where a program takes one token (its K adds in one) or where the counters
-    contend (256+ pairs each on average); else 1 (an atomic add per pair, in the top-k loop:
-    no [tokens, EP] sum across warps). On the H100 (session 76), qwen3 / gpt-oss at T = 4 ...
+    contend (256+ pairs each on average); else 1 (an atomic add per pair: no [tokens, EP] sum
+    across warps). On the H100 (session 76), qwen3 / gpt-oss at T = 4 ...
     1024 count 0.2-0.9 us faster per pair; mixtral at T = 4096 1.6x and gpt-oss at T = 16384
     1.13x faster per expert."""
     if EP > 128:
