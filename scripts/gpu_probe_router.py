@@ -28,9 +28,10 @@ same, in turns with the default.
 
 `--count-variants "count=1;count=2"` (with --record): the counting kernel changed so, as --variants.
 `--logits-dtype float32`: the kernel timings route float32 logits (default bfloat16; with 16-byte
-loads a warp then covers 128 scores of a row, not 256, so deepseek-v3's rows span two warps).
+loads a warp then covers 128 scores of a row, not 256).
 
-Writes $OUT/router.json (router_float32.json for float32 logits). Runs on the CPU too
+Writes $OUT/router.json (router_float32.json for float32 logits; `--out-name NAME` another
+name). Runs on the CPU too
 (interpreter; a smoke test, no timing worth reading).
 """
 
@@ -124,7 +125,8 @@ def main() -> None:
                                   record="--record" in sys.argv, gdc="--gdc" in sys.argv,
                                   variants=variants)
     dtype_name = str(logits_dtype).removeprefix("torch.")
-    name = "router.json" if logits_dtype == torch.bfloat16 else f"router_{dtype_name}.json"
+    name = option("--out-name", "router.json" if logits_dtype == torch.bfloat16
+                  else f"router_{dtype_name}.json")  # fmt: skip
     write_probe(name, {"logits_dtype": str(logits_dtype), "rows": rows, "layers": layer_rows})
 
 

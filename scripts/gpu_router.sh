@@ -1,18 +1,20 @@
 #!/bin/bash
-# The fused routing on a GPU (sessions 72-75): its GPU tests and those of the layers that now
+# The fused routing on a GPU (sessions 72-76): its GPU tests and those of the layers that now
 # route with it by default (and of the PDL chain it heads: the EP local ids, the runner's decode
 # kernels), then the routing and the layer timed with either routing (eager, and compiled:
 # moekit::route against Inductor's code for the PyTorch ops), the kernel with other tokens a
 # program (--tiles) and other launch choices (--variants: router.RouteKernelConfig), the layer
-# without the routing's PDL trigger (--gdc). One device call (about 7 min); results under $OUT.
-#   ROUTER_STEPS="tests probe" bash scripts/gpu_router.sh
+# without the routing's PDL trigger (--gdc). Results under $OUT. All steps take about 10 min on
+# an H100, more than one device call may run, so split them (tests about 3 min, probe 2-3,
+# probe32 and counts 1-2 each):
+#   ROUTER_STEPS="tests probe32 counts" bash scripts/gpu_router.sh; ROUTER_STEPS=probe ...
 #   steps: tests (fused router on CUDA; GPU tests: router, compile, layer, eplb, local ids, the
 #          runner's PDL), probe (scripts/gpu_probe_router.py), probe32 (the kernel on float32
-#          logits)
+#          logits, by tile), counts (the EPLB count modes by batch size)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
 export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-for step in ${ROUTER_STEPS:-tests probe probe32}; do
+for step in ${ROUTER_STEPS:-tests probe probe32 counts}; do
   case $step in
     tests) # all of test_router_fused on CUDA (its unmarked tests too), then the GPU tests
            timeout 90 python3 -m pytest -q -n 2 -p no:benchmark tests/test_router_fused.py \
@@ -26,11 +28,14 @@ for step in ${ROUTER_STEPS:-tests probe probe32}; do
              --variants "group_tile=0,num_warps=4;num_warps=4;num_warps=1;tokens=2,num_warps=4" \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
              --count-variants "count=1;count=2" --compiled --record --gdc 2>&1 | grep -v INFO ;;
-    probe32) # the kernel alone on float32 logits (rows of 256+ scores span warps there)
+    probe32) # the kernel alone on float32 logits (a warp's loads cover 128 scores there)
            timeout "${ROUTER_PROBE32_TIMEOUT:-90}" python3 scripts/gpu_probe_router.py \
-             --batches 1,16,4096 --models deepseek-v3,kimi-k2,qwen3-30b-a3b \
-             --logits-dtype float32 --tiles 1,2 \
-             --variants "group_tile=0,num_warps=4;num_warps=4;num_warps=1;tokens=2,num_warps=4" \
-             2>&1 | grep -v INFO ;;
+             --batches 1,16,1024,4096,16384 --models deepseek-v3,qwen3-30b-a3b,gpt-oss-120b \
+             --logits-dtype float32 --tiles 1,2,4,8 2>&1 | grep -v INFO ;;
+    counts) # the EPLB count modes at every batch size (count_mode's choice against each)
+           timeout "${ROUTER_COUNTS_TIMEOUT:-150}" python3 scripts/gpu_probe_router.py \
+             --batches 1,4,16,64,256,1024,4096,16384 --record \
+             --count-variants "count=1;count=2" --out-name router_counts.json 2>&1 \
+             | grep -v INFO ;;
   esac
 done
