@@ -74,8 +74,10 @@ from moekit.dispatch.slots import SlotMap
 from moekit.placement import ExpertPlacement
 router.pdl_capable = dispatch_kernels.pdl_capable = lambda device: True  # as on sm_90
 seen.now = "route"
+router.ROUTE_KERNEL = router.RouteKernelConfig(count=1)  # an add per pair
 router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
                      None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
+router.ROUTE_KERNEL = router.RouteKernelConfig()
 seen.now = "route_uncounted"
 router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
                      None, 1.0, 0)
@@ -84,7 +86,6 @@ table, copies = SlotMap(ExpertPlacement(torch.arange(8), ep_size=2), 8)._on(torc
 ids = torch.zeros(16, 2, dtype=torch.int32)
 dispatch_kernels.launch_local_ids(ids, table, copies, False, torch.empty_like(ids), 4, 4)
 seen.now = "grouped_one_warp"  # deepseek-v3's routing of one token, by the defaults
-router.ROUTE_KERNEL = router.RouteKernelConfig()
 router._select_fused(torch.empty(1, 256, dtype=torch.bfloat16), 8, "sigmoid", True, 8, 4,
                      torch.empty(256), 2.5, 0)
 print(json.dumps({call: seen.kernels[keys[0]].asm["ptx"] for call, keys in seen.calls.items()}))
@@ -92,13 +93,13 @@ print(json.dumps({call: seen.kernels[keys[0]].asm["ptx"] for call, keys in seen.
 
 
 def test_routing_and_local_ids_build_for_sm90():
-    """The routing kernel (counting, 8 tokens a program) lets the next kernel start before it
-    reads anything and adds its counts without a returned value (`red`), all of a program's
-    pairs at once (at most one more layout change, two barriers, than not counting; one per
-    pick added 16); the EP local-ids
-    kernel lets the next start, then waits for the routing's writes before its first load.
-    By the defaults (one warp for one token, the grouped view), one token's grouped routing
-    builds with no barrier: every row reduction stays inside the warp."""
+    """The routing kernel (counting an add per pair, 8 tokens a program) lets the next kernel
+    start before it reads anything and adds its counts without a returned value (`red`), a
+    program's pairs at once: at most one more layout change (two barriers) than not counting,
+    where adding them a pick at a time took 16 more. The EP local-ids kernel lets the next
+    start, then waits for the routing's writes before its first load. By the defaults (one
+    warp for one token, the grouped view), one token's grouped routing builds with no barrier:
+    every row reduction stays inside the warp."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _CHAIN, str(ROOT / "scripts")], env=env,
