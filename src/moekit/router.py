@@ -320,8 +320,9 @@ def tokens_per_program(T: int, EP: int, score_bytes: int = 2) -> int:
     the top-k is a chain of row reductions, so many small programs beat few wide ones
     (deepseek-v3 at T = 16: 5.9 us with 4 tokens a program, 23 with 16), down to that tile
     (qwen3 at T = 16384, H100: 18.4 us with 8, 22.5 with 4); kimi-k2's 384 experts route
-    1.04-1.07x faster one token a program than two; on float32 logits, deepseek-v3 1.4x faster
-    one token a program than four, qwen3 and gpt-oss 1.3-1.4x (T = 16) four than eight."""
+    1.04-1.07x faster one token a program than two; on float32 logits, deepseek-v3 1.3-1.8x
+    faster one token a program than four, qwen3 and gpt-oss 1.3-1.4x (T = 16) four than
+    eight."""
     row = EP * score_bytes
     if row > 512:
         return 1
