@@ -315,6 +315,27 @@ def test_explain_routing():
     assert "auto takes the kernel for CUDA logits only" in explain_routing("auto", cpu, 8)
     no_triton = Platform("cuda", "H100", (9, 0), 1, libraries={"triton": None})
     assert "the fused kernel needs Triton" in explain_routing("auto", no_triton, 8)
+    # with the batch size: how the kernel runs it (deepseek-v3 at T = 16, qwen3 at T = 1)
+    assert explain_routing("auto", gpu, 256, 16, 8).endswith(
+        "; at T = 16: bf16 logits 4 tokens a program, 4 warps, a recorded load counted per "
+        "pair; float32 logits 1 token a program, 1 warp, a recorded load counted per pair")
+    assert explain_routing("auto", gpu, 128, 1, 8).endswith(
+        "float32 logits 1 token a program, 1 warp, a recorded load counted per expert a program")
+    assert "at T =" not in explain_routing("off", gpu, 128, 1, 8)
+
+
+def test_route_launch_is_what_the_kernel_runs(monkeypatch):
+    """The launch the explanation describes is the rules' (and a set ROUTE_KERNEL's)."""
+    from moekit._triton_host import next_pow2
+    from moekit.router import count_mode, route_launch, tokens_per_program
+
+    for T, E, K, b in ((1, 128, 8, 2), (16, 256, 8, 2), (4096, 128, 8, 4), (300, 8, 2, 2)):
+        got = route_launch(T, E, K, b)
+        n = tokens_per_program(T, next_pow2(E), b)
+        assert got.tokens_per_program == n and got.num_warps == (1 if n == 1 else 4)
+        assert got.count == count_mode(T, next_pow2(E), K, n)
+    _set_route_kernel(monkeypatch, num_warps=2, count=2)
+    assert route_launch(16, 256, 8, 2).num_warps == 2 and route_launch(16, 256, 8, 2).count == 2
 
 
 def test_explain_routing_on_the_cpu(monkeypatch):

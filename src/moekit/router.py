@@ -212,9 +212,11 @@ def _fused_problem(device: str, dtype: torch.dtype, num_experts: int,
     return None
 
 
-def explain_routing(mode: str, platform: hardware.Platform, num_experts: int) -> str:
+def explain_routing(mode: str, platform: hardware.Platform, num_experts: int,
+                    num_tokens: int | None = None, top_k: int = 1) -> str:
     """Which routing a layer built under `mode` (one of FUSED_MODES) takes for float logits of
-    `num_experts` experts on `platform`'s device, and why (`moekit env --explain`)."""
+    `num_experts` experts on `platform`'s device, and why (`moekit env --explain`); with
+    num_tokens, also how the kernel runs them (bf16 and float32 logits, top_k picked)."""
     name = envs.MOEKIT_FUSED_ROUTER.name
     if mode == "off":
         return f"PyTorch ops (select_experts): {name}=0"
@@ -224,8 +226,12 @@ def explain_routing(mode: str, platform: hardware.Platform, num_experts: int) ->
                              lambda: platform.has("triton"))  # fmt: skip
     if problem:
         return f"PyTorch ops (select_experts): the fused kernel {problem}"
-    return (f"one Triton kernel (select_experts_fused; {name}={mode}; under torch.compile the "
+    said = (f"one Triton kernel (select_experts_fused; {name}={mode}; under torch.compile the "
             f"op moekit::route); the PyTorch ops with a custom routing function")
+    if not num_tokens:
+        return said
+    bf16, fp32 = (route_launch(num_tokens, num_experts, top_k, b).describe() for b in (2, 4))
+    return f"{said}; at T = {num_tokens}: bf16 logits {bf16}; float32 logits {fp32}"
 
 
 def select_experts_fused(
@@ -292,8 +298,8 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     bias = None if correction_bias_E is None else correction_bias_E.float().contiguous()
     groups = num_expert_group if num_expert_group and num_expert_group > 1 else 1
     EP = next_pow2(E)
-    block_t = tokens_per_program(T, EP, logits.element_size())
-    cfg = ROUTE_KERNEL
+    launch = route_launch(T, E, top_k, logits.element_size())
+    block_t = launch.tokens_per_program
     k._route_kernel[(cdiv(T, block_t),)](
         logits, logits if bias is None else bias, weights, ids,
         weights if counts is None else counts, T, E, logits.stride(0),
@@ -302,13 +308,39 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize), G=groups,
         TOPK_GROUP=topk_group if groups > 1 else 1,
         TOP2=bias is not None and E // groups >= 2,
-        COUNT=0 if counts is None else (cfg.count or count_mode(T, EP, top_k, block_t)),
-        GROUP_TILE=cfg.group_tile and groups > 1 and E == EP,  # G divides E: a power of two
+        COUNT=0 if counts is None else launch.count,
+        GROUP_TILE=ROUTE_KERNEL.group_tile and groups > 1 and E == EP,  # G divides E: a power of 2
         GDC_LAUNCH=pdl_capable(logits.device), BLOCK_T=block_t, EP=EP,
         KP=next_pow2(top_k), SP=next_pow2(max(num_shared, 1)), GP=next_pow2(groups),
-        num_warps=cfg.num_warps or (1 if block_t == 1 else 4),
+        num_warps=launch.num_warps,
     )  # fmt: skip
     return TopKOutput(weights, ids)
+
+
+@dataclass(frozen=True)
+class RouteLaunch:
+    """How the routing kernel runs T tokens: tokens and warps a program, and the EPLB count
+    mode where it counts (1 an add per pair, 2 per expert a program)."""
+
+    tokens_per_program: int
+    num_warps: int
+    count: int
+
+    def describe(self) -> str:
+        n = self.tokens_per_program
+        return (f"{n} token{'s' if n > 1 else ''} a program, {self.num_warps} "
+                f"warp{'s' if self.num_warps > 1 else ''}, a recorded load counted "
+                f"{'per pair' if self.count == 1 else 'per expert a program'}")
+
+
+def route_launch(T: int, E: int, K: int, score_bytes: int) -> RouteLaunch:
+    """The routing kernel's launch for T tokens of E experts' logits (score_bytes each), K
+    picked: `ROUTE_KERNEL`'s choices, else the measured rules below."""
+    EP = next_pow2(E)
+    block_t = tokens_per_program(T, EP, score_bytes)
+    cfg = ROUTE_KERNEL
+    return RouteLaunch(block_t, cfg.num_warps or (1 if block_t == 1 else 4),
+                       cfg.count or count_mode(T, EP, K, block_t))
 
 
 def tokens_per_program(T: int, EP: int, score_bytes: int = 2) -> int:

@@ -154,7 +154,7 @@ def explain_workload(args, plat: hardware.Platform, parallel: ParallelConfig) ->
         "requested": args.moe_runner_backend,
         "decision": decision,
         "routing": explain_routing(fused_mode(envs.MOEKIT_FUSED_ROUTER.get()), plat,
-                                   cfg.num_experts),
+                                   cfg.num_experts, work.num_tokens, cfg.top_k),
         "backends": [{"name": n, "status": s} for n, s in explain(work, config, plat)],
     }
 
