@@ -31,14 +31,15 @@ same, in turns with the default.
 loads a warp then covers 128 scores of a row, not 256).
 
 Writes $OUT/router.json (router_float32.json for float32 logits; `--out-name NAME` another
-name). Runs on the CPU too
-(interpreter; a smoke test, no timing worth reading).
+name). Runs on the CPU too (interpreter; a smoke test, no timing worth reading).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -134,14 +135,10 @@ def _patched(fn, *changes):
     """fn() with each (object, attribute, value) of `changes` set while it runs."""
 
     def run():
-        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in changes]
-        for obj, attr, value in changes:
-            setattr(obj, attr, value)
-        try:
+        with contextlib.ExitStack() as stack:
+            for obj, attr, value in changes:
+                stack.enter_context(mock.patch.object(obj, attr, value))
             return fn()
-        finally:
-            for obj, attr, value in saved:
-                setattr(obj, attr, value)
 
     return run
 

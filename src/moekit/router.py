@@ -317,10 +317,10 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
     return TopKOutput(weights, ids)
 
 
-@dataclass(frozen=True)
-class RouteLaunch:
+class RouteLaunch(NamedTuple):
     """How the routing kernel runs T tokens: tokens and warps a program, and the EPLB count
-    mode where it counts (1 an add per pair, 2 per expert a program)."""
+    mode where it counts (1 an add per pair, 2 per expert a program). A tuple: made on every
+    routing call, at half a frozen dataclass's host cost."""
 
     tokens_per_program: int
     num_warps: int

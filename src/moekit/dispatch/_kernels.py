@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit._triton_host import pdl_capable
+from moekit._triton_host import cdiv, next_pow2, pdl_capable
 
 
 @triton.jit
@@ -69,8 +69,8 @@ def _dequant_scatter_kernel(
 def launch_dequant_scatter(src_u8, scale_f32, dest, out, group):
     N, K = dest.shape
     H = out.shape[1]
-    block = max(group, min(2048, triton.next_power_of_2(max(H, 1))))
-    grid = (N, triton.cdiv(H, block))
+    block = max(group, min(2048, next_pow2(max(H, 1))))
+    grid = (N, cdiv(H, block))
     _dequant_scatter_kernel[grid](
         src_u8, scale_f32, dest, out, out.shape[0], H, src_u8.stride(0), scale_f32.stride(0),
         out.stride(0), K=K, GROUP=group, BLOCK_H=block, num_warps=4,
@@ -78,14 +78,14 @@ def launch_dequant_scatter(src_u8, scale_f32, dest, out, group):
 
 
 def _block(H: int) -> int:
-    return max(16, min(1024, triton.next_power_of_2(max(H, 1))))
+    return max(16, min(1024, next_pow2(max(H, 1))))
 
 
 def launch_gather_reduce(src, rows, weights, out):
     N, K = rows.shape
     H = src.shape[1]
     block = _block(H)
-    grid = (N, triton.cdiv(H, block))
+    grid = (N, cdiv(H, block))
     _gather_reduce_kernel[grid](
         src, rows, weights if weights is not None else rows, out, src.shape[0], H,
         src.stride(0), out.stride(0), K=K, HAS_W=weights is not None, BLOCK_H=block,
@@ -97,7 +97,7 @@ def launch_scatter_rows(src, dest, out):
     N, K = dest.shape
     H = src.shape[1]
     block = _block(H)
-    grid = (N, triton.cdiv(H, block))
+    grid = (N, cdiv(H, block))
     _scatter_rows_kernel[grid](
         src, dest, out, out.shape[0], H, src.stride(0), out.stride(0), K=K, BLOCK_H=block,
         num_warps=4,
@@ -139,10 +139,10 @@ def _local_ids_kernel(ids_ptr, table_ptr, copies_ptr, out_ptr, T, L, W, start, E
 
 def launch_local_ids(ids, table, copies, spread, out, start, E):
     T, K = ids.shape
-    BK = max(2, triton.next_power_of_2(K))
+    BK = max(2, next_pow2(K))
     BT = max(1, 1024 // BK)
     pdl = pdl_capable(ids.device)  # chained between the routing and the runner's kernels
-    _local_ids_kernel[(triton.cdiv(T, BT),)](
+    _local_ids_kernel[(cdiv(T, BT),)](
         ids, table, copies, out, T, table.shape[0] - 1, table.shape[1], start, E,
         K=K, BT=BT, BK=BK, SPREAD=spread, PDL=pdl, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
@@ -212,8 +212,8 @@ def _ll_recv_plan_kernel(
 def launch_ll_send_plan(ids, weights, table, copies, spread, rows, send_ids, send_w, E, C, R):
     T, K = ids.shape
     L, W = table.shape[0] - 1, table.shape[1]
-    BT = max(16, triton.next_power_of_2(C))
-    BK = max(2, triton.next_power_of_2(K))
+    BT = max(16, next_pow2(C))
+    BK = max(2, next_pow2(K))
     _ll_send_plan_kernel[(R,)](
         ids, weights, table, copies, rows, send_ids, send_w, T, L, W, E, C, R,
         send_ids.stride(0), K=K, BT=BT, BK=BK, SPREAD=spread, num_warps=4,
@@ -352,9 +352,9 @@ def launch_normal_plan(ids, table, copies, spread, slot, local, bcount, base, co
     T, K = ids.shape
     L, W = table.shape[0] - 1, table.shape[1]
     NB = bcount.shape[0]
-    RP = max(2, triton.next_power_of_2(R))
-    BK = max(2, triton.next_power_of_2(K))
-    NBP = max(2, triton.next_power_of_2(NB))  # the layout's block size keeps NBP * RP small
+    RP = max(2, next_pow2(R))
+    BK = max(2, next_pow2(K))
+    NBP = max(2, next_pow2(NB))  # the layout's block size keeps NBP * RP small
     _normal_plan_kernel[(NB,)](
         ids, table, copies, slot, local, bcount, base, counts, ticket,
         args if args is not None else ticket, T, L, W, E, NB, blocks_per_chunk, num_chunks,
@@ -377,13 +377,13 @@ def launch_pack_rows(src_words, slot, weights, local, base, rows, out_words, met
     if dst is not None and (out_words.dtype != torch.int32 or src_words.dtype != torch.int32
                             or meta_words + 2 * K > out_words.shape[1]):
         raise ValueError("pack_rows REMOTE: int32 payload and rows with room for the metadata")
-    bw = max(16, min(2048, triton.next_power_of_2(max(NW, 1))))
-    grid = (t1 - t0, triton.cdiv(max(NW, 1), bw))
+    bw = max(16, min(2048, next_pow2(max(NW, 1))))
+    grid = (t1 - t0, cdiv(max(NW, 1), bw))
     _pack_rows_kernel[grid](
         src_words, slot, weights, local, base, rows, out_words, meta,
         args if args is not None else rows, dst if dst is not None else rows, t0, NW, E,
         src_words.stride(0), out_words.stride(0), meta.stride(0), meta_words, R=R, K=K,
-        BK=max(2, triton.next_power_of_2(K)), BT=block, BLOCK=bw, INDIRECT=args is not None,
+        BK=max(2, next_pow2(K)), BT=block, BLOCK=bw, INDIRECT=args is not None,
         REMOTE=dst is not None, num_warps=4,
     )
 
@@ -464,8 +464,8 @@ def launch_p2p_offsets(hdr_ptrs, recv_ptrs, back_ptrs, counts, dst, ret, bounds,
     R, NC = counts.shape[1], counts.shape[2]
     _p2p_offsets_kernel[(1,)](
         hdr_ptrs, recv_ptrs, back_ptrs, counts, dst, ret, bounds, me, cap_rows, row_bytes,
-        back_row_bytes, R=R, RP=max(2, triton.next_power_of_2(R)), NC=NC,
-        NCP=max(2, triton.next_power_of_2(NC)), num_warps=1,
+        back_row_bytes, R=R, RP=max(2, next_pow2(R)), NC=NC,
+        NCP=max(2, next_pow2(NC)), num_warps=1,
     )
 
 
@@ -481,9 +481,9 @@ def launch_push_back(src, ret, bounds, back, max_rows):
     if (src.dtype == back.dtype and nbytes % 4 == 0 and (src.stride(0) * src.element_size()) % 4
             == 0 and src.data_ptr() % 4 == 0):
         src, back, H = src.view(torch.int32), back.view(torch.int32), nbytes // 4
-        bh = max(16, min(2048, triton.next_power_of_2(H)))
+        bh = max(16, min(2048, next_pow2(H)))
     else:
         bh = _block(H)
-    R, nh = ret.shape[0], triton.cdiv(H, bh)
+    R, nh = ret.shape[0], cdiv(H, bh)
     _push_back_kernel[(R * nh * max_rows,)](src, ret, bounds, back, H, src.stride(0), nh, R=R,
                                             BLOCK_H=bh, num_warps=4)
