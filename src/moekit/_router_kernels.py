@@ -125,7 +125,7 @@ def _route_kernel(
         tl.atomic_add(counts_ptr + ids, one, mask=kmask, sem="relaxed")
     if COUNT == 2:
         # one add per expert the block's tokens picked, not one per pair
-        per_expert = tl.sum((taken & row_ok[:, None]).to(tl.int64), axis=0)
+        per_expert = tl.sum((taken & row_ok[:, None]).to(tl.int32), axis=0).to(tl.int64)
         tl.atomic_add(counts_ptr + cols, per_expert, mask=(per_expert > 0) & col_ok, sem="relaxed")
     if RENORM:
         w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
@@ -142,6 +142,6 @@ def _route_kernel(
         tl.store(ids_ptr + sout, shared, mask=smask)
         tl.store(weights_ptr + sout, tl.full([BLOCK_T, SP], 1.0, tl.float32), mask=smask)
         if COUNT > 0:
-            rows_here = tl.sum(row_ok.to(tl.int64), axis=0)
+            rows_here = tl.sum(row_ok.to(tl.int32), axis=0).to(tl.int64)
             tl.atomic_add(counts_ptr + E + scols, tl.zeros([SP], tl.int64) + rows_here,
                           mask=scols < S, sem="relaxed")  # fmt: skip
