@@ -225,13 +225,13 @@ def test_tokens_per_program_keeps_programs_narrow():
 
 def test_count_mode_adds_per_expert_only_where_it_pays():
     """Per pair for wide rows and for small batches of several tokens a program; per expert for
-    one-token programs of at most 128 experts and where counters contend (256+ pairs each)."""
+    one-token programs of at most 128 experts and where counters contend (64+ pairs each)."""
     from moekit.router import count_mode
 
     assert count_mode(16384, 256, 8, 4) == 1 and count_mode(1, 512, 8, 1) == 1
     assert count_mode(1, 128, 8, 1) == 2 and count_mode(256, 128, 8, 8) == 1
-    assert count_mode(4096, 128, 8, 8) == 2 and count_mode(4096, 128, 4, 8) == 1
-    assert count_mode(1024, 8, 2, 8) == 2 and count_mode(256, 8, 2, 8) == 1
+    assert count_mode(1024, 128, 8, 8) == 2 and count_mode(1024, 128, 4, 8) == 1
+    assert count_mode(256, 8, 2, 8) == 2 and count_mode(64, 8, 2, 8) == 1
 
 
 def test_count_experts_skips_masked_and_foreign_ids():

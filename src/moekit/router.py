@@ -364,14 +364,15 @@ def tokens_per_program(T: int, EP: int, score_bytes: int = 2) -> int:
 def count_mode(T: int, EP: int, K: int, block_t: int) -> int:
     """The routing kernel's EPLB counting for T tokens of K routed pairs over EP experts (a
     power of two), block_t tokens a program: for at most 128 experts, 2 (one add per expert a
-    program picked) where a program takes one token or where the counters contend (256+ pairs
+    program picked) where a program takes one token or where the counters contend (64+ pairs
     each on average), else 1 (an add per pair: no [tokens, EP] sum across warps); 1 for wider
-    rows. On the H100 (session 76, against adds per pick), qwen3 / gpt-oss at T = 4 ... 1024
-    counted 0.2-0.9 us faster per pair; per expert, mixtral at T = 4096 1.6x faster, gpt-oss at
-    T = 16384 1.13x, and qwen3 / gpt-oss at T = 1 0.1-0.35 us."""
+    rows. On the H100 (session 77, the per-expert sum in int32), qwen3 at T = 16 ... 256
+    counted 0.3-0.5 us faster per pair (gpt-oss within 0.2 us either way); per expert, qwen3
+    at T = 1024 0.4 us faster, at T = 4096 / 16384 1.36x / 1.61x, mixtral 1.2x / 2.2x and
+    gpt-oss 1.03x / 1.11x."""
     if EP > 128:
         return 1
-    return 2 if block_t == 1 or T * K >= 256 * EP else 1
+    return 2 if block_t == 1 or T * K >= 64 * EP else 1
 
 
 def route(
