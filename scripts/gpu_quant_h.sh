@@ -6,7 +6,9 @@
 #          abT (A/B at T = 256-4096), wide (decode tables' gate_up made 128 wide, so that it
 #          quantizes h; wideT the same at T = 256-4096), more (the fp8 / triton runner GPU tests)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
-export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+# pass MOEKIT_GIT_COMMIT: the device copy's .git can name an older commit ("-dirty": the tree
+# differs from the commit named)
+export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git describe --always --dirty 2>/dev/null)}
 FP8_JOBS="qwen3-30b-a3b 1 1 fp8_w8a8;deepseek-v3 8 8 fp8_w8a8;gpt-oss-120b 1 1 fp8_w8a8;mixtral-8x7b 2 1 fp8_w8a8"
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv,noheader
 for step in ${QH_STEPS:-tests ab ratio}; do

@@ -12,7 +12,9 @@
 #          runner's PDL), probe (scripts/gpu_probe_router.py), probe32 (the kernel on float32
 #          logits, by tile), counts (the EPLB count modes by batch size)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
-export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+# pass MOEKIT_GIT_COMMIT: the device copy's .git can name an older commit ("-dirty": the tree
+# differs from the commit named)
+export MOEKIT_GIT_COMMIT=${MOEKIT_GIT_COMMIT:-$(git describe --always --dirty 2>/dev/null)}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 for step in ${ROUTER_STEPS:-tests probe probe32 counts}; do
   case $step in
