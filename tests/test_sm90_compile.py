@@ -101,8 +101,8 @@ def test_routing_and_local_ids_build_for_sm90():
     start before it reads anything and adds its counts without a returned value (`red`), a
     program's pairs at once: at most one more layout change (two barriers) than not counting,
     where adding them a pick at a time took 16 more; counting per expert sums the program's
-    picks in int32 (10 more barriers; an int64 sum took 20). The EP local-ids kernel lets the next
-    start, then waits for the routing's writes before its first load. By the defaults (one
+    picks in int32 (10 more barriers; an int64 sum took 20). The EP local-ids kernel lets the
+    next start, then waits for the routing's writes before its first load. By the defaults (one
     warp for one token, the grouped view), one token's grouped routing builds with no barrier:
     every row reduction stays inside the warp."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
