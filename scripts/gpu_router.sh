@@ -10,7 +10,8 @@
 #   ROUTER_STEPS="tests probe32 counts" bash scripts/gpu_router.sh; ROUTER_STEPS=probe ...
 #   steps: tests (fused router on CUDA; GPU tests: router, compile, layer, eplb, local ids, the
 #          runner's PDL), probe (scripts/gpu_probe_router.py), probe32 (the kernel on float32
-#          logits, by tile), counts (the EPLB count modes by batch size)
+#          logits, by tile), counts (the EPLB count modes by batch size: per pair, per expert by
+#          a sum, by a histogram)
 export PYTHONPATH=src:tests OUT=${OUT:-.}
 # pass MOEKIT_GIT_COMMIT: the device copy's .git can name an older commit ("-dirty": the tree
 # differs from the commit named)
@@ -29,7 +30,7 @@ for step in ${ROUTER_STEPS:-tests probe probe32 counts}; do
              --batches 1,16,256,4096,16384 --tiles 4,8,16 \
              --variants "group_tile=0,num_warps=4;num_warps=4;num_warps=1;tokens=2,num_warps=4" \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
-             --count-variants "count=1;count=2" --compiled --record --gdc 2>&1 | grep -v INFO ;;
+             --count-variants "count=1;count=2;count=3" --compiled --record --gdc 2>&1 | grep -v INFO ;;
     probe32) # the kernel alone on float32 logits (a warp's loads cover 128 scores there)
            timeout "${ROUTER_PROBE32_TIMEOUT:-90}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,1024,4096,16384 --models deepseek-v3,qwen3-30b-a3b,gpt-oss-120b \
@@ -37,7 +38,7 @@ for step in ${ROUTER_STEPS:-tests probe probe32 counts}; do
     counts) # the EPLB count modes at every batch size (count_mode's choice against each)
            timeout "${ROUTER_COUNTS_TIMEOUT:-150}" python3 scripts/gpu_probe_router.py \
              --batches 1,4,16,64,256,1024,4096,16384 --record \
-             --count-variants "count=1;count=2" --out-name router_counts.json 2>&1 \
+             --count-variants "count=1;count=2;count=3" --out-name router_counts.json 2>&1 \
              | grep -v INFO ;;
   esac
 done

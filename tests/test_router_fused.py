@@ -184,12 +184,13 @@ def _config(case) -> MoEConfig:
 @pytest.mark.parametrize("case", PRESET_CASES, ids=["qwen3", "mixtral", "deepseek", "kimi",
                                                     "gptoss", "shared2"])  # fmt: skip
 @pytest.mark.parametrize("T", [0, 1, 37, 300])
-@pytest.mark.parametrize("count", [0, 1, 2])
+@pytest.mark.parametrize("count", [0, 1, 2, 3])
 def test_fused_router_counts_what_it_routes(case, T, count, monkeypatch):
     """The kernel adds its routed pairs per expert (the shared experts' too) to the load counts
     (several programs at T = 37 / 300 for the wider rows), on top of what they held: what
     count_experts (the twin) adds for the kernel's ids, with an add per pair, per expert a
-    program, or the default's choice; and route's twin path counts its own."""
+    program (a sum over its tokens, or a histogram of its ids), or the default's choice; and
+    route's twin path counts its own."""
     _set_route_kernel(monkeypatch, count=count)
     cfg = _config(case)
     bias = torch.randn(case["E"], device=DEVICE) * 0.1 if case.get("bias") else None
@@ -232,6 +233,18 @@ def test_count_mode_adds_per_expert_only_where_it_pays():
     assert count_mode(1, 128, 8, 1) == 2 and count_mode(256, 128, 8, 8) == 1
     assert count_mode(1024, 128, 8, 8) == 2 and count_mode(1024, 128, 4, 8) == 1
     assert count_mode(256, 8, 2, 8) == 2 and count_mode(64, 8, 2, 8) == 1
+
+
+def test_route_kernel_config_names_what_it_allows():
+    """A count mode or warp count the kernel has no launch for fails where it is set, naming
+    the field and the values it takes."""
+    from moekit.router import RouteKernelConfig
+
+    with pytest.raises(ValueError, match=r"count must be 0 .* got 4"):
+        RouteKernelConfig(count=4)
+    with pytest.raises(ValueError, match=r"num_warps must be 0 .* got 3"):
+        RouteKernelConfig(num_warps=3)
+    assert RouteKernelConfig(count=3, num_warps=1).count == 3
 
 
 def test_count_experts_skips_masked_and_foreign_ids():

@@ -81,6 +81,10 @@ seen.now = "route_per_expert"
 router.ROUTE_KERNEL = router.RouteKernelConfig(count=2)  # an add per expert a program
 router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
                      None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
+seen.now = "route_histogram"
+router.ROUTE_KERNEL = router.RouteKernelConfig(count=3)  # the same, by a histogram of the ids
+router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
+                     None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
 router.ROUTE_KERNEL = router.RouteKernelConfig()
 seen.now = "route_uncounted"
 router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
@@ -101,8 +105,9 @@ def test_routing_and_local_ids_build_for_sm90():
     start before it reads anything and adds its counts without a returned value (`red`), a
     program's pairs at once: at most one more layout change (two barriers) than not counting,
     where adding them a pick at a time took 16 more; counting per expert sums the program's
-    picks in int32 (10 more barriers; an int64 sum took 20). The EP local-ids kernel lets the
-    next start, then waits for the routing's writes before its first load. By the defaults (one
+    picks in int32 (10 more barriers; an int64 sum took 20), or counts them with a histogram
+    of the ids (3 more). The EP local-ids kernel lets the next start, then waits for the
+    routing's writes before its first load. By the defaults (one
     warp for one token, the grouped view), one token's grouped routing builds with no barrier:
     every row reduction stays inside the warp."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -116,9 +121,11 @@ def test_routing_and_local_ids_build_for_sm90():
     assert "griddepcontrol.wait" not in route
     assert set(re.findall(r"\b(?:atom|red)\.[\w.]+", route)) == {"red.global.gpu.relaxed.add.u64"}
     bars = {call: len(re.findall(r"\bbar(?:rier)?\.sync", ptx[call]))
-            for call in ("route", "route_per_expert", "route_uncounted", "grouped_one_warp")}
+            for call in ("route", "route_per_expert", "route_histogram", "route_uncounted",
+                         "grouped_one_warp")}  # fmt: skip
     assert bars["route"] <= bars["route_uncounted"] + 2, bars
     assert bars["route_per_expert"] <= bars["route_uncounted"] + 10, bars
+    assert bars["route_histogram"] <= bars["route_uncounted"] + 3, bars
     first_load = local.index("ld.global")
     assert local.index("griddepcontrol.launch_dependents") < local.index("griddepcontrol.wait")
     assert local.index("griddepcontrol.wait") < first_load

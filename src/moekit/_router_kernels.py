@@ -35,7 +35,7 @@ def _route_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP2: tl.constexpr,  # a group's score is the sum of its best two (else its best)
     GROUP_TILE: tl.constexpr,  # group scores from a [BLOCK_T, G, EP // G] view (E == EP)
-    COUNT: tl.constexpr,  # 0: no counting, 1: an atomic add per pair, 2: per expert a program
+    COUNT: tl.constexpr,  # 0: no counting, 1: an add per pair, 2 / 3: per expert a program
     GDC_LAUNCH: tl.constexpr,  # let the next kernel, if a programmatic dependent launch, start
     GP: tl.constexpr,  # G rounded up to a power of two
     BLOCK_T: tl.constexpr,
@@ -127,6 +127,10 @@ def _route_kernel(
         # one add per expert the block's tokens picked, not one per pair
         per_expert = tl.sum((taken & row_ok[:, None]).to(tl.int32), axis=0).to(tl.int64)
         tl.atomic_add(counts_ptr + cols, per_expert, mask=(per_expert > 0) & col_ok, sem="relaxed")
+    if COUNT == 3:  # the same adds, the block's pairs counted by a histogram of their ids
+        per_expert = tl.histogram(tl.reshape(ids, [BLOCK_T * KP]), EP,
+                                  mask=tl.reshape(kmask, [BLOCK_T * KP])).to(tl.int64)
+        tl.atomic_add(counts_ptr + cols, per_expert, mask=per_expert > 0, sem="relaxed")
     if RENORM:
         w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
     w = w * scale

@@ -270,12 +270,22 @@ class RouteKernelConfig:
     all, instead of three per group over the whole row, where E and G are powers of two
     (deepseek-v3: 1.3-1.8x at every T). count: how the EPLB load is added (with counts): 1 an
     atomic add per pair (a program's pairs in one vector add after its top-k); 2 one add per
-    expert a program picked (fewer adds where a program's pairs share experts: mixtral, qwen3);
-    0: `count_mode`'s choice."""
+    expert a program picked (fewer adds where a program's pairs share experts: mixtral, qwen3),
+    its picks summed over the program's tokens; 3 the same adds, counted by a histogram of the
+    program's ids (qwen3's sm_90 build at 8 tokens a program: 6 barriers against mode 2's 13;
+    not yet timed on a GPU, so never chosen by default); 0: `count_mode`'s choice."""
 
     num_warps: int = 0
     group_tile: bool = True
     count: int = 0
+
+    def __post_init__(self):
+        if self.count not in (0, 1, 2, 3):
+            raise ValueError(f"RouteKernelConfig.count must be 0 (count_mode's choice), 1 (per "
+                             f"pair), 2 or 3 (per expert a program), got {self.count!r}")
+        if self.num_warps not in (0, 1, 2, 4, 8):
+            raise ValueError(f"RouteKernelConfig.num_warps must be 0 (the default rule), 1, 2, "
+                             f"4 or 8, got {self.num_warps!r}")
 
 
 ROUTE_KERNEL = RouteKernelConfig()
@@ -319,7 +329,7 @@ def _select_fused(logits_TE, top_k, scoring_func, renormalize, num_expert_group,
 
 class RouteLaunch(NamedTuple):
     """How the routing kernel runs T tokens: tokens and warps a program, and the EPLB count
-    mode where it counts (1 an add per pair, 2 per expert a program). A tuple: made on every
+    mode where it counts (1 an add per pair, 2 / 3 per expert a program). A tuple: made on every
     routing call, at half a frozen dataclass's host cost."""
 
     tokens_per_program: int
@@ -330,7 +340,8 @@ class RouteLaunch(NamedTuple):
         n = self.tokens_per_program
         return (f"{n} token{'s' if n > 1 else ''} a program, {self.num_warps} "
                 f"warp{'s' if self.num_warps > 1 else ''}, a recorded load counted "
-                f"{'per pair' if self.count == 1 else 'per expert a program'}")
+                f"{'per pair' if self.count == 1 else 'per expert a program'}"
+                f"{' (histogram)' if self.count == 3 else ''}")
 
 
 def route_launch(T: int, E: int, K: int, score_bytes: int) -> RouteLaunch:
