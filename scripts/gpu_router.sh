@@ -30,7 +30,8 @@ for step in ${ROUTER_STEPS:-tests probe probe32 counts}; do
              --batches 1,16,256,4096,16384 --tiles 4,8,16 \
              --variants "group_tile=0,num_warps=4;num_warps=4;num_warps=1;tokens=2,num_warps=4" \
              --layers qwen3-30b-a3b:1:1,deepseek-v3:8:8 --layer-batches 1,4,16,256,4096 \
-             --count-variants "count=1;count=2;count=3" --compiled --record --gdc 2>&1 | grep -v INFO ;;
+             --count-variants "count=1;count=2;count=3" --compiled --record --gdc 2>&1 \
+             | grep -v INFO ;;
     probe32) # the kernel alone on float32 logits (a warp's loads cover 128 scores there)
            timeout "${ROUTER_PROBE32_TIMEOUT:-90}" python3 scripts/gpu_probe_router.py \
              --batches 1,16,1024,4096,16384 --models deepseek-v3,qwen3-30b-a3b,gpt-oss-120b \
