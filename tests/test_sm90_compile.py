@@ -73,22 +73,15 @@ from moekit.dispatch import _kernels as dispatch_kernels
 from moekit.dispatch.slots import SlotMap
 from moekit.placement import ExpertPlacement
 router.pdl_capable = dispatch_kernels.pdl_capable = lambda device: True  # as on sm_90
-seen.now = "route"
-router.ROUTE_KERNEL = router.RouteKernelConfig(count=1)  # an add per pair
-router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
-                     None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
-seen.now = "route_per_expert"
-router.ROUTE_KERNEL = router.RouteKernelConfig(count=2)  # an add per expert a program
-router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
-                     None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
-seen.now = "route_histogram"
-router.ROUTE_KERNEL = router.RouteKernelConfig(count=3)  # the same, by a histogram of the ids
-router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
-                     None, 1.0, 0, counts=torch.zeros(128, dtype=torch.int64))
+# qwen3's routing of 16 tokens: counting an add per pair, per expert a program (a sum, a
+# histogram of the ids), not counting
+for seen.now, count in (("route", 1), ("route_per_expert", 2), ("route_histogram", 3),
+                        ("route_uncounted", 0)):
+    router.ROUTE_KERNEL = router.RouteKernelConfig(count=count)
+    router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None,
+                         None, None, 1.0, 0,
+                         counts=torch.zeros(128, dtype=torch.int64) if count else None)
 router.ROUTE_KERNEL = router.RouteKernelConfig()
-seen.now = "route_uncounted"
-router._select_fused(torch.empty(16, 128, dtype=torch.bfloat16), 8, "softmax", True, None, None,
-                     None, 1.0, 0)
 seen.now = "local_ids"
 table, copies = SlotMap(ExpertPlacement(torch.arange(8), ep_size=2), 8)._on(torch.device("cpu"))
 ids = torch.zeros(16, 2, dtype=torch.int32)
@@ -107,9 +100,9 @@ def test_routing_and_local_ids_build_for_sm90():
     where adding them a pick at a time took 16 more; counting per expert sums the program's
     picks in int32 (10 more barriers; an int64 sum took 20), or counts them with a histogram
     of the ids (3 more). The EP local-ids kernel lets the next start, then waits for the
-    routing's writes before its first load. By the defaults (one
-    warp for one token, the grouped view), one token's grouped routing builds with no barrier:
-    every row reduction stays inside the warp."""
+    routing's writes before its first load. By the defaults (one warp for one token, the
+    grouped view), one token's grouped routing builds with no barrier: every row reduction
+    stays inside the warp."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _CHAIN, str(ROOT / "scripts")], env=env,
